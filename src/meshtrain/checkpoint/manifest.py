@@ -1,0 +1,136 @@
+"""The checkpoint folder's contract: names, the JSON manifest, the completion marker.
+
+    checkpoint-<step>/
+      shards/tp_rank_XX_pp_rank_YY/model.safetensors   local parameter shards
+      optimizer/dp_rank_XX_tp_rank_YY_pp_rank_ZZ.safetensors   AdamW moments
+      config.json, tokenizer/                          to rebuild a HF model
+      trainer_state.json                               step, layout, schedule
+      manifest.json                                    tensors and files (sha256)
+      COMPLETE                                         written last, atomically
+
+A checkpoint without `COMPLETE` is a half-written one and is never used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+FORMAT = "meshtrain-checkpoint"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+MARKER = "COMPLETE"
+_CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is incomplete, corrupted or not a meshtrain checkpoint."""
+
+
+def checkpoint_name(step: int) -> str:
+    return f"checkpoint-{step}"
+
+
+def shard_dir_name(tp_rank: int, pp_rank: int) -> str:
+    return f"tp_rank_{tp_rank:02d}_pp_rank_{pp_rank:02d}"
+
+
+def optimizer_file_name(dp_rank: int, tp_rank: int, pp_rank: int) -> str:
+    return f"dp_rank_{dp_rank:02d}_tp_rank_{tp_rank:02d}_pp_rank_{pp_rank:02d}.safetensors"
+
+
+def write_json_atomic(path: Path, payload: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def sha256_of(path: Path, chunk: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while block := handle.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def describe_files(root: Path) -> dict[str, dict[str, Any]]:
+    """Size and sha256 of every file under `root` except the manifest and marker."""
+    files = {}
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        rel = path.relative_to(root).as_posix()
+        if rel in (MANIFEST, MARKER) or rel.endswith(".tmp"):
+            continue
+        files[rel] = {"bytes": path.stat().st_size, "sha256": sha256_of(path)}
+    return files
+
+
+def mark_complete(root: Path, manifest: dict[str, Any]) -> None:
+    """Write the manifest, then the marker: the marker's presence means all is on disk."""
+    write_json_atomic(root / MANIFEST, manifest)
+    tmp = root / (MARKER + ".tmp")
+    tmp.write_text(f"{manifest['step']}\n")
+    os.replace(tmp, root / MARKER)
+
+
+def is_complete(root: Path) -> bool:
+    return (root / MARKER).is_file() and (root / MANIFEST).is_file()
+
+
+def read_manifest(root: Path, *, verify: bool = True) -> dict[str, Any]:
+    """Load and check a checkpoint's manifest; with `verify`, sizes and hashes too."""
+    root = Path(root)
+    if not root.is_dir():
+        raise CheckpointError(f"{root} is not a folder")
+    if not is_complete(root):
+        raise CheckpointError(
+            f"{root} has no {MARKER} marker: it was not completely written; "
+            "use an earlier checkpoint"
+        )
+    manifest = json.loads((root / MANIFEST).read_text())
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{root / MANIFEST} is not a {FORMAT} manifest")
+    if manifest.get("version", 0) > FORMAT_VERSION:
+        raise CheckpointError(
+            f"{root} was written by a newer meshtrain (format {manifest['version']})"
+        )
+    resolved_root = root.resolve()
+    for rel, meta in manifest["files"].items():
+        path = (root / rel).resolve()
+        if resolved_root not in path.parents:
+            raise CheckpointError(f"manifest entry {rel!r} points outside {root}")
+        if not path.is_file():
+            raise CheckpointError(f"{root / rel} is listed in the manifest but missing")
+        if path.stat().st_size != meta["bytes"]:
+            raise CheckpointError(
+                f"{root / rel} has {path.stat().st_size} bytes, the manifest says {meta['bytes']}"
+            )
+        if verify and sha256_of(path) != meta["sha256"]:
+            raise CheckpointError(f"{root / rel} does not match its sha256 in the manifest")
+    return manifest
+
+
+def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
+    """(step, folder) of every complete checkpoint in a run folder, oldest first."""
+    found = []
+    for child in Path(run_dir).iterdir() if Path(run_dir).is_dir() else []:
+        match = _CHECKPOINT_RE.match(child.name)
+        if match and is_complete(child):
+            found.append((int(match.group(1)), child))
+    return sorted(found)
+
+
+def resolve_checkpoint(path: Path) -> Path:
+    """Accept a checkpoint folder, its `shards/` folder, or a run folder (its latest)."""
+    path = Path(path)
+    if path.name == "shards":
+        path = path.parent
+    if (path / MANIFEST).exists() or _CHECKPOINT_RE.match(path.name):
+        return path
+    complete = list_checkpoints(path)
+    if not complete:
+        raise CheckpointError(f"no complete checkpoint-<step> folder in {path}")
+    return complete[-1][1]

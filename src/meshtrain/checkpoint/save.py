@@ -1,0 +1,102 @@
+"""Write a sharded checkpoint from every rank, then mark it complete from rank 0."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+from torch import nn
+from transformers import PretrainedConfig
+
+from meshtrain.checkpoint.manifest import (
+    FORMAT,
+    FORMAT_VERSION,
+    checkpoint_name,
+    describe_files,
+    list_checkpoints,
+    mark_complete,
+    optimizer_file_name,
+    shard_dir_name,
+    write_json_atomic,
+)
+from meshtrain.parallel.mesh import ParallelDims
+from meshtrain.parallel.zero import ShardedAdamW
+
+
+def save_checkpoint(
+    run_dir: Path,
+    step: int,
+    *,
+    model: nn.Module,
+    optimizer: ShardedAdamW,
+    dims: ParallelDims,
+    trainer_state: dict[str, Any],
+    model_config: PretrainedConfig,
+    tokenizer_dir: Path | None,
+    keep_last: int,
+) -> Path:
+    """Collective: every rank calls it. Returns the checkpoint folder."""
+    root = Path(run_dir) / checkpoint_name(step)
+    rank = dist.get_rank()
+    if rank == 0 and root.exists():
+        shutil.rmtree(root)  # a leftover from a run that died mid-save
+    dist.barrier()
+
+    if dims.dp_rank == 0:
+        shard_dir = root / "shards" / shard_dir_name(dims.tp_rank, dims.pp_rank)
+        shard_dir.mkdir(parents=True, exist_ok=True)
+        tensors = {n: p.detach().contiguous() for n, p in model.named_parameters()}
+        save_file(tensors, shard_dir / "model.safetensors", metadata={"format": "pt"})
+    if optimizer.zero_1 or dims.dp_rank == 0:
+        opt_dir = root / "optimizer"
+        opt_dir.mkdir(parents=True, exist_ok=True)
+        save_file(
+            optimizer.state_tensors(),
+            opt_dir / optimizer_file_name(dims.dp_rank, dims.tp_rank, dims.pp_rank),
+            metadata={"layout": json.dumps(optimizer.describe())},
+        )
+    rng_dir = root / "rng"
+    rng_dir.mkdir(parents=True, exist_ok=True)
+    save_file({"cpu": torch.get_rng_state()}, rng_dir / f"rank_{rank:05d}.safetensors")
+    if rank == 0:
+        model_config.save_pretrained(root)
+        write_json_atomic(root / "trainer_state.json", trainer_state)
+        if tokenizer_dir is not None:
+            shutil.copytree(tokenizer_dir, root / "tokenizer", dirs_exist_ok=True)
+    dist.barrier()
+
+    if rank == 0:
+        manifest = {
+            "format": FORMAT,
+            "version": FORMAT_VERSION,
+            "step": step,
+            "layout": trainer_state["layout"],
+            "world_size": dist.get_world_size(),
+            "tensors": {
+                name: {
+                    "shape": list(p.shape),
+                    "dtype": str(p.dtype).removeprefix("torch."),
+                    "tp_dim": None,
+                    "pp_rank": dims.pp_rank,
+                }
+                for name, p in model.named_parameters()
+            },
+            "files": describe_files(root),
+        }
+        mark_complete(root, manifest)
+        prune_checkpoints(Path(run_dir), keep_last)
+    dist.barrier()
+    return root
+
+
+def prune_checkpoints(run_dir: Path, keep_last: int) -> None:
+    """Delete all but the newest `keep_last` complete checkpoints (0 keeps all)."""
+    if keep_last <= 0:
+        return
+    for _, old in list_checkpoints(run_dir)[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,255 @@
+"""The typed run configuration, parsed and checked once.
+
+Parameters arrive as plain dicts (from Kedro's `conf/*/parameters*.yml`, a
+`--params` override, or a test). Each group becomes a frozen dataclass here;
+unknown keys and values of the wrong kind are refused with the dotted name of
+the parameter, so a typo never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+AUTO = "auto"
+
+
+class ConfigError(ValueError):
+    """A parameter has a value meshtrain cannot use; the message names it."""
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the model and batch are split over ranks (`parallel.*`)."""
+
+    data_parallel_size: int | Literal["auto"] = AUTO
+    tensor_parallel_size: int | Literal["auto"] = 1
+    pipeline_parallel_size: int | Literal["auto"] = 1
+    pipeline_parallel_num_microbatches: int = 1
+    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
+    sequence_parallel: bool | Literal["auto"] = AUTO
+    zero_1: bool | Literal["auto"] = AUTO
+    activation_checkpointing: Literal["none", "full", "selective"] = "none"
+    activation_offloading: bool = False
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    """The optimisation run (`training.*`)."""
+
+    per_device_train_batch_size: int = 8
+    gradient_accumulation_steps: int = 1
+    learning_rate: float = 3e-3
+    min_learning_rate_ratio: float = 0.1
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_epsilon: float = 1e-8
+    max_grad_norm: float = 1.0
+    max_steps: int = 200
+    seed: int = 42
+    mixed_precision: Literal["no", "bf16"] = "no"
+    checkpoint_every: int = 100
+    keep_last: int = 2
+    resume_from: str | None = None
+    eval_every: int = 100
+    eval_batches: int = 8
+    log_every: int = 1
+    output_dir: str = "data/06_models/checkpoints"
+    run_name: str | None = None
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Process start-up (`launch.*`), with torchrun's meanings."""
+
+    nproc_per_node: int = 2
+    nnodes: int = 1
+    node_rank: int = 0
+    backend: Literal["auto", "gloo", "nccl"] = AUTO
+    rdzv_endpoint: str | None = None
+    rdzv_id: str = "meshtrain"
+    max_restarts: int = 0
+    monitor_interval: float = 0.5
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc_per_node * self.nnodes
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What to train (`model.*`): a Hugging Face architecture and its config fields."""
+
+    architecture: str = "llama"
+    config: dict[str, Any] = field(default_factory=dict)
+    init_from: str | None = None
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Corpus, tokenizer and packing (`data.*`)."""
+
+    source: Literal["builtin", "text_files", "hub"] = "builtin"
+    text_files: list[str] | None = None
+    hub_dataset: str | None = None
+    hub_config: str | None = None
+    hub_split: str = "train"
+    text_column: str = "text"
+    builtin_max_chars: int | None = None
+    tokenizer: str | None = None
+    vocab_size: int = 4096
+    block_size: int = 128
+    validation_fraction: float = 0.05
+    seed: int = 1234
+    num_proc: int | None = 2
+
+
+_POSITIVE_INTS = {
+    "data_parallel_size",
+    "tensor_parallel_size",
+    "pipeline_parallel_size",
+    "pipeline_parallel_num_microbatches",
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+    "max_steps",
+    "checkpoint_every",
+    "eval_every",
+    "log_every",
+    "nproc_per_node",
+    "nnodes",
+    "vocab_size",
+    "block_size",
+}
+
+
+def parse(cls: type, values: dict[str, Any] | None, group: str):
+    """Build dataclass `cls` from a parameter dict, refusing unknown keys and bad kinds."""
+    values = dict(values or {})
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    unknown = sorted(set(values) - set(fields))
+    if unknown:
+        name = unknown[0]
+        close = difflib.get_close_matches(name, fields, n=1)
+        hint = f"; did you mean `{group}.{close[0]}`?" if close else ""
+        raise ConfigError(
+            f"`{group}.{name}` is not a meshtrain parameter{hint} "
+            f"Known `{group}.*` parameters: {', '.join(sorted(fields))}."
+        )
+    parsed = {}
+    for name, value in values.items():
+        parsed[name] = _coerce(value, hints[name], f"{group}.{name}")
+        if name in _POSITIVE_INTS and isinstance(parsed[name], int) and parsed[name] < 1:
+            raise ConfigError(f"`{group}.{name}` must be at least 1, got {parsed[name]}.")
+    return cls(**parsed)
+
+
+def _coerce(value: Any, hint: Any, dotted: str) -> Any:
+    """Accept `value` if it fits type `hint`; `--params` strings are converted when unambiguous."""
+    options = typing.get_args(hint) if _is_union(hint) else (hint,)
+    for option in options:
+        ok, converted = _try(value, option)
+        if ok:
+            return converted
+    raise ConfigError(f"`{dotted}` got {value!r}; expected {_describe(hint)}.")
+
+
+def _is_union(hint: Any) -> bool:
+    return typing.get_origin(hint) in (typing.Union, types.UnionType)
+
+
+def _try(value: Any, option: Any) -> tuple[bool, Any]:
+    origin = typing.get_origin(option)
+    if option is type(None):
+        return (value is None or value in ("null", "None", "none")), None
+    if origin is Literal:
+        allowed = typing.get_args(option)
+        text = str(value).lower() if isinstance(value, str) else value
+        return (text in allowed), text
+    if option is bool:
+        if isinstance(value, bool):
+            return True, value
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return True, value.lower() == "true"
+        return False, None
+    if option is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return True, value
+        if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+            return True, int(value)
+        return False, None
+    if option is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return True, float(value)
+        if isinstance(value, str):
+            try:
+                return True, float(value)
+            except ValueError:
+                return False, None
+        return False, None
+    if option is str:
+        return isinstance(value, str), value
+    if origin is list:
+        if isinstance(value, str):
+            value = [value]
+        if isinstance(value, list | tuple) and all(isinstance(v, str) for v in value):
+            return True, list(value)
+        return False, None
+    if origin is dict:
+        return isinstance(value, dict), dict(value) if isinstance(value, dict) else None
+    return False, None
+
+
+def _describe(hint: Any) -> str:
+    options = typing.get_args(hint) if _is_union(hint) else (hint,)
+    words = []
+    for option in options:
+        if typing.get_origin(option) is Literal:
+            words.extend(repr(a) for a in typing.get_args(option))
+        elif option is type(None):
+            words.append("null")
+        else:
+            words.append(getattr(option, "__name__", str(option)))
+    return " or ".join(words)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """All parameter groups together, as the planner and workers see them."""
+
+    parallel: ParallelConfig
+    training: TrainingConfig
+    launch: LaunchConfig
+    model: ModelConfig
+    data: DataConfig
+
+    @classmethod
+    def from_params(
+        cls,
+        *,
+        parallel: dict | None = None,
+        training: dict | None = None,
+        launch: dict | None = None,
+        model: dict | None = None,
+        data: dict | None = None,
+    ) -> RunConfig:
+        return cls(
+            parallel=parse(ParallelConfig, parallel, "parallel"),
+            training=parse(TrainingConfig, training, "training"),
+            launch=parse(LaunchConfig, launch, "launch"),
+            model=parse(ModelConfig, model, "model"),
+            data=parse(DataConfig, data, "data"),
+        )
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, dict[str, Any]]) -> RunConfig:
+        return cls.from_params(**values)

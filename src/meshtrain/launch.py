@@ -1,0 +1,85 @@
+"""Start one worker process per rank with torch elastic, and wait for all of them.
+
+This is torchrun's machinery called as a function: c10d rendezvous (so the
+same code spans several nodes), `spawn` start method, per-rank log files. A
+rank that raises makes the launcher stop the other ranks and raise
+`WorkerFailedError` with that rank's own error message, so nothing hangs and
+no worker is left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig as ElasticLaunchConfig
+from torch.distributed.launcher.api import elastic_launch
+
+from meshtrain.config import LaunchConfig
+
+
+class WorkerFailedError(RuntimeError):
+    """A worker rank failed; the message carries that rank's error."""
+
+    def __init__(self, rank: int, message: str) -> None:
+        self.rank = rank
+        super().__init__(f"training worker rank {rank} failed: {message}")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_workers(
+    entrypoint: Callable[..., Any],
+    args: tuple[Any, ...],
+    launch: LaunchConfig,
+    *,
+    log_dir: Path,
+    run_id: str,
+) -> dict[int, Any]:
+    """Run `entrypoint(*args)` on `launch.world_size` ranks; returns {global rank: result}.
+
+    `entrypoint` must be a module-level function (the spawn start method
+    pickles it by name) decorated with `torch.distributed.elastic...record`
+    so its exceptions reach the launcher.
+    """
+    endpoint = launch.rdzv_endpoint or f"127.0.0.1:{free_port()}"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    config = ElasticLaunchConfig(
+        min_nodes=launch.nnodes,
+        max_nodes=launch.nnodes,
+        nproc_per_node=launch.nproc_per_node,
+        run_id=run_id,
+        rdzv_backend="c10d",
+        rdzv_endpoint=endpoint,
+        rdzv_configs={"join_timeout": 600},
+        max_restarts=launch.max_restarts,
+        monitor_interval=launch.monitor_interval,
+        start_method="spawn",
+        logs_specs=DefaultLogsSpecs(log_dir=str(log_dir), tee=Std.ALL),
+        local_addr="127.0.0.1" if launch.nnodes == 1 else None,
+    )
+    try:
+        return elastic_launch(config, entrypoint)(*args)
+    except ChildFailedError as error:
+        rank, failure = error.get_first_failure()
+        raise WorkerFailedError(rank, _failure_message(failure)) from None
+
+
+def _failure_message(failure: Any) -> str:
+    """The failing rank's exception text, from the error file `record` wrote."""
+    message = failure.message
+    if isinstance(message, dict):
+        extra = message.get("extraInfo", {})
+        message = extra.get("py_callstack") or message.get("message") or json.dumps(message)
+    if not message or message == "<N/A>":
+        message = f"exit code {failure.exitcode} (see the rank's log under the run's logs/)"
+    return str(message)

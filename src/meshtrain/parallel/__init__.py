@@ -1,0 +1,1 @@
+"""Parallelism building blocks: the device mesh, data-parallel gradient sync and ZeRO-1."""

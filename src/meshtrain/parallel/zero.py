@@ -1,0 +1,115 @@
+"""AdamW over the flat parameter buffer, with ZeRO-1 sharding of its state.
+
+torch's `ZeroRedundancyOptimizer` refuses DTensor parameters, and the
+tensor-parallel layouts need exactly that, so meshtrain shards the optimizer
+itself. The flat buffer (see `flat_buffer`) is cut into `dp` equal ranges;
+with ZeRO-1 each data-parallel rank
+
+1. reduce-scatters the gradients, receiving the mean only for its range,
+2. updates its range with AdamW, holding moments for that range alone,
+3. all-gathers the updated ranges so every rank has the whole model again.
+
+Without ZeRO-1 the range is the whole buffer and step 1 is an all-reduce.
+AdamW is elementwise, so updating a slice is the same arithmetic as updating
+the parameters one by one, which is why ZeRO-1 reproduces one process.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from meshtrain.parallel.data_parallel import (
+    average_gradients,
+    gather_parameters,
+    reduce_scatter_gradients,
+)
+from meshtrain.parallel.flat_buffer import FlatParameters
+
+
+class ShardedAdamW:
+    def __init__(
+        self,
+        flat: FlatParameters,
+        group: dist.ProcessGroup | None,
+        *,
+        zero_1: bool,
+        lr: float,
+        betas: tuple[float, float],
+        eps: float,
+        weight_decay: float,
+        max_grad_norm: float,
+    ) -> None:
+        self.flat = flat
+        self.group = group
+        self.zero_1 = zero_1
+        self.max_grad_norm = max_grad_norm
+        size = dist.get_world_size(group) if group is not None else 1
+        rank = dist.get_rank(group) if group is not None else 0
+        if zero_1:
+            per_rank = flat.padded_numel // size
+            self.start, self.end = rank * per_rank, (rank + 1) * per_rank
+            self.grad_shard = torch.zeros(
+                per_rank, dtype=flat.grads.dtype, device=flat.grads.device
+            )
+        else:
+            self.start, self.end = 0, flat.padded_numel
+            self.grad_shard = flat.grads
+
+        # The owned range, cut at the weight-decay boundary; padding is never updated.
+        groups = []
+        for lo, hi, decay in (
+            (self.start, min(self.end, flat.decay_numel), weight_decay),
+            (max(self.start, flat.decay_numel), min(self.end, flat.numel), 0.0),
+        ):
+            if hi <= lo:
+                continue
+            master = flat.params[lo:hi]
+            master.grad = self.grad_shard[lo - self.start : hi - self.start]
+            groups.append({"params": [master], "weight_decay": decay, "range": (lo, hi)})
+        self.optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=False)
+
+    @property
+    def owned_numel(self) -> int:
+        return self.end - self.start
+
+    def step(self) -> torch.Tensor:
+        """Synchronise gradients, clip to the global norm, update; returns the pre-clip norm."""
+        if self.zero_1:
+            reduce_scatter_gradients(self.flat.grads, self.grad_shard, self.group)
+        else:
+            average_gradients(self.flat.grads, self.group)
+        norm = self.global_grad_norm()
+        if self.max_grad_norm > 0:
+            coef = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
+            self.grad_shard.mul_(coef)
+        self.optimizer.step()
+        if self.zero_1:
+            owned = self.flat.params[self.start : self.end].clone()
+            gather_parameters(self.flat.params, owned, self.group)
+        return norm
+
+    def global_grad_norm(self) -> torch.Tensor:
+        """L2 norm of the whole averaged gradient, from the ranges the ranks own."""
+        squares = self.grad_shard.float().pow(2).sum()
+        if self.zero_1 and self.group is not None:
+            dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=self.group)
+        return squares.sqrt()
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """The optimizer moments of the owned range, for a checkpoint."""
+        tensors = {}
+        for index, group in enumerate(self.optimizer.param_groups):
+            state = self.optimizer.state.get(group["params"][0], {})
+            for key in ("exp_avg", "exp_avg_sq", "step"):
+                if key in state:
+                    tensors[f"group{index}.{key}"] = state[key].detach().reshape(-1).clone()
+        return tensors
+
+    def describe(self) -> dict[str, int | list[list[int]]]:
+        return {
+            "owned_start": self.start,
+            "owned_end": self.end,
+            "padded_numel": self.flat.padded_numel,
+            "ranges": [list(g["range"]) for g in self.optimizer.param_groups],
+        }

@@ -1,0 +1,368 @@
+"""Resolve `parallel.*` into a concrete layout, or refuse it before any worker starts.
+
+Every check collects a `Refusal` that names the parameter, says why, and
+offers a value that would work, so one run of the planner reports every
+problem at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import PretrainedConfig
+
+from meshtrain.config import AUTO, RunConfig
+from meshtrain.planner.memory import estimate_model_states
+
+# What the engine can run today. The planner is the one place that knows.
+IMPLEMENTED_TENSOR_PARALLEL = False
+IMPLEMENTED_PIPELINE_PARALLEL = False
+IMPLEMENTED_ACTIVATION_CHECKPOINTING = ("none", "full")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A resolved parallel layout: no `auto` left."""
+
+    data_parallel_size: int
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    pipeline_parallel_num_microbatches: int
+    pipeline_schedule: str
+    sequence_parallel: bool
+    zero_1: bool
+    activation_checkpointing: str
+    activation_offloading: bool
+
+    @property
+    def name(self) -> str:
+        """A short label for run names and folders, e.g. `dp2-tp1-pp1-zero1`."""
+        parts = [
+            f"dp{self.data_parallel_size}",
+            f"tp{self.tensor_parallel_size}",
+            f"pp{self.pipeline_parallel_size}",
+        ]
+        if self.zero_1:
+            parts.append("zero1")
+        if self.sequence_parallel:
+            parts.append("sp")
+        if self.pipeline_parallel_size > 1:
+            parts.append(f"{self.pipeline_schedule}-mb{self.pipeline_parallel_num_microbatches}")
+        if self.activation_checkpointing != "none":
+            parts.append(f"ac-{self.activation_checkpointing}")
+        return "-".join(parts)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the planner decided, as written to `plan.json` and handed to the workers."""
+
+    layout: Layout
+    world_size: int
+    backend: str
+    global_batch_size: int
+    tokens_per_step: int
+    num_parameters: int
+    memory_estimate_per_rank: dict[str, int]
+    model_config: dict[str, Any]
+    num_train_blocks: int
+    num_validation_blocks: int
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        values = dataclasses.asdict(self)
+        values["layout_name"] = self.layout.name
+        return values
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> Plan:
+        values = {k: v for k, v in values.items() if k != "layout_name"}
+        return cls(**{**values, "layout": Layout(**values["layout"])})
+
+
+@dataclass(frozen=True)
+class Refusal:
+    parameter: str
+    value: Any
+    reason: str
+    fix: str
+
+    def __str__(self) -> str:
+        return f"{self.parameter}={self.value}: {self.reason}. {self.fix}"
+
+
+class LayoutError(ValueError):
+    """The requested layout cannot run; `refusals` says why, one line per parameter."""
+
+    def __init__(self, refusals: list[Refusal]) -> None:
+        self.refusals = refusals
+        lines = "\n".join(f"  - {r}" for r in refusals)
+        super().__init__(f"meshtrain refused the layout before starting any worker:\n{lines}")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _fmt(values: list[int]) -> str:
+    return ", ".join(str(v) for v in values) if values else "none"
+
+
+def plan_run(
+    run: RunConfig,
+    model_config: PretrainedConfig,
+    *,
+    num_train_blocks: int,
+    num_validation_blocks: int,
+    tokenizer_size: int | None = None,
+    cuda_available: bool | None = None,
+) -> Plan:
+    """Resolve `auto`, validate the layout against model, world and data, and estimate memory."""
+    refusals: list[Refusal] = []
+    notes: list[str] = []
+    par, train, launch = run.parallel, run.training, run.launch
+    world = launch.world_size
+    heads = model_config.num_attention_heads
+    kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
+    layers = model_config.num_hidden_layers
+
+    # Tensor parallel degrees that the model and this engine accept.
+    tp_ok = [d for d in _divisors(world) if heads % d == 0 and kv_heads % d == 0]
+    if not IMPLEMENTED_TENSOR_PARALLEL:
+        tp_ok = [1]
+    tp = 1 if par.tensor_parallel_size == AUTO else par.tensor_parallel_size
+    if tp != 1 and not IMPLEMENTED_TENSOR_PARALLEL and heads % tp == 0 and world % tp == 0:
+        refusals.append(
+            Refusal(
+                "parallel.tensor_parallel_size",
+                tp,
+                "tensor parallelism is not available in this version of meshtrain yet",
+                "Use tensor_parallel_size=1.",
+            )
+        )
+    elif tp not in tp_ok:
+        why = []
+        if heads % tp:
+            why.append(f"it must divide num_attention_heads={heads}")
+        if kv_heads % tp:
+            why.append(f"it must divide num_key_value_heads={kv_heads}")
+        if world % tp:
+            why.append(f"it must divide the world size {world}")
+        refusals.append(
+            Refusal(
+                "parallel.tensor_parallel_size",
+                tp,
+                "; ".join(why) or "this degree is not supported",
+                f"Values that work here: {_fmt(tp_ok)}.",
+            )
+        )
+
+    pp_ok = [d for d in _divisors(world) if d <= layers]
+    if not IMPLEMENTED_PIPELINE_PARALLEL:
+        pp_ok = [1]
+    pp = 1 if par.pipeline_parallel_size == AUTO else par.pipeline_parallel_size
+    if pp not in pp_ok:
+        if pp > layers:
+            reason = f"there are only num_hidden_layers={layers} layers to split into stages"
+        elif world % pp:
+            reason = f"it must divide the world size {world}"
+        else:
+            reason = "pipeline parallelism is not available in this version of meshtrain yet"
+        refusals.append(
+            Refusal(
+                "parallel.pipeline_parallel_size",
+                pp,
+                reason,
+                f"Values that work here: {_fmt(pp_ok)}.",
+            )
+        )
+
+    if par.data_parallel_size == AUTO:
+        dp, rest = divmod(world, tp * pp)
+        if rest or dp < 1:
+            refusals.append(
+                Refusal(
+                    "parallel.data_parallel_size",
+                    AUTO,
+                    f"world size {world} (launch.nproc_per_node={launch.nproc_per_node} x "
+                    f"launch.nnodes={launch.nnodes}) is not a multiple of "
+                    f"tensor_parallel_size x pipeline_parallel_size = {tp * pp}",
+                    f"Choose tp x pp among the divisors of {world}: {_fmt(_divisors(world))}.",
+                )
+            )
+            dp = 1
+    else:
+        dp = par.data_parallel_size
+        if dp * tp * pp != world:
+            fit = world // (tp * pp) if world % (tp * pp) == 0 else None
+            fix = (
+                f"Use data_parallel_size={fit} (or auto), or change launch.nproc_per_node."
+                if fit
+                else f"Use launch.nproc_per_node={dp * tp * pp // launch.nnodes or 1} "
+                "or change the sizes."
+            )
+            refusals.append(
+                Refusal(
+                    "parallel.data_parallel_size",
+                    dp,
+                    f"dp x tp x pp = {dp} x {tp} x {pp} = {dp * tp * pp} must equal the world "
+                    f"size {world} (launch.nproc_per_node={launch.nproc_per_node} x "
+                    f"launch.nnodes={launch.nnodes})",
+                    fix,
+                )
+            )
+
+    microbatches = par.pipeline_parallel_num_microbatches
+    if pp == 1 and microbatches != 1:
+        notes.append(
+            f"parallel.pipeline_parallel_num_microbatches={microbatches} has no effect without "
+            "pipeline parallelism; using 1."
+        )
+        microbatches = 1
+
+    if par.sequence_parallel == AUTO:
+        sequence_parallel = tp > 1
+    else:
+        sequence_parallel = par.sequence_parallel
+        if sequence_parallel and tp == 1:
+            refusals.append(
+                Refusal(
+                    "parallel.sequence_parallel",
+                    True,
+                    "sequence parallelism shards activations over the tensor-parallel ranks, "
+                    "and tensor_parallel_size is 1",
+                    "Use sequence_parallel=auto (or false), or tensor_parallel_size > 1.",
+                )
+            )
+
+    if par.zero_1 == AUTO:
+        zero_1 = dp > 1
+    else:
+        zero_1 = par.zero_1
+        if zero_1 and dp == 1:
+            notes.append("parallel.zero_1 has nothing to shard at data_parallel_size=1; off.")
+            zero_1 = False
+
+    if par.activation_checkpointing not in IMPLEMENTED_ACTIVATION_CHECKPOINTING:
+        refusals.append(
+            Refusal(
+                "parallel.activation_checkpointing",
+                par.activation_checkpointing,
+                "this mode is not available in this version of meshtrain yet",
+                f"Use one of: {', '.join(IMPLEMENTED_ACTIVATION_CHECKPOINTING)}.",
+            )
+        )
+    if par.activation_offloading:
+        refusals.append(
+            Refusal(
+                "parallel.activation_offloading",
+                True,
+                "activation offloading is not available in this version of meshtrain yet",
+                "Use activation_offloading=false.",
+            )
+        )
+
+    global_batch = train.per_device_train_batch_size * train.gradient_accumulation_steps * dp
+    if global_batch > num_train_blocks:
+        largest = max(1, num_train_blocks // (train.gradient_accumulation_steps * dp))
+        refusals.append(
+            Refusal(
+                "training.per_device_train_batch_size",
+                train.per_device_train_batch_size,
+                f"the global batch (per-device {train.per_device_train_batch_size} x "
+                f"accumulation {train.gradient_accumulation_steps} x dp {dp} = {global_batch}) "
+                f"is larger than the {num_train_blocks} training blocks",
+                f"Use per_device_train_batch_size<={largest}, or a larger corpus or smaller "
+                "data.block_size.",
+            )
+        )
+    if num_validation_blocks < dp and train.eval_batches > 0:
+        notes.append(
+            f"only {num_validation_blocks} validation blocks for {dp} data-parallel ranks; "
+            "some ranks evaluate nothing."
+        )
+
+    block_size = run.data.block_size
+    max_positions = getattr(model_config, "max_position_embeddings", None)
+    if max_positions is not None and block_size > max_positions:
+        refusals.append(
+            Refusal(
+                "data.block_size",
+                block_size,
+                f"the model has max_position_embeddings={max_positions}",
+                f"Use data.block_size<={max_positions} or raise "
+                "model.config.max_position_embeddings.",
+            )
+        )
+    if tokenizer_size is not None and tokenizer_size > model_config.vocab_size:
+        refusals.append(
+            Refusal(
+                "data.tokenizer",
+                run.data.tokenizer,
+                f"the tokenizer has {tokenizer_size} tokens but the model's vocab_size is "
+                f"{model_config.vocab_size}",
+                "Use the tokenizer that ships with model.init_from.",
+            )
+        )
+
+    cuda = torch.cuda.is_available() if cuda_available is None else cuda_available
+    backend = launch.backend
+    if backend == AUTO:
+        backend = "nccl" if cuda else "gloo"
+    elif backend == "nccl" and not cuda:
+        refusals.append(
+            Refusal(
+                "launch.backend",
+                "nccl",
+                "NCCL needs CUDA devices and none is visible",
+                "Use launch.backend=gloo (or auto) on CPU machines.",
+            )
+        )
+    if cuda and backend == "nccl" and launch.nproc_per_node > torch.cuda.device_count():
+        refusals.append(
+            Refusal(
+                "launch.nproc_per_node",
+                launch.nproc_per_node,
+                f"only {torch.cuda.device_count()} CUDA devices are visible",
+                f"Use launch.nproc_per_node<={torch.cuda.device_count()}.",
+            )
+        )
+
+    if refusals:
+        raise LayoutError(refusals)
+
+    from meshtrain.models import parameter_shapes  # noqa: PLC0415  (meta-device build)
+
+    num_parameters = sum(math.prod(s) for s in parameter_shapes(model_config).values())
+    layout = Layout(
+        data_parallel_size=dp,
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+        pipeline_parallel_num_microbatches=microbatches,
+        pipeline_schedule=par.pipeline_schedule,
+        sequence_parallel=sequence_parallel,
+        zero_1=zero_1,
+        activation_checkpointing=par.activation_checkpointing,
+        activation_offloading=par.activation_offloading,
+    )
+    memory = estimate_model_states(num_parameters, dp=dp, tp=tp, pp=pp, zero_1=zero_1)
+    return Plan(
+        layout=layout,
+        world_size=world,
+        backend=backend,
+        global_batch_size=global_batch,
+        tokens_per_step=global_batch * block_size,
+        num_parameters=num_parameters,
+        memory_estimate_per_rank=memory.to_dict(),
+        model_config=model_config.to_dict(),
+        num_train_blocks=num_train_blocks,
+        num_validation_blocks=num_validation_blocks,
+        notes=notes,
+    )

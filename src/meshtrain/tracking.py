@@ -1,0 +1,129 @@
+"""MLflow tracking: the run's layout as params, metrics from rank 0, artifacts.
+
+The process that owns the MLflow run (the Kedro session) passes a
+`TrackingTarget` to the workers; rank 0 writes its per-step metrics straight
+into that run with `MlflowClient`, so one `kedro run` is one MLflow run.
+Nothing here imports Kedro.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+os.environ.setdefault("DO_NOT_TRACK", "true")
+
+import mlflow  # noqa: E402
+from mlflow.entities import Metric  # noqa: E402
+from mlflow.tracking import MlflowClient  # noqa: E402
+
+# MLflow's limit on a param value's length.
+_MAX_PARAM_LENGTH = 6000
+
+
+@dataclass(frozen=True)
+class TrackingTarget:
+    tracking_uri: str
+    run_id: str
+
+
+def active_target() -> TrackingTarget | None:
+    """The MLflow run this process is inside of, if any."""
+    run = mlflow.active_run()
+    if run is None:
+        return None
+    return TrackingTarget(tracking_uri=mlflow.get_tracking_uri(), run_id=run.info.run_id)
+
+
+def flatten(values: dict[str, Any], prefix: str = "") -> dict[str, str]:
+    """`{"parallel": {"zero_1": True}}` -> `{"parallel.zero_1": "True"}`."""
+    flat: dict[str, str] = {}
+    for key, value in values.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            flat.update(flatten(value, name + "."))
+        else:
+            text = json.dumps(value) if isinstance(value, list | dict) else str(value)
+            flat[name] = text[:_MAX_PARAM_LENGTH]
+    return flat
+
+
+def log_plan(plan: dict[str, Any], run_config: dict[str, Any]) -> None:
+    """Log the resolved layout and the run's parameters, name the run after the layout.
+
+    The `parallel.*` params hold the planner's resolved values (never `auto`),
+    so runs with different layouts compare column by column in the MLflow UI.
+    Safe to call twice with the same plan (MLflow accepts identical re-logs).
+    """
+    if mlflow.active_run() is None:
+        return
+    params = flatten({k: v for k, v in run_config.items() if k != "parallel"})
+    params.update(flatten({"parallel": plan["layout"]}))
+    params.update(
+        {
+            "world_size": str(plan["world_size"]),
+            "global_batch_size": str(plan["global_batch_size"]),
+            "tokens_per_step": str(plan["tokens_per_step"]),
+            "num_parameters": str(plan["num_parameters"]),
+            "launch.backend_resolved": plan["backend"],
+        }
+    )
+    params.update(flatten({"estimate.memory_per_rank_bytes": plan["memory_estimate_per_rank"]}))
+    client = MlflowClient()
+    run_id = mlflow.active_run().info.run_id
+    existing = client.get_run(run_id).data.params
+    fresh = {k: v for k, v in params.items() if k not in existing}
+    for start in range(0, len(fresh), 100):
+        mlflow.log_params(dict(list(fresh.items())[start : start + 100]))
+    mlflow.set_tag("mlflow.runName", plan["layout_name"])
+    mlflow.set_tag("meshtrain.layout", plan["layout_name"])
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "plan.json"
+        path.write_text(json.dumps(plan, indent=2, sort_keys=True))
+        mlflow.log_artifact(str(path))
+
+
+def log_metrics(metrics: dict[str, float], step: int | None = None) -> None:
+    """Log metrics to the active run (no-op outside one)."""
+    if mlflow.active_run() is not None:
+        mlflow.log_metrics({k: float(v) for k, v in metrics.items()}, step=step)
+
+
+def log_artifact(path: str | Path, artifact_path: str | None = None) -> None:
+    if mlflow.active_run() is not None:
+        mlflow.log_artifact(str(path), artifact_path=artifact_path)
+
+
+class MetricsLogger:
+    """Rank 0's buffered writer of per-step metrics into an existing MLflow run."""
+
+    def __init__(self, target: TrackingTarget | None, flush_every_s: float = 5.0) -> None:
+        self.target = target
+        self.client = MlflowClient(tracking_uri=target.tracking_uri) if target else None
+        self.flush_every_s = flush_every_s
+        self._pending: list[Metric] = []
+        self._last_flush = time.monotonic()
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        if self.client is None:
+            return
+        now_ms = int(time.time() * 1000)
+        self._pending.extend(Metric(k, float(v), now_ms, step) for k, v in metrics.items())
+        if time.monotonic() - self._last_flush >= self.flush_every_s:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.client is None or not self._pending:
+            return
+        # MLflow accepts at most 1000 metrics per batch.
+        for start in range(0, len(self._pending), 1000):
+            batch = self._pending[start : start + 1000]
+            self.client.log_batch(self.target.run_id, metrics=batch)
+        self._pending = []
+        self._last_flush = time.monotonic()

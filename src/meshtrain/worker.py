@@ -1,0 +1,289 @@
+"""The per-rank training loop: set up groups, build the model, wrap it, loop.
+
+`worker_main` is what the launcher starts on every rank; `train` is the loop
+itself and also runs inside a process group someone else made (tests).
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from meshtrain.checkpoint.save import save_checkpoint
+from meshtrain.config import RunConfig
+from meshtrain.data.blocks import BlockStore
+from meshtrain.data.sampler import GlobalBatchSampler
+from meshtrain.models import build_model, config_from_dict
+from meshtrain.parallel.flat_buffer import FlatParameters
+from meshtrain.parallel.mesh import ParallelDims
+from meshtrain.parallel.zero import ShardedAdamW
+from meshtrain.planner import Plan
+from meshtrain.schedule import warmup_cosine
+from meshtrain.tracking import MetricsLogger, TrackingTarget
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a rank needs, as plain JSON-able values (it crosses a process spawn)."""
+
+    run: dict[str, Any]
+    plan: dict[str, Any]
+    train_files: list[str]
+    validation_files: list[str]
+    run_dir: str
+    tokenizer_dir: str | None = None
+    tracking_uri: str | None = None
+    mlflow_run_id: str | None = None
+
+
+@record
+def worker_main(spec: WorkerSpec) -> dict[str, Any] | None:
+    """Entry point of a launched rank: join the group, train, leave the group."""
+    plan = Plan.from_dict(spec.plan)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if plan.backend == "nccl":
+        torch.cuda.set_device(local_rank)
+    else:
+        # Share the cores between the ranks of this node instead of oversubscribing them.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    dist.init_process_group(plan.backend, timeout=timedelta(minutes=10))
+    try:
+        return train(spec)
+    finally:
+        dist.destroy_process_group()
+
+
+def causal_lm_loss(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over every position of the batch, in fp32."""
+    vocab = logits.shape[-1]
+    return F.cross_entropy(logits[:, :-1].reshape(-1, vocab).float(), input_ids[:, 1:].reshape(-1))
+
+
+def _rss_mb() -> tuple[float, float]:
+    """(current, peak) resident memory of this process in MiB."""
+    with open("/proc/self/statm") as handle:
+        resident_pages = int(handle.read().split()[1])
+    current = resident_pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return current, peak
+
+
+def train(spec: WorkerSpec) -> dict[str, Any] | None:
+    """Train for `training.max_steps` steps; rank 0 returns a summary, other ranks None."""
+    run = RunConfig.from_dict(spec.run)
+    plan = Plan.from_dict(spec.plan)
+    layout, cfg = plan.layout, run.training
+    rank = dist.get_rank()
+    device = torch.device(
+        f"cuda:{torch.cuda.current_device()}" if plan.backend == "nccl" else "cpu"
+    )
+
+    dims = ParallelDims.build(
+        layout.data_parallel_size,
+        layout.tensor_parallel_size,
+        layout.pipeline_parallel_size,
+        device.type,
+    )
+    model_config = config_from_dict(plan.model_config)
+    model = build_model(model_config, seed=cfg.seed, init_from=run.model.init_from).to(device)
+    if layout.activation_checkpointing == "full":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+
+    flat = FlatParameters(model, num_shards=dims.dp)
+    optimizer = ShardedAdamW(
+        flat,
+        dims.dp_group,
+        zero_1=layout.zero_1,
+        lr=cfg.learning_rate,
+        betas=(cfg.adam_beta1, cfg.adam_beta2),
+        eps=cfg.adam_epsilon,
+        weight_decay=cfg.weight_decay,
+        max_grad_norm=cfg.max_grad_norm,
+    )
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer.optimizer,
+        partial(
+            warmup_cosine,
+            warmup_steps=cfg.warmup_steps,
+            max_steps=cfg.max_steps,
+            min_ratio=cfg.min_learning_rate_ratio,
+        ),
+    )
+
+    train_blocks = BlockStore(spec.train_files)
+    validation_blocks = BlockStore(spec.validation_files) if spec.validation_files else None
+    sampler = GlobalBatchSampler(len(train_blocks), plan.global_batch_size, cfg.seed)
+    tracker = MetricsLogger(
+        TrackingTarget(spec.tracking_uri, spec.mlflow_run_id)
+        if rank == 0 and spec.mlflow_run_id
+        else None
+    )
+    autocast = partial(
+        torch.autocast,
+        device_type=device.type,
+        dtype=torch.bfloat16,
+        enabled=cfg.mixed_precision == "bf16",
+    )
+    run_dir = Path(spec.run_dir)
+    state_bytes = (
+        flat.params.numel() + flat.grads.numel() + 2 * optimizer.owned_numel
+    ) * flat.params.element_size()
+
+    def evaluate() -> float | None:
+        if validation_blocks is None or cfg.eval_batches == 0:
+            return None
+        return evaluate_loss(model, validation_blocks, dims, cfg, autocast, device)
+
+    def checkpoint(step: int) -> Path:
+        return save_checkpoint(
+            run_dir,
+            step,
+            model=model,
+            optimizer=optimizer,
+            dims=dims,
+            trainer_state={
+                "step": step,
+                "layout": layout.to_dict(),
+                "layout_name": layout.name,
+                "global_batch_size": plan.global_batch_size,
+                "seed": cfg.seed,
+                "lr_schedule": schedule.state_dict(),
+            },
+            model_config=model.config,
+            tokenizer_dir=Path(spec.tokenizer_dir) if spec.tokenizer_dir else None,
+            keep_last=cfg.keep_last,
+        )
+
+    initial_val_loss = evaluate()
+    if initial_val_loss is not None:
+        tracker.log({"val_loss": initial_val_loss}, step=0)
+
+    losses: list[tuple[int, float]] = []
+    tokens_per_second: list[float] = []
+    last_checkpoint: Path | None = None
+    val_loss = initial_val_loss
+    train_start = time.perf_counter()
+    for step in range(cfg.max_steps):
+        step_start = time.perf_counter()
+        microbatches = sampler.rank_microbatches(
+            step, dims.dp_rank, dims.dp, cfg.per_device_train_batch_size
+        )
+        loss_sum = torch.zeros((), device=device)
+        for indices in microbatches:
+            input_ids = train_blocks.batch(indices).to(device, non_blocking=True)
+            with autocast():
+                logits = model(input_ids=input_ids).logits
+            loss = causal_lm_loss(logits, input_ids) / len(microbatches)
+            loss.backward()
+            loss_sum += loss.detach()
+        grad_norm = optimizer.step()
+        schedule.step()
+        flat.zero_grad()
+        done = step + 1
+
+        if done % cfg.log_every == 0 or done == cfg.max_steps:
+            # The only per-step host sync: the loss mean over data-parallel ranks.
+            dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM, group=dims.dp_group)
+            global_loss = loss_sum.item() / dims.dp
+            elapsed = time.perf_counter() - step_start
+            throughput = plan.tokens_per_step / elapsed
+            losses.append((done, global_loss))
+            if done > 1:  # the first step pays for warm-up
+                tokens_per_second.append(throughput)
+            rss, peak = _rss_mb()
+            tracker.log(
+                {
+                    "loss": global_loss,
+                    "learning_rate": schedule.get_last_lr()[0],
+                    "grad_norm": float(grad_norm),
+                    "tokens_per_s": throughput,
+                    "step_time_s": elapsed,
+                    "epoch": sampler.epoch_of(done),
+                    "memory/rss_mb": rss,
+                    "memory/peak_rss_mb": peak,
+                    "memory/model_states_mb": state_bytes / 2**20,
+                    **(
+                        {"memory/cuda_peak_allocated_mb": torch.cuda.max_memory_allocated() / 2**20}
+                        if device.type == "cuda"
+                        else {}
+                    ),
+                },
+                step=done,
+            )
+        if cfg.eval_every and done % cfg.eval_every == 0 and done != cfg.max_steps:
+            val_loss = evaluate()
+            if val_loss is not None:
+                tracker.log({"val_loss": val_loss}, step=done)
+        if done % cfg.checkpoint_every == 0 or done == cfg.max_steps:
+            last_checkpoint = checkpoint(done)
+
+    train_time = time.perf_counter() - train_start
+    val_loss = evaluate()
+    if val_loss is not None:
+        tracker.log({"val_loss": val_loss}, step=cfg.max_steps)
+    tracker.flush()
+    flat.check_views()
+    if rank != 0:
+        return None
+    _, peak = _rss_mb()
+    return {
+        "run_dir": str(run_dir),
+        "final_checkpoint": str(last_checkpoint),
+        "layout_name": layout.name,
+        "steps": cfg.max_steps,
+        "losses": losses,
+        "final_loss": losses[-1][1] if losses else None,
+        "initial_val_loss": initial_val_loss,
+        "final_val_loss": val_loss,
+        "mean_tokens_per_s": sum(tokens_per_second) / len(tokens_per_second)
+        if tokens_per_second
+        else None,
+        "train_time_s": train_time,
+        "peak_rss_mb_rank0": peak,
+        "model_states_bytes_rank0": state_bytes,
+    }
+
+
+@torch.no_grad()
+def evaluate_loss(
+    model: torch.nn.Module,
+    blocks: BlockStore,
+    dims: ParallelDims,
+    cfg: Any,
+    autocast: Any,
+    device: torch.device,
+) -> float:
+    """Token-weighted mean loss over the first `eval_batches` global batches of validation.
+
+    Every data-parallel rank scores a contiguous slice and the sums are
+    all-reduced, so the number does not depend on the layout.
+    """
+    model.eval()
+    per_rank = cfg.per_device_train_batch_size
+    count = min(len(blocks), cfg.eval_batches * per_rank * dims.dp)
+    share = -(-count // dims.dp)
+    lo, hi = dims.dp_rank * share, min(count, (dims.dp_rank + 1) * share)
+    totals = torch.zeros(2, dtype=torch.float64, device=device)
+    for start in range(lo, hi, per_rank):
+        input_ids = blocks.batch(list(range(start, min(hi, start + per_rank)))).to(device)
+        with autocast():
+            logits = model(input_ids=input_ids).logits
+        tokens = input_ids[:, 1:].numel()
+        totals[0] += causal_lm_loss(logits, input_ids).double() * tokens
+        totals[1] += tokens
+    dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=dims.dp_group)
+    model.train()
+    return (totals[0] / totals[1]).item()
