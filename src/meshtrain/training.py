@@ -16,7 +16,7 @@ from meshtrain.tracking import TrackingTarget
 from meshtrain.worker import WorkerSpec, worker_main
 
 
-def run_training(
+def make_worker_spec(
     run: RunConfig,
     plan: Plan,
     *,
@@ -24,17 +24,18 @@ def run_training(
     validation_files: list[str],
     tokenizer_dir: str | None,
     tracking: TrackingTarget | None = None,
-) -> dict[str, Any]:
-    """Train on `launch.world_size` ranks; returns rank 0's summary.
+) -> WorkerSpec:
+    """Fix the run folder and pack what every rank needs.
 
-    Each run gets its own folder `<training.output_dir>/<run name>/` holding
-    its checkpoints and per-rank logs. The name is the layout plus a
-    timestamp unless `training.run_name` fixes it.
+    Each run gets its own folder `<training.output_dir>/<run name>/` for its
+    checkpoints and per-rank logs; the name is the layout plus a timestamp
+    unless `training.run_name` fixes it. It is chosen here, once, so all
+    ranks (and all nodes) agree on it.
     """
     name = run.training.run_name or f"{plan.layout.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = Path(run.training.output_dir) / name
     run_dir.mkdir(parents=True, exist_ok=True)
-    spec = WorkerSpec(
+    return WorkerSpec(
         run=run.to_dict(),
         plan=plan.to_dict(),
         train_files=list(train_files),
@@ -44,13 +45,34 @@ def run_training(
         tracking_uri=tracking.tracking_uri if tracking else None,
         mlflow_run_id=tracking.run_id if tracking else None,
     )
+
+
+def run_training(
+    run: RunConfig,
+    plan: Plan,
+    *,
+    train_files: list[str],
+    validation_files: list[str],
+    tokenizer_dir: str | None,
+    tracking: TrackingTarget | None = None,
+) -> dict[str, Any]:
+    """Train on `launch.world_size` ranks; returns rank 0's summary."""
+    spec = make_worker_spec(
+        run,
+        plan,
+        train_files=train_files,
+        validation_files=validation_files,
+        tokenizer_dir=tokenizer_dir,
+        tracking=tracking,
+    )
+    run_dir = Path(spec.run_dir)
     results = run_workers(
         worker_main,
         (spec,),
         run.launch,
         log_dir=run_dir / "logs",
-        run_id=f"{run.launch.rdzv_id}-{name}",
+        run_id=f"{run.launch.rdzv_id}-{run_dir.name}",
     )
-    summary = results[0] if 0 in results else next(r for r in results.values() if r)
-    summary["run_name"] = name
+    summary = results.get(0) or next(r for r in results.values() if r)
+    summary["run_name"] = run_dir.name
     return summary

@@ -50,7 +50,18 @@ class WorkerSpec:
 @record
 def worker_main(spec: WorkerSpec) -> dict[str, Any] | None:
     """Entry point of a launched rank: join the group, train, leave the group."""
-    plan = Plan.from_dict(spec.plan)
+    return worker_main_sequence([spec])[0]
+
+
+@record
+def worker_main_sequence(specs: list[WorkerSpec]) -> list[dict[str, Any] | None]:
+    """Train several specs one after the other in one process group.
+
+    Process start-up (importing torch and transformers, the rendezvous) costs
+    more than a small run, so sweeps over options of one world size and the
+    equivalence tests share one group.
+    """
+    plan = Plan.from_dict(specs[0].plan)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     if plan.backend == "nccl":
@@ -60,7 +71,7 @@ def worker_main(spec: WorkerSpec) -> dict[str, Any] | None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     dist.init_process_group(plan.backend, timeout=timedelta(minutes=10))
     try:
-        return train(spec)
+        return [train(spec) for spec in specs]
     finally:
         dist.destroy_process_group()
 

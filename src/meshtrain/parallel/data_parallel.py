@@ -27,7 +27,7 @@ def reduce_scatter_gradients(
     if size == 1:
         shard.copy_(grads)
         return
-    dist.reduce_scatter_tensor(shard, grads, op=dist.ReduceOp.SUM, group=group)
+    dist.reduce_scatter_single(shard, grads, op=dist.ReduceOp.SUM, group=group)
     shard.div_(size)
 
 
@@ -38,4 +38,4 @@ def gather_parameters(
     size = dist.get_world_size(group) if group is not None else 1
     if size == 1:
         return
-    dist.all_gather_into_tensor(params, shard, group=group)
+    dist.all_gather_single(params, shard, group=group)

@@ -1,0 +1,50 @@
+"""Shared fixtures. Everything runs offline and writes only under pytest's tmp dirs."""
+
+from __future__ import annotations
+
+import os
+
+for _key, _value in {
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "KEDRO_DISABLE_TELEMETRY": "true",
+    "DO_NOT_TRACK": "true",
+    "MLFLOW_DISABLE_TELEMETRY": "true",
+    "TOKENIZERS_PARALLELISM": "false",
+}.items():
+    os.environ.setdefault(_key, _value)
+
+import datasets  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+TINY_MODEL = {
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 128,
+    "max_position_embeddings": 128,
+}
+TINY_VOCAB = 256
+TINY_BLOCK = 32
+
+
+@pytest.fixture(scope="session")
+def tiny_blocks(tmp_path_factory) -> datasets.DatasetDict:
+    """Learnable token blocks (arithmetic sequences mod the vocabulary), saved to disk and
+    loaded back memory-mapped, like the pipeline's."""
+    generator = torch.Generator().manual_seed(0)
+    start = torch.randint(0, TINY_VOCAB, (160, 1), generator=generator)
+    stride = torch.randint(1, 4, (160, 1), generator=generator)
+    ids = ((start + stride * torch.arange(TINY_BLOCK)) % TINY_VOCAB).to(torch.int32)
+    blocks = datasets.DatasetDict(
+        {
+            "train": datasets.Dataset.from_dict({"input_ids": ids[:128].tolist()}),
+            "validation": datasets.Dataset.from_dict({"input_ids": ids[128:].tolist()}),
+        }
+    )
+    path = tmp_path_factory.mktemp("blocks") / "packed"
+    blocks.save_to_disk(str(path))
+    return datasets.load_from_disk(str(path))
