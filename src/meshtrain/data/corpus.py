@@ -52,7 +52,7 @@ def load_corpus(
                 "data.text_files must list at least one path or glob pattern "
                 "when data.source is 'text_files'"
             )
-        return _load_text_files(text_files)
+        return _load_text_files([text_files] if isinstance(text_files, str) else text_files)
     if source == "hub":
         if not hub_dataset:
             raise ValueError("data.hub_dataset must name a Hub dataset when data.source is 'hub'")
@@ -182,13 +182,13 @@ def _load_text_files(patterns: list[str]) -> datasets.Dataset:
 
 def _expand(patterns: list[str]) -> list[str]:
     """Expand each glob in order (matches sorted); fail naming the first pattern with no match."""
-    files: list[str] = []
+    files: dict[str, None] = {}  # ordered set: a file named by two patterns is read once
     for pattern in patterns:
         matches = sorted(p for p in glob.glob(pattern, recursive=True) if Path(p).is_file())
         if not matches:
             raise FileNotFoundError(f"data.text_files: no file matches {pattern!r}")
-        files.extend(m for m in matches if m not in files)
-    return files
+        files.update(dict.fromkeys(matches))
+    return list(files)
 
 
 def _strip_batch(batch: dict[str, list[str]]) -> dict[str, list[str]]:

@@ -14,8 +14,6 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-SPLITS = ("train", "validation")
-
 
 def tokenize_and_pack(
     corpus: datasets.Dataset,

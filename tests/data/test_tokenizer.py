@@ -1,0 +1,86 @@
+"""Byte-level BPE training: round trips, save/load through AutoTokenizer, determinism."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import datasets
+import pytest
+import transformers
+
+from meshtrain.data.corpus import load_corpus
+from meshtrain.data.tokenizer import EOS_TOKEN, load_tokenizer, train_tokenizer
+
+VOCAB = 512
+SAMPLES = [
+    "The quick brown fox jumps over the lazy dog.",
+    "  leading spaces, tabs\tand\nnewlines\n\n",
+    "def f(x):\n    return x ** 2  # comment",
+    "Ünïcödé, emoji 🙂 and 日本語 survive byte-level BPE.",
+    "",
+]
+
+
+@pytest.fixture(scope="module")
+def corpus() -> datasets.Dataset:
+    return load_corpus("builtin", builtin_max_chars=200_000)
+
+
+@pytest.fixture(scope="module")
+def tok(corpus: datasets.Dataset) -> transformers.PreTrainedTokenizerBase:
+    return train_tokenizer(corpus, VOCAB)
+
+
+def test_vocab_size_and_eos(tok: transformers.PreTrainedTokenizerBase) -> None:
+    assert len(tok) == VOCAB
+    eos = tok.convert_tokens_to_ids(EOS_TOKEN)
+    assert tok.eos_token == tok.bos_token == tok.pad_token == EOS_TOKEN
+    assert tok.eos_token_id == tok.bos_token_id == tok.pad_token_id == eos
+    assert 0 <= eos < len(tok)
+
+
+@pytest.mark.parametrize("text", SAMPLES)
+def test_decode_round_trips(tok: transformers.PreTrainedTokenizerBase, text: str) -> None:
+    ids = tok(text)["input_ids"]
+    assert tok.eos_token_id not in ids  # no special tokens added: packing adds eos itself
+    assert tok.decode(ids) == text
+
+
+def test_learns_merges(tok: transformers.PreTrainedTokenizerBase) -> None:
+    text = "the function returns the value of the argument"
+    assert len(tok(text)["input_ids"]) < len(text.encode()) / 2
+
+
+def test_save_and_autotokenizer_round_trip(
+    tok: transformers.PreTrainedTokenizerBase, tmp_path: Path
+) -> None:
+    tok.save_pretrained(tmp_path)
+    for loaded in (transformers.AutoTokenizer.from_pretrained(tmp_path), load_tokenizer(tmp_path)):
+        assert len(loaded) == len(tok)
+        assert loaded.eos_token_id == tok.eos_token_id
+        assert loaded.pad_token_id == tok.pad_token_id
+        for text in SAMPLES:
+            ids = loaded(text)["input_ids"]
+            assert ids == tok(text)["input_ids"]
+            assert loaded.decode(ids) == text
+
+
+def test_training_is_deterministic(
+    corpus: datasets.Dataset, tok: transformers.PreTrainedTokenizerBase
+) -> None:
+    again = train_tokenizer(corpus, VOCAB)
+    assert again.get_vocab() == tok.get_vocab()
+    assert again.backend_tokenizer.to_str() == tok.backend_tokenizer.to_str()
+
+
+def test_small_batches_give_same_tokenizer(
+    corpus: datasets.Dataset, tok: transformers.PreTrainedTokenizerBase
+) -> None:
+    streamed = train_tokenizer(corpus, VOCAB, batch_size=7)
+    assert streamed.backend_tokenizer.to_str() == tok.backend_tokenizer.to_str()
+
+
+@pytest.mark.parametrize("vocab_size", [0, 100, 256, 257])
+def test_too_small_vocab_errors(corpus: datasets.Dataset, vocab_size: int) -> None:
+    with pytest.raises(ValueError, match="data.vocab_size"):
+        train_tokenizer(corpus, vocab_size)
