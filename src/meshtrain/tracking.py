@@ -95,6 +95,11 @@ def log_metrics(metrics: dict[str, float], step: int | None = None) -> None:
         mlflow.log_metrics({k: float(v) for k, v in metrics.items()}, step=step)
 
 
+def set_tag(key: str, value: str) -> None:
+    if mlflow.active_run() is not None:
+        mlflow.set_tag(key, value[:_MAX_PARAM_LENGTH])
+
+
 def log_artifact(path: str | Path, artifact_path: str | None = None) -> None:
     if mlflow.active_run() is not None:
         mlflow.log_artifact(str(path), artifact_path=artifact_path)

@@ -5,6 +5,7 @@ The single entry point the Kedro training node (and the CLI) calls.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 from typing import Any
@@ -53,19 +54,26 @@ def run_training(
     *,
     train_files: list[str],
     validation_files: list[str],
-    tokenizer_dir: str | None,
+    tokenizer: Any | None,
     tracking: TrackingTarget | None = None,
 ) -> dict[str, Any]:
-    """Train on `launch.world_size` ranks; returns rank 0's summary."""
+    """Train on `launch.world_size` ranks; returns rank 0's summary.
+
+    The tokenizer is saved into the run folder once, and each checkpoint
+    carries a copy, so any checkpoint consolidates into a complete model.
+    """
     spec = make_worker_spec(
         run,
         plan,
         train_files=train_files,
         validation_files=validation_files,
-        tokenizer_dir=tokenizer_dir,
+        tokenizer_dir=None,
         tracking=tracking,
     )
     run_dir = Path(spec.run_dir)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(run_dir / "tokenizer"))
+        spec = dataclasses.replace(spec, tokenizer_dir=str(run_dir / "tokenizer"))
     results = run_workers(
         worker_main,
         (spec,),

@@ -1,0 +1,47 @@
+"""Node: start the ranks with torch elastic and wait for them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import datasets
+
+from meshtrain import tracking
+from meshtrain.config import RunConfig
+from meshtrain.data.blocks import arrow_files
+from meshtrain.planner import Plan
+from meshtrain.planner.resolve import check_plan_is_current, plan_for_run
+from meshtrain.training import run_training
+
+
+def train_model(
+    plan: dict[str, Any],
+    packed_blocks: datasets.DatasetDict,
+    tokenizer: Any,
+    parallel: dict[str, Any],
+    training: dict[str, Any],
+    launch: dict[str, Any],
+    model: dict[str, Any],
+    data: dict[str, Any],
+) -> dict[str, Any]:
+    """Args: the plan, blocks, tokenizer and parameters. Returns: the training summary."""
+    run = RunConfig.from_params(
+        parallel=parallel, training=training, launch=launch, model=model, data=data
+    )
+    resolved = Plan.from_dict(plan)
+    replanned = plan_for_run(
+        run,
+        tokenizer,
+        num_train_blocks=len(packed_blocks["train"]),
+        num_validation_blocks=len(packed_blocks["validation"]),
+    )
+    check_plan_is_current(resolved, replanned)
+    tracking.log_plan(plan, run.to_dict())
+    return run_training(
+        run,
+        resolved,
+        train_files=arrow_files(packed_blocks["train"]),
+        validation_files=arrow_files(packed_blocks["validation"]),
+        tokenizer=tokenizer,
+        tracking=tracking.active_target(),
+    )

@@ -1,0 +1,50 @@
+"""Plan from the run's parameters and the prepared data, as the pipeline does."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from meshtrain.config import RunConfig
+from meshtrain.models import build_model_config
+from meshtrain.planner.layout import Plan, plan_run
+
+
+def plan_for_run(
+    run: RunConfig, tokenizer: Any, *, num_train_blocks: int, num_validation_blocks: int
+) -> Plan:
+    """Resolve the model config against the tokenizer, then plan the layout."""
+    model_config = build_model_config(
+        run.model.architecture,
+        run.model.config,
+        vocab_size=len(tokenizer),
+        init_from=run.model.init_from,
+        special_token_ids={
+            "bos_token_id": tokenizer.bos_token_id,
+            "eos_token_id": tokenizer.eos_token_id,
+            "pad_token_id": tokenizer.pad_token_id,
+        },
+    )
+    return plan_run(
+        run,
+        model_config,
+        num_train_blocks=num_train_blocks,
+        num_validation_blocks=num_validation_blocks,
+        tokenizer_size=len(tokenizer),
+    )
+
+
+def check_plan_is_current(plan: Plan, replanned: Plan) -> None:
+    """Refuse to train on a plan.json made from other parameters or data than today's."""
+    def normalized(p: Plan) -> dict[str, Any]:
+        return json.loads(json.dumps(p.to_dict(), sort_keys=True, default=str))
+
+    old, new = normalized(plan), normalized(replanned)
+    keys = ("layout", "world_size", "global_batch_size", "model_config", "num_train_blocks")
+    stale = [key for key in keys if old[key] != new[key]]
+    if stale:
+        raise ValueError(
+            f"plan.json no longer matches the parameters or data ({', '.join(stale)} differ): "
+            "run the planning pipeline again, e.g. `kedro run --pipeline planning` "
+            "with the same --params, or run the whole default pipeline."
+        )

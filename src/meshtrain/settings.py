@@ -1,0 +1,23 @@
+"""Kedro project settings for meshtrain."""
+
+import os
+
+# Keep kedro and mlflow from phoning home; set before either is used.
+for _key in ("KEDRO_DISABLE_TELEMETRY", "DO_NOT_TRACK", "MLFLOW_DISABLE_TELEMETRY"):
+    os.environ.setdefault(_key, "true")
+
+from meshtrain.hooks import MlflowRunHook  # noqa: E402
+
+HOOKS = (MlflowRunHook(),)
+
+CONFIG_LOADER_ARGS = {
+    "base_env": "base",
+    "default_run_env": "local",
+    "config_patterns": {
+        "mlflow": ["mlflow*", "mlflow*/**"],
+    },
+}
+
+# meshtrain opens its own MLflow run (meshtrain.hooks); if kedro-mlflow is
+# installed too, keep it from opening a second one from the same mlflow.yml.
+DISABLE_HOOKS_FOR_PLUGINS = ("kedro-mlflow",)
