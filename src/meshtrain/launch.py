@@ -66,6 +66,7 @@ def run_workers(
         start_method="spawn",
         logs_specs=DefaultLogsSpecs(log_dir=str(log_dir), tee=Std.ALL),
         local_addr="127.0.0.1" if launch.nnodes == 1 else None,
+        log_line_prefix_template="[rank${rank}] ",
     )
     try:
         return elastic_launch(config, entrypoint)(*args)

@@ -178,9 +178,20 @@ def train(spec: WorkerSpec) -> dict[str, Any] | None:
             keep_last=cfg.keep_last,
         )
 
+    progress_every = max(cfg.log_every, cfg.max_steps // 20 // cfg.log_every * cfg.log_every)
+
+    def report(line: str) -> None:
+        if rank == 0:
+            print(line, flush=True)
+
+    report(
+        f"training {layout.name}: {plan.num_parameters:,} parameters, "
+        f"{plan.tokens_per_step:,} tokens per step, {cfg.max_steps} steps -> {run_dir}"
+    )
     initial_val_loss = evaluate()
     if initial_val_loss is not None:
         tracker.log({"val_loss": initial_val_loss}, step=0)
+        report(f"step 0: validation loss {initial_val_loss:.4f}")
 
     losses: list[tuple[int, float]] = []
     tokens_per_second: list[float] = []
@@ -234,10 +245,17 @@ def train(spec: WorkerSpec) -> dict[str, Any] | None:
                 },
                 step=done,
             )
+            if done % progress_every == 0 or done == cfg.max_steps:
+                report(
+                    f"step {done}/{cfg.max_steps} | loss {global_loss:.4f} | "
+                    f"lr {schedule.get_last_lr()[0]:.2e} | grad norm {float(grad_norm):.3f} | "
+                    f"{throughput:,.0f} tokens/s"
+                )
         if cfg.eval_every and done % cfg.eval_every == 0 and done != cfg.max_steps:
             val_loss = evaluate()
             if val_loss is not None:
                 tracker.log({"val_loss": val_loss}, step=done)
+                report(f"step {done}: validation loss {val_loss:.4f}")
         if done % cfg.checkpoint_every == 0 or done == cfg.max_steps:
             last_checkpoint = checkpoint(done)
 
@@ -245,6 +263,8 @@ def train(spec: WorkerSpec) -> dict[str, Any] | None:
     val_loss = evaluate()
     if val_loss is not None:
         tracker.log({"val_loss": val_loss}, step=cfg.max_steps)
+        report(f"step {cfg.max_steps}: validation loss {val_loss:.4f}")
+    report(f"done in {train_time:.1f}s; last checkpoint {last_checkpoint}")
     tracker.flush()
     flat.check_views()
     if rank != 0:

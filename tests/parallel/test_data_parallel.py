@@ -89,9 +89,17 @@ def test_dp2_with_and_without_zero1_match_one_process(tiny_blocks, tmp_path: Pat
             {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2},
         ),
         "dp2-no-zero": ({"zero_1": False}, {"per_device_train_batch_size": 4}),
+        "dp2-zero1-checkpointing": (
+            {"zero_1": True, "activation_checkpointing": "full"},
+            {"per_device_train_batch_size": 4},
+        ),
     }
+    bf16 = (
+        "dp2-zero1-bf16",
+        ({"zero_1": True}, {"per_device_train_batch_size": 4, "mixed_precision": "bf16"}),
+    )
     specs = []
-    for name, (parallel, training) in cases.items():
+    for name, (parallel, training) in [*cases.items(), bf16]:
         run = RunConfig.from_params(
             parallel={"data_parallel_size": 2, **parallel},
             training={**TRAINING, **training, "output_dir": str(tmp_path), "run_name": name},
@@ -111,7 +119,7 @@ def test_dp2_with_and_without_zero1_match_one_process(tiny_blocks, tmp_path: Pat
                 tokenizer_dir=None,
             )
         )
-    results = run_workers(
+    *results, bf16_result = run_workers(
         worker_main_sequence, (specs,), run.launch, log_dir=tmp_path / "logs", run_id="t-dp"
     )[0]
 
@@ -128,3 +136,8 @@ def test_dp2_with_and_without_zero1_match_one_process(tiny_blocks, tmp_path: Pat
         for key, want in expected_weights.items():
             assert_close_rel(weights[key], want, f"{name} {key}")
         assert summary["initial_val_loss"] > summary["final_val_loss"]
+
+    # bf16 autocast is not fp32 arithmetic, so it only has to track the fp32 run closely.
+    bf16_losses = [loss for _, loss in bf16_result["losses"]]
+    for got, want in zip(bf16_losses, expected_losses, strict=True):
+        assert abs(got - want) / want < 0.02

@@ -1,0 +1,3 @@
+"""meshtrain: planned, reproducible distributed training of language models."""
+
+__version__ = "0.1.0"

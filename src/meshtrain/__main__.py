@@ -1,0 +1,7 @@
+"""Entry point for `python -m meshtrain`."""
+
+import sys
+
+from meshtrain.cli import main
+
+sys.exit(main())
