@@ -134,6 +134,7 @@ def test_params_strings_are_converted(group: str, key: str, text: object, expect
 
 @pytest.mark.xfail(
     strict=True,
+    raises=AssertionError,
     reason="config._coerce tries `str` (or `list[str]`) before `None` for optional string "
     "fields, so the string 'null'/'None' is kept as a path/name instead of becoming None",
 )
@@ -178,6 +179,7 @@ def test_one_is_a_valid_size_and_other_ints_may_be_zero_or_negative() -> None:
 
 @pytest.mark.xfail(
     strict=True,
+    raises=ValueError,
     reason="config._try accepts '--3' as an int (lstrip('-') strips every dash) and int() "
     "then raises a bare ValueError that does not name the parameter",
 )

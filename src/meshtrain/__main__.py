@@ -2,6 +2,6 @@
 
 import sys
 
-from meshtrain.cli import main
+from meshtrain.commands import main
 
 sys.exit(main())

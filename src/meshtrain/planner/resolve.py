@@ -36,6 +36,7 @@ def plan_for_run(
 
 def check_plan_is_current(plan: Plan, replanned: Plan) -> None:
     """Refuse to train on a plan.json made from other parameters or data than today's."""
+
     def normalized(p: Plan) -> dict[str, Any]:
         return json.loads(json.dumps(p.to_dict(), sort_keys=True, default=str))
 

@@ -1,5 +1,7 @@
 """`python -m meshtrain ...`: engine commands that need no Kedro project.
 
+(Not named `cli.py`: Kedro would load that module as the project's own `kedro` commands.)
+
     python -m meshtrain consolidate CHECKPOINT_DIR OUTPUT_DIR
 """
 

@@ -1,0 +1,167 @@
+"""The whole default pipeline through `kedro run`, as a user runs it, in a scratch project.
+
+The project's `conf/` and `pyproject.toml` are copied into a temporary folder
+so the run writes its data, checkpoints and MLflow store there, not into the
+repository. Checks: the MLflow run holds the resolved layout and the metrics,
+the consolidated folder loads in a Python that never imports meshtrain and
+gives the trained model's logits, and a bad layout stops before any worker.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+REPO = Path(__file__).resolve().parents[1]
+KEDRO = Path(sys.executable).with_name("kedro")
+SMALL_RUN = ",".join(
+    [
+        "data.builtin_max_chars=300000",
+        "data.vocab_size=1024",
+        "data.num_proc=1",
+        "training.max_steps=8",
+        "training.checkpoint_every=4",
+        "training.eval_every=4",
+        "training.eval_batches=2",
+        "training.warmup_steps=2",
+        "training.per_device_train_batch_size=4",
+        "evaluation.max_batches=4",
+        "evaluation.max_new_tokens=8",
+    ]
+)
+
+
+def kedro_run(project: Path, *args: str) -> subprocess.CompletedProcess:
+    # The run's own conf/mlflow.yml decides the store; wide lines keep messages unwrapped.
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    env["COLUMNS"] = "400"
+    return subprocess.run(
+        [str(KEDRO), "run", *args],
+        cwd=project,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("project")
+    shutil.copytree(REPO / "conf", root / "conf", ignore=shutil.ignore_patterns("local"))
+    (root / "conf" / "local").mkdir()
+    shutil.copy(REPO / "pyproject.toml", root / "pyproject.toml")
+    shutil.copy(REPO / ".telemetry", root / ".telemetry")
+    (root / "src").mkdir()  # kedro wants the folder; meshtrain itself is imported as installed
+    for layer in ("01_raw", "02_intermediate", "05_model_input", "06_models", "08_reporting"):
+        (root / "data" / layer).mkdir(parents=True)
+    return root
+
+
+@pytest.fixture(scope="module")
+def default_run(project: Path) -> subprocess.CompletedProcess:
+    result = kedro_run(project, "--params", SMALL_RUN)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    return result
+
+
+@pytest.mark.slow
+def test_default_pipeline_trains_consolidates_and_evaluates(project: Path, default_run):
+    metrics = json.loads((project / "data/08_reporting/metrics.json").read_text())
+    assert metrics["layout"] == "dp2-tp1-pp1-zero1"
+    assert metrics["val_perplexity"] < metrics["initial_val_perplexity"]
+    assert metrics["sample"].startswith(metrics["prompt"])
+    plan = json.loads((project / "data/05_model_input/plan.json").read_text())
+    assert plan["layout"]["data_parallel_size"] == 2
+    assert plan["memory_estimate_per_rank"]["optimizer_states"] > 0
+    assert "step 8/8" in default_run.stdout + default_run.stderr
+
+
+@pytest.mark.slow
+def test_mlflow_run_holds_layout_params_and_metrics(project: Path, default_run):
+    import mlflow
+
+    client = mlflow.tracking.MlflowClient(tracking_uri=f"sqlite:///{project / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("meshtrain")
+    runs = client.search_runs([experiment.experiment_id])
+    assert len(runs) == 1
+    run = runs[0]
+    assert run.info.status == "FINISHED"
+    assert run.info.run_name == "dp2-tp1-pp1-zero1"
+    params = run.data.params
+    assert params["parallel.data_parallel_size"] == "2"
+    assert params["parallel.tensor_parallel_size"] == "1"
+    assert params["parallel.pipeline_parallel_size"] == "1"
+    assert params["parallel.zero_1"] == "True"
+    assert params["training.max_steps"] == "8"
+    assert len(client.get_metric_history(run.info.run_id, "loss")) == 8
+    for key in ("tokens_per_s", "grad_norm", "learning_rate", "memory/peak_rss_mb", "val_loss"):
+        assert key in run.data.metrics, key
+    assert "eval/val_perplexity" in run.data.metrics
+    assert run.data.tags["kedro.env"] == "local"
+    assert "plan.json" in [a.path for a in client.list_artifacts(run.info.run_id)]
+
+
+@pytest.mark.slow
+def test_consolidated_model_loads_without_meshtrain_and_matches_training(
+    project: Path, default_run
+):
+    summary = json.loads((project / "data/06_models/training_summary.json").read_text())
+    consolidated = project / "data/06_models/consolidated"
+    probe = (
+        "import sys, torch, transformers\n"
+        f"model = transformers.AutoModelForCausalLM.from_pretrained({str(consolidated)!r})\n"
+        "ids = torch.arange(1, 33).reshape(2, 16)\n"
+        "torch.save(model(input_ids=ids).logits, sys.argv[1])\n"
+        "assert not any(m.startswith('meshtrain') for m in sys.modules)\n"
+    )
+    logits_path = project / "logits.pt"
+    result = subprocess.run(
+        [sys.executable, "-c", probe, str(logits_path)],
+        cwd=project,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    consolidated_logits = torch.load(logits_path, weights_only=True)
+
+    # The trained weights, exactly as the workers wrote them in the final checkpoint.
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    checkpoint = Path(summary["final_checkpoint"])
+    config = AutoConfig.from_pretrained(checkpoint)
+    trained = AutoModelForCausalLM.from_config(config)
+    shard = load_file(checkpoint / "shards/tp_rank_00_pp_rank_00/model.safetensors")
+    missing, unexpected = trained.load_state_dict(shard, strict=False)
+    assert not unexpected and all("rotary" in m for m in missing)
+    with torch.no_grad():
+        trained_logits = trained(input_ids=torch.arange(1, 33).reshape(2, 16)).logits
+    torch.testing.assert_close(consolidated_logits, trained_logits, rtol=0, atol=0)
+
+
+@pytest.mark.slow
+def test_impossible_layout_stops_before_any_worker(project: Path, default_run):
+    checkpoints = project / "data/06_models/checkpoints"
+    before = sorted(p.name for p in checkpoints.iterdir())
+    result = kedro_run(
+        project,
+        "--pipeline",
+        "planning",
+        "--params",
+        SMALL_RUN + ",parallel.tensor_parallel_size=3",
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert "tensor_parallel_size=3" in output
+    assert "Values that work here: 1" in output
+    assert "[rank0]" not in output
+    assert sorted(p.name for p in checkpoints.iterdir()) == before
