@@ -132,12 +132,6 @@ def test_params_strings_are_converted(group: str, key: str, text: object, expect
     assert type(value) is type(expected)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="config._coerce tries `str` (or `list[str]`) before `None` for optional string "
-    "fields, so the string 'null'/'None' is kept as a path/name instead of becoming None",
-)
 @pytest.mark.parametrize("text", ["null", "None"])
 @pytest.mark.parametrize(
     ("group", "key"), [("training", "resume_from"), ("data", "tokenizer"), ("data", "text_files")]
@@ -177,12 +171,6 @@ def test_one_is_a_valid_size_and_other_ints_may_be_zero_or_negative() -> None:
     assert run.training.keep_last == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=ValueError,
-    reason="config._try accepts '--3' as an int (lstrip('-') strips every dash) and int() "
-    "then raises a bare ValueError that does not name the parameter",
-)
 def test_malformed_number_string_is_refused_with_the_dotted_name() -> None:
     with pytest.raises(ConfigError, match=r"`training\.seed`"):
         RunConfig.from_params(training={"seed": "--3"})

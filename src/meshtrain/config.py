@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -153,6 +154,8 @@ def parse(cls: type, values: dict[str, Any] | None, group: str):
 def _coerce(value: Any, hint: Any, dotted: str) -> Any:
     """Accept `value` if it fits type `hint`; `--params` strings are converted when unambiguous."""
     options = typing.get_args(hint) if _is_union(hint) else (hint,)
+    # `null` spellings mean None wherever None is allowed, before any string reading.
+    options = sorted(options, key=lambda option: option is not type(None))
     for option in options:
         ok, converted = _try(value, option)
         if ok:
@@ -181,7 +184,7 @@ def _try(value: Any, option: Any) -> tuple[bool, Any]:
     if option is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return True, value
-        if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        if isinstance(value, str) and re.fullmatch(r"\s*-?\d+\s*", value):
             return True, int(value)
         return False, None
     if option is float:

@@ -71,16 +71,71 @@ def run_workers(
     try:
         return elastic_launch(config, entrypoint)(*args)
     except ChildFailedError as error:
-        rank, failure = error.get_first_failure()
-        raise WorkerFailedError(rank, _failure_message(failure)) from None
+        rank, message = _root_failure(_all_failures(error))
+        raise WorkerFailedError(rank, message) from None
+
+
+def _all_failures(error: ChildFailedError) -> dict[int, tuple[int, str]]:
+    """{global rank: (timestamp, message)} for every rank that left an error.
+
+    The agent stops the group at the first dead rank it sees, which is often
+    not the one that raised first (that one may still be writing its error
+    file); so the error files of the whole attempt are read, not just the
+    failures the agent had collected.
+    """
+    found = {r: (f.timestamp, _failure_message(f)) for r, f in error.failures.items()}
+    rank, failure = next(iter(error.failures.items()))
+    if not failure.error_file:
+        return found
+    offset = rank - failure.local_rank
+    for path in Path(failure.error_file).parent.parent.glob("*/error.json"):
+        if not path.parent.name.isdigit() or offset + int(path.parent.name) in found:
+            continue
+        try:
+            message = json.loads(path.read_text())["message"]
+            timestamp = int(message["extraInfo"]["timestamp"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        found[offset + int(path.parent.name)] = (timestamp, _message_text(message))
+    return found
+
+
+# What a rank reports when a *peer* died under it: a symptom, not the cause.
+_PEER_SYMPTOMS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "remote worker crashing",
+    "Broken pipe",
+    "communicator was aborted",
+)
+
+
+def _root_failure(failures: dict[int, tuple[int, str]]) -> tuple[int, str]:
+    """The rank whose own error started it: any real error before a peer-died symptom.
+
+    Timestamps alone mislead: error files carry whole seconds, so the rank that
+    raised and the rank whose collective then broke often tie, and a rank
+    killed outright has no error file and is only noticed later.
+    """
+
+    def key(item: tuple[int, tuple[int, str]]) -> tuple[bool, int, int]:
+        rank, (timestamp, message) = item
+        return any(s in message for s in _PEER_SYMPTOMS), timestamp, rank
+
+    rank, (_, message) = min(failures.items(), key=key)
+    return rank, message
 
 
 def _failure_message(failure: Any) -> str:
     """The failing rank's exception text, from the error file `record` wrote."""
-    message = failure.message
-    if isinstance(message, dict):
-        extra = message.get("extraInfo", {})
-        message = extra.get("py_callstack") or message.get("message") or json.dumps(message)
+    message = _message_text(failure.message)
     if not message or message == "<N/A>":
         message = f"exit code {failure.exitcode} (see the rank's log under the run's logs/)"
+    return message
+
+
+def _message_text(message: Any) -> str:
+    if isinstance(message, dict):
+        extra = message.get("extraInfo", {})
+        return str(extra.get("py_callstack") or message.get("message") or json.dumps(message))
     return str(message)

@@ -62,7 +62,6 @@ def make_checkpoint(
     tp: int = 1,
     complete: bool = True,
     shapes: dict[str, list[int]] | None = None,
-    extra: dict[str, Any] | None = None,
 ) -> Path:
     """A checkpoint folder as save_checkpoint lays it out, from hand-made tensors.
 
@@ -93,7 +92,6 @@ def make_checkpoint(
             for name, tensor in FULL.items()
         },
         "files": describe_files(root),
-        **(extra or {}),
     }
     if complete:
         mark_complete(root, manifest)
@@ -155,8 +153,9 @@ def test_a_marker_without_manifest_is_incomplete(checkpoint: Path) -> None:
 def test_a_truncated_shard_is_named(checkpoint: Path) -> None:
     data = (checkpoint / SHARD).read_bytes()
     (checkpoint / SHARD).write_bytes(data[:-7])
-    with pytest.raises(CheckpointError) as info:
-        read_manifest(checkpoint, verify=False)
+    for verify in (True, False):  # the size is checked with or without hashing
+        with pytest.raises(CheckpointError) as info:
+            read_manifest(checkpoint, verify=verify)
     message = str(info.value)
     assert str(checkpoint / SHARD) in message
     assert f"{len(data) - 7} bytes" in message and f"says {len(data)}" in message

@@ -345,23 +345,24 @@ def test_batch_larger_than_the_data_offers_the_largest_batch_that_plans(
         )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=LayoutError,
-    reason="layout.plan_run offers per_device_train_batch_size<=max(1, blocks // (gas * dp)); "
-    "when blocks < gas * dp the offered 1 is still refused",
-)
 def test_batch_fix_works_when_blocks_are_fewer_than_accumulation_times_dp(
     model_config: PretrainedConfig,
 ) -> None:
     training = {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 2}
     error = _refusals(model_config, training=training, num_train_blocks=3)
     fix = _refusal(error, "training.per_device_train_batch_size").fix
-    offered = int(re.search(r"per_device_train_batch_size<=(\d+)", fix).group(1))
+    offered = int(re.search(r"gradient_accumulation_steps<=(\d+)", fix).group(1))
     _plan(
         model_config,
-        training={**training, "per_device_train_batch_size": offered},
+        training={"per_device_train_batch_size": 1, "gradient_accumulation_steps": offered},
         num_train_blocks=3,
+    )
+
+
+def test_fewer_blocks_than_ranks_says_so(model_config: PretrainedConfig) -> None:
+    error = _refusals(model_config, num_train_blocks=1)
+    assert (
+        "fewer training blocks than" in _refusal(error, "training.per_device_train_batch_size").fix
     )
 
 
@@ -592,12 +593,6 @@ def test_a_plan_from_other_parameters_is_stale(
     assert differs in str(info.value)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=pytest.fail.Exception,
-    reason="resolve.check_plan_is_current does not compare `backend`, so a plan.json made "
-    "for gloo is used as is when today's parameters resolve to nccl",
-)
 def test_a_plan_with_another_backend_is_stale() -> None:
     stored = _json_round_trip(_plan_for_run(_run(launch={"backend": "gloo"})))
     replanned = dataclasses.replace(stored, backend="nccl")

@@ -28,7 +28,8 @@ class GlobalBatchSampler:
     def _permutation(self, epoch: int) -> torch.Tensor:
         perm = self._epoch_cache.get(epoch)
         if perm is None:
-            generator = torch.Generator().manual_seed(self.seed + epoch)
+            # Distinct streams per (seed, epoch): seed s's epoch 1 is not seed s+1's epoch 0.
+            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
             perm = torch.randperm(self.num_samples, generator=generator)
             self._epoch_cache = {epoch: perm}  # steps move forward: keep only the current epoch
         return perm

@@ -194,7 +194,8 @@ def plan_run(
                     f"world size {world} (launch.nproc_per_node={launch.nproc_per_node} x "
                     f"launch.nnodes={launch.nnodes}) is not a multiple of "
                     f"tensor_parallel_size x pipeline_parallel_size = {tp * pp}",
-                    f"Choose tp x pp among the divisors of {world}: {_fmt(_divisors(world))}.",
+                    f"Choose tensor_parallel_size among {_fmt(tp_ok)} and "
+                    f"pipeline_parallel_size among {_fmt(pp_ok)}.",
                 )
             )
             dp = 1
@@ -269,18 +270,44 @@ def plan_run(
             )
         )
 
+    if train.resume_from:
+        refusals.append(
+            Refusal(
+                "training.resume_from",
+                train.resume_from,
+                "resuming from a checkpoint is not available in this version of meshtrain yet",
+                "Use resume_from=null; checkpoints can still be consolidated with "
+                "`python -m meshtrain consolidate`.",
+            )
+        )
+
     global_batch = train.per_device_train_batch_size * train.gradient_accumulation_steps * dp
     if global_batch > num_train_blocks:
-        largest = max(1, num_train_blocks // (train.gradient_accumulation_steps * dp))
+        accumulation = train.gradient_accumulation_steps
+        if num_train_blocks >= accumulation * dp:
+            fix = (
+                f"Use per_device_train_batch_size<={num_train_blocks // (accumulation * dp)}, "
+                "or a larger corpus or smaller data.block_size."
+            )
+        elif num_train_blocks >= dp:
+            fix = (
+                "No per-device batch is small enough at this accumulation: use "
+                f"per_device_train_batch_size=1 with training.gradient_accumulation_steps<="
+                f"{num_train_blocks // dp}, or a larger corpus or smaller data.block_size."
+            )
+        else:
+            fix = (
+                f"There are fewer training blocks than the {dp} data-parallel ranks: use a "
+                "larger corpus or a smaller data.block_size."
+            )
         refusals.append(
             Refusal(
                 "training.per_device_train_batch_size",
                 train.per_device_train_batch_size,
                 f"the global batch (per-device {train.per_device_train_batch_size} x "
-                f"accumulation {train.gradient_accumulation_steps} x dp {dp} = {global_batch}) "
+                f"accumulation {accumulation} x dp {dp} = {global_batch}) "
                 f"is larger than the {num_train_blocks} training blocks",
-                f"Use per_device_train_batch_size<={largest}, or a larger corpus or smaller "
-                "data.block_size.",
+                fix,
             )
         )
     if num_validation_blocks < dp and train.eval_batches > 0:

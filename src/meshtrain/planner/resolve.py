@@ -41,7 +41,15 @@ def check_plan_is_current(plan: Plan, replanned: Plan) -> None:
         return json.loads(json.dumps(p.to_dict(), sort_keys=True, default=str))
 
     old, new = normalized(plan), normalized(replanned)
-    keys = ("layout", "world_size", "global_batch_size", "model_config", "num_train_blocks")
+    keys = (
+        "layout",
+        "world_size",
+        "backend",
+        "global_batch_size",
+        "tokens_per_step",
+        "model_config",
+        "num_train_blocks",
+    )
     stale = [key for key in keys if old[key] != new[key]]
     if stale:
         raise ValueError(

@@ -27,7 +27,7 @@ def build_corpus(data: dict[str, Any]) -> datasets.Dataset:
 
 
 def build_tokenizer(corpus: datasets.Dataset, data: dict[str, Any]) -> Any:
-    """Args: the corpus and `params:data`. Returns: a tokenizer trained here, or `data.tokenizer`."""
+    """Args: corpus, `params:data`. Returns: a tokenizer trained here, or `data.tokenizer`."""
     cfg = parse(DataConfig, data, "data")
     if cfg.tokenizer:
         return load_tokenizer(cfg.tokenizer)
