@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import resource
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import partial
@@ -19,14 +20,22 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from meshtrain.checkpoint.save import save_checkpoint
 from meshtrain.config import RunConfig
 from meshtrain.data.blocks import BlockStore
 from meshtrain.data.sampler import GlobalBatchSampler
 from meshtrain.models import build_model, config_from_dict
+from meshtrain.models.llama_family import kv_replication_factor
 from meshtrain.parallel.flat_buffer import FlatParameters
 from meshtrain.parallel.mesh import ParallelDims
+from meshtrain.parallel.tensor_parallel import (
+    TensorParallelGradSync,
+    apply_tensor_parallel,
+    plain_layouts,
+)
 from meshtrain.parallel.zero import ShardedAdamW
 from meshtrain.planner import Plan
 from meshtrain.schedule import warmup_cosine
@@ -77,9 +86,18 @@ def worker_main_sequence(specs: list[WorkerSpec]) -> list[dict[str, Any] | None]
 
 
 def causal_lm_loss(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy over every position of the batch, in fp32."""
-    vocab = logits.shape[-1]
-    return F.cross_entropy(logits[:, :-1].reshape(-1, vocab).float(), input_ids[:, 1:].reshape(-1))
+    """Mean next-token cross-entropy over every position of the batch, in fp32.
+
+    The labels are shifted (the last position ignored) rather than the logits
+    sliced, so vocabulary-sharded DTensor logits go through unchanged.
+    """
+    labels = F.pad(input_ids[:, 1:], (0, 1), value=-100)
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
+
+
+def as_local(value: torch.Tensor) -> torch.Tensor:
+    """A replicated DTensor's value as a plain tensor (plain tensors pass through)."""
+    return value.full_tensor() if isinstance(value, DTensor) else value
 
 
 def _rss_mb() -> tuple[float, float]:
@@ -109,15 +127,31 @@ def train(spec: WorkerSpec) -> dict[str, Any] | None:
     )
     model_config = config_from_dict(plan.model_config)
     model = build_model(model_config, seed=cfg.seed, init_from=run.model.init_from).to(device)
+    # The fixed order: tensor/sequence parallel -> activation checkpointing -> data parallel.
+    tp_sync = None
+    if dims.tp > 1:
+        kv_replication = kv_replication_factor(model_config.num_key_value_heads, dims.tp)
+        layouts = apply_tensor_parallel(
+            model,
+            dims.mesh["tp"],
+            sequence_parallel=layout.sequence_parallel,
+            kv_replication=kv_replication,
+        )
+        tp_sync = TensorParallelGradSync(model, layouts, dims.mesh, kv_replication)
+    else:
+        layouts = plain_layouts(model)
     if layout.activation_checkpointing == "full":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
+    # Cross-entropy on vocabulary-sharded logits: the full logits never exist on one rank.
+    loss_context = loss_parallel if dims.tp > 1 else nullcontext
 
-    flat = FlatParameters(model, num_shards=dims.dp)
+    flat = FlatParameters(model, num_shards=dims.dp, layouts=layouts)
     optimizer = ShardedAdamW(
         flat,
         dims.dp_group,
         zero_1=layout.zero_1,
+        norm_groups=(dims.tp_group,) if dims.tp > 1 else (),
         lr=cfg.learning_rate,
         betas=(cfg.adam_beta1, cfg.adam_beta2),
         eps=cfg.adam_epsilon,
@@ -156,13 +190,15 @@ def train(spec: WorkerSpec) -> dict[str, Any] | None:
     def evaluate() -> float | None:
         if validation_blocks is None or cfg.eval_batches == 0:
             return None
-        return evaluate_loss(model, validation_blocks, dims, cfg, autocast, device)
+        with loss_context():
+            return evaluate_loss(model, validation_blocks, dims, cfg, autocast, device)
 
     def checkpoint(step: int) -> Path:
         return save_checkpoint(
             run_dir,
             step,
             model=model,
+            layouts=layouts,
             optimizer=optimizer,
             dims=dims,
             trainer_state={
@@ -206,11 +242,14 @@ def train(spec: WorkerSpec) -> dict[str, Any] | None:
         loss_sum = torch.zeros((), device=device)
         for indices in microbatches:
             input_ids = train_blocks.batch(indices).to(device, non_blocking=True)
-            with autocast():
-                logits = model(input_ids=input_ids).logits
-            loss = causal_lm_loss(logits, input_ids) / len(microbatches)
-            loss.backward()
-            loss_sum += loss.detach()
+            with loss_context():
+                with autocast():
+                    logits = model(input_ids=input_ids).logits
+                loss = causal_lm_loss(logits, input_ids) / len(microbatches)
+                loss.backward()
+            loss_sum += as_local(loss.detach())
+        if tp_sync is not None:
+            tp_sync()
         grad_norm = optimizer.step()
         schedule.step()
         flat.zero_grad()
@@ -313,7 +352,7 @@ def evaluate_loss(
         with autocast():
             logits = model(input_ids=input_ids).logits
         tokens = input_ids[:, 1:].numel()
-        totals[0] += causal_lm_loss(logits, input_ids).double() * tokens
+        totals[0] += as_local(causal_lm_loss(logits, input_ids)).double() * tokens
         totals[1] += tokens
     dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=dims.dp_group)
     model.train()

@@ -178,11 +178,11 @@ REFUSALS = [
         id="tp-does-not-divide-heads",
     ),
     pytest.param(
-        {"parallel": {"tensor_parallel_size": 2}},
-        "parallel.tensor_parallel_size",
-        "tensor_parallel_size=1",
-        {"parallel": {"tensor_parallel_size": 1}},
-        id="tp-not-implemented",
+        {"parallel": {"tensor_parallel_size": 2}, "data": {"block_size": 15}},
+        "data.block_size",
+        "14",
+        {"parallel": {"tensor_parallel_size": 2}, "data": {"block_size": 14}},
+        id="sequence-parallel-block-not-divisible",
     ),
     pytest.param(
         {"parallel": {"pipeline_parallel_size": 8}},
@@ -277,15 +277,43 @@ def test_tp_not_dividing_heads_explains_why(model_config: PretrainedConfig) -> N
     assert "num_attention_heads=4" in refusal.reason
     assert "num_key_value_heads=2" in refusal.reason
     assert "world size 2" in refusal.reason
-    assert refusal.fix == "Values that work here: 1."
+    assert refusal.fix == "Values that work here: 1, 2."
 
 
-def test_tp_two_is_refused_as_not_implemented(model_config: PretrainedConfig) -> None:
-    error = _refusals(model_config, parallel={"tensor_parallel_size": 2})
+def test_tp_two_plans_with_sequence_parallel_and_shards_the_model_states(
+    model_config: PretrainedConfig,
+) -> None:
+    plan = _plan(model_config, parallel={"tensor_parallel_size": 2})
+    assert plan.layout.name == "dp1-tp2-pp1-sp"
+    single = _plan(model_config, launch={"nproc_per_node": 1})
+    # Everything but the norms is split in two.
+    assert (
+        plan.memory_estimate_per_rank["parameters"]
+        < 0.51 * (single.memory_estimate_per_rank["parameters"])
+    )
+
+
+def test_tp_more_than_kv_heads_plans_with_replicated_kv(model_config: PretrainedConfig) -> None:
+    plan = _plan(model_config, parallel={"tensor_parallel_size": 4}, launch={"nproc_per_node": 4})
+    assert plan.layout.tensor_parallel_size == 4  # 2 KV heads, each held by 2 ranks
+
+
+def test_tp_that_would_split_a_kv_head_is_refused() -> None:
+    config = build_model_config(
+        "llama",
+        {
+            "hidden_size": 96,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 6,
+            "num_key_value_heads": 3,
+        },
+        vocab_size=VOCAB,
+    )
+    error = _refusals(config, parallel={"tensor_parallel_size": 2})
     refusal = _refusal(error, "parallel.tensor_parallel_size")
-    assert refusal.value == 2
-    assert "not available" in refusal.reason
-    assert refusal.fix == "Use tensor_parallel_size=1."
+    assert "num_key_value_heads=3" in refusal.reason
+    assert refusal.fix == "Values that work here: 1."
 
 
 def test_pp_above_layers_says_how_many_layers(model_config: PretrainedConfig) -> None:
@@ -489,7 +517,7 @@ def test_zero_1_over_four_ranks(model_config: PretrainedConfig) -> None:
 
 
 def test_memory_estimate_pads_the_zero_1_shard() -> None:
-    estimate = estimate_model_states(7, dp=2, tp=1, pp=1, zero_1=True)
+    estimate = estimate_model_states({"model.norm.weight": (7,)}, dp=2, tp=1, pp=1, zero_1=True)
     assert estimate.parameters == 28
     assert estimate.gradients == 28
     assert estimate.optimizer_states == 4 * 2 * 4
@@ -500,8 +528,16 @@ def test_memory_estimate_pads_the_zero_1_shard() -> None:
         "optimizer_states": 32,
         "total": 88,
     }
-    assert estimate_model_states(7, dp=2, tp=1, pp=1, zero_1=False).optimizer_states == 56
-    assert estimate_model_states(10, dp=1, tp=2, pp=2, zero_1=False).parameters == 3 * 4
+    norm = {"model.norm.weight": (7,)}
+    assert estimate_model_states(norm, dp=2, tp=1, pp=1, zero_1=False).optimizer_states == 56
+    # A sharded matrix halves over tp; a replicated norm does not.
+    shapes = {"model.layers.0.mlp.up_proj.weight": (10, 2), "model.norm.weight": (4,)}
+    assert estimate_model_states(shapes, dp=1, tp=2, pp=1, zero_1=False).parameters == 14 * 4
+    # Replicated KV heads: 2 copies of a (4, 2) projection over 4 ranks = 4 elements each.
+    kv = {"model.layers.0.self_attn.k_proj.weight": (4, 2)}
+    assert (
+        estimate_model_states(kv, dp=1, tp=4, pp=1, zero_1=False, kv_replication=2).parameters == 16
+    )
 
 
 # --- plan.json ------------------------------------------------------------------------------

@@ -25,6 +25,14 @@ from meshtrain.checkpoint.manifest import (
 )
 
 
+def drop_kv_copies(full: torch.Tensor, copies: int, head_dim: int, shape: list[int]):
+    """Keep one of each run of `copies` identical KV heads along dim 0."""
+    heads = full.shape[0] // (copies * head_dim)
+    if heads * copies * head_dim != full.shape[0]:
+        raise CheckpointError(f"cannot undo KV replication of a {list(full.shape)} tensor")
+    return full.reshape(heads, copies, head_dim, *full.shape[1:])[:, 0].reshape(shape)
+
+
 def consolidate_checkpoint(
     checkpoint: str | Path, output_dir: str | Path, *, verify: bool = True
 ) -> dict[str, Any]:
@@ -57,6 +65,9 @@ def consolidate_checkpoint(
             else:
                 parts = [shard(r, pp_rank).get_tensor(name) for r in range(tp)]
                 full = torch.cat(parts, dim=meta["tp_dim"])
+            copies = meta.get("kv_replication", 1)
+            if copies > 1:
+                full = drop_kv_copies(full, copies, meta["kv_head_dim"], meta["shape"])
             if list(full.shape) != meta["shape"]:
                 raise CheckpointError(
                     f"tensor {name} rebuilt with shape {list(full.shape)}, "

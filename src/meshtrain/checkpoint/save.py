@@ -25,6 +25,7 @@ from meshtrain.checkpoint.manifest import (
     write_json_atomic,
 )
 from meshtrain.parallel.mesh import ParallelDims
+from meshtrain.parallel.tensor_parallel import ParameterLayout, local_tensor
 from meshtrain.parallel.zero import ShardedAdamW
 
 
@@ -33,6 +34,7 @@ def save_checkpoint(
     step: int,
     *,
     model: nn.Module,
+    layouts: dict[str, ParameterLayout],
     optimizer: ShardedAdamW,
     dims: ParallelDims,
     trainer_state: dict[str, Any],
@@ -50,7 +52,7 @@ def save_checkpoint(
     if dims.dp_rank == 0:
         shard_dir = root / "shards" / shard_dir_name(dims.tp_rank, dims.pp_rank)
         shard_dir.mkdir(parents=True, exist_ok=True)
-        tensors = {n: p.detach().contiguous() for n, p in model.named_parameters()}
+        tensors = {n: local_tensor(p).detach().contiguous() for n, p in model.named_parameters()}
         save_file(tensors, shard_dir / "model.safetensors", metadata={"format": "pt"})
     if optimizer.zero_1 or dims.dp_rank == 0:
         opt_dir = root / "optimizer"
@@ -78,12 +80,7 @@ def save_checkpoint(
             "layout": trainer_state["layout"],
             "world_size": dist.get_world_size(),
             "tensors": {
-                name: {
-                    "shape": list(p.shape),
-                    "dtype": str(p.dtype).removeprefix("torch."),
-                    "tp_dim": None,
-                    "pp_rank": dims.pp_rank,
-                }
+                name: tensor_entry(p, layouts[name], dims.pp_rank)
                 for name, p in model.named_parameters()
             },
             "files": describe_files(root),
@@ -92,6 +89,22 @@ def save_checkpoint(
         prune_checkpoints(Path(run_dir), keep_last)
     dist.barrier()
     return root
+
+
+def tensor_entry(parameter: torch.Tensor, layout: ParameterLayout, pp_rank: int) -> dict:
+    """How consolidation rebuilds one tensor: its full shape, split and KV copies."""
+    shape = list(parameter.shape)  # a DTensor's shape is the global one
+    if layout.kv_replication > 1:
+        shape[0] //= layout.kv_replication  # the Hugging Face tensor has each KV head once
+    entry = {
+        "shape": shape,
+        "dtype": str(parameter.dtype).removeprefix("torch."),
+        "tp_dim": layout.tp_dim,
+        "pp_rank": pp_rank,
+    }
+    if layout.kv_replication > 1:
+        entry.update(kv_replication=layout.kv_replication, kv_head_dim=layout.head_dim)
+    return entry
 
 
 def prune_checkpoints(run_dir: Path, keep_last: int) -> None:

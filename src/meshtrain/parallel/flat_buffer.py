@@ -1,11 +1,13 @@
 """Parameters and gradients laid out in one contiguous buffer each.
 
-Every trainable parameter's storage becomes a view into `params`, and its
-`.grad` a view into `grads`, so autograd accumulates straight into the buffer
-the collectives use (no copy before the all-reduce or reduce-scatter) and the
-optimizer can work on plain slices. Matrices come first and vectors (norms,
-biases) after, so the weight-decay boundary is one offset. The buffer is
-padded to a multiple of `num_shards` so ZeRO-1 cuts it into equal pieces.
+Every trainable parameter's storage (a DTensor's local shard under tensor
+parallelism) becomes a view into `params`, and its `.grad` a view into
+`grads`, so autograd accumulates straight into the buffer the collectives
+use (no copy before the all-reduce or reduce-scatter) and the optimizer can
+work on plain slices. Parameters are ordered into runs that share a weight
+decay setting and a copy count (how many tp ranks hold each element, which
+the global gradient norm must divide out). The buffer is padded to a
+multiple of `num_shards` so ZeRO-1 cuts it into equal pieces.
 """
 
 from __future__ import annotations
@@ -14,6 +16,9 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
+
+from meshtrain.parallel.tensor_parallel import ParameterLayout, local_tensor, plain_layouts
 
 
 @dataclass(frozen=True)
@@ -24,28 +29,63 @@ class Slot:
     shape: tuple[int, ...]
 
 
+@dataclass(frozen=True)
+class Run:
+    """A contiguous range of the buffer whose parameters are treated alike."""
+
+    start: int
+    end: int
+    weight_decay: bool
+    copies: int
+
+
 class FlatParameters:
-    def __init__(self, model: nn.Module, num_shards: int = 1) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        num_shards: int = 1,
+        layouts: dict[str, ParameterLayout] | None = None,
+    ) -> None:
+        layouts = layouts or plain_layouts(model)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        # Stable order: decayed (ndim >= 2) first, then the rest, each in module order.
-        ordered = [np for np in named if np[1].ndim >= 2] + [np for np in named if np[1].ndim < 2]
+
+        def kind(item: tuple[str, torch.Tensor]) -> tuple[bool, int]:
+            name, parameter = item
+            # Matrices and embeddings are decayed; norms and biases are not.
+            return (parameter.ndim < 2, layouts[name].copies)
+
+        ordered = sorted(named, key=kind)  # stable: module order within a kind
         self.parameters = [p for _, p in ordered]
         self.slots: list[Slot] = []
+        self.runs: list[Run] = []
         offset = 0
         for name, p in ordered:
-            self.slots.append(Slot(name, offset, p.numel(), tuple(p.shape)))
-            offset += p.numel()
+            local = local_tensor(p)
+            self.slots.append(Slot(name, offset, local.numel(), tuple(local.shape)))
+            no_decay, copies = kind((name, p))
+            if self.runs and (not self.runs[-1].weight_decay, self.runs[-1].copies) == (
+                no_decay,
+                copies,
+            ):
+                last = self.runs[-1]
+                self.runs[-1] = Run(last.start, offset + local.numel(), last.weight_decay, copies)
+            else:
+                self.runs.append(Run(offset, offset + local.numel(), not no_decay, copies))
+            offset += local.numel()
         self.numel = offset
-        self.decay_numel = sum(p.numel() for _, p in ordered if p.ndim >= 2)
         self.padded_numel = -(-offset // num_shards) * num_shards
-        first = self.parameters[0]
+        first = local_tensor(self.parameters[0])
         self.params = torch.zeros(self.padded_numel, dtype=first.dtype, device=first.device)
         self.grads = torch.zeros_like(self.params)
         for slot, p in zip(self.slots, self.parameters, strict=True):
+            local = local_tensor(p)
             view = self.params[slot.offset : slot.offset + slot.numel].view(slot.shape)
-            view.copy_(p.detach())
-            p.data = view
-            p.grad = self.grads[slot.offset : slot.offset + slot.numel].view(slot.shape)
+            view.copy_(local.detach())
+            local.data = view
+            grad = self.grads[slot.offset : slot.offset + slot.numel].view(slot.shape)
+            if isinstance(p, DTensor):
+                grad = DTensor.from_local(grad, p.device_mesh, p.placements, run_check=False)
+            p.grad = grad
 
     def zero_grad(self) -> None:
         """Zero in place: the `.grad` views must keep pointing into the buffer."""
@@ -56,5 +96,6 @@ class FlatParameters:
         for slot, p in zip(self.slots, self.parameters, strict=True):
             base = self.params.data_ptr() + slot.offset * self.params.element_size()
             gbase = self.grads.data_ptr() + slot.offset * self.grads.element_size()
-            if p.data_ptr() != base or p.grad is None or p.grad.data_ptr() != gbase:
+            grad = None if p.grad is None else local_tensor(p.grad)
+            if local_tensor(p).data_ptr() != base or grad is None or grad.data_ptr() != gbase:
                 raise RuntimeError(f"parameter {slot.name} no longer lives in the flat buffer")

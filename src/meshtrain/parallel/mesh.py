@@ -43,3 +43,7 @@ class ParallelDims:
     @property
     def dp_group(self) -> dist.ProcessGroup:
         return self.mesh.get_group("dp")
+
+    @property
+    def tp_group(self) -> dist.ProcessGroup:
+        return self.mesh.get_group("tp")

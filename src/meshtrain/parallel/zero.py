@@ -34,6 +34,7 @@ class ShardedAdamW:
         group: dist.ProcessGroup | None,
         *,
         zero_1: bool,
+        norm_groups: tuple[dist.ProcessGroup, ...] = (),
         lr: float,
         betas: tuple[float, float],
         eps: float,
@@ -43,6 +44,7 @@ class ShardedAdamW:
         self.flat = flat
         self.group = group
         self.zero_1 = zero_1
+        self.norm_groups = norm_groups
         self.max_grad_norm = max_grad_norm
         size = dist.get_world_size(group) if group is not None else 1
         rank = dist.get_rank(group) if group is not None else 0
@@ -56,17 +58,18 @@ class ShardedAdamW:
             self.start, self.end = 0, flat.padded_numel
             self.grad_shard = flat.grads
 
-        # The owned range, cut at the weight-decay boundary; padding is never updated.
+        # The owned range, cut where the runs change; padding is never updated.
         groups = []
-        for lo, hi, decay in (
-            (self.start, min(self.end, flat.decay_numel), weight_decay),
-            (max(self.start, flat.decay_numel), min(self.end, flat.numel), 0.0),
-        ):
+        self._norm_pieces: list[tuple[int, int, float]] = []
+        for run in flat.runs:
+            lo, hi = max(self.start, run.start), min(self.end, run.end)
             if hi <= lo:
                 continue
             master = flat.params[lo:hi]
             master.grad = self.grad_shard[lo - self.start : hi - self.start]
+            decay = weight_decay if run.weight_decay else 0.0
             groups.append({"params": [master], "weight_decay": decay, "range": (lo, hi)})
+            self._norm_pieces.append((lo - self.start, hi - self.start, 1.0 / run.copies))
         self.optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=False)
 
     @property
@@ -90,10 +93,20 @@ class ShardedAdamW:
         return norm
 
     def global_grad_norm(self) -> torch.Tensor:
-        """L2 norm of the whole averaged gradient, from the ranges the ranks own."""
-        squares = self.grad_shard.float().pow(2).sum()
+        """L2 norm of the whole model's averaged gradient.
+
+        Each rank sums the squares of the range it owns, dividing out the
+        elements that several tp ranks hold (replicated norms, copied KV
+        heads), then the sums are added over the data-parallel ranks (when
+        ZeRO-1 split the range) and the `norm_groups` (tp, pp).
+        """
+        squares = self.grad_shard.new_zeros((), dtype=torch.float32)
+        for lo, hi, weight in self._norm_pieces:
+            squares += self.grad_shard[lo:hi].float().pow(2).sum() * weight
         if self.zero_1 and self.group is not None:
             dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=self.group)
+        for group in self.norm_groups:
+            dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=group)
         return squares.sqrt()
 
     def state_tensors(self) -> dict[str, torch.Tensor]:

@@ -16,10 +16,10 @@ import torch
 from transformers import PretrainedConfig
 
 from meshtrain.config import AUTO, RunConfig
+from meshtrain.models.llama_family import kv_replication_factor
 from meshtrain.planner.memory import estimate_model_states
 
 # What the engine can run today. The planner is the one place that knows.
-IMPLEMENTED_TENSOR_PARALLEL = False
 IMPLEMENTED_PIPELINE_PARALLEL = False
 IMPLEMENTED_ACTIVATION_CHECKPOINTING = ("none", "full")
 
@@ -134,25 +134,20 @@ def plan_run(
     layers = model_config.num_hidden_layers
 
     # Tensor parallel degrees that the model and this engine accept.
-    tp_ok = [d for d in _divisors(world) if heads % d == 0 and kv_heads % d == 0]
-    if not IMPLEMENTED_TENSOR_PARALLEL:
-        tp_ok = [1]
+    # KV heads are replicated when there are fewer than tp ranks (kv must divide tp).
+    tp_ok = [
+        d for d in _divisors(world) if heads % d == 0 and (kv_heads % d == 0 or d % kv_heads == 0)
+    ]
     tp = 1 if par.tensor_parallel_size == AUTO else par.tensor_parallel_size
-    if tp != 1 and not IMPLEMENTED_TENSOR_PARALLEL and heads % tp == 0 and world % tp == 0:
-        refusals.append(
-            Refusal(
-                "parallel.tensor_parallel_size",
-                tp,
-                "tensor parallelism is not available in this version of meshtrain yet",
-                "Use tensor_parallel_size=1.",
-            )
-        )
-    elif tp not in tp_ok:
+    if tp not in tp_ok:
         why = []
         if heads % tp:
             why.append(f"it must divide num_attention_heads={heads}")
-        if kv_heads % tp:
-            why.append(f"it must divide num_key_value_heads={kv_heads}")
+        if kv_heads % tp and tp % kv_heads:
+            why.append(
+                f"it must divide num_key_value_heads={kv_heads} or be a multiple of it "
+                "(then each KV head is replicated)"
+            )
         if world % tp:
             why.append(f"it must divide the world size {world}")
         refusals.append(
@@ -242,6 +237,17 @@ def plan_run(
                     "Use sequence_parallel=auto (or false), or tensor_parallel_size > 1.",
                 )
             )
+    if sequence_parallel and run.data.block_size % tp:
+        refusals.append(
+            Refusal(
+                "data.block_size",
+                run.data.block_size,
+                f"sequence parallelism splits each block over tensor_parallel_size={tp} ranks",
+                f"Use a block size divisible by {tp} (e.g. "
+                f"{run.data.block_size - run.data.block_size % tp or tp}), "
+                "or parallel.sequence_parallel=false.",
+            )
+        )
 
     if par.zero_1 == AUTO:
         zero_1 = dp > 1
@@ -367,7 +373,8 @@ def plan_run(
 
     from meshtrain.models import parameter_shapes  # noqa: PLC0415  (meta-device build)
 
-    num_parameters = sum(math.prod(s) for s in parameter_shapes(model_config).values())
+    shapes = parameter_shapes(model_config)
+    num_parameters = sum(math.prod(s) for s in shapes.values())
     layout = Layout(
         data_parallel_size=dp,
         tensor_parallel_size=tp,
@@ -379,7 +386,14 @@ def plan_run(
         activation_checkpointing=par.activation_checkpointing,
         activation_offloading=par.activation_offloading,
     )
-    memory = estimate_model_states(num_parameters, dp=dp, tp=tp, pp=pp, zero_1=zero_1)
+    memory = estimate_model_states(
+        shapes,
+        dp=dp,
+        tp=tp,
+        pp=pp,
+        zero_1=zero_1,
+        kv_replication=kv_replication_factor(kv_heads, tp),
+    )
     return Plan(
         layout=layout,
         world_size=world,

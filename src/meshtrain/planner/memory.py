@@ -1,15 +1,19 @@
 """Per-rank memory estimate of the model states (parameters, gradients, optimizer).
 
-Counts come from the model's real parameter shapes. What a rank holds:
-parameters and gradients for its share of the model (all of it while tp = pp
-= 1), and AdamW's two moments, divided by dp when ZeRO-1 shards them.
-Activations are left to the measured planner (a later piece).
+Counts come from the model's real parameter shapes. What a rank holds: its
+tensor-parallel share of every sharded parameter (KV projections counted
+with their replicated heads), all of every replicated one (norms), divided
+over pipeline stages; gradients of the same size; AdamW's two moments,
+divided by dp when ZeRO-1 shards them. Activations are left to the measured
+planner (a later piece).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+from meshtrain.models.llama_family import is_kv_projection, is_tensor_parallel_sharded
 
 BYTES_FP32 = 4
 ADAM_MOMENTS = 2
@@ -34,14 +38,37 @@ class MemoryEstimate:
         }
 
 
-def estimate_model_states(num_parameters: int, *, dp: int, tp: int, pp: int, zero_1: bool):
+def local_parameter_count(
+    shapes: dict[str, tuple[int, ...]], *, tp: int, kv_replication: int = 1
+) -> int:
+    """Elements of all parameters one tensor-parallel rank holds."""
+    local = 0
+    for name, shape in shapes.items():
+        numel = math.prod(shape)
+        if tp > 1 and is_tensor_parallel_sharded(name):
+            copies = kv_replication if is_kv_projection(name) else 1
+            local += math.ceil(numel * copies / tp)
+        else:
+            local += numel
+    return local
+
+
+def estimate_model_states(
+    shapes: dict[str, tuple[int, ...]],
+    *,
+    dp: int,
+    tp: int,
+    pp: int,
+    zero_1: bool,
+    kv_replication: int = 1,
+) -> MemoryEstimate:
     """Bytes per rank of fp32 parameters, fp32 gradients and AdamW moments.
 
     Parameters are fp32 in both precisions (bf16 runs under autocast), so the
     master copy is the parameter itself. ZeRO-1 pads the flat buffer to a
     multiple of dp before it shards, as the optimizer does.
     """
-    local = math.ceil(num_parameters / (tp * pp))
+    local = math.ceil(local_parameter_count(shapes, tp=tp, kv_replication=kv_replication) / pp)
     owned = math.ceil(local / dp) if zero_1 else local
     return MemoryEstimate(
         parameters=local * BYTES_FP32,

@@ -1,0 +1,141 @@
+"""The single-process reference every parallel layout must reproduce.
+
+A plain PyTorch loop, written independently of the engine's flat buffer,
+sharded optimizer and parallel styles: a Hugging Face model, torch AdamW with
+the usual decay groups, `clip_grad_norm_`, the whole global batch in one
+forward. Only the sample order (the sampler), the model builder and the LR
+schedule are shared with the engine, and each has its own tests.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import datasets
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from meshtrain.checkpoint import consolidate_checkpoint
+from meshtrain.config import RunConfig
+from meshtrain.data.blocks import BlockStore, arrow_files
+from meshtrain.data.sampler import GlobalBatchSampler
+from meshtrain.models import build_model, build_model_config
+from meshtrain.planner import plan_run
+from meshtrain.schedule import warmup_cosine
+from meshtrain.training import make_worker_spec
+from meshtrain.worker import WorkerSpec
+from tests.conftest import TINY_BLOCK, TINY_VOCAB
+
+STEPS = 6
+GLOBAL_BATCH = 8
+TRAINING = {
+    "max_steps": STEPS,
+    "learning_rate": 1e-2,
+    "warmup_steps": 2,
+    "weight_decay": 0.1,
+    "max_grad_norm": 0.5,  # small enough that clipping is active
+    # Adam divides by sqrt(v) + eps: for a gradient element of ~1e-9 (Qwen3's per-head
+    # norms make some), eps=1e-8 turns its last-bit reordering noise into a visible
+    # update difference. 1e-5 keeps the comparison about the parallelism, not that.
+    "adam_epsilon": 1e-5,
+    "seed": 7,
+    "log_every": 1,
+    "checkpoint_every": 100,
+    "eval_batches": 2,
+}
+
+
+def reference_run(
+    blocks: datasets.DatasetDict, architecture: str, fields: dict[str, Any]
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    config = build_model_config(architecture, fields, vocab_size=TINY_VOCAB)
+    model = build_model(config, seed=TRAINING["seed"])
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    optimizer = torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": TRAINING["weight_decay"]},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        lr=TRAINING["learning_rate"],
+        betas=(0.9, 0.95),
+        eps=TRAINING["adam_epsilon"],
+    )
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        partial(warmup_cosine, warmup_steps=2, max_steps=STEPS, min_ratio=0.1),
+    )
+    store = BlockStore(arrow_files(blocks["train"]))
+    sampler = GlobalBatchSampler(len(store), GLOBAL_BATCH, TRAINING["seed"])
+    losses = []
+    for step in range(STEPS):
+        ids = store.batch(sampler.global_indices(step))
+        logits = model(input_ids=ids).logits
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, TINY_VOCAB), ids[:, 1:].reshape(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), TRAINING["max_grad_norm"])
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def make_spec(
+    blocks: datasets.DatasetDict,
+    out: Path,
+    name: str,
+    *,
+    world: int,
+    parallel: dict[str, Any],
+    training: dict[str, Any],
+    architecture: str,
+    fields: dict[str, Any],
+) -> WorkerSpec:
+    run = RunConfig.from_params(
+        parallel=parallel,
+        training={**TRAINING, **training, "output_dir": str(out), "run_name": name},
+        launch={"nproc_per_node": world},
+        model={"architecture": architecture, "config": fields},
+        data={"block_size": TINY_BLOCK},
+    )
+    config = build_model_config(architecture, fields, vocab_size=TINY_VOCAB)
+    plan = plan_run(
+        run,
+        config,
+        num_train_blocks=len(blocks["train"]),
+        num_validation_blocks=len(blocks["validation"]),
+        cuda_available=False,
+    )
+    assert plan.global_batch_size == GLOBAL_BATCH
+    return make_worker_spec(
+        run,
+        plan,
+        train_files=arrow_files(blocks["train"]),
+        validation_files=arrow_files(blocks["validation"]),
+        tokenizer_dir=None,
+    )
+
+
+def assert_matches_reference(
+    name: str,
+    summary: dict[str, Any],
+    expected_losses: list[float],
+    expected_weights: dict[str, torch.Tensor],
+    consolidated_dir: Path,
+) -> None:
+    """Losses per step and the consolidated weights agree with one process to 1e-5 relative."""
+    losses = [loss for _, loss in summary["losses"]]
+    assert len(losses) == STEPS, name
+    for step, (got, want) in enumerate(zip(losses, expected_losses, strict=True)):
+        assert abs(got - want) / abs(want) <= 1e-5, f"{name} step {step}: {got} vs {want}"
+    consolidate_checkpoint(summary["final_checkpoint"], consolidated_dir)
+    weights = load_file(consolidated_dir / "model.safetensors")
+    assert weights.keys() == expected_weights.keys(), name
+    for key, want in expected_weights.items():
+        assert weights[key].shape == want.shape, f"{name} {key}"
+        rel = (weights[key] - want).norm() / want.norm()
+        assert rel <= 1e-5, f"{name} {key}: relative difference {rel:.2e}"
