@@ -91,7 +91,9 @@ def test_mlflow_run_holds_layout_params_and_metrics(project: Path, default_run):
 
     client = mlflow.tracking.MlflowClient(tracking_uri=f"sqlite:///{project / 'mlflow.db'}")
     experiment = client.get_experiment_by_name("meshtrain")
-    runs = client.search_runs([experiment.experiment_id])
+    runs = client.search_runs(
+        [experiment.experiment_id], "tags.mlflow.runName = 'dp2-tp1-pp1-zero1'"
+    )
     assert len(runs) == 1
     run = runs[0]
     assert run.info.status == "FINISHED"
@@ -165,3 +167,54 @@ def test_impossible_layout_stops_before_any_worker(project: Path, default_run):
     assert "Values that work here: 1" in output
     assert "[rank0]" not in output
     assert sorted(p.name for p in checkpoints.iterdir()) == before
+
+
+def _weights(folder: Path) -> dict[str, torch.Tensor]:
+    return load_file(folder / "model.safetensors")
+
+
+@pytest.mark.slow
+def test_tensor_parallel_run_is_tracked_and_equals_the_single_process_run(
+    project: Path, default_run
+):
+    """`--params parallel.tensor_parallel_size=2` trains, consolidates and evaluates, MLflow
+    shows tp=2 with sequence parallelism, and its weights equal a one-process run's."""
+    # Same global batch (4) in both: tp=2 leaves dp=1, as does one process.
+    common = SMALL_RUN + ",training.adam_epsilon=1e-5"
+    tp2 = kedro_run(
+        project,
+        "--from-nodes",
+        "plan_layout",
+        "--params",
+        common + ",parallel.tensor_parallel_size=2,consolidation.output_dir=data/06_models/tp2",
+    )
+    assert tp2.returncode == 0, tp2.stdout[-3000:] + tp2.stderr[-5000:]
+    metrics = json.loads((project / "data/08_reporting/metrics.json").read_text())
+    assert metrics["layout"] == "dp1-tp2-pp1-sp"
+    assert metrics["val_perplexity"] < metrics["initial_val_perplexity"]
+    single = kedro_run(
+        project,
+        "--from-nodes",
+        "plan_layout",
+        "--params",
+        common + ",launch.nproc_per_node=1,consolidation.output_dir=data/06_models/tp1",
+    )
+    assert single.returncode == 0, single.stdout[-3000:] + single.stderr[-5000:]
+
+    import mlflow
+
+    client = mlflow.tracking.MlflowClient(tracking_uri=f"sqlite:///{project / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("meshtrain")
+    (run,) = client.search_runs(
+        [experiment.experiment_id], "tags.mlflow.runName = 'dp1-tp2-pp1-sp'"
+    )
+    assert run.data.params["parallel.tensor_parallel_size"] == "2"
+    assert run.data.params["parallel.sequence_parallel"] == "True"
+    assert "eval/val_perplexity" in run.data.metrics
+
+    expected = _weights(project / "data/06_models/tp1")
+    got = _weights(project / "data/06_models/tp2")
+    assert got.keys() == expected.keys()
+    for key, want in expected.items():
+        assert got[key].shape == want.shape
+        assert (got[key] - want).norm() / want.norm() <= 1e-5, key
