@@ -30,8 +30,12 @@ class ParallelConfig:
     data_parallel_size: int | Literal["auto"] = AUTO
     tensor_parallel_size: int | Literal["auto"] = 1
     pipeline_parallel_size: int | Literal["auto"] = 1
-    pipeline_parallel_num_microbatches: int = 1
+    pipeline_parallel_num_microbatches: int | Literal["auto"] = AUTO
     pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
+    # Virtual stages per rank for interleaved 1F1B (ignored by the other schedules).
+    pipeline_parallel_virtual_stages: int = 2
+    # Decoder layers per stage, to pin an uneven split; null = balanced.
+    pipeline_parallel_layers: list[int] | None = None
     sequence_parallel: bool | Literal["auto"] = AUTO
     zero_1: bool | Literal["auto"] = AUTO
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
@@ -116,6 +120,7 @@ _POSITIVE_INTS = {
     "tensor_parallel_size",
     "pipeline_parallel_size",
     "pipeline_parallel_num_microbatches",
+    "pipeline_parallel_virtual_stages",
     "per_device_train_batch_size",
     "gradient_accumulation_steps",
     "max_steps",
@@ -199,10 +204,14 @@ def _try(value: Any, option: Any) -> tuple[bool, Any]:
     if option is str:
         return isinstance(value, str), value
     if origin is list:
+        (item,) = typing.get_args(option)
         if isinstance(value, str):
-            value = [value]
-        if isinstance(value, list | tuple) and all(isinstance(v, str) for v in value):
-            return True, list(value)
+            value = [v.strip() for v in value.strip("[]").split(",")] if item is int else [value]
+        if not isinstance(value, list | tuple):
+            return False, None
+        items = [_try(v, item) for v in value]
+        if all(ok for ok, _ in items):
+            return True, [converted for _, converted in items]
         return False, None
     if origin is dict:
         return isinstance(value, dict), dict(value) if isinstance(value, dict) else None

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import resource
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import partial
@@ -18,25 +17,17 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.elastic.multiprocessing.errors import record
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import loss_parallel
 
 from meshtrain.checkpoint.save import save_checkpoint
 from meshtrain.config import RunConfig
 from meshtrain.data.blocks import BlockStore
 from meshtrain.data.sampler import GlobalBatchSampler
 from meshtrain.models import build_model, config_from_dict
-from meshtrain.models.llama_family import kv_replication_factor
 from meshtrain.parallel.flat_buffer import FlatParameters
 from meshtrain.parallel.mesh import ParallelDims
-from meshtrain.parallel.tensor_parallel import (
-    TensorParallelGradSync,
-    apply_tensor_parallel,
-    plain_layouts,
-)
 from meshtrain.parallel.zero import ShardedAdamW
+from meshtrain.parallelize import ParallelModel, parallelize
 from meshtrain.planner import Plan
 from meshtrain.schedule import warmup_cosine
 from meshtrain.tracking import MetricsLogger, TrackingTarget
@@ -85,21 +76,6 @@ def worker_main_sequence(specs: list[WorkerSpec]) -> list[dict[str, Any] | None]
         dist.destroy_process_group()
 
 
-def causal_lm_loss(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy over every position of the batch, in fp32.
-
-    The labels are shifted (the last position ignored) rather than the logits
-    sliced, so vocabulary-sharded DTensor logits go through unchanged.
-    """
-    labels = F.pad(input_ids[:, 1:], (0, 1), value=-100)
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
-
-
-def as_local(value: torch.Tensor) -> torch.Tensor:
-    """A replicated DTensor's value as a plain tensor (plain tensors pass through)."""
-    return value.full_tensor() if isinstance(value, DTensor) else value
-
-
 def _rss_mb() -> tuple[float, float]:
     """(current, peak) resident memory of this process in MiB."""
     with open("/proc/self/statm") as handle:
@@ -127,31 +103,25 @@ def train(spec: WorkerSpec) -> dict[str, Any] | None:
     )
     model_config = config_from_dict(plan.model_config)
     model = build_model(model_config, seed=cfg.seed, init_from=run.model.init_from).to(device)
-    # The fixed order: tensor/sequence parallel -> activation checkpointing -> data parallel.
-    tp_sync = None
-    if dims.tp > 1:
-        kv_replication = kv_replication_factor(model_config.num_key_value_heads, dims.tp)
-        layouts = apply_tensor_parallel(
-            model,
-            dims.mesh["tp"],
-            sequence_parallel=layout.sequence_parallel,
-            kv_replication=kv_replication,
-        )
-        tp_sync = TensorParallelGradSync(model, layouts, dims.mesh, kv_replication)
-    else:
-        layouts = plain_layouts(model)
-    if layout.activation_checkpointing == "full":
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.train()
-    # Cross-entropy on vocabulary-sharded logits: the full logits never exist on one rank.
-    loss_context = loss_parallel if dims.tp > 1 else nullcontext
+    autocast = partial(
+        torch.autocast,
+        device_type=device.type,
+        dtype=torch.bfloat16,
+        enabled=cfg.mixed_precision == "bf16",
+    )
+    pm = parallelize(model, dims, layout, device, autocast)
+    del model  # only this rank's stages are kept
+    pm.set_training(True)
 
-    flat = FlatParameters(model, num_shards=dims.dp, layouts=layouts)
+    flat = FlatParameters(pm.parameters.items(), num_shards=dims.dp, layouts=pm.layouts)
+    norm_groups = tuple(
+        dims.mesh.get_group(name) for name in ("tp", "pp") if dims.mesh[name].size() > 1
+    )
     optimizer = ShardedAdamW(
         flat,
         dims.dp_group,
         zero_1=layout.zero_1,
-        norm_groups=(dims.tp_group,) if dims.tp > 1 else (),
+        norm_groups=norm_groups,
         lr=cfg.learning_rate,
         betas=(cfg.adam_beta1, cfg.adam_beta2),
         eps=cfg.adam_epsilon,
@@ -176,12 +146,6 @@ def train(spec: WorkerSpec) -> dict[str, Any] | None:
         if rank == 0 and spec.mlflow_run_id
         else None
     )
-    autocast = partial(
-        torch.autocast,
-        device_type=device.type,
-        dtype=torch.bfloat16,
-        enabled=cfg.mixed_precision == "bf16",
-    )
     run_dir = Path(spec.run_dir)
     state_bytes = (
         flat.params.numel() + flat.grads.numel() + 2 * optimizer.owned_numel
@@ -190,15 +154,14 @@ def train(spec: WorkerSpec) -> dict[str, Any] | None:
     def evaluate() -> float | None:
         if validation_blocks is None or cfg.eval_batches == 0:
             return None
-        with loss_context():
-            return evaluate_loss(model, validation_blocks, dims, cfg, autocast, device)
+        return evaluate_loss(pm, validation_blocks, cfg, device)
 
     def checkpoint(step: int) -> Path:
         return save_checkpoint(
             run_dir,
             step,
-            model=model,
-            layouts=layouts,
+            parameters=pm.parameters,
+            layouts=pm.layouts,
             optimizer=optimizer,
             dims=dims,
             trainer_state={
@@ -209,7 +172,7 @@ def train(spec: WorkerSpec) -> dict[str, Any] | None:
                 "seed": cfg.seed,
                 "lr_schedule": schedule.state_dict(),
             },
-            model_config=model.config,
+            model_config=pm.hf_config,
             tokenizer_dir=Path(spec.tokenizer_dir) if spec.tokenizer_dir else None,
             keep_last=cfg.keep_last,
         )
@@ -242,21 +205,18 @@ def train(spec: WorkerSpec) -> dict[str, Any] | None:
         loss_sum = torch.zeros((), device=device)
         for indices in microbatches:
             input_ids = train_blocks.batch(indices).to(device, non_blocking=True)
-            with loss_context():
-                with autocast():
-                    logits = model(input_ids=input_ids).logits
-                loss = causal_lm_loss(logits, input_ids) / len(microbatches)
-                loss.backward()
-            loss_sum += as_local(loss.detach())
-        if tp_sync is not None:
-            tp_sync()
+            loss_sum += pm.train_batch(input_ids, len(microbatches))
+        pm.synchronize_tensor_parallel_gradients()
         grad_norm = optimizer.step()
         schedule.step()
         flat.zero_grad()
         done = step + 1
 
         if done % cfg.log_every == 0 or done == cfg.max_steps:
-            # The only per-step host sync: the loss mean over data-parallel ranks.
+            # The only per-step host sync: the loss, from the last pipeline stage, averaged
+            # over the data-parallel ranks.
+            if dims.pp > 1:
+                dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM, group=dims.pp_group)
             dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM, group=dims.dp_group)
             global_loss = loss_sum.item() / dims.dp
             elapsed = time.perf_counter() - step_start
@@ -328,32 +288,35 @@ def train(spec: WorkerSpec) -> dict[str, Any] | None:
 
 
 @torch.no_grad()
-def evaluate_loss(
-    model: torch.nn.Module,
-    blocks: BlockStore,
-    dims: ParallelDims,
-    cfg: Any,
-    autocast: Any,
-    device: torch.device,
-) -> float:
+def evaluate_loss(pm: ParallelModel, blocks: BlockStore, cfg: Any, device: torch.device) -> float:
     """Token-weighted mean loss over the first `eval_batches` global batches of validation.
 
     Every data-parallel rank scores a contiguous slice and the sums are
-    all-reduced, so the number does not depend on the layout.
+    all-reduced (over the pipeline too: only the last stage has losses), so
+    the number does not depend on the layout. Batches are the per-device
+    training batch, whole ones only under pipeline parallelism (the schedule
+    cuts them into its microbatches).
     """
-    model.eval()
+    dims = pm.dims
+    pm.set_training(False)
     per_rank = cfg.per_device_train_batch_size
     count = min(len(blocks), cfg.eval_batches * per_rank * dims.dp)
     share = -(-count // dims.dp)
     lo, hi = dims.dp_rank * share, min(count, (dims.dp_rank + 1) * share)
+    if pm.runner is not None:
+        share = share // per_rank * per_rank
+        hi = lo + share if lo + share <= len(blocks) else lo
     totals = torch.zeros(2, dtype=torch.float64, device=device)
     for start in range(lo, hi, per_rank):
         input_ids = blocks.batch(list(range(start, min(hi, start + per_rank)))).to(device)
-        with autocast():
-            logits = model(input_ids=input_ids).logits
         tokens = input_ids[:, 1:].numel()
-        totals[0] += as_local(causal_lm_loss(logits, input_ids)).double() * tokens
+        totals[0] += pm.eval_batch(input_ids).double() * tokens
         totals[1] += tokens
+    if dims.pp > 1:
+        # Token counts are known on every stage; losses only on the last.
+        loss = totals[:1].clone()
+        dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=dims.pp_group)
+        totals[0] = loss[0]
     dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=dims.dp_group)
-    model.train()
-    return (totals[0] / totals[1]).item()
+    pm.set_training(True)
+    return (totals[0] / totals[1]).item() if totals[1] > 0 else float("nan")

@@ -192,11 +192,11 @@ REFUSALS = [
         id="pp-more-than-layers",
     ),
     pytest.param(
-        {"parallel": {"pipeline_parallel_size": 2}},
-        "parallel.pipeline_parallel_size",
-        "1",
-        {"parallel": {"pipeline_parallel_size": 1}},
-        id="pp-not-implemented",
+        {"parallel": {"pipeline_parallel_size": 2, "pipeline_parallel_num_microbatches": 1}},
+        "parallel.pipeline_parallel_num_microbatches",
+        "2",
+        {"parallel": {"pipeline_parallel_size": 2, "pipeline_parallel_num_microbatches": 2}},
+        id="1f1b-fewer-microbatches-than-stages",
     ),
     pytest.param(
         {"parallel": {"data_parallel_size": 4}},
@@ -323,7 +323,7 @@ def test_pp_above_layers_says_how_many_layers(model_config: PretrainedConfig) ->
     refusal = _refusal(error, "parallel.pipeline_parallel_size")
     assert refusal.value == 8
     assert "num_hidden_layers=4" in refusal.reason
-    assert refusal.fix == "Values that work here: 1."
+    assert refusal.fix == "Values that work here: 1, 2, 4."
 
 
 def test_dp_mismatch_reports_the_product(model_config: PretrainedConfig) -> None:
@@ -634,3 +634,94 @@ def test_a_plan_with_another_backend_is_stale() -> None:
     replanned = dataclasses.replace(stored, backend="nccl")
     with pytest.raises(ValueError, match="kedro run --pipeline planning"):
         check_plan_is_current(stored, replanned)
+
+
+# --- pipeline parallelism -------------------------------------------------------------------
+
+
+def test_pipeline_plans_balanced_stages_and_auto_microbatches(model_config) -> None:
+    plan = _plan(model_config, parallel={"pipeline_parallel_size": 2})
+    layout = plan.layout
+    assert layout.pipeline_parallel_layers == [2, 2]
+    assert layout.pipeline_parallel_num_microbatches == 4  # 2 per stage, divides batch 8
+    assert layout.name == "dp1-tp1-pp2-1f1b-mb4"
+
+
+def test_interleaving_splits_layers_over_virtual_stages(model_config) -> None:
+    plan = _plan(
+        model_config,
+        parallel={"pipeline_parallel_size": 2, "pipeline_schedule": "interleaved_1f1b"},
+    )
+    assert plan.layout.pipeline_parallel_layers == [1, 1, 1, 1]
+    assert plan.layout.num_stages == 4
+    assert plan.layout.name == "dp1-tp1-pp2-interleaved_1f1b-v2-mb4"
+
+
+def test_interleaving_without_enough_layers_is_refused(model_config) -> None:
+    error = _refusals(
+        model_config,
+        parallel={
+            "pipeline_parallel_size": 2,
+            "pipeline_schedule": "interleaved_1f1b",
+            "pipeline_parallel_virtual_stages": 3,
+        },
+    )
+    refusal = _refusal(error, "parallel.pipeline_parallel_virtual_stages")
+    assert "Use at most 2 virtual stages" in refusal.fix
+
+
+def test_interleaving_needs_microbatches_in_rounds_of_pp(model_config) -> None:
+    error = _refusals(
+        model_config,
+        parallel={
+            "pipeline_parallel_size": 2,
+            "pipeline_schedule": "interleaved_1f1b",
+            "pipeline_parallel_num_microbatches": 1,
+        },
+    )
+    assert _refusal(error, "parallel.pipeline_parallel_num_microbatches")
+
+
+def test_microbatches_must_divide_the_batch(model_config) -> None:
+    error = _refusals(
+        model_config,
+        parallel={"pipeline_parallel_size": 2, "pipeline_parallel_num_microbatches": 3},
+    )
+    refusal = _refusal(error, "parallel.pipeline_parallel_num_microbatches")
+    assert "1, 2, 4, 8" in refusal.fix
+
+
+def test_gpipe_accepts_fewer_microbatches_than_stages(model_config) -> None:
+    plan = _plan(
+        model_config,
+        parallel={
+            "pipeline_parallel_size": 2,
+            "pipeline_schedule": "gpipe",
+            "pipeline_parallel_num_microbatches": 1,
+        },
+    )
+    assert plan.layout.pipeline_parallel_num_microbatches == 1
+
+
+def test_pinned_layer_split_is_checked(model_config) -> None:
+    plan = _plan(
+        model_config,
+        parallel={"pipeline_parallel_size": 2, "pipeline_parallel_layers": [1, 3]},
+    )
+    assert plan.layout.pipeline_parallel_layers == [1, 3]
+    error = _refusals(
+        model_config,
+        parallel={"pipeline_parallel_size": 2, "pipeline_parallel_layers": [1, 2]},
+    )
+    assert "[2, 2]" in _refusal(error, "parallel.pipeline_parallel_layers").fix
+
+
+def test_tied_embeddings_with_pipeline_are_refused() -> None:
+    config = build_model_config("llama", {**SHAPE, "tie_word_embeddings": True}, vocab_size=VOCAB)
+    error = _refusals(config, parallel={"pipeline_parallel_size": 2})
+    assert "tie" in _refusal(error, "parallel.pipeline_parallel_size").reason
+
+
+def test_microbatch_count_from_params_strings() -> None:
+    run = RunConfig.from_params(parallel={"pipeline_parallel_layers": "[1, 3]"})
+    assert run.parallel.pipeline_parallel_layers == [1, 3]

@@ -10,7 +10,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
-from torch import nn
 from transformers import PretrainedConfig
 
 from meshtrain.checkpoint.manifest import (
@@ -33,7 +32,7 @@ def save_checkpoint(
     run_dir: Path,
     step: int,
     *,
-    model: nn.Module,
+    parameters: dict[str, torch.Tensor],
     layouts: dict[str, ParameterLayout],
     optimizer: ShardedAdamW,
     dims: ParallelDims,
@@ -52,7 +51,7 @@ def save_checkpoint(
     if dims.dp_rank == 0:
         shard_dir = root / "shards" / shard_dir_name(dims.tp_rank, dims.pp_rank)
         shard_dir.mkdir(parents=True, exist_ok=True)
-        tensors = {n: local_tensor(p).detach().contiguous() for n, p in model.named_parameters()}
+        tensors = {n: local_tensor(p).detach().contiguous() for n, p in parameters.items()}
         save_file(tensors, shard_dir / "model.safetensors", metadata={"format": "pt"})
     if optimizer.zero_1 or dims.dp_rank == 0:
         opt_dir = root / "optimizer"
@@ -70,25 +69,38 @@ def save_checkpoint(
         write_json_atomic(root / "trainer_state.json", trainer_state)
         if tokenizer_dir is not None:
             shutil.copytree(tokenizer_dir, root / "tokenizer", dirs_exist_ok=True)
-    dist.barrier()
+    # Every stage's tensors go in the one manifest: gather their entries (JSON-able dicts).
+    mine = (
+        {n: tensor_entry(p, layouts[n], dims.pp_rank) for n, p in parameters.items()}
+        if dims.dp_rank == 0 and dims.tp_rank == 0
+        else {}
+    )
+    gathered: list[dict] = [{} for _ in range(dist.get_world_size())]
+    dist.all_gather_object(gathered, mine)
 
     if rank == 0:
+        entries = {name: entry for part in gathered for name, entry in part.items()}
         manifest = {
             "format": FORMAT,
             "version": FORMAT_VERSION,
             "step": step,
             "layout": trainer_state["layout"],
             "world_size": dist.get_world_size(),
-            "tensors": {
-                name: tensor_entry(p, layouts[name], dims.pp_rank)
-                for name, p in model.named_parameters()
-            },
+            "tensors": dict(sorted(entries.items(), key=lambda item: _hf_order(item[0]))),
             "files": describe_files(root),
         }
         mark_complete(root, manifest)
         prune_checkpoints(Path(run_dir), keep_last)
     dist.barrier()
     return root
+
+
+def _hf_order(name: str) -> tuple:
+    """Embedding, layers by number, final norm, LM head: the order people read them in."""
+    parts = name.split(".")
+    if "layers" in parts:
+        return (1, int(parts[parts.index("layers") + 1]), name)
+    return (0 if "embed" in name else 2 if "norm" in name else 3, 0, name)
 
 
 def tensor_entry(parameter: torch.Tensor, layout: ParameterLayout, pp_rank: int) -> dict:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -27,25 +27,34 @@ from torch.distributed.tensor.parallel import (
 )
 
 
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    return model.model.layers
+def decoder_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(index as named in Hugging Face, layer) for the decoder layers this module holds.
+
+    A whole model holds all of them in a ModuleList; a pipeline stage holds
+    its share in a ModuleDict keyed by the same indices, so names still match.
+    """
+    return list(model.model.layers.named_children())
 
 
 def tensor_parallel_plan(model: nn.Module, *, sequence_parallel: bool) -> dict[str, ParallelStyle]:
-    """Module name -> parallel style, for `parallelize_module` on the tp mesh."""
+    """Module name -> parallel style, for `parallelize_module` on the tp mesh.
+
+    Works on a whole model or on a pipeline stage (only the parts it holds).
+    """
     sp = sequence_parallel
     residual = Shard(1) if sp else Replicate()
-    plan: dict[str, ParallelStyle] = {
-        "model.embed_tokens": RowwiseParallel(
+    plan: dict[str, ParallelStyle] = {}
+    if hasattr(model.model, "embed_tokens"):
+        plan["model.embed_tokens"] = RowwiseParallel(
             input_layouts=Replicate(), output_layouts=residual, use_local_output=not sp
-        ),
-        "lm_head": ColwiseParallel(
+        )
+    if hasattr(model, "lm_head"):
+        plan["lm_head"] = ColwiseParallel(
             input_layouts=residual, output_layouts=Shard(-1), use_local_output=False
-        ),
-    }
-    if sp:
+        )
+    if sp and hasattr(model.model, "norm"):
         plan["model.norm"] = SequenceParallel()
-    for index in range(len(decoder_layers(model))):
+    for index, _ in decoder_layers(model):
         layer = f"model.layers.{index}"
         for name in ("q_proj", "k_proj", "v_proj"):
             plan[f"{layer}.self_attn.{name}"] = ColwiseParallel()
@@ -103,7 +112,7 @@ def replicate_kv_heads(model: nn.Module, factor: int) -> list[str]:
     if factor == 1:
         return []
     names = []
-    for index, layer in enumerate(decoder_layers(model)):
+    for index, layer in decoder_layers(model):
         attention = layer.self_attn
         head_dim = attention.head_dim
         for proj_name in ("k_proj", "v_proj"):
@@ -140,7 +149,7 @@ def head_local_parameters(model: nn.Module) -> dict[str, str]:
     own heads, so the ranks' gradients must be summed. Returns name -> "q"/"k".
     """
     found = {}
-    for index, layer in enumerate(decoder_layers(model)):
+    for index, layer in decoder_layers(model):
         for kind in ("q", "k"):
             norm = getattr(layer.self_attn, f"{kind}_norm", None)
             if norm is not None and getattr(norm, "weight", None) is not None:
@@ -170,3 +179,53 @@ def is_tensor_parallel_sharded(name: str) -> bool:
 
 def is_kv_projection(name: str) -> bool:
     return name.endswith(("k_proj.weight", "v_proj.weight", "k_proj.bias", "v_proj.bias"))
+
+
+class LlamaStage(nn.Module):
+    """One pipeline stage of a Llama-family causal LM, with Hugging Face parameter names.
+
+    The first stage holds the embedding, the last the final norm and LM head;
+    every stage holds the rotary embedding (no parameters) and computes the
+    positions of the whole block itself. Between stages travel plain tensors:
+    with sequence parallelism, this rank's sequence shard, rewrapped as a
+    DTensor on arrival. The last stage returns its vocabulary shard of the
+    logits for `loss_parallel`.
+    """
+
+    def __init__(
+        self, model: nn.Module, layer_ids: range, *, is_first: bool, is_last: bool
+    ) -> None:
+        super().__init__()
+        self.config = model.config
+        self.is_first, self.is_last = is_first, is_last
+        self.model = nn.Module()
+        if is_first:
+            self.model.embed_tokens = model.model.embed_tokens
+        self.model.layers = nn.ModuleDict({str(i): model.model.layers[i] for i in layer_ids})
+        self.model.rotary_emb = model.model.rotary_emb
+        if is_last:
+            self.model.norm = model.model.norm
+            self.lm_head = model.lm_head
+        self.tp_mesh = None
+        self.sequence_parallel = False
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        if self.is_first:
+            hidden = self.model.embed_tokens(inputs)
+        elif self.sequence_parallel:
+            hidden = DTensor.from_local(inputs, self.tp_mesh, [Shard(1)], run_check=False)
+        else:
+            hidden = inputs
+        positions = torch.arange(hidden.shape[1], device=inputs.device).unsqueeze(0)
+        position_embeddings = self.model.rotary_emb(hidden, positions)
+        for layer in self.model.layers.values():
+            # No mask: sdpa then applies the causal mask itself, as HF does for unpadded blocks.
+            hidden = layer(
+                hidden,
+                attention_mask=None,
+                position_ids=positions,
+                position_embeddings=position_embeddings,
+            )
+        if self.is_last:
+            hidden = self.lm_head(self.model.norm(hidden))
+        return hidden.to_local() if isinstance(hidden, DTensor) else hidden

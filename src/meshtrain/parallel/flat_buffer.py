@@ -12,6 +12,7 @@ multiple of `num_shards` so ZeRO-1 cuts it into equal pieces.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -42,12 +43,16 @@ class Run:
 class FlatParameters:
     def __init__(
         self,
-        model: nn.Module,
+        parameters: nn.Module | Iterable[tuple[str, torch.Tensor]],
         num_shards: int = 1,
         layouts: dict[str, ParameterLayout] | None = None,
     ) -> None:
-        layouts = layouts or plain_layouts(model)
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        """`parameters`: a module, or (name, parameter) pairs (e.g. of several stages)."""
+        if isinstance(parameters, nn.Module):
+            layouts = layouts or plain_layouts(parameters)
+            parameters = parameters.named_parameters()
+        named = [(n, p) for n, p in parameters if p.requires_grad]
+        layouts = layouts or {n: ParameterLayout(n, None, 1) for n, _ in named}
 
         def kind(item: tuple[str, torch.Tensor]) -> tuple[bool, int]:
             name, parameter = item

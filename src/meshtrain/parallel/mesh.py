@@ -47,3 +47,7 @@ class ParallelDims:
     @property
     def tp_group(self) -> dist.ProcessGroup:
         return self.mesh.get_group("tp")
+
+    @property
+    def pp_group(self) -> dist.ProcessGroup:
+        return self.mesh.get_group("pp")

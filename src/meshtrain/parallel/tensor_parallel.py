@@ -51,12 +51,12 @@ def apply_tensor_parallel(
         tp_mesh,
         llama_family.tensor_parallel_plan(model, sequence_parallel=sequence_parallel),
     )
-    if tied:
+    if tied and hasattr(model, "lm_head") and hasattr(model.model, "embed_tokens"):
         # parallelize_module gave each module its own DTensor; both are vocab-sharded
         # on dim 0, so re-tying keeps one parameter whose gradient sums both uses.
         model.lm_head.weight = model.model.embed_tokens.weight
     head_local = llama_family.head_local_parameters(model)
-    head_dim = llama_family.decoder_layers(model)[0].self_attn.head_dim
+    head_dim = llama_family.decoder_layers(model)[0][1].self_attn.head_dim
     tp = tp_mesh.size()
     layouts = {}
     for name, parameter in model.named_parameters():
@@ -89,12 +89,11 @@ class TensorParallelGradSync:
 
     def __init__(
         self,
-        model: nn.Module,
+        params: dict[str, torch.Tensor],
         layouts: dict[str, ParameterLayout],
         mesh: DeviceMesh,
         kv_replication: int,
     ) -> None:
-        params = dict(model.named_parameters())
         self.tp_group = mesh.get_group("tp") if mesh["tp"].size() > 1 else None
         self.head_local = [
             (params[n], 1.0 if layout.head_local == "q" else 1.0 / kv_replication)

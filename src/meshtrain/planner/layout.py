@@ -20,7 +20,6 @@ from meshtrain.models.llama_family import kv_replication_factor
 from meshtrain.planner.memory import estimate_model_states
 
 # What the engine can run today. The planner is the one place that knows.
-IMPLEMENTED_PIPELINE_PARALLEL = False
 IMPLEMENTED_ACTIVATION_CHECKPOINTING = ("none", "full")
 
 
@@ -37,6 +36,12 @@ class Layout:
     zero_1: bool
     activation_checkpointing: str
     activation_offloading: bool
+    pipeline_parallel_virtual_stages: int = 1
+    pipeline_parallel_layers: list[int] | None = None  # decoder layers per stage, in order
+
+    @property
+    def num_stages(self) -> int:
+        return self.pipeline_parallel_size * self.pipeline_parallel_virtual_stages
 
     @property
     def name(self) -> str:
@@ -51,7 +56,10 @@ class Layout:
         if self.sequence_parallel:
             parts.append("sp")
         if self.pipeline_parallel_size > 1:
-            parts.append(f"{self.pipeline_schedule}-mb{self.pipeline_parallel_num_microbatches}")
+            schedule = self.pipeline_schedule
+            if schedule == "interleaved_1f1b":
+                schedule += f"-v{self.pipeline_parallel_virtual_stages}"
+            parts.append(f"{schedule}-mb{self.pipeline_parallel_num_microbatches}")
         if self.activation_checkpointing != "none":
             parts.append(f"ac-{self.activation_checkpointing}")
         return "-".join(parts)
@@ -115,6 +123,119 @@ def _fmt(values: list[int]) -> str:
     return ", ".join(str(v) for v in values) if values else "none"
 
 
+def balanced_split(layers: int, stages: int) -> list[int]:
+    """Decoder layers per stage, as even as possible (earlier stages take the remainder)."""
+    base, extra = divmod(layers, stages)
+    return [base + (1 if i < extra else 0) for i in range(stages)]
+
+
+def _plan_pipeline(
+    par: Any,
+    pp: int,
+    layers: int,
+    batch: int,
+    model_config: PretrainedConfig,
+    refusals: list[Refusal],
+    notes: list[str],
+) -> tuple[int, int, list[int] | None]:
+    """Microbatches, virtual stages and the layer split; refusals for what cannot run."""
+    requested = par.pipeline_parallel_num_microbatches
+    if pp == 1:
+        if requested not in (AUTO, 1):
+            notes.append(
+                f"parallel.pipeline_parallel_num_microbatches={requested} has no effect without "
+                "pipeline parallelism; using 1."
+            )
+        return 1, 1, None
+
+    schedule = par.pipeline_schedule
+    virtual = par.pipeline_parallel_virtual_stages if schedule == "interleaved_1f1b" else 1
+    stages = pp * virtual
+    if requested == AUTO:
+        # Two microbatches per stage keeps the 1F1B bubble under a third; fewer if the batch
+        # cannot be cut that finely.
+        fitting = [m for m in _divisors(batch) if m <= 2 * pp]
+        microbatches = max(fitting)
+    else:
+        microbatches = requested
+    divisors = _divisors(batch)
+    if batch % microbatches:
+        refusals.append(
+            Refusal(
+                "parallel.pipeline_parallel_num_microbatches",
+                microbatches,
+                f"the per-device batch of {batch} does not split into {microbatches} "
+                "equal microbatches",
+                f"Use a divisor of training.per_device_train_batch_size: {_fmt(divisors)}.",
+            )
+        )
+    elif schedule in ("1f1b", "interleaved_1f1b") and microbatches < pp:
+        usable = [m for m in divisors if m >= pp]
+        refusals.append(
+            Refusal(
+                "parallel.pipeline_parallel_num_microbatches",
+                microbatches,
+                f"{schedule} needs at least one microbatch per stage (pipeline_parallel_size={pp})",
+                f"Use one of {_fmt(usable)}"
+                if usable
+                else f"Raise training.per_device_train_batch_size to at least {pp}, "
+                "or use pipeline_schedule=gpipe.",
+            )
+        )
+    elif schedule == "interleaved_1f1b" and microbatches % pp:
+        usable = [m for m in divisors if m % pp == 0]
+        refusals.append(
+            Refusal(
+                "parallel.pipeline_parallel_num_microbatches",
+                microbatches,
+                f"interleaved_1f1b runs microbatches in rounds of pipeline_parallel_size={pp}",
+                f"Use a multiple of {pp} that divides the per-device batch: {_fmt(usable)}."
+                if usable
+                else f"Raise training.per_device_train_batch_size to a multiple of {pp}.",
+            )
+        )
+
+    if par.pipeline_parallel_layers is not None:
+        split = list(par.pipeline_parallel_layers)
+        if len(split) != stages or sum(split) != layers or min(split) < 1:
+            refusals.append(
+                Refusal(
+                    "parallel.pipeline_parallel_layers",
+                    split,
+                    f"it must give {stages} stages at least one layer each, {layers} layers in all",
+                    f"For example {balanced_split(layers, stages)}."
+                    if layers >= stages
+                    else "Use fewer stages.",
+                )
+            )
+    elif layers < stages:
+        split = None
+        if pp <= layers:  # else pipeline_parallel_size itself was refused
+            refusals.append(
+                Refusal(
+                    "parallel.pipeline_parallel_virtual_stages",
+                    virtual,
+                    f"{pp} ranks x {virtual} virtual stages = {stages} stages need at least one "
+                    f"decoder layer each and the model has num_hidden_layers={layers}",
+                    f"Use at most {layers // pp} virtual stages per rank.",
+                )
+            )
+    else:
+        split = balanced_split(layers, stages)
+    if getattr(model_config, "tie_word_embeddings", False):
+        refusals.append(
+            Refusal(
+                "parallel.pipeline_parallel_size",
+                pp,
+                "the model ties its input and output embeddings, which pipeline parallelism "
+                "puts on different stages; meshtrain does not synchronise them across stages yet",
+                "Use pipeline_parallel_size=1 (tensor parallelism keeps tied embeddings), "
+                "or model.config.tie_word_embeddings=false.",
+            )
+        )
+    return microbatches, virtual, split
+
+
 def plan_run(
     run: RunConfig,
     model_config: PretrainedConfig,
@@ -160,16 +281,12 @@ def plan_run(
         )
 
     pp_ok = [d for d in _divisors(world) if d <= layers]
-    if not IMPLEMENTED_PIPELINE_PARALLEL:
-        pp_ok = [1]
     pp = 1 if par.pipeline_parallel_size == AUTO else par.pipeline_parallel_size
     if pp not in pp_ok:
         if pp > layers:
             reason = f"there are only num_hidden_layers={layers} layers to split into stages"
-        elif world % pp:
-            reason = f"it must divide the world size {world}"
         else:
-            reason = "pipeline parallelism is not available in this version of meshtrain yet"
+            reason = f"it must divide the world size {world}"
         refusals.append(
             Refusal(
                 "parallel.pipeline_parallel_size",
@@ -215,13 +332,9 @@ def plan_run(
                 )
             )
 
-    microbatches = par.pipeline_parallel_num_microbatches
-    if pp == 1 and microbatches != 1:
-        notes.append(
-            f"parallel.pipeline_parallel_num_microbatches={microbatches} has no effect without "
-            "pipeline parallelism; using 1."
-        )
-        microbatches = 1
+    microbatches, virtual_stages, stage_layers = _plan_pipeline(
+        par, pp, layers, run.training.per_device_train_batch_size, model_config, refusals, notes
+    )
 
     if par.sequence_parallel == AUTO:
         sequence_parallel = tp > 1
@@ -381,6 +494,8 @@ def plan_run(
         pipeline_parallel_size=pp,
         pipeline_parallel_num_microbatches=microbatches,
         pipeline_schedule=par.pipeline_schedule,
+        pipeline_parallel_virtual_stages=virtual_stages,
+        pipeline_parallel_layers=stage_layers,
         sequence_parallel=sequence_parallel,
         zero_1=zero_1,
         activation_checkpointing=par.activation_checkpointing,

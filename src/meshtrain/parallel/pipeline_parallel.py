@@ -1,0 +1,110 @@
+"""Pipeline parallelism on `torch.distributed.pipelining`: stages, schedules, one step.
+
+The model is cut into `pp x v` stages of consecutive decoder layers (`v`
+virtual stages per rank for interleaved 1F1B, else 1). Rank `r` of the
+pipeline holds stages `r, r + pp, r + 2pp, ...`, the looped placement the
+interleaved schedule expects. The schedules themselves are torch's; this
+module chooses and drives them.
+
+Gradient scaling: torch's `scale_grads` divides the accumulated gradients at
+the end of every `step`, which would also shrink what earlier accumulation
+steps left there; so it is off, and the loss function divides each
+microbatch's loss by (microbatches x accumulation steps) itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+)
+
+SCHEDULES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved_1f1b": ScheduleInterleaved1F1B,
+}
+
+
+def stage_ids_of_rank(pp_rank: int, pp: int, virtual: int) -> list[int]:
+    """The stages pipeline rank `pp_rank` holds, in order (looped placement)."""
+    return [pp_rank + k * pp for k in range(virtual)]
+
+
+def stage_layer_ranges(layers_per_stage: list[int]) -> list[range]:
+    """Consecutive decoder-layer indices of each stage."""
+    ranges, start = [], 0
+    for count in layers_per_stage:
+        ranges.append(range(start, start + count))
+        start += count
+    return ranges
+
+
+class PipelineRunner:
+    """Runs one training or evaluation batch through this rank's stages with the schedule."""
+
+    def __init__(
+        self,
+        stage_modules: list[nn.Module],
+        stage_ids: list[int],
+        num_stages: int,
+        mesh: DeviceMesh,
+        device: torch.device,
+        *,
+        schedule: str,
+        num_microbatches: int,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> None:
+        group = mesh.get_group("pp")
+        self.stages = [
+            PipelineStage(module, stage_id, num_stages, device, group=group)
+            for module, stage_id in zip(stage_modules, stage_ids, strict=True)
+        ]
+        self.holds_first = 0 in stage_ids
+        self.holds_last = num_stages - 1 in stage_ids
+        self.num_microbatches = num_microbatches
+        self.loss_scale = 1.0
+        self._loss_fn = loss_fn
+        schedule_class = SCHEDULES[schedule]
+        stages: Any = self.stages if schedule == "interleaved_1f1b" else self.stages[0]
+        self.schedule = schedule_class(
+            stages, num_microbatches, loss_fn=self._scaled_loss, scale_grads=False
+        )
+
+    def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self._loss_fn(output, target) * self.loss_scale
+
+    def _run(self, method: Callable, input_ids: torch.Tensor) -> list[torch.Tensor]:
+        losses: list[torch.Tensor] = []
+        args = (input_ids,) if self.holds_first else ()
+        target = input_ids if self.holds_last else None
+        method(*args, target=target, losses=losses)
+        return losses
+
+    def train_step(self, input_ids: torch.Tensor, accumulation_steps: int) -> torch.Tensor:
+        """Forward and backward of one batch; returns its mean loss / accumulation steps.
+
+        The loss is only known on the rank holding the last stage; elsewhere 0.
+        """
+        self.loss_scale = 1.0 / (self.num_microbatches * accumulation_steps)
+        losses = self._run(self.schedule.step, input_ids)
+        if not losses:
+            return torch.zeros((), device=input_ids.device)
+        return torch.stack([loss.detach() for loss in losses]).sum()
+
+    @torch.no_grad()
+    def eval_step(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Mean loss over one batch, forward only (0 where the last stage is not held)."""
+        self.loss_scale = 1.0 / self.num_microbatches
+        losses = self._run(self.schedule.eval, input_ids)
+        if not losses:
+            return torch.zeros((), device=input_ids.device)
+        return torch.stack([loss.detach() for loss in losses]).sum()
