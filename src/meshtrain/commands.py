@@ -2,7 +2,8 @@
 
 (Not named `cli.py`: Kedro would load that module as the project's own `kedro` commands.)
 
-    python -m meshtrain consolidate CHECKPOINT_DIR OUTPUT_DIR
+    python -m meshtrain consolidate CHECKPOINT_DIR [OUTPUT_DIR] [--max-shard-size 5GB]
+        [--no-verify]
 """
 
 from __future__ import annotations
@@ -10,8 +11,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
-from meshtrain.checkpoint import CheckpointError, consolidate_checkpoint
+from meshtrain.checkpoint import CheckpointError, consolidate_checkpoint, resolve_checkpoint
+from meshtrain.checkpoint.consolidate import parse_size
+
+DEFAULT_OUTPUT = "consolidated"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -21,13 +26,31 @@ def build_parser() -> argparse.ArgumentParser:
         "consolidate",
         help="merge a sharded checkpoint into a Hugging Face model folder",
         description="Merge a sharded meshtrain checkpoint into a folder that "
-        "transformers.AutoModelForCausalLM.from_pretrained loads.",
+        "transformers.AutoModelForCausalLM.from_pretrained loads. Tensors are "
+        "streamed one at a time, so memory stays near the largest single tensor.",
     )
     consolidate.add_argument(
         "checkpoint",
-        help="a checkpoint-<step> folder, its shards/ folder, or a run folder (its latest)",
+        metavar="CHECKPOINT_DIR",
+        help="a checkpoint-<step> folder, its shards/ folder, or a run folder (its latest "
+        "complete checkpoint)",
     )
-    consolidate.add_argument("output_dir", help="where to write the Hugging Face model")
+    consolidate.add_argument(
+        "output_dir",
+        metavar="OUTPUT_DIR",
+        nargs="?",
+        help="where to write the Hugging Face model; it is replaced if it exists "
+        f"(default: {DEFAULT_OUTPUT}/ inside the resolved checkpoint folder, "
+        f"e.g. run/checkpoint-100/{DEFAULT_OUTPUT})",
+    )
+    consolidate.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        metavar="SIZE",
+        help="largest weight file, in bytes or with a unit: 500MB, 5GB (decimal) or 2GiB "
+        "(binary); past it the weights are split into model-0000i-of-0000N.safetensors "
+        "files with an index (default: %(default)s)",
+    )
     consolidate.add_argument(
         "--no-verify",
         action="store_true",
@@ -40,10 +63,21 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "consolidate":
         try:
+            max_shard_size = parse_size(args.max_shard_size)
+        except ValueError as error:
+            print(f"error: --max-shard-size: {error}", file=sys.stderr)
+            return 1
+        try:
+            output_dir = args.output_dir
+            if output_dir is None:
+                output_dir = resolve_checkpoint(Path(args.checkpoint)) / DEFAULT_OUTPUT
             summary = consolidate_checkpoint(
-                args.checkpoint, args.output_dir, verify=not args.no_verify
+                args.checkpoint,
+                output_dir,
+                verify=not args.no_verify,
+                max_shard_size=max_shard_size,
             )
-        except CheckpointError as error:
+        except (CheckpointError, OSError) as error:
             print(f"error: {error}", file=sys.stderr)
             return 1
         print(json.dumps(summary, indent=2))

@@ -64,6 +64,7 @@ class ParallelModel:
     tp_sync: TensorParallelGradSync | None
     runner: PipelineRunner | None
     autocast: Callable[[], AbstractContextManager]
+    layout: Layout
 
     def loss_context(self) -> AbstractContextManager:
         # Cross-entropy on vocabulary-sharded logits: the full logits never exist on one rank.
@@ -170,4 +171,6 @@ def parallelize(
             num_microbatches=layout.pipeline_parallel_num_microbatches,
             loss_fn=last_stage_loss,
         )
-    return ParallelModel(modules, parameters, layouts, hf_config, dims, tp_sync, runner, autocast)
+    return ParallelModel(
+        modules, parameters, layouts, hf_config, dims, tp_sync, runner, autocast, layout
+    )

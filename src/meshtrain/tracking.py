@@ -123,6 +123,10 @@ class MetricsLogger:
         if time.monotonic() - self._last_flush >= self.flush_every_s:
             self.flush()
 
+    def log_artifact(self, path: str | Path) -> None:
+        if self.client is not None:
+            self.client.log_artifact(self.target.run_id, str(path))
+
     def flush(self) -> None:
         if self.client is None or not self._pending:
             return

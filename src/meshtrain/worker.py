@@ -26,9 +26,11 @@ from meshtrain.data.sampler import GlobalBatchSampler
 from meshtrain.models import build_model, config_from_dict
 from meshtrain.parallel.flat_buffer import FlatParameters
 from meshtrain.parallel.mesh import ParallelDims
+from meshtrain.parallel.pipeline_parallel import idle_fraction, theoretical_bubble
 from meshtrain.parallel.zero import ShardedAdamW
 from meshtrain.parallelize import ParallelModel, parallelize
 from meshtrain.planner import Plan
+from meshtrain.plots import pipeline_timeline
 from meshtrain.schedule import warmup_cosine
 from meshtrain.tracking import MetricsLogger, TrackingTarget
 
@@ -187,6 +189,8 @@ def train(spec: WorkerSpec) -> dict[str, Any] | None:
         f"training {layout.name}: {plan.num_parameters:,} parameters, "
         f"{plan.tokens_per_step:,} tokens per step, {cfg.max_steps} steps -> {run_dir}"
     )
+    # The schedule's picture is taken on an early step, once warm-up is over.
+    timeline_step = min(2, cfg.max_steps - 1)
     initial_val_loss = evaluate()
     if initial_val_loss is not None:
         tracker.log({"val_loss": initial_val_loss}, step=0)
@@ -202,6 +206,8 @@ def train(spec: WorkerSpec) -> dict[str, Any] | None:
         microbatches = sampler.rank_microbatches(
             step, dims.dp_rank, dims.dp, cfg.per_device_train_batch_size
         )
+        if pm.runner is not None:
+            pm.runner.recorder.enabled = step == timeline_step
         loss_sum = torch.zeros((), device=device)
         for indices in microbatches:
             input_ids = train_blocks.batch(indices).to(device, non_blocking=True)
@@ -211,6 +217,9 @@ def train(spec: WorkerSpec) -> dict[str, Any] | None:
         schedule.step()
         flat.zero_grad()
         done = step + 1
+        if pm.runner is not None and step == timeline_step:
+            pm.runner.recorder.enabled = False
+            report_pipeline_timeline(pm, tracker, run_dir, done)
 
         if done % cfg.log_every == 0 or done == cfg.max_steps:
             # The only per-step host sync: the loss, from the last pipeline stage, averaged
@@ -285,6 +294,34 @@ def train(spec: WorkerSpec) -> dict[str, Any] | None:
         "peak_rss_mb_rank0": peak,
         "model_states_bytes_rank0": state_bytes,
     }
+
+
+def report_pipeline_timeline(
+    pm: ParallelModel, tracker: MetricsLogger, run_dir: Path, step: int
+) -> None:
+    """Gather one step's forward/backward spans from every pipeline rank; rank 0 draws
+    them, logs the picture to MLflow and the measured bubble as a metric. Collective."""
+    dims = pm.dims
+    mine = pm.runner.recorder.spans if dims.dp_rank == 0 and dims.tp_rank == 0 else []
+    pm.runner.recorder.spans = []
+    gathered: list[tuple[int, list]] = [(0, [])] * dist.get_world_size()
+    dist.all_gather_object(gathered, (dims.pp_rank, mine))
+    if dist.get_rank() != 0:
+        return
+    spans_by_rank = {rank: spans for rank, spans in gathered if spans}
+    layout = pm.layout
+    microbatches = layout.pipeline_parallel_num_microbatches
+    idle = idle_fraction(spans_by_rank)
+    measured = sum(idle.values()) / len(idle)
+    theory = theoretical_bubble(dims.pp, microbatches, layout.pipeline_parallel_virtual_stages)
+    path = pipeline_timeline(
+        spans_by_rank,
+        run_dir / "pipeline_timeline.png",
+        f"{layout.pipeline_schedule}, pp={dims.pp}, {microbatches} microbatches, step {step}: "
+        f"measured bubble {measured:.0%}, theory {theory:.0%}",
+    )
+    tracker.log({"pipeline/bubble_fraction": measured}, step=step)
+    tracker.log_artifact(path)
 
 
 @torch.no_grad()

@@ -14,7 +14,9 @@ microbatch's loss by (microbatches x accumulation steps) itself.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -48,6 +50,62 @@ def stage_layer_ranges(layers_per_stage: list[int]) -> list[range]:
     return ranges
 
 
+@dataclass(frozen=True)
+class Span:
+    """One forward or backward of one microbatch on one stage, in seconds (perf_counter)."""
+
+    stage: int
+    microbatch: int
+    kind: str  # "forward" | "backward"
+    start: float
+    end: float
+
+
+class SpanRecorder:
+    """Times every forward and backward chunk a stage runs, while `enabled`.
+
+    Wraps the two methods each torch schedule calls on a stage, so the record
+    is the schedule's real order and timing on this rank, bubbles included.
+    """
+
+    def __init__(self, stages: list[PipelineStage]) -> None:
+        self.enabled = False
+        self.spans: list[Span] = []
+        for stage in stages:
+            stage.forward_one_chunk = self._timed(stage, stage.forward_one_chunk, "forward")
+            stage.backward_one_chunk = self._timed(stage, stage.backward_one_chunk, "backward")
+
+    def _timed(self, stage: PipelineStage, method: Callable, kind: str) -> Callable:
+        def run(chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+            if not self.enabled:
+                return method(chunk_id, *args, **kwargs)
+            start = time.perf_counter()
+            result = method(chunk_id, *args, **kwargs)
+            self.spans.append(Span(stage.stage_index, chunk_id, kind, start, time.perf_counter()))
+            return result
+
+        return run
+
+
+def idle_fraction(spans_by_rank: dict[int, list[Span]]) -> dict[int, float]:
+    """Per rank, the share of the step's wall window (first start to last end, over all
+    ranks) spent outside any forward or backward: the pipeline bubble as measured."""
+    everything = [s for spans in spans_by_rank.values() for s in spans]
+    if not everything:
+        return {}
+    window = max(s.end for s in everything) - min(s.start for s in everything)
+    return {
+        rank: 1.0 - sum(s.end - s.start for s in spans) / window
+        for rank, spans in spans_by_rank.items()
+    }
+
+
+def theoretical_bubble(pp: int, microbatches: int, virtual: int = 1) -> float:
+    """Idle fraction of GPipe and 1F1B, (p-1)/(m+p-1), with interleaving's 1/v on the bubble."""
+    bubble = (pp - 1) / virtual
+    return bubble / (microbatches + bubble)
+
+
 class PipelineRunner:
     """Runs one training or evaluation batch through this rank's stages with the schedule."""
 
@@ -78,6 +136,7 @@ class PipelineRunner:
         self.schedule = schedule_class(
             stages, num_microbatches, loss_fn=self._scaled_loss, scale_grads=False
         )
+        self.recorder = SpanRecorder(self.stages)
 
     def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return self._loss_fn(output, target) * self.loss_scale
