@@ -174,11 +174,12 @@ def _weights(folder: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow
-def test_tensor_parallel_run_is_tracked_and_equals_the_single_process_run(
+def test_tensor_and_pipeline_runs_are_tracked_and_equal_the_single_process_run(
     project: Path, default_run
 ):
-    """`--params parallel.tensor_parallel_size=2` trains, consolidates and evaluates, MLflow
-    shows tp=2 with sequence parallelism, and its weights equal a one-process run's."""
+    """`--params parallel.tensor_parallel_size=2` (and the 3-D example with pipeline stages
+    too) trains, consolidates and evaluates, MLflow shows the layout, and the weights
+    equal a one-process run's."""
     # Same global batch (4) in both: tp=2 leaves dp=1, as does one process.
     common = SMALL_RUN + ",training.adam_epsilon=1e-5"
     tp2 = kedro_run(
@@ -217,4 +218,34 @@ def test_tensor_parallel_run_is_tracked_and_equals_the_single_process_run(
     assert got.keys() == expected.keys()
     for key, want in expected.items():
         assert got[key].shape == want.shape
+        assert (got[key] - want).norm() / want.norm() <= 1e-5, key
+
+    # The 3-D example: tensor x pipeline parallel on 4 ranks, same global batch.
+    three_d = kedro_run(
+        project,
+        "--from-nodes",
+        "plan_layout",
+        "--params",
+        common
+        + ",parallel.tensor_parallel_size=2,parallel.pipeline_parallel_size=2"
+        + ",launch.nproc_per_node=4,consolidation.output_dir=data/06_models/tp2pp2",
+    )
+    assert three_d.returncode == 0, three_d.stdout[-3000:] + three_d.stderr[-5000:]
+    (run,) = client.search_runs(
+        [experiment.experiment_id], "tags.mlflow.runName = 'dp1-tp2-pp2-sp-1f1b-mb4'"
+    )
+    params = run.data.params
+    assert (params["parallel.data_parallel_size"], params["parallel.tensor_parallel_size"]) == (
+        "1",
+        "2",
+    )
+    assert params["parallel.pipeline_parallel_size"] == "2"
+    assert params["parallel.pipeline_schedule"] == "1f1b"
+    assert params["parallel.pipeline_parallel_num_microbatches"] == "4"
+    assert "pipeline/bubble_fraction" in run.data.metrics
+    artifacts = [a.path for a in client.list_artifacts(run.info.run_id)]
+    assert "pipeline_timeline.png" in artifacts
+    got = _weights(project / "data/06_models/tp2pp2")
+    assert got.keys() == expected.keys()
+    for key, want in expected.items():
         assert (got[key] - want).norm() / want.norm() <= 1e-5, key

@@ -580,14 +580,3 @@ def test_cli_errors_exit_1_without_traceback(
     captured = capsys.readouterr()
     assert captured.err.startswith("error: ") and message in captured.err
     assert "Traceback" not in captured.err and captured.out == ""
-
-
-def test_cli_runs_as_a_module(tmp_path: Path) -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "meshtrain", "consolidate", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 1
-    assert result.stderr == f"error: no complete checkpoint-<step> folder in {tmp_path}\n"
