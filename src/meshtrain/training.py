@@ -10,6 +10,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from meshtrain.checkpoint.load import check_resumable
+from meshtrain.checkpoint.manifest import find_resume_checkpoint
 from meshtrain.config import RunConfig
 from meshtrain.launch import run_workers
 from meshtrain.planner import Plan
@@ -33,8 +35,22 @@ def make_worker_spec(
     unless `training.run_name` fixes it. It is chosen here, once, so all
     ranks (and all nodes) agree on it.
     """
-    name = run.training.run_name or f"{plan.layout.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    run_dir = Path(run.training.output_dir) / name
+    cfg = run.training
+    resume_from = None
+    if cfg.resume_from:
+        # Refuse before any worker starts: a missing checkpoint or another sample stream.
+        resume_from = find_resume_checkpoint(Path(cfg.output_dir), cfg.resume_from, cfg.run_name)
+        check_resumable(
+            resume_from,
+            seed=cfg.seed,
+            global_batch_size=plan.global_batch_size,
+            num_train_blocks=plan.num_train_blocks,
+            max_steps=cfg.max_steps,
+        )
+        run_dir = resume_from.parent  # the resumed run goes on in its own folder
+    else:
+        name = cfg.run_name or f"{plan.layout.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        run_dir = Path(cfg.output_dir) / name
     run_dir.mkdir(parents=True, exist_ok=True)
     return WorkerSpec(
         run=run.to_dict(),
@@ -45,6 +61,7 @@ def make_worker_spec(
         tokenizer_dir=str(Path(tokenizer_dir).resolve()) if tokenizer_dir else None,
         tracking_uri=tracking.tracking_uri if tracking else None,
         mlflow_run_id=tracking.run_id if tracking else None,
+        resume_from=str(resume_from.resolve()) if resume_from else None,
     )
 
 

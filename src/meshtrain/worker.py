@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from meshtrain.checkpoint.load import restore_checkpoint
 from meshtrain.checkpoint.save import save_checkpoint
 from meshtrain.config import RunConfig
 from meshtrain.data.blocks import BlockStore
@@ -47,6 +48,7 @@ class WorkerSpec:
     tokenizer_dir: str | None = None
     tracking_uri: str | None = None
     mlflow_run_id: str | None = None
+    resume_from: str | None = None  # a complete checkpoint folder
 
 
 @record
@@ -130,6 +132,19 @@ def train(spec: WorkerSpec) -> dict[str, Any] | None:
         weight_decay=cfg.weight_decay,
         max_grad_norm=cfg.max_grad_norm,
     )
+    start_step = 0
+    if spec.resume_from:
+        resumed = restore_checkpoint(
+            Path(spec.resume_from),
+            parameters=pm.parameters,
+            layouts=pm.layouts,
+            flat=flat,
+            optimizer=optimizer,
+            dims=dims,
+        )
+        start_step = resumed["step"]
+        for group in optimizer.optimizer.param_groups:
+            group.setdefault("initial_lr", group["lr"])
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer.optimizer,
         partial(
@@ -138,6 +153,7 @@ def train(spec: WorkerSpec) -> dict[str, Any] | None:
             max_steps=cfg.max_steps,
             min_ratio=cfg.min_learning_rate_ratio,
         ),
+        last_epoch=start_step - 1,
     )
 
     train_blocks = BlockStore(spec.train_files)
@@ -172,6 +188,7 @@ def train(spec: WorkerSpec) -> dict[str, Any] | None:
                 "layout_name": layout.name,
                 "global_batch_size": plan.global_batch_size,
                 "seed": cfg.seed,
+                "num_train_blocks": plan.num_train_blocks,
                 "lr_schedule": schedule.state_dict(),
             },
             model_config=pm.hf_config,
@@ -190,18 +207,20 @@ def train(spec: WorkerSpec) -> dict[str, Any] | None:
         f"{plan.tokens_per_step:,} tokens per step, {cfg.max_steps} steps -> {run_dir}"
     )
     # The schedule's picture is taken on an early step, once warm-up is over.
-    timeline_step = min(2, cfg.max_steps - 1)
+    timeline_step = min(start_step + 2, cfg.max_steps - 1)
+    if start_step:
+        report(f"resumed from {spec.resume_from} at step {start_step}")
     initial_val_loss = evaluate()
     if initial_val_loss is not None:
-        tracker.log({"val_loss": initial_val_loss}, step=0)
-        report(f"step 0: validation loss {initial_val_loss:.4f}")
+        tracker.log({"val_loss": initial_val_loss}, step=start_step)
+        report(f"step {start_step}: validation loss {initial_val_loss:.4f}")
 
     losses: list[tuple[int, float]] = []
     tokens_per_second: list[float] = []
     last_checkpoint: Path | None = None
     val_loss = initial_val_loss
     train_start = time.perf_counter()
-    for step in range(cfg.max_steps):
+    for step in range(start_step, cfg.max_steps):
         step_start = time.perf_counter()
         microbatches = sampler.rank_microbatches(
             step, dims.dp_rank, dims.dp, cfg.per_device_train_batch_size

@@ -494,6 +494,7 @@ def consolidate_checkpoint(
     tensor data (an int, or "5GB", "500MB", "2GiB"; a tensor larger than that gets
     a file of its own). `progress` shows a bar on stderr. The folder is written as
     `<output_dir>.partial` and swapped into place at the end, replacing an old one.
+    The summary names the weight `files` and their `total_size` (bytes of tensor data).
     Raises CheckpointError (checkpoint problems) or ValueError (`max_shard_size`)."""
     limit = parse_size(max_shard_size)
     root = resolve_checkpoint(Path(checkpoint))

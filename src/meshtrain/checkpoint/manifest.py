@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -134,3 +135,40 @@ def resolve_checkpoint(path: Path) -> Path:
     if not complete:
         raise CheckpointError(f"no complete checkpoint-<step> folder in {path}")
     return complete[-1][1]
+
+
+def find_resume_checkpoint(output_dir: Path, resume_from: str, run_name: str | None) -> Path:
+    """Resolve `training.resume_from`: `latest`, or a checkpoint / run folder.
+
+    `latest` is the newest complete checkpoint of run `run_name` if it is set,
+    else of any run under `output_dir` (by when its marker was written).
+    Half-written checkpoints are skipped with a warning.
+    """
+    if resume_from != "latest":
+        path = Path(resume_from)
+        if not path.exists():
+            raise CheckpointError(f"training.resume_from: {path} does not exist")
+        path = resolve_checkpoint(path)
+        if not is_complete(path):
+            raise CheckpointError(
+                f"training.resume_from: {path} has no {MARKER} marker (it was not completely "
+                "written); use an earlier checkpoint or `latest`"
+            )
+        return path
+    runs = [Path(output_dir) / run_name] if run_name else sorted(Path(output_dir).glob("*/"))
+    complete, partial = [], []
+    for run in runs:
+        for child in run.glob("checkpoint-*") if run.is_dir() else []:
+            (complete if is_complete(child) else partial).append(child)
+    if not complete:
+        raise CheckpointError(
+            f"training.resume_from=latest: no complete checkpoint under "
+            f"{Path(output_dir) / (run_name or '*')}"
+        )
+    newest = max(complete, key=lambda c: (c / MARKER).stat().st_mtime)
+    for child in partial:
+        warnings.warn(
+            f"skipping {child}: no {MARKER} marker (a checkpoint interrupted while saving)",
+            stacklevel=2,
+        )
+    return newest

@@ -53,13 +53,16 @@ def save_checkpoint(
         shard_dir.mkdir(parents=True, exist_ok=True)
         tensors = {n: local_tensor(p).detach().contiguous() for n, p in parameters.items()}
         save_file(tensors, shard_dir / "model.safetensors", metadata={"format": "pt"})
+        # Where each parameter sits in this coordinate's flat buffer, so optimizer moments
+        # (saved as flat ranges) can be resharded onto another layout.
+        write_json_atomic(shard_dir / "flat_layout.json", optimizer.flat.describe())
     if optimizer.zero_1 or dims.dp_rank == 0:
         opt_dir = root / "optimizer"
         opt_dir.mkdir(parents=True, exist_ok=True)
         save_file(
             optimizer.state_tensors(),
             opt_dir / optimizer_file_name(dims.dp_rank, dims.tp_rank, dims.pp_rank),
-            metadata={"layout": json.dumps(optimizer.describe())},
+            metadata={"range": json.dumps([optimizer.start, optimizer.end])},
         )
     rng_dir = root / "rng"
     rng_dir.mkdir(parents=True, exist_ok=True)

@@ -92,6 +92,14 @@ class FlatParameters:
                 grad = DTensor.from_local(grad, p.device_mesh, p.placements, run_check=False)
             p.grad = grad
 
+    def describe(self) -> dict:
+        """The buffer's layout as JSON: where each parameter's elements are."""
+        return {
+            "numel": self.numel,
+            "padded_numel": self.padded_numel,
+            "slots": [[s.name, s.offset, s.numel, list(s.shape)] for s in self.slots],
+        }
+
     def zero_grad(self) -> None:
         """Zero in place: the `.grad` views must keep pointing into the buffer."""
         self.grads.zero_()

@@ -110,19 +110,30 @@ class ShardedAdamW:
         return squares.sqrt()
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
-        """The optimizer moments of the owned range, for a checkpoint."""
-        tensors = {}
-        for index, group in enumerate(self.optimizer.param_groups):
+        """AdamW's moments over the whole owned range (zeros in padding) and its step count."""
+        tensors = {
+            "exp_avg": self.grad_shard.new_zeros(self.owned_numel),
+            "exp_avg_sq": self.grad_shard.new_zeros(self.owned_numel),
+            "step": torch.zeros(1),
+        }
+        for group in self.optimizer.param_groups:
             state = self.optimizer.state.get(group["params"][0], {})
-            for key in ("exp_avg", "exp_avg_sq", "step"):
+            lo, hi = (x - self.start for x in group["range"])
+            for key in ("exp_avg", "exp_avg_sq"):
                 if key in state:
-                    tensors[f"group{index}.{key}"] = state[key].detach().reshape(-1).clone()
+                    tensors[key][lo:hi] = state[key].detach()
+            if "step" in state:
+                tensors["step"][0] = state["step"]
         return tensors
 
-    def describe(self) -> dict[str, int | list[list[int]]]:
-        return {
-            "owned_start": self.start,
-            "owned_end": self.end,
-            "padded_numel": self.flat.padded_numel,
-            "ranges": [list(g["range"]) for g in self.optimizer.param_groups],
-        }
+    def load_state_tensors(self, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, step: float):
+        """Install moments for the owned range (as `state_tensors` returns them)."""
+        if exp_avg.numel() != self.owned_numel or exp_avg_sq.numel() != self.owned_numel:
+            raise ValueError("optimizer moments do not cover the owned range")
+        for group in self.optimizer.param_groups:
+            lo, hi = (x - self.start for x in group["range"])
+            self.optimizer.state[group["params"][0]] = {
+                "step": torch.tensor(float(step)),
+                "exp_avg": exp_avg[lo:hi].clone(),
+                "exp_avg_sq": exp_avg_sq[lo:hi].clone(),
+            }

@@ -389,17 +389,6 @@ def plan_run(
             )
         )
 
-    if train.resume_from:
-        refusals.append(
-            Refusal(
-                "training.resume_from",
-                train.resume_from,
-                "resuming from a checkpoint is not available in this version of meshtrain yet",
-                "Use resume_from=null; checkpoints can still be consolidated with "
-                "`python -m meshtrain consolidate`.",
-            )
-        )
-
     global_batch = train.per_device_train_batch_size * train.gradient_accumulation_steps * dp
     if global_batch > num_train_blocks:
         accumulation = train.gradient_accumulation_steps

@@ -1,0 +1,216 @@
+"""Resume from a checkpoint, on the layout it was saved with or on any other.
+
+Every tensor (a parameter, or one of AdamW's moments for it) is rebuilt at
+its full Hugging Face shape from the saved pieces, one tensor at a time,
+then cut the way the new layout needs: split over the new tp ranks (KV heads
+copied again if the new tp needs it), placed at this rank's offset of its
+flat buffer, and, for the moments, kept only where this rank's ZeRO-1 range
+is. Same layout or not, the arithmetic is a copy, so a same-layout resume is
+bitwise exact.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from meshtrain.checkpoint.manifest import (
+    CheckpointError,
+    read_manifest,
+    shard_dir_name,
+)
+from meshtrain.parallel.flat_buffer import FlatParameters
+from meshtrain.parallel.mesh import ParallelDims
+from meshtrain.parallel.tensor_parallel import ParameterLayout
+from meshtrain.parallel.zero import ShardedAdamW
+
+
+def assemble_full(meta: dict[str, Any], tp: int, piece) -> torch.Tensor:
+    """The full tensor from its tp pieces (`piece(tp_rank)`), KV copies removed."""
+    if meta["tp_dim"] is None:
+        full = piece(0)
+    else:
+        full = torch.cat([piece(r) for r in range(tp)], dim=meta["tp_dim"])
+    copies = meta.get("kv_replication", 1)
+    if copies > 1:
+        head_dim = meta["kv_head_dim"]
+        heads = full.shape[0] // (copies * head_dim)
+        full = full.reshape(heads, copies, head_dim, *full.shape[1:])[:, 0]
+        full = full.reshape(meta["shape"])
+    return full
+
+
+def local_piece(full: torch.Tensor, layout: ParameterLayout, tp_rank: int, tp: int):
+    """This tp rank's part of a full tensor under the new layout (inverse of assemble_full)."""
+    if layout.tp_dim is None:
+        return full
+    if layout.kv_replication > 1:
+        copies, head_dim = layout.kv_replication, layout.head_dim
+        heads = full.shape[0] // head_dim
+        full = full.reshape(heads, 1, head_dim, *full.shape[1:])
+        full = full.expand(heads, copies, head_dim, *full.shape[3:])
+        full = full.reshape(heads * copies * head_dim, *full.shape[3:])
+    return torch.chunk(full, tp, dim=layout.tp_dim)[tp_rank]
+
+
+class CheckpointReader:
+    """Reads full tensors and their optimizer moments out of a (verified) checkpoint."""
+
+    def __init__(self, root: Path, manifest: dict[str, Any], stack: ExitStack) -> None:
+        self.root, self.manifest, self._stack = root, manifest, stack
+        self.tp = manifest["layout"]["tensor_parallel_size"]
+        self._handles: dict[Path, Any] = {}
+        self._flat: dict[tuple[int, int], dict[str, tuple[int, int, list[int]]]] = {}
+        self._ranges: dict[tuple[int, int], list[tuple[int, int, Path]]] = {}
+
+    def _open(self, path: Path):
+        if path not in self._handles:
+            if not path.is_file():
+                raise CheckpointError(f"missing checkpoint file {path}")
+            self._handles[path] = self._stack.enter_context(safe_open(str(path), "pt"))
+        return self._handles[path]
+
+    def parameter(self, name: str) -> torch.Tensor:
+        meta = self.manifest["tensors"][name]
+        shards = self.root / "shards"
+
+        def piece(tp_rank: int) -> torch.Tensor:
+            path = shards / shard_dir_name(tp_rank, meta["pp_rank"]) / "model.safetensors"
+            return self._open(path).get_tensor(name)
+
+        return assemble_full(meta, self.tp, piece)
+
+    def moment(self, name: str, key: str) -> torch.Tensor:
+        meta = self.manifest["tensors"][name]
+        pp_rank = meta["pp_rank"]
+
+        def piece(tp_rank: int) -> torch.Tensor:
+            offset, numel, shape = self._flat_layout(tp_rank, pp_rank)[name]
+            return self._flat_range(tp_rank, pp_rank, key, offset, offset + numel).view(shape)
+
+        return assemble_full(meta, self.tp, piece)
+
+    def step(self) -> float:
+        path = next(p for p in sorted((self.root / "optimizer").glob("*.safetensors")))
+        return float(self._open(path).get_tensor("step")[0])
+
+    def _flat_layout(self, tp_rank: int, pp_rank: int):
+        key = (tp_rank, pp_rank)
+        if key not in self._flat:
+            path = self.root / "shards" / shard_dir_name(tp_rank, pp_rank) / "flat_layout.json"
+            slots = json.loads(path.read_text())["slots"]
+            self._flat[key] = {name: (offset, numel, shape) for name, offset, numel, shape in slots}
+        return self._flat[key]
+
+    def _flat_range(self, tp_rank: int, pp_rank: int, key: str, lo: int, hi: int):
+        """Elements [lo, hi) of one coordinate's flat moment buffer, from the dp owners' files."""
+        coordinate = (tp_rank, pp_rank)
+        if coordinate not in self._ranges:
+            suffix = f"_tp_rank_{tp_rank:02d}_pp_rank_{pp_rank:02d}.safetensors"
+            owners = []
+            for path in sorted((self.root / "optimizer").glob(f"dp_rank_*{suffix}")):
+                start, end = json.loads(self._open(path).metadata()["range"])
+                owners.append((start, end, path))
+            self._ranges[coordinate] = owners
+        parts = []
+        for start, end, path in self._ranges[coordinate]:
+            a, b = max(lo, start), min(hi, end)
+            if a < b:
+                parts.append(self._open(path).get_slice(key)[a - start : b - start])
+        values = torch.cat(parts) if parts else torch.empty(0)
+        if values.numel() != hi - lo:
+            raise CheckpointError(
+                f"optimizer state of tp rank {tp_rank}, pp rank {pp_rank} in {self.root} does "
+                f"not cover elements {lo}..{hi}: a data-parallel rank's file is missing"
+            )
+        return values
+
+
+def check_compatible(manifest: dict[str, Any], parameters: dict[str, torch.Tensor], layouts):
+    """Refuse a checkpoint of another model, naming the first tensor that differs."""
+    saved = manifest["tensors"]
+    for name, parameter in parameters.items():
+        if name not in saved:
+            raise CheckpointError(f"the checkpoint has no tensor {name}: it is of another model")
+        shape = list(parameter.shape)
+        shape[0] //= layouts[name].kv_replication
+        if saved[name]["shape"] != shape:
+            raise CheckpointError(
+                f"tensor {name} is {saved[name]['shape']} in the checkpoint but {shape} in the "
+                "model being trained: the checkpoint is of another model shape"
+            )
+
+
+def restore_checkpoint(
+    root: Path,
+    *,
+    parameters: dict[str, torch.Tensor],
+    layouts: dict[str, ParameterLayout],
+    flat: FlatParameters,
+    optimizer: ShardedAdamW,
+    dims: ParallelDims,
+) -> dict[str, Any]:
+    """Load parameters and optimizer state into this rank's (possibly new) layout.
+
+    Returns the saved trainer state (step, schedule, layout...). Collective-free:
+    each rank reads what it needs.
+    """
+    manifest = read_manifest(root, verify=True)
+    check_compatible(manifest, parameters, layouts)
+    start, end = optimizer.start, optimizer.end
+    exp_avg = torch.zeros(end - start, dtype=flat.params.dtype)
+    exp_avg_sq = torch.zeros_like(exp_avg)
+    with ExitStack() as stack:
+        reader = CheckpointReader(root, manifest, stack)
+        for slot in flat.slots:
+            layout = layouts[slot.name]
+            full = reader.parameter(slot.name)
+            local = local_piece(full, layout, dims.tp_rank, dims.tp).reshape(-1)
+            flat.params[slot.offset : slot.offset + slot.numel].copy_(local)
+            lo, hi = max(slot.offset, start), min(slot.offset + slot.numel, end)
+            if lo >= hi:
+                continue
+            for key, target in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+                moment = local_piece(reader.moment(slot.name, key), layout, dims.tp_rank, dims.tp)
+                flat_moment = moment.reshape(-1)
+                target[lo - start : hi - start] = flat_moment[lo - slot.offset : hi - slot.offset]
+        step = reader.step()
+    optimizer.load_state_tensors(exp_avg, exp_avg_sq, step)
+    state = json.loads((root / "trainer_state.json").read_text())
+    rng = root / "rng" / f"rank_{torch.distributed.get_rank():05d}.safetensors"
+    if manifest["world_size"] == torch.distributed.get_world_size() and rng.is_file():
+        torch.set_rng_state(load_file(rng)["cpu"])
+    return state
+
+
+def check_resumable(
+    checkpoint: Path, *, seed: int, global_batch_size: int, num_train_blocks: int, max_steps: int
+) -> int:
+    """Before any worker starts: the run must continue the checkpoint's sample stream.
+
+    Returns the checkpoint's step.
+    """
+    state = json.loads((Path(checkpoint) / "trainer_state.json").read_text())
+    for key, now in (
+        ("seed", seed),
+        ("global_batch_size", global_batch_size),
+        ("num_train_blocks", num_train_blocks),
+    ):
+        if key in state and state[key] != now:
+            raise CheckpointError(
+                f"training.resume_from: {checkpoint} was trained with {key}={state[key]} and "
+                f"this run has {now}; resuming would change the order of samples. Use the "
+                "checkpoint's seed, global batch (per-device batch x accumulation x dp) and data."
+            )
+    if state["step"] >= max_steps:
+        raise CheckpointError(
+            f"training.resume_from: {checkpoint} is at step {state['step']} and "
+            f"training.max_steps is {max_steps}; raise max_steps to train further."
+        )
+    return state["step"]

@@ -1,0 +1,91 @@
+"""Resuming: bitwise exact on the same layout, and equal to one process on another layout
+(tp 2 -> 1, dp 2 -> 4 with ZeRO-1 re-partitioned, pp 2 -> 1), all in one 4-rank group."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from meshtrain.checkpoint import consolidate_checkpoint
+from meshtrain.config import LaunchConfig
+from meshtrain.launch import run_workers
+from meshtrain.worker import worker_main_sequence
+from tests.conftest import TINY_MODEL
+from tests.parallel.reference import STEPS, assert_matches_reference, make_spec, reference_run
+
+FOUR_LAYERS = {**TINY_MODEL, "num_hidden_layers": 4}
+SAVE_AT = 3
+DP2_TP2 = {"data_parallel_size": 2, "tensor_parallel_size": 2, "zero_1": True}
+DP2_PP2 = {
+    "data_parallel_size": 2,
+    "pipeline_parallel_size": 2,
+    "pipeline_parallel_num_microbatches": 2,
+    "zero_1": True,
+}
+DP4 = {"data_parallel_size": 4, "zero_1": True}
+BATCH = {"per_device_train_batch_size": 4}  # x dp2 = 8
+BATCH_DP4 = {"per_device_train_batch_size": 2}  # x dp4 = 8
+
+
+@pytest.mark.slow
+def test_resume_same_and_other_layouts(tiny_blocks, tmp_path: Path):
+    def spec(name, parallel, training, resume_from=None):
+        made = make_spec(
+            tiny_blocks,
+            tmp_path,
+            name,
+            world=4,
+            parallel=parallel,
+            training={**training, "checkpoint_every": SAVE_AT, "keep_last": 0},
+            architecture="llama",
+            fields=FOUR_LAYERS,
+        )
+        # The checkpoints to resume from are written by earlier runs of the same group.
+        return dataclasses.replace(made, resume_from=resume_from)
+
+    saved_tp = str(tmp_path / "dp2-tp2" / f"checkpoint-{SAVE_AT}")
+    saved_pp = str(tmp_path / "dp2-pp2" / f"checkpoint-{SAVE_AT}")
+    specs = [
+        spec("dp2-tp2", DP2_TP2, BATCH),
+        spec("dp2-tp2-resumed", DP2_TP2, BATCH, saved_tp),
+        spec("dp4-from-tp2", DP4, BATCH_DP4, saved_tp),
+        spec("dp2-pp2", DP2_PP2, BATCH),
+        spec("dp4-from-pp2", DP4, BATCH_DP4, saved_pp),
+    ]
+    results = dict(
+        zip(
+            [Path(s.run_dir).name for s in specs],
+            run_workers(
+                worker_main_sequence,
+                (specs,),
+                LaunchConfig(nproc_per_node=4),
+                log_dir=tmp_path / "logs",
+                run_id="t-resume",
+            )[0],
+            strict=True,
+        )
+    )
+    losses, weights = reference_run(tiny_blocks, "llama", FOUR_LAYERS)
+
+    # Uninterrupted runs match one process.
+    for name in ("dp2-tp2", "dp2-pp2"):
+        assert_matches_reference(name, results[name], losses, weights, tmp_path / f"{name}-hf")
+
+    # Same layout: the resumed steps are bitwise the uninterrupted ones.
+    straight, resumed = results["dp2-tp2"], results["dp2-tp2-resumed"]
+    assert resumed["losses"] == straight["losses"][SAVE_AT:]
+    consolidate_checkpoint(resumed["final_checkpoint"], tmp_path / "resumed-hf")
+    a = load_file(tmp_path / "dp2-tp2-hf" / "model.safetensors")
+    b = load_file(tmp_path / "resumed-hf" / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+    # Another layout: the remaining steps and final weights match one process.
+    for name in ("dp4-from-tp2", "dp4-from-pp2"):
+        summary = results[name]
+        assert [step for step, _ in summary["losses"]] == list(range(SAVE_AT + 1, STEPS + 1))
+        padded = {**summary, "losses": [(0, x) for x in losses[:SAVE_AT]] + summary["losses"]}
+        assert_matches_reference(name, padded, losses, weights, tmp_path / f"{name}-hf")
