@@ -12,8 +12,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -249,3 +251,74 @@ def test_tensor_and_pipeline_runs_are_tracked_and_equal_the_single_process_run(
     assert got.keys() == expected.keys()
     for key, want in expected.items():
         assert (got[key] - want).norm() / want.norm() <= 1e-5, key
+
+
+def _spawned_workers(parent: int) -> list[int]:
+    """Worker processes (multiprocessing spawn children) of the kedro process `parent`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
+        if ppid == parent and "spawn_main" in cmdline and "resource_tracker" not in cmdline:
+            found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.slow
+def test_a_killed_run_resumes_to_the_weights_of_an_uninterrupted_one(project: Path, default_run):
+    longer = (
+        SMALL_RUN.replace("training.max_steps=8", "training.max_steps=30").replace(
+            "training.checkpoint_every=4", "training.checkpoint_every=5"
+        )
+        + ",training.keep_last=0"
+    )
+    straight = kedro_run(
+        project,
+        "--from-nodes",
+        "plan_layout",
+        "--params",
+        longer + ",training.run_name=straight,consolidation.output_dir=data/06_models/straight",
+    )
+    assert straight.returncode == 0, straight.stderr[-5000:]
+
+    killed_params = (
+        longer + ",training.run_name=killed,consolidation.output_dir=data/06_models/killed"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    process = subprocess.Popen(
+        [str(KEDRO), "run", "--from-nodes", "plan_layout", "--params", killed_params],
+        cwd=project,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    run_dir = project / "data/06_models/checkpoints/killed"
+    deadline = time.monotonic() + 300
+    while not (run_dir / "checkpoint-5" / "COMPLETE").exists():
+        assert process.poll() is None, "the run ended before its first checkpoint"
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    workers = _spawned_workers(process.pid)
+    assert len(workers) == 2
+    os.kill(workers[1], signal.SIGKILL)
+    assert process.wait(timeout=300) != 0
+    assert not (run_dir / "checkpoint-30").exists(), "the kill came too late to test anything"
+
+    resumed = kedro_run(
+        project,
+        "--from-nodes",
+        "plan_layout",
+        "--params",
+        killed_params + ",training.resume_from=latest",
+    )
+    assert resumed.returncode == 0, resumed.stderr[-5000:]
+    assert "resumed from" in resumed.stdout + resumed.stderr
+    expected = _weights(project / "data/06_models/straight")
+    got = _weights(project / "data/06_models/killed")
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
