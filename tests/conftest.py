@@ -15,6 +15,8 @@ for _key, _value in {
 }.items():
     os.environ.setdefault(_key, _value)
 
+from pathlib import Path  # noqa: E402
+
 import datasets  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -48,3 +50,21 @@ def tiny_blocks(tmp_path_factory) -> datasets.DatasetDict:
     path = tmp_path_factory.mktemp("blocks") / "packed"
     blocks.save_to_disk(str(path))
     return datasets.load_from_disk(str(path))
+
+
+def child_processes(parent: int) -> list[tuple[int, str]]:
+    """(pid, command line) of the live child processes of `parent`, read from /proc."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        # The command may hold spaces and parentheses: state and ppid follow the last ')'.
+        state, ppid = stat[stat.rindex(")") + 2 :].split()[:2]
+        if state != "Z" and int(ppid) == parent:
+            found.append((int(entry.name), cmdline))
+    return found

@@ -14,6 +14,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from meshtrain.config import LaunchConfig
 from meshtrain.launch import WorkerFailedError, run_workers
+from tests.conftest import child_processes
 
 
 @record
@@ -26,23 +27,9 @@ def fail_on_rank_one(message: str) -> int:
     return 0
 
 
-def _children_of(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        # The command may contain spaces and parentheses: the ppid follows the last ')'.
-        fields = stat[stat.rindex(")") + 2 :].split()
-        if fields[0] != "Z" and int(fields[1]) == pid:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-            # multiprocessing's resource tracker lives as long as the parent; it is no worker.
-            if "resource_tracker" not in cmdline:
-                found.append((int(entry.name), cmdline))
-    return found
+def _children_of(pid: int) -> list[tuple[int, str]]:
+    # multiprocessing's resource tracker lives as long as the parent; it is no worker.
+    return [(c, cmd) for c, cmd in child_processes(pid) if "resource_tracker" not in cmd]
 
 
 @pytest.mark.slow

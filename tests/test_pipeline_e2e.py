@@ -22,6 +22,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.conftest import child_processes
+
 REPO = Path(__file__).resolve().parents[1]
 KEDRO = Path(sys.executable).with_name("kedro")
 SMALL_RUN = ",".join(
@@ -255,19 +257,11 @@ def test_tensor_and_pipeline_runs_are_tracked_and_equal_the_single_process_run(
 
 def _spawned_workers(parent: int) -> list[int]:
     """Worker processes (multiprocessing spawn children) of the kedro process `parent`."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
-        if ppid == parent and "spawn_main" in cmdline and "resource_tracker" not in cmdline:
-            found.append(int(entry.name))
-    return found
+    return [
+        pid
+        for pid, cmdline in child_processes(parent)
+        if "spawn_main" in cmdline and "resource_tracker" not in cmdline
+    ]
 
 
 @pytest.mark.slow

@@ -19,14 +19,15 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from meshtrain.checkpoint import consolidate_checkpoint
-from meshtrain.config import RunConfig
+from meshtrain.config import LaunchConfig, RunConfig
 from meshtrain.data.blocks import BlockStore, arrow_files
 from meshtrain.data.sampler import GlobalBatchSampler
+from meshtrain.launch import run_workers
 from meshtrain.models import build_model, build_model_config
 from meshtrain.planner import plan_run
 from meshtrain.schedule import warmup_cosine
 from meshtrain.training import make_worker_spec
-from meshtrain.worker import WorkerSpec
+from meshtrain.worker import WorkerSpec, worker_main_sequence
 from tests.conftest import TINY_BLOCK, TINY_VOCAB
 
 STEPS = 6
@@ -118,6 +119,17 @@ def make_spec(
         validation_files=arrow_files(blocks["validation"]),
         tokenizer_dir=None,
     )
+
+
+def run_group(specs: list[WorkerSpec], world: int, out: Path, run_id: str) -> list[dict]:
+    """Run every spec in turn in one spawned gloo group of `world` ranks; rank 0's results."""
+    return run_workers(
+        worker_main_sequence,
+        (specs,),
+        LaunchConfig(nproc_per_node=world),
+        log_dir=out / "logs",
+        run_id=run_id,
+    )[0]
 
 
 def assert_matches_reference(

@@ -10,11 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from meshtrain.config import LaunchConfig
-from meshtrain.launch import run_workers
-from meshtrain.worker import worker_main_sequence
 from tests.conftest import TINY_MODEL
-from tests.parallel.reference import assert_matches_reference, make_spec, reference_run
+from tests.parallel.reference import assert_matches_reference, make_spec, reference_run, run_group
 
 CASES = {
     # per-device batch x accumulation x dp = 8 in every case
@@ -47,13 +44,7 @@ def test_dp2_with_and_without_zero1_match_one_process(tiny_blocks, tmp_path: Pat
         )
         for name, (parallel, training) in [*CASES.items(), ("dp2-zero1-bf16", BF16)]
     ]
-    *results, bf16_result = run_workers(
-        worker_main_sequence,
-        (specs,),
-        LaunchConfig(nproc_per_node=2),
-        log_dir=tmp_path / "logs",
-        run_id="t-dp",
-    )[0]
+    *results, bf16_result = run_group(specs, 2, tmp_path, "t-dp")
 
     expected_losses, expected_weights = reference_run(tiny_blocks, "llama", TINY_MODEL)
     assert expected_losses[-1] < expected_losses[0]

@@ -7,11 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from meshtrain.config import LaunchConfig
-from meshtrain.launch import run_workers
-from meshtrain.worker import worker_main_sequence
 from tests.conftest import TINY_MODEL
-from tests.parallel.reference import assert_matches_reference, make_spec, reference_run
+from tests.parallel.reference import assert_matches_reference, make_spec, reference_run, run_group
 
 FOUR_LAYERS = {**TINY_MODEL, "num_hidden_layers": 4}
 BATCH_8 = {"per_device_train_batch_size": 8}
@@ -68,13 +65,7 @@ def _run(cases: dict, world: int, blocks, out: Path) -> None:
         )
         for name, (parallel, training) in cases.items()
     ]
-    results = run_workers(
-        worker_main_sequence,
-        (specs,),
-        LaunchConfig(nproc_per_node=world),
-        log_dir=out / "logs",
-        run_id=f"t-pp{world}",
-    )[0]
+    results = run_group(specs, world, out, f"t-pp{world}")
     losses, weights = reference_run(blocks, "llama", FOUR_LAYERS)
     for name, summary in zip(cases, results, strict=True):
         assert_matches_reference(name, summary, losses, weights, out / f"{name}-hf")

@@ -11,11 +11,14 @@ import torch
 from safetensors.torch import load_file
 
 from meshtrain.checkpoint import consolidate_checkpoint
-from meshtrain.config import LaunchConfig
-from meshtrain.launch import run_workers
-from meshtrain.worker import worker_main_sequence
 from tests.conftest import TINY_MODEL
-from tests.parallel.reference import STEPS, assert_matches_reference, make_spec, reference_run
+from tests.parallel.reference import (
+    STEPS,
+    assert_matches_reference,
+    make_spec,
+    reference_run,
+    run_group,
+)
 
 FOUR_LAYERS = {**TINY_MODEL, "num_hidden_layers": 4}
 SAVE_AT = 3
@@ -59,13 +62,7 @@ def test_resume_same_and_other_layouts(tiny_blocks, tmp_path: Path):
     results = dict(
         zip(
             [Path(s.run_dir).name for s in specs],
-            run_workers(
-                worker_main_sequence,
-                (specs,),
-                LaunchConfig(nproc_per_node=4),
-                log_dir=tmp_path / "logs",
-                run_id="t-resume",
-            )[0],
+            run_group(specs, 4, tmp_path, "t-resume"),
             strict=True,
         )
     )

@@ -13,11 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from meshtrain.config import LaunchConfig
-from meshtrain.launch import run_workers
-from meshtrain.worker import worker_main_sequence
 from tests.conftest import TINY_MODEL
-from tests.parallel.reference import assert_matches_reference, make_spec, reference_run
+from tests.parallel.reference import assert_matches_reference, make_spec, reference_run, run_group
 
 QWEN2_TIED = {**TINY_MODEL, "tie_word_embeddings": True}
 QWEN3 = {**TINY_MODEL, "head_dim": 16}
@@ -72,13 +69,7 @@ def _run_group(cases: dict, world: int, blocks, out: Path) -> None:
         )
         for name, (parallel, training, architecture, fields) in cases.items()
     ]
-    results = run_workers(
-        worker_main_sequence,
-        (specs,),
-        LaunchConfig(nproc_per_node=world),
-        log_dir=out / "logs",
-        run_id=f"t-tp{world}",
-    )[0]
+    results = run_group(specs, world, out, f"t-tp{world}")
     references = {}
     for name, summary in zip(cases, results, strict=True):
         _, _, architecture, fields = cases[name]
