@@ -69,17 +69,21 @@ def tensor_parallel_plan(model: nn.Module, *, sequence_parallel: bool) -> dict[s
         if sp:
             plan[f"{layer}.input_layernorm"] = SequenceParallel()
             plan[f"{layer}.post_attention_layernorm"] = SequenceParallel()
-            # Inside attention and MLP everything is local: gather the sequence first.
-            plan[f"{layer}.self_attn"] = PrepareModuleInput(
-                input_kwarg_layouts={"hidden_states": Shard(1)},
-                desired_input_kwarg_layouts={"hidden_states": Replicate()},
-                use_local_output=True,
-            )
-            plan[f"{layer}.mlp"] = PrepareModuleInput(
-                input_layouts=(Shard(1),),
-                desired_input_layouts=(Replicate(),),
-                use_local_output=True,
-            )
+        # Attention and MLP take their input as one replicated DTensor (gathered from the
+        # sequence shards under SP). q/k/v (gate/up) then share it, so their input
+        # gradients add up as one partial sum and cross the tp ranks once per block: a
+        # reduce-scatter with SP, an all-reduce without (Megatron's count), not once per
+        # projection.
+        plan[f"{layer}.self_attn"] = PrepareModuleInput(
+            input_kwarg_layouts={"hidden_states": residual},
+            desired_input_kwarg_layouts={"hidden_states": Replicate()},
+            use_local_output=False,
+        )
+        plan[f"{layer}.mlp"] = PrepareModuleInput(
+            input_layouts=(residual,),
+            desired_input_layouts=(Replicate(),),
+            use_local_output=False,
+        )
     return plan
 
 
