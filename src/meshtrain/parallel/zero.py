@@ -102,7 +102,10 @@ class ShardedAdamW:
         """
         squares = self.grad_shard.new_zeros((), dtype=torch.float32)
         for lo, hi, weight in self._norm_pieces:
-            squares += self.grad_shard[lo:hi].float().pow(2).sum() * weight
+            # vector_norm reduces without materialising the squares (no buffer-sized temporary).
+            squares += (
+                torch.linalg.vector_norm(self.grad_shard[lo:hi], dtype=torch.float32) ** 2 * weight
+            )
         if self.zero_1 and self.group is not None:
             dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=self.group)
         for group in self.norm_groups:
