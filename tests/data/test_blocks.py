@@ -35,3 +35,16 @@ def test_out_of_range_is_an_error(many_chunks) -> None:
     store = BlockStore(arrow_files(many_chunks))
     with pytest.raises(IndexError, match="outside the 50 blocks"):
         store.batch([50])
+
+
+def test_plain_lists_of_equal_length_are_read_too(tmp_path) -> None:
+    rows = [[i, i + 1, i + 2] for i in range(10)]
+    datasets.Dataset.from_dict({"input_ids": rows}).save_to_disk(str(tmp_path / "p"))
+    store = BlockStore(arrow_files(datasets.load_from_disk(str(tmp_path / "p"))))
+    assert store.batch([3, 1]).tolist() == [rows[3], rows[1]]
+
+
+def test_ragged_blocks_are_refused(tmp_path) -> None:
+    datasets.Dataset.from_dict({"input_ids": [[1, 2], [3]]}).save_to_disk(str(tmp_path / "r"))
+    with pytest.raises(ValueError, match="different lengths"):
+        BlockStore(arrow_files(datasets.load_from_disk(str(tmp_path / "r"))))

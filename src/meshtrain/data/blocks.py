@@ -42,11 +42,24 @@ class BlockStore:
 
 
 def _as_matrix(chunk: pa.Array) -> np.ndarray:
-    """A zero-copy (rows, block_size) view of a fixed-size-list Arrow chunk."""
-    if not pa.types.is_fixed_size_list(chunk.type) or chunk.null_count:
-        raise ValueError("input_ids must be fixed-length lists of token ids without nulls")
+    """A zero-copy (rows, block_size) view of an Arrow chunk of equal-length id lists.
+
+    meshtrain's packing writes fixed-size lists; plain lists of equal length
+    (blocks made elsewhere) are read the same way.
+    """
+    if chunk.null_count:
+        raise ValueError("input_ids holds missing blocks")
+    if pa.types.is_fixed_size_list(chunk.type):
+        width = chunk.type.list_size
+    elif pa.types.is_list(chunk.type) or pa.types.is_large_list(chunk.type):
+        lengths = np.diff(chunk.offsets.to_numpy())
+        if len(lengths) and (lengths != lengths[0]).any():
+            raise ValueError("input_ids blocks have different lengths; pack them first")
+        width = int(lengths[0]) if len(lengths) else 0
+    else:
+        raise ValueError(f"input_ids must be lists of token ids, not {chunk.type}")
     values = chunk.flatten().to_numpy(zero_copy_only=True)  # respects the chunk's offset
-    return values.reshape(len(chunk), chunk.type.list_size)
+    return values.reshape(len(chunk), width)
 
 
 def arrow_files(dataset: datasets.Dataset) -> list[str]:
