@@ -27,7 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="merge a sharded checkpoint into a Hugging Face model folder",
         description="Merge a sharded meshtrain checkpoint into a folder that "
         "transformers.AutoModelForCausalLM.from_pretrained loads. Tensors are "
-        "streamed one at a time, so memory stays near the largest single tensor.",
+        "copied one at a time, file to file (no torch needed), so memory stays at a "
+        "few MiB whatever the model's size.",
     )
     consolidate.add_argument(
         "checkpoint",
@@ -54,7 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     consolidate.add_argument(
         "--no-verify",
         action="store_true",
-        help="skip the sha256 check of every file (sizes are still checked)",
+        help="skip the sha256 check of every file (sizes are still checked); the check "
+        "runs alongside the copy and costs a read of the checkpoint",
     )
     return parser
 
