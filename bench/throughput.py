@@ -1,0 +1,941 @@
+"""Training throughput: meshtrain beside Hugging Face Trainer and a bare PyTorch loop.
+
+One invocation trains the same Llama shape (default: the project's, hidden 128,
+intermediate 352, 4 layers, 4 heads, 2 KV heads, vocabulary 4096, blocks of 128) on
+the same random token blocks (saved with `datasets`, read back memory-mapped), with
+the same per-device batch, global batch, AdamW hyper-parameters (lr 3e-3, betas
+0.9/0.95, eps 1e-8, weight decay 0.1 off norms), `max_grad_norm=1.0`, fp32, and the
+same number of steps, as
+
+(a) meshtrain: `make_worker_spec` + `run_workers(worker_main_sequence, ...)`, the real
+    loop (`meshtrain.worker.train`: flat buffer, `ShardedAdamW`, ZeRO-1 at dp > 1),
+    logging every step (`log_every=1`, the project default: a loss all-reduce and
+    `.item()` per step), `eval_batches=0`, `checkpoint_every` beyond the run (the final
+    step still saves one checkpoint; it is not timed, see below);
+(b) Hugging Face `Trainer` (transformers + accelerate), everything else at its defaults,
+    launched with `run_workers` and an entry point that builds the `Trainer`: at dp=2
+    accelerate reads the torch elastic env (DDP over gloo, which the Trainer creates
+    with `find_unused_parameters=True` for a model without gradient checkpointing); in
+    one process the entry point first drops the launcher's distributed variables, so
+    it runs as `python train.py` would (no process group, no DDP). `eval_strategy="no"`,
+    `save_strategy="no"`, `report_to=[]`, the default optimizer of this release
+    (`adamw_torch_fused`: torch AdamW, `fused=True`), cosine schedule with the same
+    warm-up, `dataloader_num_workers=0`, `logging_steps=1` (so it too pulls the loss
+    and grad norm to the host every step);
+(c) in one process only, launched the same way: a bare loop with no process group,
+    `AutoModelForCausalLM.from_config`, torch AdamW
+    (its defaults), `clip_grad_norm_`, the blocks preloaded into one tensor, `.item()`
+    of the loss every step.
+
+dp=2 compares (a) and (b); one process compares (a) with nproc 1, (b) and (c). Every
+run is a fresh process (group) started by `run_workers` (a process that has already
+trained, or launched others, is not a fair place for the next side). Every
+process of every side runs `--threads` intra-op threads (default 1; `auto` is
+meshtrain's own rule, `os.cpu_count() // ranks`, which on a 2-core machine shared
+with other jobs gives 2 OpenMP threads to a single process and step times that
+swing 10x whenever one of them is descheduled). meshtrain gets it from the timing
+hook below, after `worker_main_sequence` has set its own.
+
+What is timed, identically for all three: each run trains `warmup + steps + 1` steps
+and records the wall clock at the *start* of every step (meshtrain: the loop's
+sampler is swapped, in the worker process only, for a subclass that notes the time
+when `train` asks it for the step's samples, first thing in every step -- `src/` is
+not changed; Trainer: `TrainerCallback.on_step_begin`; bare loop: the loop itself).
+Throughput = `steps * tokens per step / (start[warmup + steps] - start[warmup])`:
+`steps` whole steps after `warmup` warm-up steps, including everything a loop does
+between steps (data loading, logging, host syncs, callbacks), excluding start-up,
+warm-up, the final step and what follows it (meshtrain's checkpoint save, the
+Trainer's wrap-up). For reference each run also prints meshtrain's own
+`mean_tokens_per_s` (mean of per-step rates over all logged steps but the first,
+warm-up included, timed inside the step only) and the Trainer's whole-run rate from
+`train_runtime` (warm-up included).
+
+Each configuration runs `--repeats` times (default 2), the order of the sides
+reversed on every other repeat. Only ratios measured side by side mean anything on a
+shared machine; nothing is asserted.
+
+`--profile` adds where a step's time goes, per phase: a copy of the loop of
+`meshtrain.worker.train` (same components: `parallelize`, `FlatParameters`, the
+pieces of `ShardedAdamW.step`, `BlockStore`, `GlobalBatchSampler`) with timers
+around data, forward, loss, backward, gradient reduction, norm and clipping, AdamW,
+parameter all-gather, zero_grad and the logging sync; the same copy with two changes
+proposed for `src/` (gloo reduce-scatter as `all_to_all_single` + local sum, fused
+AdamW); at dp > 1 the copy with `zero_1` off; and the same timers around what the
+Trainer runs underneath (DDP with `find_unused_parameters=True`, `clip_grad_norm_`,
+fused AdamW, `zero_grad(set_to_none=True)`). All columns run in one process group,
+warmed up, in alternating blocks of a few steps (so load from other jobs falls on
+all of them alike).
+
+    .venv/bin/python bench/throughput.py                  # default shape, ~3-5 min
+    .venv/bin/python bench/throughput.py --repeats 4      # steadier ratios, ~6-8 min
+    .venv/bin/python bench/throughput.py --profile-only   # only the per-phase tables
+    .venv/bin/python bench/throughput.py --hidden 512 --intermediate 1408 --layers 8 \\
+        --heads 8 --kv-heads 4 --steps 8 --warmup 2      # a larger shape
+"""
+
+from __future__ import annotations
+
+import os
+
+for _key, _value in {
+    "KEDRO_DISABLE_TELEMETRY": "true",
+    "DO_NOT_TRACK": "true",
+    "MLFLOW_DISABLE_TELEMETRY": "true",
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}.items():
+    os.environ.setdefault(_key, _value)
+
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import itertools  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+import warnings  # noqa: E402
+from collections import defaultdict  # noqa: E402
+from functools import partial  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import datasets  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
+
+from meshtrain.config import LaunchConfig, RunConfig  # noqa: E402
+from meshtrain.data.blocks import BlockStore, arrow_files  # noqa: E402
+from meshtrain.data.sampler import GlobalBatchSampler  # noqa: E402
+from meshtrain.launch import run_workers  # noqa: E402
+from meshtrain.models import build_model, build_model_config  # noqa: E402
+from meshtrain.planner import plan_run  # noqa: E402
+from meshtrain.schedule import warmup_cosine  # noqa: E402
+
+SEED = 42
+DATA_SEED = 0
+ENV_PREFIX = (
+    "KEDRO_DISABLE_TELEMETRY=true DO_NOT_TRACK=true MLFLOW_DISABLE_TELEMETRY=true "
+    "HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false"
+)
+# The optimisation settings every side uses (meshtrain's defaults).
+OPTIM = {
+    "learning_rate": 3e-3,
+    "weight_decay": 0.1,
+    "adam_beta1": 0.9,
+    "adam_beta2": 0.95,
+    "adam_epsilon": 1e-8,
+    "max_grad_norm": 1.0,
+}
+# What the launcher sets for a rank; removed for the single-process Trainer.
+LAUNCHER_ENV = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_NAME",
+    "ROLE_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_USE_AGENT_STORE",
+)
+# The sides compared at each world size (the bare loop is one process by definition).
+SYSTEMS = {2: ("meshtrain", "trainer"), 1: ("meshtrain", "trainer", "bare")}
+LABELS = {"meshtrain": "meshtrain", "trainer": "HF Trainer", "bare": "bare loop"}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--intermediate", type=int, default=352)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--vocab", type=int, default=4096)
+    parser.add_argument("--block", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=8, help="per-device batch")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per run")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps first")
+    parser.add_argument("--repeats", type=int, default=2, help="order reversed on odd repeats")
+    parser.add_argument(
+        "--worlds", type=int, nargs="+", default=[2, 1], help="process counts to compare"
+    )
+    parser.add_argument(
+        "--threads",
+        default="1",
+        help="intra-op threads of every process of every side; auto: cpu_count // ranks",
+    )
+    parser.add_argument("--profile", action="store_true", help="add the per-phase breakdown")
+    parser.add_argument("--profile-only", action="store_true", help="only the per-phase breakdown")
+    parser.add_argument("--work-dir", type=Path, default=None, help="default: a temp dir")
+    parser.add_argument("--verbose", action="store_true", help="show the ranks' output")
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.warmup < 1:
+        parser.error("--steps and --warmup must be at least 1")
+    if any(world not in SYSTEMS for world in args.worlds):
+        parser.error("--worlds takes 1 and/or 2")
+    if args.threads != "auto" and not (args.threads.isdigit() and int(args.threads) > 0):
+        parser.error("--threads is a positive integer or auto")
+    return args
+
+
+def model_fields(args: argparse.Namespace | dict[str, Any]) -> dict[str, Any]:
+    a = vars(args) if isinstance(args, argparse.Namespace) else args
+    return {
+        "hidden_size": a["hidden"],
+        "intermediate_size": a["intermediate"],
+        "num_hidden_layers": a["layers"],
+        "num_attention_heads": a["heads"],
+        "num_key_value_heads": a["kv_heads"],
+        "max_position_embeddings": max(512, a["block"]),
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+    }
+
+
+def hf_config(job: dict[str, Any]):
+    """The same Hugging Face config for every side (sdpa attention, no KV cache)."""
+    config = build_model_config("llama", model_fields(job), vocab_size=job["vocab"])
+    config.use_cache = False
+    return config
+
+
+def make_blocks(root: Path, args: argparse.Namespace, num_train: int) -> Path:
+    """Random token blocks saved with `datasets` (memory-mapped when loaded back)."""
+    generator = torch.Generator().manual_seed(DATA_SEED)
+    ids = torch.randint(0, args.vocab, (num_train + 64, args.block), generator=generator)
+    ids = ids.to(torch.int32)
+    features = datasets.Features(
+        {"input_ids": datasets.List(datasets.Value("int32"), length=args.block)}
+    )
+    blocks = datasets.DatasetDict(
+        {
+            "train": datasets.Dataset.from_dict(
+                {"input_ids": ids[:num_train].numpy()}, features=features
+            ),
+            "validation": datasets.Dataset.from_dict(
+                {"input_ids": ids[num_train:].numpy()}, features=features
+            ),
+        }
+    )
+    path = root / "blocks"
+    blocks.save_to_disk(str(path))
+    return path
+
+
+def _threads(job: dict[str, Any], ranks: int) -> int:
+    """`--threads`, or meshtrain's rule: share this node's cores between its ranks."""
+    if job["threads"] == "auto":
+        return max(1, (os.cpu_count() or 1) // ranks)
+    return int(job["threads"])
+
+
+def _set_threads(job: dict[str, Any]) -> int:
+    threads = _threads(job, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    os.environ["OMP_NUM_THREADS"] = str(threads)  # accelerate would otherwise pick its own
+    torch.set_num_threads(threads)
+    return threads
+
+
+def _throughput(
+    starts: list[float], job: dict[str, Any], tokens_per_step: int
+) -> tuple[float, float]:
+    """Tokens/s over the `steps` whole steps after `warmup`, from per-step start times:
+    (over the whole window, at the median step time)."""
+    warmup, steps = job["warmup"], job["steps"]
+    if len(starts) < warmup + steps + 1:
+        raise RuntimeError(f"only {len(starts)} step starts recorded")
+    window = starts[warmup : warmup + steps + 1]
+    durations = [b - a for a, b in zip(window, window[1:], strict=False)]
+    return (
+        steps * tokens_per_step / (window[-1] - window[0]),
+        tokens_per_step / statistics.median(durations),
+    )
+
+
+# --------------------------------------------------------------------------- (a) meshtrain
+
+
+class _TimedSampler(GlobalBatchSampler):
+    """The loop's sampler, noting the wall clock when each step asks for its samples.
+
+    `train` calls `rank_microbatches` first thing in every step, right after its own
+    `step_start = time.perf_counter()`, so these are the step start times.
+    """
+
+    starts: list[float] = []
+    threads = 0
+    set_threads: int | None = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.set_threads:  # train() builds this right before its loop
+            torch.set_num_threads(self.set_threads)
+        type(self).starts = []
+        type(self).threads = torch.get_num_threads()
+
+    def rank_microbatches(self, *args: Any, **kwargs: Any) -> list[list[int]]:
+        type(self).starts.append(time.perf_counter())
+        return super().rank_microbatches(*args, **kwargs)
+
+
+@record
+def meshtrain_entry(specs: list[Any], job: dict[str, Any]) -> dict[str, Any] | None:
+    """`worker_main_sequence` with the step start times recorded (rank 0 returns them)."""
+    import meshtrain.worker
+
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    _TimedSampler.set_threads = None if job["threads"] == "auto" else _threads(job, local_world)
+    meshtrain.worker.GlobalBatchSampler = _TimedSampler  # this worker process only
+    summaries = meshtrain.worker.worker_main_sequence(specs)
+    if summaries[-1] is None:
+        return None
+    return {
+        "starts": list(_TimedSampler.starts),
+        "threads": _TimedSampler.threads,
+        "summary": summaries[-1],
+    }
+
+
+def meshtrain_spec(job: dict[str, Any], blocks: datasets.DatasetDict, out: Path, name: str):
+    from meshtrain.training import make_worker_spec
+
+    world = job["world"]
+    run = RunConfig.from_params(
+        parallel={"data_parallel_size": world},
+        training={
+            **OPTIM,
+            "per_device_train_batch_size": job["batch"],
+            "max_steps": job["warmup"] + job["steps"] + 1,
+            "warmup_steps": job["warmup"],
+            "seed": SEED,
+            "log_every": 1,
+            "eval_batches": 0,
+            "eval_every": 10**9,
+            "checkpoint_every": 10**9,
+            "keep_last": 1,
+            "output_dir": str(out),
+            "run_name": name,
+        },
+        launch={"nproc_per_node": world},
+        model={"architecture": "llama", "config": model_fields(job)},
+        data={"block_size": job["block"], "vocab_size": job["vocab"]},
+    )
+    config = build_model_config("llama", model_fields(job), vocab_size=job["vocab"])
+    plan = plan_run(
+        run,
+        config,
+        num_train_blocks=len(blocks["train"]),
+        num_validation_blocks=len(blocks["validation"]),
+        cuda_available=False,
+    )
+    assert plan.global_batch_size == job["batch"] * world, plan.global_batch_size
+    assert plan.layout.data_parallel_size == world
+    spec = make_worker_spec(
+        run,
+        plan,
+        train_files=arrow_files(blocks["train"]),
+        validation_files=arrow_files(blocks["validation"]),
+        tokenizer_dir=None,
+    )
+    return spec, run.launch
+
+
+# --------------------------------------------------------------------------- (b) Trainer
+
+
+def _collate(features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    ids = torch.tensor([f["input_ids"] for f in features], dtype=torch.long)
+    return {"input_ids": ids, "labels": ids}
+
+
+@record
+def trainer_entry(job: dict[str, Any]) -> dict[str, Any] | None:
+    """Build and run a Hugging Face Trainer: on a launched rank (accelerate reads the
+    torch elastic env: DDP over gloo), or plainly in this process (no DDP)."""
+    import transformers
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    warnings.filterwarnings("ignore")
+    transformers.logging.set_verbosity_error()
+    threads = _set_threads(job)
+    if job["world"] == 1:  # a plain single process, as `python train.py` runs it
+        for key in LAUNCHER_ENV:
+            os.environ.pop(key, None)
+
+    class StepTimes(TrainerCallback):
+        def __init__(self) -> None:
+            self.starts: list[float] = []
+            self.threads = 0
+            self.world = 0
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.threads = torch.get_num_threads()
+            self.world = args.world_size
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.starts.append(time.perf_counter())
+
+    torch.manual_seed(SEED)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config(job), dtype=torch.float32)
+    train = datasets.load_from_disk(job["blocks"])["train"]
+    arguments = TrainingArguments(
+        output_dir=job["out"],
+        per_device_train_batch_size=job["batch"],
+        gradient_accumulation_steps=1,
+        max_steps=job["warmup"] + job["steps"] + 1,
+        learning_rate=OPTIM["learning_rate"],
+        weight_decay=OPTIM["weight_decay"],
+        adam_beta1=OPTIM["adam_beta1"],
+        adam_beta2=OPTIM["adam_beta2"],
+        adam_epsilon=OPTIM["adam_epsilon"],
+        max_grad_norm=OPTIM["max_grad_norm"],
+        lr_scheduler_type="cosine",
+        warmup_steps=job["warmup"],
+        logging_steps=1,
+        eval_strategy="no",
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        dataloader_drop_last=True,
+        ddp_backend="gloo" if job["world"] > 1 else None,
+        use_cpu=True,
+        seed=SEED,
+        bf16=False,
+        fp16=False,
+    )
+    timer = StepTimes()
+    trainer = Trainer(
+        model=model,
+        args=arguments,
+        train_dataset=train,
+        data_collator=_collate,
+        callbacks=[timer],
+    )
+    with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
+        output = trainer.train()  # (PrinterCallback prints a dict per step)
+    if trainer.args.process_index != 0:
+        return None
+    return {
+        "starts": timer.starts,
+        "threads": timer.threads or threads,
+        "world": timer.world,
+        "optim": str(trainer.args.optim),
+        "optimizer": type(trainer.optimizer.optimizer).__name__
+        if hasattr(trainer.optimizer, "optimizer")
+        else type(trainer.optimizer).__name__,
+        "wrapped": type(trainer.model_wrapped).__name__,
+        "parallel_mode": str(trainer.args.parallel_mode).rsplit(".", 1)[-1],
+        "train_runtime": output.metrics["train_runtime"],
+        "loss": output.training_loss,
+    }
+
+
+# --------------------------------------------------------------------------- (c) bare loop
+
+
+@record
+def bare_entry(job: dict[str, Any]) -> dict[str, Any]:
+    """One process, no process group: HF model, torch AdamW, clip_grad_norm_."""
+    import transformers
+
+    threads = _set_threads(job)
+    torch.manual_seed(SEED)
+    config = hf_config(job)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.train()
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    optimizer = torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": OPTIM["weight_decay"]},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        lr=OPTIM["learning_rate"],
+        betas=(OPTIM["adam_beta1"], OPTIM["adam_beta2"]),
+        eps=OPTIM["adam_epsilon"],
+    )
+    total = job["warmup"] + job["steps"] + 1
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        partial(warmup_cosine, warmup_steps=job["warmup"], max_steps=total, min_ratio=0.1),
+    )
+    train = datasets.load_from_disk(job["blocks"])["train"].with_format("torch")
+    blocks = train[:]["input_ids"].long()  # preloaded: the loop reads no files
+    batch = job["batch"]
+    order = torch.randperm(len(blocks), generator=torch.Generator().manual_seed(SEED))
+    vocab = config.vocab_size
+    starts, losses = [], []
+    for step in range(total):
+        starts.append(time.perf_counter())
+        index = order[(torch.arange(batch) + step * batch) % len(blocks)]
+        ids = blocks[index]
+        logits = model(input_ids=ids).logits
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, vocab), ids[:, 1:].reshape(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), OPTIM["max_grad_norm"])
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return {"starts": starts, "threads": threads, "loss": losses[-1]}
+
+
+# --------------------------------------------------------------------------- driver
+
+
+@contextlib.contextmanager
+def _quiet(log: Path, verbose: bool):
+    """Send the ranks' teed output (and the launcher's warnings) to a log file."""
+    if verbose:
+        yield
+        return
+    with (
+        open(log, "a") as handle,
+        contextlib.redirect_stdout(handle),
+        contextlib.redirect_stderr(handle),
+    ):
+        yield
+
+
+def run_one(system: str, job: dict[str, Any], blocks, root: Path, tag: str, verbose: bool):
+    """One run of one side; prints a line and returns rank 0's result with tokens/s."""
+    world = job["world"]
+    out = root / "runs"
+    tokens_per_step = job["batch"] * world * job["block"]
+    began = time.perf_counter()
+    with _quiet(root / "ranks.log", verbose):
+        if system == "meshtrain":
+            spec, launch = meshtrain_spec(job, blocks, out, tag)
+            results = run_workers(
+                meshtrain_entry, ([spec], job), launch, log_dir=out / tag / "logs", run_id=tag
+            )
+            result = results[0]
+        else:
+            entry = trainer_entry if system == "trainer" else bare_entry
+            results = run_workers(
+                entry,
+                ({**job, "out": str(out / tag)},),
+                LaunchConfig(nproc_per_node=world),
+                log_dir=out / tag / "logs",
+                run_id=tag,
+            )
+            result = results[0]
+    result["tokens_per_s"], result["median_tokens_per_s"] = _throughput(
+        result["starts"], job, tokens_per_step
+    )
+    result["wall_s"] = time.perf_counter() - began
+    extra = ""
+    if system == "meshtrain":
+        extra = f"; own mean_tokens_per_s {result['summary']['mean_tokens_per_s']:,.0f}"
+    elif system == "trainer":
+        whole = (job["warmup"] + job["steps"] + 1) * tokens_per_step / result["train_runtime"]
+        extra = (
+            f"; whole run from train_runtime {whole:,.0f}; {result['parallel_mode']}, "
+            f"{result['wrapped']}, {result['optimizer']} ({result['optim']})"
+        )
+    print(
+        f"  {tag:<20} {result['tokens_per_s']:>8,.0f} tokens/s (median step "
+        f"{result['median_tokens_per_s']:,.0f}; "
+        f"{result['threads']} thread(s)/process, {result['wall_s']:.0f}s with start-up"
+        f"{extra})",
+        flush=True,
+    )
+    return result
+
+
+def throughput_tables(args: argparse.Namespace, root: Path, blocks_path: Path) -> list[str]:
+    blocks = datasets.load_from_disk(str(blocks_path))
+    lines: list[str] = []
+    verdicts: list[str] = []
+    defaults = vars(parse_args([]))
+    shape = ("hidden", "intermediate", "layers", "heads", "kv_heads", "vocab", "block", "batch")
+    other_shape = any(getattr(args, key) != defaults[key] for key in shape)
+    for world in args.worlds:
+        job = {**vars(args), "world": world, "blocks": str(blocks_path), "work_dir": None}
+        job.pop("worlds")
+        systems = SYSTEMS[world]
+        results: dict[str, list[float]] = defaultdict(list)
+        medians: dict[str, list[float]] = defaultdict(list)
+        for repeat in range(args.repeats):
+            order = systems if repeat % 2 == 0 else tuple(reversed(systems))
+            print(f"world {world}, repeat {repeat + 1}: {' -> '.join(order)}", flush=True)
+            for system in order:
+                tag = f"w{world}-r{repeat + 1}-{system}"
+                result = run_one(system, job, blocks, root, tag, args.verbose)
+                results[system].append(result["tokens_per_s"])
+                medians[system].append(result["median_tokens_per_s"])
+        mean = {s: statistics.fmean(v) for s, v in results.items()}
+        median = {s: statistics.fmean(v) for s, v in medians.items()}
+        layout = f"dp={world}" if world > 1 else "1 process"
+        lines.append("")
+        lines.append(
+            f"{layout}: global batch {args.batch * world} x {args.block} tokens, "
+            f"{args.steps} timed steps after {args.warmup} warm-up, "
+            f"{_threads(job, world)} thread(s) per process; tokens/s"
+        )
+        reps = " | ".join(f"rep {r + 1}" for r in range(args.repeats))
+        lines.append(f"| side | {reps} | mean | at the median step time (mean) |")
+        lines.append("|---|" + "---:|" * (args.repeats + 2))
+        for system in systems:
+            cells = " | ".join(f"{v:,.0f}" for v in results[system])
+            lines.append(
+                f"| {LABELS[system]} | {cells} | {mean[system]:,.0f} | {median[system]:,.0f} |"
+            )
+        for other in systems[1:]:
+            paired = [m / o for m, o in zip(results["meshtrain"], results[other], strict=True)]
+            ratio = mean["meshtrain"] / mean[other]
+            lines.append(
+                f"meshtrain / {LABELS[other]}: {ratio:.3f}x "
+                f"(per repeat: {', '.join(f'{r:.3f}' for r in paired)}; "
+                f"at the median step time: {median['meshtrain'] / median[other]:.3f}x)"
+            )
+            target = {(2, "trainer"): 1.10, (1, "bare"): 0.97}.get((world, other))
+            if target is not None:
+                met = "met" if ratio >= target else "NOT met"
+                if other_shape:
+                    met += " (but the targets are set for the default shape)"
+                verdicts.append(
+                    f"target meshtrain / {LABELS[other]} >= {target:.2f}x at {layout}: "
+                    f"{ratio:.3f}x, {met}"
+                )
+    lines.append("")
+    lines.extend(verdicts)
+    return lines
+
+
+# --------------------------------------------------------------------------- --profile
+
+PHASES = (
+    "data",
+    "forward",
+    "loss",
+    "backward",
+    "grad reduce",
+    "grad norm+clip",
+    "adamw",
+    "param gather",
+    "zero_grad+lr",
+    "log sync",
+)
+
+
+PROFILE_BLOCK = 4  # steps of one side before switching to the other
+PROFILE_LABELS = {
+    "meshtrain": "meshtrain (as is)",
+    "proposed": "meshtrain + a2a reduce-scatter + fused AdamW",
+    "zero_1 off": "meshtrain, zero_1=false",
+    "ddp": "DDP + fused AdamW (Trainer's step)",
+}
+
+
+class _Timer:
+    def __init__(self) -> None:
+        self.totals: dict[str, float] = defaultdict(float)
+        self.last = time.perf_counter()
+
+    def restart(self) -> None:
+        self.last = time.perf_counter()
+
+    def mark(self, name: str) -> None:
+        now = time.perf_counter()
+        self.totals[name] += now - self.last
+        self.last = now
+
+
+def _meshtrain_copy(job: dict[str, Any], dims, blocks: BlockStore, variant: str = "as is"):
+    """The set-up of `meshtrain.worker.train`, and a step function timing each phase.
+
+    variant "as is": what `train` runs. "zero_1 off": the same with
+    `parallel.zero_1=false` (all-reduce, every rank updates everything). "proposed":
+    two changes suggested for `src/` -- the gloo reduce-scatter done as one
+    `all_to_all_single` plus a local sum, and AdamW with `fused=True`.
+    """
+    from meshtrain.models import config_from_dict
+    from meshtrain.parallel.data_parallel import (
+        average_gradients,
+        gather_parameters,
+        reduce_scatter_gradients,
+    )
+    from meshtrain.parallel.flat_buffer import FlatParameters
+    from meshtrain.parallel.zero import ShardedAdamW
+    from meshtrain.parallelize import causal_lm_loss, parallelize
+    from meshtrain.planner import Plan
+    from meshtrain.worker import _rss_mb
+
+    plan = Plan.from_dict(job["plan"])
+    layout = plan.layout
+    model = build_model(config_from_dict(plan.model_config), seed=SEED)
+    autocast = partial(torch.autocast, device_type="cpu", dtype=torch.bfloat16, enabled=False)
+    pm = parallelize(model, dims, layout, torch.device("cpu"), autocast)
+    pm.set_training(True)
+    flat = FlatParameters(pm.parameters.items(), num_shards=dims.dp, layouts=pm.layouts)
+    optimizer = ShardedAdamW(
+        flat,
+        dims.dp_group,
+        zero_1=layout.zero_1 and variant != "zero_1 off",
+        lr=OPTIM["learning_rate"],
+        betas=(OPTIM["adam_beta1"], OPTIM["adam_beta2"]),
+        eps=OPTIM["adam_epsilon"],
+        weight_decay=OPTIM["weight_decay"],
+        max_grad_norm=OPTIM["max_grad_norm"],
+    )
+    scratch = None
+    if variant == "proposed":
+        groups = optimizer.optimizer.param_groups
+        optimizer.optimizer = torch.optim.AdamW(
+            [{k: group[k] for k in ("params", "weight_decay", "range")} for group in groups],
+            lr=OPTIM["learning_rate"],
+            betas=(OPTIM["adam_beta1"], OPTIM["adam_beta2"]),
+            eps=OPTIM["adam_epsilon"],
+            fused=True,
+        )
+        scratch = torch.empty_like(flat.grads) if optimizer.zero_1 else None
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer.optimizer,
+        partial(warmup_cosine, warmup_steps=job["warmup"], max_steps=10**6, min_ratio=0.1),
+    )
+    sampler = GlobalBatchSampler(len(blocks), job["batch"] * dims.dp, SEED)
+
+    def reduce_scatter_by_all_to_all() -> None:
+        dist.all_to_all_single(scratch, flat.grads, group=optimizer.group)
+        shard = optimizer.grad_shard
+        torch.sum(scratch.view(dims.dp, -1), 0, out=shard)
+        shard.div_(dims.dp)
+
+    def step(index: int, timer: _Timer) -> None:
+        timer.restart()
+        micro = sampler.rank_microbatches(index, dims.dp_rank, dims.dp, job["batch"])
+        loss_sum = torch.zeros(())
+        for indices in micro:
+            ids = blocks.batch(indices)
+            timer.mark("data")
+            with pm.autocast():
+                logits = pm.modules[0](input_ids=ids).logits
+            timer.mark("forward")
+            loss = causal_lm_loss(logits, ids) / len(micro)
+            timer.mark("loss")
+            loss.backward()
+            loss_sum += loss.detach()
+            timer.mark("backward")
+        if scratch is not None:
+            reduce_scatter_by_all_to_all()
+        elif optimizer.zero_1:
+            reduce_scatter_gradients(flat.grads, optimizer.grad_shard, optimizer.group)
+        else:
+            average_gradients(flat.grads, optimizer.group)
+        timer.mark("grad reduce")
+        norm = optimizer.global_grad_norm()
+        coef = torch.clamp(optimizer.max_grad_norm / (norm + 1e-6), max=1.0)
+        optimizer.grad_shard.mul_(coef)
+        timer.mark("grad norm+clip")
+        optimizer.optimizer.step()
+        timer.mark("adamw")
+        if optimizer.zero_1:
+            owned = flat.params[optimizer.start : optimizer.end].clone()
+            gather_parameters(flat.params, owned, optimizer.group)
+        timer.mark("param gather")
+        schedule.step()
+        flat.zero_grad()
+        timer.mark("zero_grad+lr")
+        dist.all_reduce(loss_sum, group=dims.dp_group)
+        float(norm), loss_sum.item(), _rss_mb()
+        timer.mark("log sync")
+
+    return step
+
+
+def _ddp_copy(job: dict[str, Any], dims, blocks: BlockStore):
+    """What the Trainer runs underneath: DDP (bucketed all-reduce overlapping the
+    backward), `clip_grad_norm_`, fused torch AdamW, `zero_grad(set_to_none=True)`."""
+    import transformers
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(SEED)
+    config = hf_config(job)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.train()
+    wrapped = DistributedDataParallel(model) if dims.dp > 1 else model
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    optimizer = torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": OPTIM["weight_decay"]},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        lr=OPTIM["learning_rate"],
+        betas=(OPTIM["adam_beta1"], OPTIM["adam_beta2"]),
+        eps=OPTIM["adam_epsilon"],
+        fused=True,
+    )
+    sampler = GlobalBatchSampler(len(blocks), job["batch"] * dims.dp, SEED)
+
+    def step(index: int, timer: _Timer) -> None:
+        timer.restart()
+        (indices,) = sampler.rank_microbatches(index, dims.dp_rank, dims.dp, job["batch"])
+        ids = blocks.batch(indices)
+        timer.mark("data")
+        logits = wrapped(input_ids=ids).logits
+        timer.mark("forward")
+        loss = model.loss_function(logits, ids, vocab_size=config.vocab_size)
+        timer.mark("loss")
+        loss.backward()
+        timer.mark("backward")  # includes DDP's overlapped all-reduce
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), OPTIM["max_grad_norm"])
+        timer.mark("grad norm+clip")
+        optimizer.step()
+        timer.mark("adamw")
+        optimizer.zero_grad(set_to_none=True)
+        timer.mark("zero_grad+lr")
+        detached = loss.detach().clone()
+        if dims.dp > 1:
+            dist.all_reduce(detached)
+        float(norm), detached.item()
+        timer.mark("log sync")
+
+    return step
+
+
+@record
+def profile_entry(job: dict[str, Any]) -> dict[str, Any] | None:
+    """Both copies in one process group, alternating blocks of steps; rank 0's timings."""
+    from meshtrain.parallel.mesh import ParallelDims
+
+    warnings.filterwarnings("ignore")
+    threads = _set_threads(job)
+    dist.init_process_group("gloo")
+    try:
+        world = dist.get_world_size()
+        dims = ParallelDims.build(world, 1, 1, "cpu")
+        blocks = BlockStore(job["train_files"])
+        steps = {"meshtrain": _meshtrain_copy(job, dims, blocks)}
+        steps["proposed"] = _meshtrain_copy(job, dims, blocks, "proposed")
+        if world > 1:
+            steps["zero_1 off"] = _meshtrain_copy(job, dims, blocks, "zero_1 off")
+        steps["ddp"] = _ddp_copy(job, dims, blocks)
+        timers = {name: _Timer() for name in steps}
+        walls: dict[str, float] = defaultdict(float)
+        for step in steps.values():  # warm-up, untimed
+            for index in range(job["warmup"]):
+                step(index, _Timer())
+        done = dict.fromkeys(steps, job["warmup"])
+        total = job["warmup"] + 2 * job["steps"]
+        for repeat in itertools.count():  # blocks of PROFILE_BLOCK steps, order alternating
+            if all(count >= total for count in done.values()):
+                break
+            order = list(steps) if repeat % 2 == 0 else list(reversed(steps))
+            order = order[repeat % len(order) :] + order[: repeat % len(order)]
+            for name in order:
+                dist.barrier()
+                began = time.perf_counter()
+                for index in range(done[name], min(total, done[name] + PROFILE_BLOCK)):
+                    steps[name](index, timers[name])
+                done[name] = min(total, done[name] + PROFILE_BLOCK)
+                walls[name] += time.perf_counter() - began
+        if dist.get_rank() != 0:
+            return None
+        return {
+            "threads": threads,
+            "steps": 2 * job["steps"],
+            "phases": {name: dict(timer.totals) for name, timer in timers.items()},
+            "walls": dict(walls),
+        }
+    finally:
+        dist.destroy_process_group()
+
+
+def profile_tables(args: argparse.Namespace, root: Path, blocks_path: Path) -> list[str]:
+    blocks = datasets.load_from_disk(str(blocks_path))
+    lines: list[str] = []
+    for world in args.worlds:
+        job = {**vars(args), "world": world, "blocks": str(blocks_path), "work_dir": None}
+        job.pop("worlds")
+        spec, launch = meshtrain_spec(job, blocks, root / "runs", f"profile-w{world}-plan")
+        job["plan"] = spec.plan
+        job["train_files"] = spec.train_files
+        tag = f"profile-w{world}"
+        print(f"profile, world {world}", flush=True)
+        with _quiet(root / "ranks.log", args.verbose):
+            results = run_workers(
+                profile_entry,
+                (job,),
+                LaunchConfig(nproc_per_node=world),
+                log_dir=root / "runs" / tag / "logs",
+                run_id=tag,
+            )
+        result = results[0]
+        n = result["steps"]
+        tokens = args.batch * world * args.block
+        layout = f"dp={world}" if world > 1 else "1 process"
+        zero = " (meshtrain: ZeRO-1, reduce-scatter + all-gather)" if world > 1 else ""
+        names = list(result["walls"])
+        lines.append("")
+        lines.append(
+            f"profile, {layout}{zero}: ms per step on rank 0, mean of {n} steps per column "
+            f"({result['threads']} thread(s)/rank), columns in alternating blocks of "
+            f"{PROFILE_BLOCK} steps"
+        )
+        lines.append(f"| phase | {' | '.join(PROFILE_LABELS[name] for name in names)} |")
+        lines.append("|---|" + "---:|" * len(names))
+        for phase in PHASES:
+            cells = []
+            for name in names:
+                phases = result["phases"][name]
+                cells.append(f"{1000 * phases[phase] / n:.1f}" if phase in phases else "-")
+            if any(cell != "-" for cell in cells):
+                lines.append(f"| {phase} | {' | '.join(cells)} |")
+        walls = result["walls"]
+        lines.append(
+            "| **step (wall)** | "
+            + " | ".join(f"**{1000 * walls[name] / n:.1f}**" for name in names)
+            + " |"
+        )
+        rates = [f"{n * tokens / walls[name]:,.0f}" for name in names]
+        lines.append(f"| tokens/s | {' | '.join(rates)} |")
+        lines.append(
+            "| vs DDP copy | "
+            + " | ".join(f"{walls['ddp'] / walls[name]:.3f}x" for name in names)
+            + " |"
+        )
+    return lines
+
+
+def main() -> None:
+    args = parse_args()
+    with contextlib.ExitStack() as stack:
+        if args.work_dir is None:
+            root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="mt-bench-")))
+        else:
+            root = args.work_dir
+            root.mkdir(parents=True, exist_ok=True)
+        total_steps = args.warmup + args.steps + 1
+        num_train = max(1024, total_steps * args.batch * max(args.worlds) * 2)
+        blocks_path = make_blocks(root, args, num_train)
+        config = build_model_config("llama", model_fields(args), vocab_size=args.vocab)
+        parameters = sum(p.numel() for p in build_model(config, seed=SEED).parameters())
+        header = [
+            f"Llama: hidden {args.hidden}, intermediate {args.intermediate}, "
+            f"{args.layers} layers, {args.heads} heads, {args.kv_heads} KV heads, vocab "
+            f"{args.vocab} ({parameters:,} parameters); blocks of {args.block}, per-device "
+            f"batch {args.batch}; {os.cpu_count()} CPUs; torch {torch.__version__}",
+        ]
+        print(header[0], flush=True)
+        lines: list[str] = []
+        if not args.profile_only:
+            lines += throughput_tables(args, root, blocks_path)
+        if args.profile or args.profile_only:
+            lines += profile_tables(args, root, blocks_path)
+        print()
+        print(f"command: {ENV_PREFIX} .venv/bin/python {' '.join(sys.argv)}")
+        print("\n".join(header + lines))
+
+
+if __name__ == "__main__":
+    main()
