@@ -216,7 +216,9 @@ def train(spec: WorkerSpec) -> dict[str, Any] | None:
         report(f"step {start_step}: validation loss {initial_val_loss:.4f}")
 
     losses: list[tuple[int, float]] = []
-    tokens_per_second: list[float] = []
+    # Steady-state throughput: tokens over the wall time of the logged steps after the
+    # first (which pays for warm-up), not a mean of per-step rates (that reads high).
+    timed_tokens, timed_seconds = 0, 0.0
     last_checkpoint: Path | None = None
     val_loss = initial_val_loss
     train_start = time.perf_counter()
@@ -250,8 +252,9 @@ def train(spec: WorkerSpec) -> dict[str, Any] | None:
             elapsed = time.perf_counter() - step_start
             throughput = plan.tokens_per_step / elapsed
             losses.append((done, global_loss))
-            if done > 1:  # the first step pays for warm-up
-                tokens_per_second.append(throughput)
+            if done > start_step + 1:
+                timed_tokens += plan.tokens_per_step
+                timed_seconds += elapsed
             rss, peak = _rss_mb()
             tracker.log(
                 {
@@ -306,9 +309,7 @@ def train(spec: WorkerSpec) -> dict[str, Any] | None:
         "final_loss": losses[-1][1] if losses else None,
         "initial_val_loss": initial_val_loss,
         "final_val_loss": val_loss,
-        "mean_tokens_per_s": sum(tokens_per_second) / len(tokens_per_second)
-        if tokens_per_second
-        else None,
+        "mean_tokens_per_s": timed_tokens / timed_seconds if timed_seconds else None,
         "train_time_s": train_time,
         "peak_rss_mb_rank0": peak,
         "model_states_bytes_rank0": state_bytes,
