@@ -160,6 +160,27 @@ def measure(job: dict[str, Any], dims: ParallelDims, schedule: str, v: int, m: i
     }
 
 
+def one_way_send_ms(shape: tuple[int, ...], rounds: int = 20) -> float | None:
+    """Median one-way time (half a round trip) of one activation of `shape` between ranks 0
+    and 1 with plain gloo send/recv: the floor under every hop between stages. Collective;
+    rank 0 gets the time, the others None."""
+    rank = dist.get_rank()
+    buffer = torch.randn(shape)
+    times = []
+    dist.barrier()
+    for _ in range(3 + rounds):
+        start = time.perf_counter()
+        if rank == 0:
+            dist.send(buffer, 1)
+            dist.recv(buffer, 1)
+        elif rank == 1:
+            dist.recv(buffer, 0)
+            dist.send(buffer, 0)
+        times.append(time.perf_counter() - start)
+    dist.barrier()
+    return 1e3 * statistics.median(times[3:]) / 2 if rank == 0 else None
+
+
 @record
 def bench_worker(job: dict[str, Any]) -> list[dict[str, Any]] | None:
     """Entry point of a spawned rank: every (schedule, m) of this pipeline size."""
@@ -167,11 +188,16 @@ def bench_worker(job: dict[str, Any]) -> list[dict[str, Any]] | None:
     dist.init_process_group("gloo")
     try:
         dims = ParallelDims.build(1, 1, job["pp"], "cpu")
+        sizes = sorted({job["batch"] // m for _, _, m in job["runs"]})
+        shapes = {size: (size, job["seq"], job["model"]["hidden_size"]) for size in sizes}
+        send_ms = {size: one_way_send_ms(shape) for size, shape in shapes.items()}
         results = []
         for schedule, v, m in job["runs"]:
             result = measure(job, dims, schedule, v, m)
             if dist.get_rank() == 0:
                 print(f"  pp={job['pp']} {schedule} v={v} m={m} done", flush=True)
+            if result is not None:
+                result["send_ms"] = send_ms[job["batch"] // m]
             results.append(result)
         return results if dist.get_rank() == 0 else None
     finally:
@@ -202,6 +228,7 @@ def summarise(pp: int, result: dict[str, Any]) -> dict[str, Any]:
         "theory": theory,
         "diff_points": 100 * (measured - theory),
         "step_s": statistics.mean(result["step_s"]),
+        "send_ms": result["send_ms"],
         "forward_ms": 1e3 * statistics.mean(forward),
         "backward_ms": 1e3 * statistics.mean(backward),
     }
@@ -226,7 +253,7 @@ def draw_timeline(pp: int, result: dict[str, Any], out: Path) -> Path:
 def print_table(rows: list[dict[str, Any]]) -> None:
     header = (
         f"{'pp':>2}  {'schedule':<16} {'v':>1}  {'m':>2}  {'bubble':>6}  {'min-max':>11}  "
-        f"{'theory':>6}  {'diff':>6}  {'step s':>6}  {'fwd/bwd ms':>11}"
+        f"{'theory':>6}  {'diff':>6}  {'step s':>6}  {'fwd/bwd ms':>10}  {'send ms':>7}"
     )
     print(header)
     print("-" * len(header))
@@ -236,7 +263,8 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         print(
             f"{row['pp']:>2}  {row['schedule']:<16} {row['v']:>1}  {row['m']:>2}  "
             f"{row['bubble']:>6.1%}  {span:>11}  {row['theory']:>6.1%}  "
-            f"{row['diff_points']:>+6.1f}  {row['step_s']:>6.2f}  {chunks:>11}"
+            f"{row['diff_points']:>+6.1f}  {row['step_s']:>6.2f}  {chunks:>10}  "
+            f"{row['send_ms']:>7.2f}"
         )
 
 
@@ -374,7 +402,8 @@ def main(argv: list[str] | None = None) -> None:
     print(
         "bubble: per-rank idle share of the step window (mean over ranks and measured steps; "
         "min-max over ranks); theory: ((p-1)/v)/(m+(p-1)/v); diff: bubble - theory in "
-        "points; step s: slowest rank; fwd/bwd ms: mean chunk time"
+        "points; step s: slowest rank, mean; fwd/bwd ms: mean chunk time; send ms: one-way "
+        "gloo send of one microbatch's activation (median ping-pong / 2)"
     )
     print_table(rows)
     print()
