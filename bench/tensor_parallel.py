@@ -52,15 +52,13 @@ from torch.distributed._tools.mem_tracker import MemTracker  # noqa: E402
 from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
 from torch.distributed.tensor.debug import CommDebugMode  # noqa: E402
 
-from meshtrain.config import LaunchConfig  # noqa: E402
+from meshtrain.config import LaunchConfig, TrainingConfig  # noqa: E402
 from meshtrain.launch import run_workers  # noqa: E402
 from meshtrain.models import build_model, config_from_dict  # noqa: E402
 from meshtrain.models.builder import build_model_config, parameter_shapes  # noqa: E402
 from meshtrain.models.llama_family import kv_replication_factor  # noqa: E402
-from meshtrain.parallel.flat_buffer import FlatParameters  # noqa: E402
 from meshtrain.parallel.mesh import ParallelDims  # noqa: E402
-from meshtrain.parallel.zero import ShardedAdamW  # noqa: E402
-from meshtrain.parallelize import causal_lm_loss, parallelize  # noqa: E402
+from meshtrain.parallelize import build_optimizer, causal_lm_loss, parallelize  # noqa: E402
 from meshtrain.planner import Layout  # noqa: E402
 from meshtrain.planner.memory import estimate_model_states  # noqa: E402
 
@@ -220,20 +218,8 @@ def measure(job: dict[str, Any], sequence_parallel: bool) -> dict[str, Any]:
     autocast = partial(torch.autocast, device_type=device.type, enabled=False)
     pm = parallelize(build_model(config, seed=SEED), dims, layout, device, autocast)
     pm.set_training(True)
-    flat = FlatParameters(pm.parameters.items(), num_shards=dims.dp, layouts=pm.layouts)
-    norm_groups = tuple(
-        dims.mesh.get_group(name) for name in ("tp", "pp") if dims.mesh[name].size() > 1
-    )
-    optimizer = ShardedAdamW(
-        flat,
-        dims.dp_group,
-        zero_1=layout.zero_1,
-        norm_groups=norm_groups,
-        lr=1e-4,
-        betas=(0.9, 0.95),
-        eps=1e-8,
-        weight_decay=0.1,
-        max_grad_norm=1.0,
+    flat, optimizer = build_optimizer(
+        pm, zero_1=layout.zero_1, training=TrainingConfig(learning_rate=1e-4)
     )
     (model,) = pm.modules  # no pipeline parallelism: the one module is the whole model
     kv_replication = kv_replication_factor(config.num_key_value_heads, tp) if tp > 1 else 1

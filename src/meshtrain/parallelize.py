@@ -23,7 +23,9 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import loss_parallel
 from transformers import PretrainedConfig
 
+from meshtrain.config import TrainingConfig
 from meshtrain.models.llama_family import LlamaStage, kv_replication_factor
+from meshtrain.parallel.flat_buffer import FlatParameters
 from meshtrain.parallel.mesh import ParallelDims
 from meshtrain.parallel.pipeline_parallel import (
     PipelineRunner,
@@ -36,6 +38,7 @@ from meshtrain.parallel.tensor_parallel import (
     apply_tensor_parallel,
     plain_layouts,
 )
+from meshtrain.parallel.zero import ShardedAdamW
 from meshtrain.planner import Layout
 
 
@@ -174,3 +177,27 @@ def parallelize(
     return ParallelModel(
         modules, parameters, layouts, hf_config, dims, tp_sync, runner, autocast, layout
     )
+
+
+def build_optimizer(
+    pm: ParallelModel, *, zero_1: bool, training: TrainingConfig
+) -> tuple[FlatParameters, ShardedAdamW]:
+    """The flat buffer over this rank's parameters and AdamW on it (ZeRO-1 over dp),
+    with the global gradient norm summed over the tp and pp groups."""
+    dims = pm.dims
+    flat = FlatParameters(pm.parameters.items(), num_shards=dims.dp, layouts=pm.layouts)
+    norm_groups = tuple(
+        dims.mesh.get_group(name) for name in ("tp", "pp") if dims.mesh[name].size() > 1
+    )
+    optimizer = ShardedAdamW(
+        flat,
+        dims.dp_group,
+        zero_1=zero_1,
+        norm_groups=norm_groups,
+        lr=training.learning_rate,
+        betas=(training.adam_beta1, training.adam_beta2),
+        eps=training.adam_epsilon,
+        weight_decay=training.weight_decay,
+        max_grad_norm=training.max_grad_norm,
+    )
+    return flat, optimizer

@@ -25,11 +25,9 @@ from meshtrain.config import RunConfig
 from meshtrain.data.blocks import BlockStore
 from meshtrain.data.sampler import GlobalBatchSampler
 from meshtrain.models import build_model, config_from_dict
-from meshtrain.parallel.flat_buffer import FlatParameters
 from meshtrain.parallel.mesh import ParallelDims
 from meshtrain.parallel.pipeline_parallel import idle_fraction, theoretical_bubble
-from meshtrain.parallel.zero import ShardedAdamW
-from meshtrain.parallelize import ParallelModel, parallelize
+from meshtrain.parallelize import ParallelModel, build_optimizer, parallelize
 from meshtrain.planner import Plan
 from meshtrain.plots import pipeline_timeline
 from meshtrain.schedule import warmup_cosine
@@ -117,21 +115,7 @@ def train(spec: WorkerSpec) -> dict[str, Any] | None:
     del model  # only this rank's stages are kept
     pm.set_training(True)
 
-    flat = FlatParameters(pm.parameters.items(), num_shards=dims.dp, layouts=pm.layouts)
-    norm_groups = tuple(
-        dims.mesh.get_group(name) for name in ("tp", "pp") if dims.mesh[name].size() > 1
-    )
-    optimizer = ShardedAdamW(
-        flat,
-        dims.dp_group,
-        zero_1=layout.zero_1,
-        norm_groups=norm_groups,
-        lr=cfg.learning_rate,
-        betas=(cfg.adam_beta1, cfg.adam_beta2),
-        eps=cfg.adam_epsilon,
-        weight_decay=cfg.weight_decay,
-        max_grad_norm=cfg.max_grad_norm,
-    )
+    flat, optimizer = build_optimizer(pm, zero_1=layout.zero_1, training=cfg)
     start_step = 0
     if spec.resume_from:
         resumed = restore_checkpoint(
