@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -23,51 +22,12 @@ import torch
 from safetensors.torch import load_file
 
 from tests.conftest import child_processes
-
-REPO = Path(__file__).resolve().parents[1]
-KEDRO = Path(sys.executable).with_name("kedro")
-SMALL_RUN = ",".join(
-    [
-        "data.builtin_max_chars=300000",
-        "data.vocab_size=1024",
-        "data.num_proc=1",
-        "training.max_steps=8",
-        "training.checkpoint_every=4",
-        "training.eval_every=4",
-        "training.eval_batches=2",
-        "training.warmup_steps=2",
-        "training.per_device_train_batch_size=4",
-        "evaluation.max_batches=4",
-        "evaluation.max_new_tokens=8",
-    ]
-)
-
-
-def kedro_run(project: Path, *args: str) -> subprocess.CompletedProcess:
-    # The run's own conf/mlflow.yml decides the store; wide lines keep messages unwrapped.
-    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
-    env["COLUMNS"] = "400"
-    return subprocess.run(
-        [str(KEDRO), "run", *args],
-        cwd=project,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+from tests.kedro_project import KEDRO, SMALL_RUN, kedro_run, make_project, project_env
 
 
 @pytest.fixture(scope="module")
 def project(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("project")
-    shutil.copytree(REPO / "conf", root / "conf", ignore=shutil.ignore_patterns("local"))
-    (root / "conf" / "local").mkdir()
-    shutil.copy(REPO / "pyproject.toml", root / "pyproject.toml")
-    shutil.copy(REPO / ".telemetry", root / ".telemetry")
-    (root / "src").mkdir()  # kedro wants the folder; meshtrain itself is imported as installed
-    for layer in ("01_raw", "02_intermediate", "05_model_input", "06_models", "08_reporting"):
-        (root / "data" / layer).mkdir(parents=True)
-    return root
+    return make_project(tmp_path_factory.mktemp("project"))
 
 
 @pytest.fixture(scope="module")
@@ -284,7 +244,7 @@ def test_a_killed_run_resumes_to_the_weights_of_an_uninterrupted_one(project: Pa
     killed_params = (
         longer + ",training.run_name=killed,consolidation.output_dir=data/06_models/killed"
     )
-    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    env = project_env()
     process = subprocess.Popen(
         [str(KEDRO), "run", "--from-nodes", "plan_layout", "--params", killed_params],
         cwd=project,
