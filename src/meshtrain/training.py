@@ -1,6 +1,10 @@
 """Run a planned training job: pick the run folder, start the ranks, collect the result.
 
-The single entry point the Kedro training node (and the CLI) calls.
+The single entry point the Kedro training node (and the CLI) calls. On
+several nodes every node calls it with its own `launch.node_rank`; the
+nodes agree on the run folder (named from `launch.rdzv_id` or
+`training.run_name`, never from a node's clock) and all return rank 0's
+summary.
 """
 
 from __future__ import annotations
@@ -12,8 +16,8 @@ from typing import Any
 
 from meshtrain.checkpoint.load import check_resumable
 from meshtrain.checkpoint.manifest import find_resume_checkpoint
-from meshtrain.config import RunConfig
-from meshtrain.launch import run_workers
+from meshtrain.config import ConfigError, RunConfig
+from meshtrain.launch import check_launch, run_workers
 from meshtrain.planner import Plan
 from meshtrain.tracking import TrackingTarget
 from meshtrain.worker import WorkerSpec, worker_main
@@ -31,10 +35,15 @@ def make_worker_spec(
     """Fix the run folder and pack what every rank needs.
 
     Each run gets its own folder `<training.output_dir>/<run name>/` for its
-    checkpoints and per-rank logs; the name is the layout plus a timestamp
-    unless `training.run_name` fixes it. It is chosen here, once, so all
-    ranks (and all nodes) agree on it.
+    checkpoints and per-rank logs; the name is `training.run_name`, else the
+    layout plus a timestamp on one node, or the layout plus `launch.rdzv_id`
+    on several (each node computes it, so it must not depend on the node's
+    clock; torchrun users already pass a per-job rdzv_id such as the SLURM
+    job id). Every node writes its ranks' shards into this one folder, so
+    with several nodes `training.output_dir` must be on a filesystem they
+    share.
     """
+    check_launch(run.launch)
     cfg = run.training
     resume_from = None
     if cfg.resume_from:
@@ -48,6 +57,10 @@ def make_worker_spec(
             max_steps=cfg.max_steps,
         )
         run_dir = resume_from.parent  # the resumed run goes on in its own folder
+    elif run.launch.nnodes > 1:
+        name = cfg.run_name or f"{plan.layout.name}-{run.launch.rdzv_id}"
+        run_dir = Path(cfg.output_dir) / name
+        _refuse_earlier_run(run_dir, run)
     else:
         name = cfg.run_name or f"{plan.layout.name}-{time.strftime('%Y%m%d-%H%M%S')}"
         run_dir = Path(cfg.output_dir) / name
@@ -65,6 +78,26 @@ def make_worker_spec(
     )
 
 
+def _refuse_earlier_run(run_dir: Path, run: RunConfig) -> None:
+    """A multi-node run folder is named without a timestamp, so it may be an earlier job's.
+
+    Checked before the rendezvous, when no rank of this job can have written
+    a checkpoint yet, so finding one means another job used the same name.
+    """
+    earlier = sorted(run_dir.glob("checkpoint-*"))
+    if earlier:
+        named_by = (
+            f"training.run_name={run.training.run_name}"
+            if run.training.run_name
+            else f"launch.rdzv_id={run.launch.rdzv_id}"
+        )
+        raise ConfigError(
+            f"the run folder {run_dir} (from {named_by}) already holds {earlier[-1].name} of an "
+            "earlier job: pass a new launch.rdzv_id for each job (e.g. $SLURM_JOB_ID) or "
+            "training.run_name, or continue that run with training.resume_from=latest."
+        )
+
+
 def run_training(
     run: RunConfig,
     plan: Plan,
@@ -74,10 +107,11 @@ def run_training(
     tokenizer: Any | None,
     tracking: TrackingTarget | None = None,
 ) -> dict[str, Any]:
-    """Train on `launch.world_size` ranks; returns rank 0's summary.
+    """Train on `launch.world_size` ranks; returns rank 0's summary, on every node.
 
-    The tokenizer is saved into the run folder once, and each checkpoint
-    carries a copy, so any checkpoint consolidates into a complete model.
+    The tokenizer is saved into the run folder once (by node 0), and each
+    checkpoint carries a copy, so any checkpoint consolidates into a complete
+    model.
     """
     spec = make_worker_spec(
         run,
@@ -88,16 +122,24 @@ def run_training(
         tracking=tracking,
     )
     run_dir = Path(spec.run_dir)
+    launch = run.launch
     if tokenizer is not None:
-        tokenizer.save_pretrained(str(run_dir / "tokenizer"))
+        # Rank 0, which copies it into checkpoints, is on node 0; the other nodes must not
+        # rewrite files in the shared folder under it.
+        if launch.node_rank == 0:
+            tokenizer.save_pretrained(str(run_dir / "tokenizer"))
         spec = dataclasses.replace(spec, tokenizer_dir=str(run_dir / "tokenizer"))
-    results = run_workers(
-        worker_main,
-        (spec,),
-        run.launch,
-        log_dir=run_dir / "logs",
-        run_id=f"{run.launch.rdzv_id}-{run_dir.name}",
-    )
-    summary = results.get(0) or next(r for r in results.values() if r)
+    if launch.nnodes == 1:
+        log_dir, run_id = run_dir / "logs", f"{launch.rdzv_id}-{run_dir.name}"
+    else:
+        # Every node must name the same rendezvous; torchrun's --rdzv-id is exactly that.
+        log_dir, run_id = run_dir / "logs" / f"node{launch.node_rank}", launch.rdzv_id
+    results = run_workers(worker_main, (spec,), launch, log_dir=log_dir, run_id=run_id)
+    summary = results.get(0)
+    if summary is None:
+        raise RuntimeError(
+            f"training finished on node {launch.node_rank} but rank 0's summary did not reach "
+            f"it; the checkpoints are in {run_dir}"
+        )
     summary["run_name"] = run_dir.name
     return summary

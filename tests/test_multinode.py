@@ -1,0 +1,246 @@
+"""Two nodes on one machine: two separate launcher processes meet at a c10d rendezvous on
+loopback, as two `kedro run --params launch.nnodes=2,launch.node_rank=N,...` would.
+
+Each launcher is a real `python` process calling the engine's `run_training` (what the
+training node calls) with its own `launch.node_rank`; 2 workers each, dp=2 x tp=2 over
+gloo. Node 1 is started first, so c10d alone (which numbers nodes by host name and pid)
+would make it node 0: the run checks that `launch.node_rank` decides instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import datasets
+import pytest
+from safetensors import safe_open
+
+from meshtrain.config import ConfigError, LaunchConfig, RunConfig
+from meshtrain.data.blocks import arrow_files
+from meshtrain.launch import check_launch, free_port
+from meshtrain.models import build_model_config
+from meshtrain.planner import Plan, plan_run
+from meshtrain.training import make_worker_spec, run_training
+from tests.conftest import TINY_BLOCK, TINY_MODEL, TINY_VOCAB, child_processes
+from tests.parallel.reference import TRAINING, assert_matches_reference, reference_run
+
+REPO = Path(__file__).resolve().parents[1]
+RDZV_ID = "job42"
+LAYOUT = "dp2-tp2-pp1-zero1-sp"  # the planner's name for PARALLEL
+PARALLEL = {"data_parallel_size": 2, "tensor_parallel_size": 2, "zero_1": True}
+# per-device batch 2 x accumulation 2 x dp 2 = the reference's global batch of 8
+PER_NODE_TRAINING = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2}
+
+
+def _multinode_run(
+    blocks: datasets.DatasetDict, node_rank: int, endpoint: str, training: dict[str, Any]
+) -> tuple[RunConfig, Plan]:
+    """One node's view of the job: its run configuration and plan."""
+    run = RunConfig.from_params(
+        parallel=PARALLEL,
+        training={**TRAINING, **PER_NODE_TRAINING, **training},
+        launch={
+            "nproc_per_node": 2,
+            "nnodes": 2,
+            "node_rank": node_rank,
+            "rdzv_endpoint": endpoint,
+            "rdzv_id": RDZV_ID,
+        },
+        model={"architecture": "llama", "config": TINY_MODEL},
+        data={"block_size": TINY_BLOCK},
+    )
+    plan = plan_run(
+        run,
+        build_model_config("llama", TINY_MODEL, vocab_size=TINY_VOCAB),
+        num_train_blocks=len(blocks["train"]),
+        num_validation_blocks=len(blocks["validation"]),
+        cuda_available=False,
+    )
+    return run, plan
+
+
+def run_node(arguments: str) -> None:
+    """One node's launcher (run in a child process): plan, then `run_training`; write the
+    summary it returns to `out` as JSON."""
+    args = json.loads(arguments)
+    blocks = datasets.load_from_disk(args["blocks"])
+    run, plan = _multinode_run(blocks, args["node_rank"], args["endpoint"], args["training"])
+    summary = run_training(
+        run,
+        plan,
+        train_files=arrow_files(blocks["train"]),
+        validation_files=arrow_files(blocks["validation"]),
+        tokenizer=None,
+    )
+    Path(args["out"]).write_text(json.dumps(summary))
+
+
+def _start_node(
+    node_rank: int, tmp: Path, blocks: datasets.DatasetDict, endpoint: str, training: dict
+) -> subprocess.Popen:
+    arguments = {
+        "node_rank": node_rank,
+        "endpoint": endpoint,
+        "blocks": str(Path(blocks["train"].cache_files[0]["filename"]).parents[1]),
+        "training": {"output_dir": str(tmp / "checkpoints"), **training},
+        "out": str(tmp / f"summary-node{node_rank}.json"),
+    }
+    output = open(tmp / f"node{node_rank}.log", "w")  # noqa: SIM115 (the child holds it)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from tests.test_multinode import run_node; run_node(sys.argv[1])",
+            json.dumps(arguments),
+        ],
+        cwd=REPO,
+        stdout=output,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,  # a stray group is easy to find and end
+    )
+
+
+def _start_two_nodes(tmp: Path, blocks, training: dict) -> list[subprocess.Popen]:
+    endpoint = f"127.0.0.1:{free_port()}"
+    node1 = _start_node(1, tmp, blocks, endpoint, training)
+    time.sleep(0.5)  # node 1 gets the smaller pid: c10d's own order would make it node 0
+    node0 = _start_node(0, tmp, blocks, endpoint, training)
+    return [node0, node1]
+
+
+def _end(processes: list[subprocess.Popen]) -> None:
+    for process in processes:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+def _wait(process: subprocess.Popen, seconds: float, log: Path) -> int:
+    try:
+        return process.wait(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"node did not finish within {seconds} s:\n{log.read_text()[-3000:]}")
+
+
+@pytest.mark.slow
+def test_two_nodes_on_loopback_match_one_process(tiny_blocks, tmp_path: Path):
+    nodes = _start_two_nodes(tmp_path, tiny_blocks, {})
+    try:
+        codes = [_wait(p, 240, tmp_path / f"node{i}.log") for i, p in enumerate(nodes)]
+    finally:
+        _end(nodes)
+    for node, code in enumerate(codes):
+        assert code == 0, (tmp_path / f"node{node}.log").read_text()[-3000:]
+
+    summaries = [json.loads((tmp_path / f"summary-node{n}.json").read_text()) for n in (0, 1)]
+    # Both nodes report the run: the same folder, named from rdzv_id, and rank 0's summary.
+    assert summaries[0] == summaries[1]
+    assert summaries[0]["run_name"] == f"{LAYOUT}-{RDZV_ID}"
+    run_dir = tmp_path / "checkpoints" / f"{LAYOUT}-{RDZV_ID}"
+    assert Path(summaries[0]["run_dir"]) == run_dir.resolve()
+
+    # launch.node_rank decided the ranks: rank 0 (the only one that prints) ran on node 0.
+    rank0_log = "\n".join(p.read_text() for p in (run_dir / "logs/node0").glob("*/*/0/stdout.log"))
+    assert f"training {LAYOUT}" in rank0_log
+    assert not any("training dp2" in p.read_text() for p in (run_dir / "logs/node1").rglob("*.log"))
+
+    # Node 1's ranks (2 and 3: dp rank 1) wrote their shards into the shared folder.
+    final = Path(summaries[0]["final_checkpoint"])
+    assert sorted(p.name for p in (final / "rng").iterdir()) == [
+        f"rank_{r:05d}.safetensors" for r in range(4)
+    ]
+    optimizer_files = sorted(p.name for p in (final / "optimizer").iterdir())
+    assert len(optimizer_files) == 4, optimizer_files
+    with safe_open(final / "shards/tp_rank_01_pp_rank_00/model.safetensors", "pt") as shard:
+        assert shard.keys()
+
+    expected_losses, expected_weights = reference_run(tiny_blocks, "llama", TINY_MODEL)
+    assert_matches_reference(
+        "two-nodes-dp2-tp2", summaries[0], expected_losses, expected_weights, tmp_path / "hf"
+    )
+
+
+@pytest.mark.slow
+def test_a_killed_node_fails_the_other_node_without_hanging(tiny_blocks, tmp_path: Path):
+    # Long enough that node 1 is killed mid-training; progress is printed every 100 steps.
+    training = {"max_steps": 2000, "checkpoint_every": 2000, "eval_every": 2000}
+    nodes = _start_two_nodes(tmp_path, tiny_blocks, training)
+    node0, node1 = nodes
+    log0 = tmp_path / "node0.log"
+    try:
+        deadline = time.monotonic() + 180
+        while not re.search(r"\[rank0\].*step [1-9]\d*: ", log0.read_text()):
+            assert node0.poll() is None and node1.poll() is None, log0.read_text()[-3000:]
+            assert time.monotonic() < deadline, "training did not start:\n" + log0.read_text()
+            time.sleep(0.2)
+        workers = [pid for node in nodes for pid, _ in _workers_of(node.pid)]
+        assert len(workers) == 4
+
+        node1.kill()  # SIGKILL of node 1's launcher only: its workers are not told
+        killed_at = time.monotonic()
+        code = _wait(node0, 90, log0)
+        took = time.monotonic() - killed_at
+        output = log0.read_text()
+        assert code != 0
+        assert "WorkerFailedError" in output
+        assert "most likely on another node" in output, output[-3000:]
+        assert took < 60, f"node 0 took {took:.0f} s to give up"
+
+        # No worker of either node is left (node 1's were orphaned by the kill).
+        deadline = time.monotonic() + 20
+        while [pid for pid in workers if _alive(pid)] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert [pid for pid in workers if _alive(pid)] == []
+    finally:
+        _end(nodes)
+    print(f"node 0 failed {took:.1f} s after node 1's launcher was killed")
+
+
+def _workers_of(pid: int) -> list[tuple[int, str]]:
+    # multiprocessing's resource tracker lives as long as the launcher; it is no worker.
+    return [(c, cmd) for c, cmd in child_processes(pid) if "resource_tracker" not in cmd]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
+LAUNCH_REFUSALS: dict[str, tuple[dict[str, Any], str]] = {
+    "node rank out of range": ({"nnodes": 2, "node_rank": 2}, "launch.node_rank=2"),
+    "negative node rank": ({"nnodes": 2, "node_rank": -1}, "launch.node_rank=-1"),
+    "no endpoint": ({"nnodes": 2, "node_rank": 1}, "launch.rdzv_endpoint=HOST:PORT"),
+    "bad port": ({"nnodes": 2, "rdzv_endpoint": "node001:http"}, "port must be a number"),
+    "empty rdzv_id": ({"nnodes": 2, "rdzv_endpoint": "node001:29500", "rdzv_id": " "}, "rdzv_id"),
+    "node rank on one node": ({"node_rank": 1}, "launch.node_rank=1"),
+}
+
+
+@pytest.mark.parametrize("name", LAUNCH_REFUSALS)
+def test_impossible_launches_are_refused_before_anything_starts(name: str):
+    values, expected = LAUNCH_REFUSALS[name]
+    with pytest.raises(ConfigError) as caught:
+        check_launch(LaunchConfig(**values))
+    assert expected in str(caught.value)
+
+
+def test_a_multinode_run_folder_of_an_earlier_job_is_refused(tiny_blocks, tmp_path: Path):
+    """Without a timestamp in the name, a reused rdzv_id would mix two jobs' checkpoints."""
+    run, plan = _multinode_run(tiny_blocks, 1, "node001:29500", {"output_dir": str(tmp_path)})
+    files = {"train_files": arrow_files(tiny_blocks["train"]), "validation_files": []}
+    spec = make_worker_spec(run, plan, **files, tokenizer_dir=None)
+    assert Path(spec.run_dir) == (tmp_path / f"{LAYOUT}-{RDZV_ID}").resolve()
+    (Path(spec.run_dir) / "checkpoint-6").mkdir()
+    with pytest.raises(ConfigError, match=f"launch.rdzv_id={RDZV_ID}.*resume_from=latest"):
+        make_worker_spec(run, plan, **files, tokenizer_dir=None)
