@@ -43,3 +43,31 @@ def pipeline_timeline(spans_by_rank: dict[int, list[Span]], path: Path, title: s
     figure.savefig(path, dpi=120)
     plt.close(figure)
     return path
+
+
+def loss_curve(history: dict[str, list[tuple[int, float]]], path: Path, title: str) -> Path:
+    """Loss against step, one line per series (training loss solid, validation loss
+    dashed with markers: it is measured only every `eval_every` steps)."""
+    figure, axes = plt.subplots(figsize=(7, 4))
+    for name, points in history.items():
+        if not points:
+            continue
+        steps, values = zip(*sorted(points), strict=True)
+        validation = name.startswith("val")
+        axes.plot(
+            steps,
+            values,
+            label=name,
+            linestyle="--" if validation else "-",
+            marker="o" if validation else None,
+        )
+    axes.set_xlabel("step")
+    axes.set_ylabel("cross-entropy loss (nats per token)")
+    axes.set_title(title, fontsize=10)
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path

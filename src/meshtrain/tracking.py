@@ -105,6 +105,38 @@ def log_artifact(path: str | Path, artifact_path: str | None = None) -> None:
         mlflow.log_artifact(str(path), artifact_path=artifact_path)
 
 
+LOSS_CURVE_METRICS = ("loss", "val_loss")
+
+
+def log_loss_curve(target: TrackingTarget | None = None) -> str | None:
+    """Draw training and validation loss against step from the run's own metric history
+    and log it as `loss_curve.png`.
+
+    Reads the history back from MLflow (rank 0 wrote it), so the picture is exactly what
+    the run recorded, resumed runs included. Call it once training has returned.
+    `target` defaults to the active run. Returns the artifact's path in the run, or None
+    outside a run or when the run logged no loss.
+    """
+    target = target or active_target()
+    if target is None:
+        return None
+    from meshtrain.plots import loss_curve
+
+    client = MlflowClient(tracking_uri=target.tracking_uri)
+    history = {
+        name: [(m.step, m.value) for m in client.get_metric_history(target.run_id, name)]
+        for name in LOSS_CURVE_METRICS
+    }
+    if not history["loss"]:
+        return None
+    run = client.get_run(target.run_id)
+    title = run.data.tags.get("meshtrain.layout") or run.info.run_name or target.run_id
+    with tempfile.TemporaryDirectory() as tmp:
+        path = loss_curve(history, Path(tmp) / "loss_curve.png", f"{title}: loss per step")
+        client.log_artifact(target.run_id, str(path))
+    return path.name
+
+
 class MetricsLogger:
     """Rank 0's buffered writer of per-step metrics into an existing MLflow run."""
 
