@@ -1,9 +1,13 @@
-"""A failing rank fails the launch with its own error; nothing hangs or stays behind."""
+"""A failing rank fails the launch with its own error; nothing hangs or stays behind.
+Rendezvous settings for several nodes are read as torchrun reads them, and node ranks
+that cannot all be right are refused before any worker starts."""
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -13,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from meshtrain.config import LaunchConfig
-from meshtrain.launch import WorkerFailedError, run_workers
+from meshtrain.launch import WorkerFailedError, free_port, is_loopback, run_workers, split_endpoint
 from tests.conftest import child_processes
 
 
@@ -60,3 +64,62 @@ def test_a_crashing_rank_fails_the_launch_with_its_error(tmp_path: Path):
     while _children_of(os.getpid()) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _children_of(os.getpid()) == []
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "expected"),
+    [
+        ("node001:29500", ("node001", 29500)),
+        ("node001", ("node001", 29400)),  # c10d's default port, as torchrun
+        ("10.0.0.7:1234", ("10.0.0.7", 1234)),
+        ("[fe80::1]:29500", ("fe80::1", 29500)),
+        ("::1", ("::1", 29400)),
+    ],
+)
+def test_rendezvous_endpoints_are_read_as_torchrun_reads_them(endpoint, expected):
+    assert split_endpoint(endpoint) == expected
+
+
+def test_loopback_endpoints_mean_every_node_on_this_machine():
+    assert is_loopback("127.0.0.1") and is_loopback("localhost") and is_loopback("::1")
+    assert not is_loopback("node001") and not is_loopback("10.0.0.7")
+
+
+def _launcher(node_rank: int, nnodes: int, endpoint: str, log_dir: Path) -> subprocess.Popen:
+    """A launcher process of its own, as on another node; its workers would only fail."""
+    code = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from meshtrain.config import LaunchConfig\n"
+        "from meshtrain.launch import run_workers\n"
+        "from tests.test_launch import fail_on_rank_one\n"
+        "launch = LaunchConfig(nproc_per_node=1, nnodes=int(sys.argv[2]),"
+        " node_rank=int(sys.argv[1]), rdzv_endpoint=sys.argv[3], rdzv_id='dup')\n"
+        "run_workers(fail_on_rank_one, ('never',), launch, log_dir=Path(sys.argv[4]),"
+        " run_id='dup')\n"
+    )
+    return subprocess.Popen(
+        [sys.executable, "-c", code, str(node_rank), str(nnodes), endpoint, str(log_dir)],
+        cwd=Path(__file__).resolve().parents[1],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+@pytest.mark.slow
+def test_two_launchers_with_one_node_rank_are_refused_on_every_node(tmp_path: Path):
+    """Two launchers claiming one node rank is a copied command line: c10d alone would
+    ignore launch.node_rank and number them anyway. Refused on every node, before any
+    worker starts."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    launchers = [_launcher(r, 3, endpoint, tmp_path / f"node{i}") for i, r in enumerate((0, 1, 1))]
+    try:
+        outputs = [p.communicate(timeout=120)[0] for p in launchers]
+    finally:
+        for process in launchers:
+            process.kill()
+    for process, output in zip(launchers, outputs, strict=True):
+        assert process.returncode != 0
+        assert "launch.node_rank values [0, 1, 1]" in output, output[-2000:]
+    assert not list(tmp_path.rglob("error.json"))  # no worker ever started

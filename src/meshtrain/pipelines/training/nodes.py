@@ -1,4 +1,9 @@
-"""Node: start the ranks with torch elastic and wait for them."""
+"""Node: start the ranks with torch elastic and wait for them.
+
+On several nodes every node runs this pipeline with its own `launch.node_rank`;
+only node 0 records to MLflow (its rank 0 logs the metrics), the others train
+and return the same summary.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ import datasets
 from meshtrain import tracking
 from meshtrain.config import RunConfig
 from meshtrain.data.blocks import arrow_files
+from meshtrain.launch import check_launch
 from meshtrain.planner import Plan
 from meshtrain.planner.resolve import check_plan_is_current, plan_for_run
 from meshtrain.training import run_training
@@ -28,6 +34,7 @@ def train_model(
     run = RunConfig.from_params(
         parallel=parallel, training=training, launch=launch, model=model, data=data
     )
+    check_launch(run.launch)  # before the replanning below: a wrong node rank costs nothing
     resolved = Plan.from_dict(plan)
     replanned = plan_for_run(
         run,
@@ -36,12 +43,15 @@ def train_model(
         num_validation_blocks=len(packed_blocks["validation"]),
     )
     check_plan_is_current(resolved, replanned)
-    tracking.log_plan(plan, run.to_dict())
+    node0 = run.launch.node_rank == 0
+    if node0:
+        tracking.log_plan(plan, run.to_dict())
     return run_training(
         run,
         resolved,
         train_files=arrow_files(packed_blocks["train"]),
         validation_files=arrow_files(packed_blocks["validation"]),
         tokenizer=tokenizer,
-        tracking=tracking.active_target(),
+        # Rank 0 is on node 0; another node's MLflow run (if its hook opened one) gets nothing.
+        tracking=tracking.active_target() if node0 else None,
     )
