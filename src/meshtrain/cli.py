@@ -1,0 +1,281 @@
+"""meshtrain's own `kedro` commands (Kedro loads `<package>.cli:cli` in a project).
+
+    kedro sweep --layouts "dp2 tp2 pp2" [--params "k=v,..."] [--env ENV]
+        [--global-batch-size N]
+
+Only new commands live here; `kedro run` and the rest stay Kedro's own.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import click
+from kedro.framework.cli.utils import CONTEXT_SETTINGS, _split_params, env_option
+from kedro.framework.session import KedroSession
+from kedro.framework.startup import ProjectMetadata
+from mlflow.tracking import MlflowClient
+
+from meshtrain import sweep as sweeps
+from meshtrain.config import ConfigError
+from meshtrain.hooks import DEFAULTS as MLFLOW_DEFAULTS
+from meshtrain.hooks import resolve_tracking_uri
+
+# Lines of a failed run's output kept for the summary when it is not a planner refusal.
+_TAIL_LINES = 400
+
+
+@click.group(context_settings=CONTEXT_SETTINGS, name="meshtrain")
+def cli() -> None:
+    """meshtrain's project commands."""
+
+
+def _params_option(ctx: click.Context, param: click.Parameter, value: str | None):
+    """Keep the `--params` text as given (the child runs get it verbatim) and its parsed form."""
+    return value or "", _split_params(ctx, param, value or "")
+
+
+@dataclass
+class Outcome:
+    """How one child `kedro run` ended."""
+
+    layout: str
+    status: str  # finished | refused | failed
+    message: str = ""
+    run_id: str | None = None
+
+
+@cli.command(context_settings={"max_content_width": 100})
+@click.option(
+    "--layouts",
+    "-l",
+    required=True,
+    help='layouts to train, separated by spaces or commas, e.g. "dp2 tp2 pp2 dp2xtp2". '
+    + sweeps.GRAMMAR
+    + ".",
+)
+@click.option(
+    "--params",
+    default="",
+    callback=_params_option,
+    help="overrides for every layout, in `kedro run --params` form: "
+    '"training.max_steps=50,training.learning_rate=1e-3"',
+)
+@env_option
+@click.option(
+    "--global-batch-size",
+    type=click.IntRange(min=1),
+    default=None,
+    help="samples per optimizer step, the same in every layout (each layout reaches it "
+    "with gradient_accumulation_steps). Default: per_device_train_batch_size x "
+    "gradient_accumulation_steps x the largest dp among the layouts.",
+)
+@click.pass_obj
+def sweep(
+    metadata: ProjectMetadata,
+    layouts: str,
+    params: tuple[str, dict[str, Any]],
+    env: str | None,
+    global_batch_size: int | None,
+) -> None:
+    """Train the same data and model under several layouts and compare them.
+
+    Runs the data_processing pipeline once, then, for each layout, `kedro run
+    --from-nodes plan_layout` in its own process: one MLflow run per layout in the
+    project's experiment, all tagged meshtrain.sweep=<sweep id>, each consolidated
+    model in its own folder. Prints a comparison table at the end. A layout the
+    planner refuses is reported and the others still run; the exit status is then
+    non-zero.
+    """
+    raw_params, user_params = params
+    project_path = Path(metadata.project_path)
+    try:
+        specs = sweeps.parse_layouts(layouts)
+    except sweeps.LayoutStringError as error:
+        raise click.BadParameter(str(error), param_hint="--layouts") from None
+    _refuse_conflicts(specs, user_params)
+
+    with KedroSession.create(
+        project_path=project_path, env=env, runtime_params=user_params, save_on_close=False
+    ) as session:
+        context = session.load_context()
+        project_params = context.params
+        try:
+            mlflow_settings = {**MLFLOW_DEFAULTS, **(context.config_loader["mlflow"] or {})}
+        except KeyError:
+            mlflow_settings = dict(MLFLOW_DEFAULTS)
+    try:
+        batch, entries = sweeps.plan_sweep(specs, project_params, global_batch_size)
+    except (ConfigError, ValueError) as error:
+        raise click.UsageError(str(error)) from None
+
+    sweep_id = sweeps.new_sweep_id()
+    tracking_uri = os.environ.get("MLFLOW_TRACKING_URI") or resolve_tracking_uri(
+        mlflow_settings["tracking_uri"], project_path
+    )
+    experiment = mlflow_settings["experiment_name"]
+    models_root = (
+        PurePosixPath(project_params["consolidation"]["output_dir"]).parent / "sweeps" / sweep_id
+    )
+    click.secho(f"sweep {sweep_id}: {len(entries)} layouts, global batch {batch}", bold=True)
+    for entry in entries:
+        click.echo(f"  {entry.layout:<16} {entry.error or entry.params_arg()}")
+
+    base = [sys.executable, "-m", "kedro", "run", *(["--env", env] if env else [])]
+    click.secho("\n== data_processing (once for every layout)", bold=True)
+    data = _run_child(
+        [*base, "--pipeline", "data_processing", *(["--params", raw_params] if raw_params else [])],
+        project_path,
+        {sweeps.SWEEP_TAG: sweep_id, sweeps.SWEEP_STAGE_TAG: "data_processing"},
+    )
+    if data.returncode != 0:
+        click.secho(
+            f"\nsweep {sweep_id}: data_processing failed (exit {data.returncode}); no layout "
+            "was trained.",
+            fg="red",
+            err=True,
+        )
+        sys.exit(1)
+
+    client = MlflowClient(tracking_uri=tracking_uri) if mlflow_settings["enabled"] else None
+    outcomes = []
+    for entry in entries:
+        if entry.error:
+            outcomes.append(Outcome(entry.layout, "refused", entry.error))
+            click.secho(f"\n== {entry.layout}: not run: {entry.error}", fg="red", bold=True)
+            continue
+        overrides = entry.params_arg(
+            {"consolidation.output_dir": str(models_root / _folder_name(entry.layout))}
+        )
+        run_params = f"{raw_params},{overrides}" if raw_params else overrides
+        click.secho(f"\n== {entry.layout}: kedro run --params {overrides}", bold=True)
+        result = _run_child(
+            [*base, "--from-nodes", "plan_layout", "--params", run_params],
+            project_path,
+            {sweeps.SWEEP_TAG: sweep_id, sweeps.SWEEP_LAYOUT_TAG: entry.layout},
+        )
+        outcome = _outcome(entry.layout, result)
+        outcomes.append(outcome)
+        if client is not None:
+            _record(client, experiment, sweep_id, outcome)
+
+    _report(sweep_id, outcomes, tracking_uri, experiment, client is not None)
+    if any(o.status != "finished" for o in outcomes):
+        sys.exit(1)
+
+
+def _refuse_conflicts(specs: list[sweeps.LayoutSpec], user_params: dict[str, Any]) -> None:
+    """A `parallel.*` value in --params that a layout also names would be silently
+    overridden for that layout; refuse it and say where it belongs."""
+    for spec in specs:
+        for name in spec.params:
+            group, key = name.split(".", 1)
+            if name.startswith("parallel.") and key in (user_params.get(group) or {}):
+                raise click.BadParameter(
+                    f"it sets {name}, which layout {spec.text!r} sets too; name it in each "
+                    "layout (--layouts) or leave it out of the layouts",
+                    param_hint="--params",
+                )
+
+
+def _folder_name(layout: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_" else "_" for c in layout)
+
+
+def _run_child(command: list[str], cwd: Path, tags: dict[str, str]) -> subprocess.CompletedProcess:
+    """Run one `kedro run`, echoing its output as it comes and keeping the tail.
+
+    The tags reach the MLflow run that the project's hook opens through MLflow's own
+    run-context variable, so even a run the planner refuses carries them.
+    """
+    env = dict(os.environ)
+    env["MLFLOW_RUN_CONTEXT"] = json.dumps(tags)
+    # The child writes into a pipe; let it wrap at this terminal's width, not 80 columns.
+    env.setdefault("COLUMNS", str(shutil.get_terminal_size().columns))
+    tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
+    with subprocess.Popen(
+        command,
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        bufsize=1,
+    ) as process:
+        for line in process.stdout:
+            sys.stdout.write(line)
+            tail.append(line)
+        process.wait()
+    sys.stdout.flush()
+    return subprocess.CompletedProcess(command, process.returncode, "".join(tail), "")
+
+
+def _outcome(layout: str, result: subprocess.CompletedProcess) -> Outcome:
+    if result.returncode == 0:
+        return Outcome(layout, "finished")
+    refusal = sweeps.layout_error(result.stdout)
+    if refusal:
+        return Outcome(layout, "refused", refusal)
+    lines = [line for line in result.stdout.splitlines() if line.strip()]
+    errors = [line for line in lines if not line[0].isspace() and "Error" in line.split(":")[0]]
+    message = errors[-1] if errors else "\n".join(lines[-5:])
+    return Outcome(layout, "failed", f"exit {result.returncode}: {message}")
+
+
+def _record(client: MlflowClient, experiment: str, sweep_id: str, outcome: Outcome) -> None:
+    """Mark the layout's MLflow run with how it ended (a refused run keeps the reason)."""
+    found = client.get_experiment_by_name(experiment)
+    if found is None:
+        return
+    runs = client.search_runs(
+        [found.experiment_id],
+        f"tags.`{sweeps.SWEEP_TAG}` = '{sweep_id}' and "
+        f"tags.`{sweeps.SWEEP_LAYOUT_TAG}` = '{outcome.layout}'",
+        order_by=["attributes.start_time DESC"],
+        max_results=1,
+    )
+    if not runs:
+        return
+    run_id = runs[0].info.run_id
+    outcome.run_id = run_id
+    client.set_tag(run_id, sweeps.SWEEP_STATUS_TAG, outcome.status)
+    if outcome.message:
+        client.set_tag(run_id, sweeps.SWEEP_ERROR_TAG, outcome.message[:5000])
+    if outcome.status != "finished" and runs[0].info.run_name in (None, "", "__default__"):
+        client.set_tag(run_id, "mlflow.runName", f"{outcome.layout} ({outcome.status})")
+
+
+def _report(
+    sweep_id: str, outcomes: list[Outcome], tracking_uri: str, experiment: str, tracked: bool
+) -> None:
+    click.secho(f"\n== sweep {sweep_id}", bold=True)
+    if tracked:
+        runs = sweeps.sweep_runs(tracking_uri, experiment, sweep_id)
+        status = f"tags.{sweeps.SWEEP_STATUS_TAG}"
+        finished = runs[runs[status] == "finished"] if status in runs else runs.iloc[:0]
+        if len(finished):
+            click.echo(sweeps.format_table(sweeps.comparison_table(finished)))
+        click.echo(f"\nMLflow: {tracking_uri}, experiment {experiment!r}, tag {sweeps.SWEEP_TAG}")
+    else:
+        click.echo("MLflow is disabled in mlflow.yml: no comparison table.")
+    for outcome in outcomes:
+        if outcome.status != "finished":
+            click.secho(f"\n{outcome.layout}: {outcome.status}", fg="red", bold=True)
+            click.echo(outcome.message)
+    bad = [o.layout for o in outcomes if o.status != "finished"]
+    if bad:
+        click.secho(
+            f"\n{len(bad)} of {len(outcomes)} layouts did not finish: {', '.join(bad)}",
+            fg="red",
+            bold=True,
+        )
+    else:
+        click.secho(f"\nall {len(outcomes)} layouts finished", fg="green")

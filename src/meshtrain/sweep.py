@@ -1,0 +1,345 @@
+"""Layout sweeps: the same data and model trained under several layouts, compared side by side.
+
+A layout string names a whole layout in a few letters, the way people say it:
+`dp2`, `tp2`, `pp2`, `dp2xtp2`, `tp2xpp2-gpipe-mb8`, `dp4-nozero1`. This module
+turns such strings into `--params` overrides, holds the global batch fixed
+across the layouts (the layout-independence contract compares runs at the
+same global batch), and builds the comparison table from the MLflow runs.
+Running the layouts is the caller's business (`meshtrain.cli`'s `kedro sweep`);
+nothing here imports Kedro.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlflow
+import pandas as pd
+from mlflow.tracking import MlflowClient
+
+from meshtrain.config import LaunchConfig, ParallelConfig, TrainingConfig, parse
+
+# Tags every run of one sweep carries (set by the sweep command through MLflow's run context).
+SWEEP_TAG = "meshtrain.sweep"
+SWEEP_LAYOUT_TAG = "meshtrain.sweep.layout"
+SWEEP_STATUS_TAG = "meshtrain.sweep.status"
+SWEEP_ERROR_TAG = "meshtrain.sweep.error"
+SWEEP_STAGE_TAG = "meshtrain.sweep.stage"
+
+_SIZE = re.compile(r"^(dp|tp|pp|mb|v)(\d+)$")
+_SIZE_PARAMS = {
+    "dp": "parallel.data_parallel_size",
+    "tp": "parallel.tensor_parallel_size",
+    "pp": "parallel.pipeline_parallel_size",
+    "mb": "parallel.pipeline_parallel_num_microbatches",
+    "v": "parallel.pipeline_parallel_virtual_stages",
+}
+# Flag tokens: token -> (parameter, value). Opposites share a parameter, so giving both
+# is caught as "given twice".
+_FLAGS: dict[str, tuple[str, Any]] = {
+    "zero1": ("parallel.zero_1", True),
+    "nozero1": ("parallel.zero_1", False),
+    "sp": ("parallel.sequence_parallel", True),
+    "nosp": ("parallel.sequence_parallel", False),
+    "ac": ("parallel.activation_checkpointing", "full"),
+    "noac": ("parallel.activation_checkpointing", "none"),
+    "gpipe": ("parallel.pipeline_schedule", "gpipe"),
+    "1f1b": ("parallel.pipeline_schedule", "1f1b"),
+    "interleaved_1f1b": ("parallel.pipeline_schedule", "interleaved_1f1b"),
+    "i1f1b": ("parallel.pipeline_schedule", "interleaved_1f1b"),
+}
+GRAMMAR = (
+    "a layout is tokens joined by 'x' or '-': dpN, tpN, ppN (N a whole number >= 1; "
+    "tp and pp default to 1, dp to auto = the rest of the world size), and optionally "
+    f"{', '.join(_FLAGS)}, mbN (pipeline microbatches), vN (virtual stages per rank). "
+    "Examples: dp2, tp2, pp2, dp2xtp2, tp2xpp2-gpipe-mb8, dp4-nozero1, dp2xtp2-ac"
+)
+
+
+class LayoutStringError(ValueError):
+    """A layout string cannot be read; the message names the token, why, and what works."""
+
+
+@dataclass(frozen=True)
+class LayoutSpec:
+    """One layout of a sweep: the string as given and the parameters it sets."""
+
+    text: str
+    params: dict[str, Any]
+
+    @property
+    def explicit_dp(self) -> int | None:
+        return self.params.get("parallel.data_parallel_size")
+
+    @property
+    def tp(self) -> int:
+        return self.params["parallel.tensor_parallel_size"]
+
+    @property
+    def pp(self) -> int:
+        return self.params["parallel.pipeline_parallel_size"]
+
+
+def parse_layout(text: str) -> LayoutSpec:
+    """`"dp2xtp2-zero1"` -> the `parallel.*` parameters it names.
+
+    tp and pp not named are 1 (a layout string describes the whole layout); dp not
+    named stays `auto` (the world size over tp x pp, as in `kedro run`). Anything
+    else not named keeps the project's configured value.
+    """
+    original = text
+    text = text.strip().lower().replace("ac-full", "ac")
+    if not text:
+        raise LayoutStringError(f"layout {original!r} is empty: {GRAMMAR}")
+    params: dict[str, Any] = {}
+    given_by: dict[str, str] = {}
+    for token in re.split(r"[x\-]", text):
+        if not token:
+            raise LayoutStringError(
+                f"layout {original!r} has an empty token (two separators in a row, or one "
+                f"at an end): {GRAMMAR}"
+            )
+        size = _SIZE.match(token)
+        if size:
+            prefix, number = size.group(1), int(size.group(2))
+            if number < 1:
+                raise LayoutStringError(
+                    f"layout {original!r}: token {token!r} asks for {prefix}={number}, but "
+                    f"sizes start at 1: {GRAMMAR}"
+                )
+            name, value = _SIZE_PARAMS[prefix], number
+        elif token in _FLAGS:
+            name, value = _FLAGS[token]
+        else:
+            hint = ""
+            if re.fullmatch(r"(dp|tp|pp|mb|v)", token):
+                hint = f" (it needs a number, e.g. {token}2)"
+            raise LayoutStringError(
+                f"layout {original!r}: token {token!r} is not understood{hint}; {GRAMMAR}"
+            )
+        if name in params:
+            raise LayoutStringError(
+                f"layout {original!r}: tokens {given_by[name]!r} and {token!r} both set "
+                f"{name}; give it once"
+            )
+        params[name] = value
+        given_by[name] = token
+    params.setdefault("parallel.tensor_parallel_size", 1)
+    params.setdefault("parallel.pipeline_parallel_size", 1)
+    return LayoutSpec(text=original.strip(), params=params)
+
+
+def parse_layouts(text: str) -> list[LayoutSpec]:
+    """`"dp2 tp2 pp2"` (spaces or commas between layouts) -> one spec each, in order."""
+    items = [item for item in re.split(r"[\s,]+", text.strip()) if item]
+    if not items:
+        raise LayoutStringError(f"--layouts is empty; give one or more layouts: {GRAMMAR}")
+    specs = [parse_layout(item) for item in items]
+    seen: dict[tuple, str] = {}
+    for spec in specs:
+        key = tuple(sorted(spec.params.items()))
+        if key in seen:
+            raise LayoutStringError(
+                f"layouts {seen[key]!r} and {spec.text!r} are the same layout; list it once"
+            )
+        seen[key] = spec.text
+    return specs
+
+
+@dataclass
+class SweepEntry:
+    """One layout as the sweep will run it, or why it cannot be set up."""
+
+    spec: LayoutSpec
+    overrides: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+
+    @property
+    def layout(self) -> str:
+        return self.spec.text
+
+    def params_arg(self, extra: dict[str, Any] | None = None) -> str:
+        """The overrides as a `kedro run --params` string."""
+        return to_params_arg({**self.overrides, **(extra or {})})
+
+
+def to_params_arg(values: dict[str, Any]) -> str:
+    """`{"parallel.zero_1": False, "launch.nproc_per_node": 4}` ->
+    `"parallel.zero_1=false,launch.nproc_per_node=4"` (Kedro's `--params` format)."""
+    parts = []
+    for key, value in values.items():
+        text = str(value).lower() if isinstance(value, bool) else str(value)
+        if "," in text:
+            raise ValueError(f"{key}={text}: a --params value cannot contain a comma")
+        parts.append(f"{key}={text}")
+    return ",".join(parts)
+
+
+def plan_sweep(
+    specs: list[LayoutSpec],
+    params: dict[str, Any],
+    global_batch_size: int | None = None,
+) -> tuple[int, list[SweepEntry]]:
+    """Per-layout `--params` overrides that hold the global batch fixed.
+
+    `params` are the project's parameters with the user's overrides applied. Each
+    layout keeps `training.per_device_train_batch_size` (the knob that decides
+    activation memory) and gets the `gradient_accumulation_steps` that makes
+    per-device batch x accumulation x dp equal the sweep's global batch. That batch
+    is `global_batch_size` when given, else the configured per-device batch x
+    accumulation x the largest dp among the layouts (so every layout reaches it by
+    accumulating). A layout whose world size or batch cannot be set up gets an
+    `error` instead of overrides; the planner judges everything else.
+
+    Returns: the global batch and one entry per layout.
+    """
+    training = parse(TrainingConfig, params.get("training"), "training")
+    launch = parse(LaunchConfig, params.get("launch"), "launch")
+    parse(ParallelConfig, params.get("parallel"), "parallel")  # refuse typos before any run
+    configured_world = launch.nproc_per_node * launch.nnodes
+    per_device = training.per_device_train_batch_size
+
+    def dp_of(spec: LayoutSpec) -> int | None:
+        if spec.explicit_dp is not None:
+            return spec.explicit_dp
+        dp, rest = divmod(configured_world, spec.tp * spec.pp)
+        return dp if not rest and dp >= 1 else None  # the planner will refuse it
+
+    dps = [dp for dp in map(dp_of, specs) if dp is not None]
+    if global_batch_size is None:
+        global_batch_size = per_device * training.gradient_accumulation_steps * max(dps, default=1)
+    if global_batch_size < 1:
+        raise ValueError(f"--global-batch-size={global_batch_size}: it must be at least 1")
+
+    entries = []
+    for spec in specs:
+        entry = SweepEntry(spec, overrides=dict(spec.params))
+        entries.append(entry)
+        dp = dp_of(spec)
+        if spec.explicit_dp is not None:
+            world = spec.explicit_dp * spec.tp * spec.pp
+            if world % launch.nnodes:
+                entry.error = (
+                    f"layout {spec.text!r} needs {world} processes (dp x tp x pp), which "
+                    f"launch.nnodes={launch.nnodes} nodes cannot share equally; use a layout "
+                    f"whose dp x tp x pp is a multiple of {launch.nnodes}, or change "
+                    "launch.nnodes"
+                )
+                continue
+            entry.overrides["launch.nproc_per_node"] = world // launch.nnodes
+        if dp is None:
+            continue  # dp=auto does not fit the world: leave the refusal to the planner
+        accumulation, rest = divmod(global_batch_size, per_device * dp)
+        if rest or accumulation < 1:
+            fits = per_device * dp * max(1, math.ceil(global_batch_size / (per_device * dp)))
+            entry.error = (
+                f"layout {spec.text!r} (dp={dp}) cannot train with the sweep's global batch "
+                f"{global_batch_size}: it must be training.per_device_train_batch_size="
+                f"{per_device} x gradient_accumulation_steps x dp={dp}; use "
+                f"--global-batch-size {fits} (or another multiple of {per_device * dp}), or "
+                "another training.per_device_train_batch_size"
+            )
+            continue
+        entry.overrides["training.gradient_accumulation_steps"] = accumulation
+    return global_batch_size, entries
+
+
+def new_sweep_id() -> str:
+    """A readable, unique id: when the sweep started, plus a few random letters."""
+    return time.strftime("sweep-%Y%m%d-%H%M%S-") + secrets.token_hex(2)
+
+
+def layout_error(output: str) -> str | None:
+    """The planner's refusal (`LayoutError: ...` and its `  - parameter: why` items) in a
+    run's output, with lines the terminal wrapped joined back; None if absent."""
+    lines = output.splitlines()
+    start = next(
+        (i for i in range(len(lines) - 1, -1, -1) if lines[i].startswith("LayoutError:")), None
+    )
+    if start is None:
+        return None
+    found = [lines[start].removeprefix("LayoutError:").strip()]
+    for line in lines[start + 1 :]:
+        if not line.strip():
+            break
+        if line.startswith("  - "):
+            found.append("  - " + line[4:].strip())
+        else:  # a wrapped continuation, printed from column 0
+            found[-1] = found[-1].rstrip() + " " + line.strip()
+    return "\n".join(found)
+
+
+# The comparison table: column -> (MLflow search_runs column, scale).
+_COLUMNS = {
+    "run name": ("tags.mlflow.runName", None),
+    "final loss": ("metrics.loss", None),
+    "val loss": ("metrics.eval/val_loss", None),
+    "val perplexity": ("metrics.eval/val_perplexity", None),
+    "tokens/s": ("metrics.eval/train_tokens_per_s", None),
+    "peak RSS rank 0 (MiB)": ("metrics.memory/peak_rss_mb", None),
+    "model states (MiB)": ("metrics.memory/model_states_mb", None),
+    "predicted model states (MiB)": ("params.estimate.memory_per_rank_bytes.total", 2**-20),
+}
+
+
+def comparison_table(runs: pd.DataFrame) -> pd.DataFrame:
+    """One row per layout from `mlflow.search_runs` output of one sweep's layout runs.
+
+    Columns whose source the runs do not hold (an older run, a metric not logged)
+    are left out rather than shown empty. Peak memory is rank 0's resident set, the
+    figure measured on every backend; the prediction is the planner's estimate of
+    the model states, when the plan logged one.
+    """
+    table = pd.DataFrame(index=runs.index)
+    table["layout"] = runs.get(f"tags.{SWEEP_LAYOUT_TAG}", runs.get("tags.meshtrain.layout"))
+    table["status"] = runs.get(f"tags.{SWEEP_STATUS_TAG}", runs["status"].str.lower())
+    for column, (source, scale) in _COLUMNS.items():
+        if source not in runs:
+            continue
+        values = runs[source]
+        if source.startswith("params."):
+            values = pd.to_numeric(values, errors="coerce")
+        table[column] = values * scale if scale else values
+    table = table.dropna(axis=1, how="all")
+    return table.reset_index(drop=True)
+
+
+def format_table(table: pd.DataFrame) -> str:
+    """The comparison table as aligned text for a terminal."""
+
+    def number(value: Any) -> str:
+        if isinstance(value, float):
+            if math.isnan(value):
+                return "-"
+            return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.4f}"
+        return str(value)
+
+    return table.to_string(index=False, formatters={c: number for c in table.columns})
+
+
+def sweep_runs(tracking_uri: str, experiment_name: str, sweep_id: str) -> pd.DataFrame:
+    """The layout runs of one sweep (not its data-processing run), oldest first, as
+    `mlflow.search_runs` returns them."""
+    client = MlflowClient(tracking_uri=tracking_uri)
+    experiment = client.get_experiment_by_name(experiment_name)
+    if experiment is None:
+        return pd.DataFrame()
+    previous = mlflow.get_tracking_uri()
+    mlflow.set_tracking_uri(tracking_uri)
+    try:
+        runs = mlflow.search_runs(
+            [experiment.experiment_id],
+            filter_string=f"tags.`{SWEEP_TAG}` = '{sweep_id}'",
+            order_by=["attributes.start_time ASC"],
+        )
+    finally:
+        mlflow.set_tracking_uri(previous)
+    layout_column = f"tags.{SWEEP_LAYOUT_TAG}"
+    if runs.empty or layout_column not in runs:
+        return pd.DataFrame()
+    return runs[runs[layout_column].notna()].reset_index(drop=True)

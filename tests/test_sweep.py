@@ -1,0 +1,359 @@
+"""`kedro sweep`: layout strings, the fixed global batch, and one real sweep end to end.
+
+The end-to-end sweep trains "dp2 tp3 tp2 pp2" with the small test run in a scratch
+project: tp3 is refused by the planner (3 divides neither the heads nor the world
+size), the other three train at the same global batch and must reach the same
+weights. `tests/test_notebook.py` reads the same sweep's runs.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from meshtrain.config import ConfigError
+from meshtrain.sweep import (
+    LayoutStringError,
+    layout_error,
+    parse_layout,
+    parse_layouts,
+    plan_sweep,
+    to_params_arg,
+)
+from tests.kedro_project import KEDRO, SMALL_RUN, mlflow_client, project_env
+
+# ---------------------------------------------------------------- layout strings
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("dp2", {"data_parallel_size": 2, "tensor_parallel_size": 1, "pipeline_parallel_size": 1}),
+        ("tp2", {"tensor_parallel_size": 2, "pipeline_parallel_size": 1}),
+        ("pp2", {"tensor_parallel_size": 1, "pipeline_parallel_size": 2}),
+        (
+            "dp2xtp2",
+            {"data_parallel_size": 2, "tensor_parallel_size": 2, "pipeline_parallel_size": 1},
+        ),
+        (
+            "TP2xPP2-gpipe-mb8",
+            {
+                "tensor_parallel_size": 2,
+                "pipeline_parallel_size": 2,
+                "pipeline_schedule": "gpipe",
+                "pipeline_parallel_num_microbatches": 8,
+            },
+        ),
+        (
+            "dp4-nozero1-nosp-ac",
+            {
+                "data_parallel_size": 4,
+                "tensor_parallel_size": 1,
+                "pipeline_parallel_size": 1,
+                "zero_1": False,
+                "sequence_parallel": False,
+                "activation_checkpointing": "full",
+            },
+        ),
+        (
+            "pp2-i1f1b-v2",
+            {
+                "tensor_parallel_size": 1,
+                "pipeline_parallel_size": 2,
+                "pipeline_schedule": "interleaved_1f1b",
+                "pipeline_parallel_virtual_stages": 2,
+            },
+        ),
+        # A run name reads back as the layout it names.
+        (
+            "dp1-tp2-pp2-sp-1f1b-mb4",
+            {
+                "data_parallel_size": 1,
+                "tensor_parallel_size": 2,
+                "pipeline_parallel_size": 2,
+                "sequence_parallel": True,
+                "pipeline_schedule": "1f1b",
+                "pipeline_parallel_num_microbatches": 4,
+            },
+        ),
+    ],
+)
+def test_layout_strings_name_the_parallel_parameters(text: str, expected: dict):
+    spec = parse_layout(text)
+    assert spec.params == {f"parallel.{k}": v for k, v in expected.items()}
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ("dq2", ["token 'dq2' is not understood", "dpN, tpN, ppN", "Examples: dp2"]),
+        ("dp", ["token 'dp' is not understood", "it needs a number, e.g. dp2"]),
+        ("dp0", ["token 'dp0' asks for dp=0", "sizes start at 1"]),
+        ("dp2xdp4", ["tokens 'dp2' and 'dp4' both set parallel.data_parallel_size"]),
+        ("sp-nosp", ["tokens 'sp' and 'nosp' both set parallel.sequence_parallel"]),
+        ("dp2--tp2", ["empty token"]),
+        ("tp2x", ["empty token"]),
+    ],
+)
+def test_bad_layout_strings_say_which_token_why_and_what_works(text: str, says: list[str]):
+    with pytest.raises(LayoutStringError) as error:
+        parse_layout(text)
+    assert f"layout {text!r}" in str(error.value)
+    for part in says:
+        assert part in str(error.value)
+
+
+def test_layout_lists_split_on_spaces_or_commas_and_refuse_repeats():
+    assert [s.text for s in parse_layouts(" dp2  tp2,pp2\n")] == ["dp2", "tp2", "pp2"]
+    with pytest.raises(LayoutStringError, match="'tp2' and 'tp2xpp1' are the same layout"):
+        parse_layouts("tp2 tp2xpp1")
+    with pytest.raises(LayoutStringError, match="--layouts is empty"):
+        parse_layouts("  ")
+
+
+# ---------------------------------------------------------------- one global batch
+
+PARAMS = {
+    "training": {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 1},
+    "launch": {"nproc_per_node": 2, "nnodes": 1},
+    "parallel": {},
+}
+
+
+def test_every_layout_gets_the_accumulation_that_holds_the_global_batch():
+    batch, entries = plan_sweep(parse_layouts("dp2 tp2 pp2 dp4 dp2xtp2"), PARAMS)
+    assert batch == 4 * 4  # per-device batch x the largest dp
+    overrides = {e.layout: e.overrides for e in entries}
+    assert all(e.error is None for e in entries)
+    assert overrides["dp4"]["training.gradient_accumulation_steps"] == 1
+    assert overrides["dp2"]["training.gradient_accumulation_steps"] == 2
+    assert overrides["tp2"]["training.gradient_accumulation_steps"] == 4  # dp auto = 1
+    assert overrides["dp2xtp2"]["training.gradient_accumulation_steps"] == 2
+    # An explicit dp fixes the world size; dp=auto keeps the configured one.
+    assert overrides["dp4"]["launch.nproc_per_node"] == 4
+    assert overrides["dp2xtp2"]["launch.nproc_per_node"] == 4
+    assert "launch.nproc_per_node" not in overrides["tp2"]
+    for entry in entries:
+        dp = 4 if entry.layout == "dp4" else 2 if entry.layout.startswith("dp2") else 1
+        accumulation = entry.overrides["training.gradient_accumulation_steps"]
+        assert 4 * accumulation * dp == batch
+
+
+def test_a_layout_that_cannot_reach_the_global_batch_is_refused_alone():
+    batch, entries = plan_sweep(parse_layouts("dp2 dp3"), PARAMS, global_batch_size=8)
+    assert batch == 8
+    dp2, dp3 = entries
+    assert dp2.error is None and dp2.overrides["training.gradient_accumulation_steps"] == 1
+    assert "layout 'dp3' (dp=3) cannot train with the sweep's global batch 8" in dp3.error
+    assert "--global-batch-size 12" in dp3.error
+
+
+def test_a_layout_the_world_cannot_hold_is_left_for_the_planner_to_refuse():
+    _, (tp3,) = plan_sweep(parse_layouts("tp3"), PARAMS)
+    assert tp3.error is None
+    assert "training.gradient_accumulation_steps" not in tp3.overrides
+
+
+def test_layouts_that_nodes_cannot_share_and_parameter_typos_are_refused():
+    two_nodes = {**PARAMS, "launch": {"nproc_per_node": 2, "nnodes": 2}}
+    _, (dp3,) = plan_sweep(parse_layouts("dp3"), two_nodes, global_batch_size=12)
+    assert "needs 3 processes" in dp3.error and "launch.nnodes=2" in dp3.error
+    with pytest.raises(ConfigError, match="per_device_train_batch"):
+        plan_sweep(parse_layouts("dp2"), {"training": {"per_device_batch": 4}})
+
+
+def test_overrides_are_written_in_kedro_params_form():
+    assert (
+        to_params_arg({"parallel.zero_1": False, "launch.nproc_per_node": 4})
+        == "parallel.zero_1=false,launch.nproc_per_node=4"
+    )
+    with pytest.raises(ValueError, match="cannot contain a comma"):
+        to_params_arg({"model.x": "[1,2]"})
+
+
+def test_the_planners_refusal_is_found_in_wrapped_output():
+    # As Kedro's rich traceback prints it into a pipe: wrapped at 80 columns.
+    output = (
+        "│ ❱ 474 │   │   raise LayoutError(refusals)          │\n"
+        "╰──────────────────────────────────────────────────────╯\n"
+        "LayoutError: meshtrain refused the layout before starting any worker:\n"
+        "  - parallel.tensor_parallel_size=3: it must divide num_attention_heads=4; it \n"
+        "must divide the world size 2. Values that work here: 1, 2.\n"
+        "  - data.block_size=128: sequence parallelism splits each block over \n"
+        "tensor_parallel_size=3 ranks.\n"
+        "\n"
+        "== tp2: kedro run ...\n"
+    )
+    assert layout_error(output) == (
+        "meshtrain refused the layout before starting any worker:\n"
+        "  - parallel.tensor_parallel_size=3: it must divide num_attention_heads=4; it "
+        "must divide the world size 2. Values that work here: 1, 2.\n"
+        "  - data.block_size=128: sequence parallelism splits each block over "
+        "tensor_parallel_size=3 ranks."
+    )
+    assert layout_error("RuntimeError: boom") is None
+
+
+# ---------------------------------------------------------------- a real sweep
+
+LAYOUTS = "dp2 tp3 tp2 pp2"
+# adam_epsilon=1e-5: see tests/test_pipeline_e2e.py (last-bit noise near zero gradients).
+SWEEP_PARAMS = SMALL_RUN + ",training.adam_epsilon=1e-5"
+EXPECTED = {
+    # layout: (dp, tp, pp, run name, gradient accumulation), global batch 2 x 4 = 8
+    "dp2": ("2", "1", "1", "dp2-tp1-pp1-zero1", "1"),
+    "tp2": ("1", "2", "1", "dp1-tp2-pp1-sp", "2"),
+    "pp2": ("1", "1", "2", "dp1-tp1-pp2-1f1b-mb4", "2"),
+}
+
+
+@dataclass(frozen=True)
+class Sweep:
+    project: Path
+    result: subprocess.CompletedProcess
+    sweep_id: str
+
+    @property
+    def output(self) -> str:
+        return self.result.stdout + self.result.stderr
+
+
+_SHARED: dict[str, Sweep] = {}
+
+
+def shared_sweep(tmp_path_factory: pytest.TempPathFactory) -> Sweep:
+    """Run the sweep once per test session, for this module and tests/test_notebook.py."""
+    if "sweep" not in _SHARED:
+        from tests.kedro_project import make_project
+
+        project = make_project(tmp_path_factory.mktemp("sweep_project"))
+        # A git repository, so that every run can carry its commit.
+        for command in (
+            ["git", "init", "-q"],
+            ["git", "add", "conf", "pyproject.toml"],
+            ["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "c"],
+        ):
+            subprocess.run(command, cwd=project, check=True, capture_output=True)
+        result = subprocess.run(
+            [str(KEDRO), "sweep", "--layouts", LAYOUTS, "--params", SWEEP_PARAMS],
+            cwd=project,
+            env=project_env(),
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+        found = re.search(r"^sweep (sweep-\S+): 4 layouts, global batch 8$", result.stdout, re.M)
+        assert found, result.stdout[-3000:] + result.stderr[-3000:]
+        _SHARED["sweep"] = Sweep(project, result, found.group(1))
+    return _SHARED["sweep"]
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory) -> Sweep:
+    return shared_sweep(tmp_path_factory)
+
+
+def _runs(sweep: Sweep) -> dict[str, object]:
+    client = mlflow_client(sweep.project)
+    experiment = client.get_experiment_by_name("meshtrain")
+    runs = client.search_runs(
+        [experiment.experiment_id], f"tags.`meshtrain.sweep` = '{sweep.sweep_id}'"
+    )
+    return {r.data.tags.get("meshtrain.sweep.layout", "<data>"): r for r in runs}
+
+
+@pytest.mark.slow
+def test_sweep_trains_every_layout_and_reports_the_refused_one(sweep: Sweep):
+    output = sweep.output
+    assert sweep.result.returncode == 1, output[-5000:]
+    # Data processing once; each layout from plan_layout on, tp3 in the middle not
+    # stopping the two after it.
+    assert output.count("== data_processing") == 1
+    assert [line.split(":")[0] for line in re.findall(r"^== (\S+: kedro run)", output, re.M)] == [
+        "dp2",
+        "tp3",
+        "tp2",
+        "pp2",
+    ]
+    summary = output[output.index(f"== sweep {sweep.sweep_id}") :]
+    table, refused = summary.split("\ntp3: refused\n")
+    for layout, (*_, name, _) in EXPECTED.items():
+        assert re.search(rf"^\s*{layout}\s+finished\s+{name}\s", table, re.M), table
+    for column in ("final loss", "val perplexity", "tokens/s", "peak RSS rank 0 (MiB)"):
+        assert column in table
+    assert "parallel.tensor_parallel_size=3: it must divide num_attention_heads=4" in refused
+    assert "Values that work here: 1, 2." in refused
+    assert "1 of 4 layouts did not finish: tp3" in refused
+
+
+@pytest.mark.slow
+def test_each_sweep_run_holds_its_layout_tags_metrics_and_pictures(sweep: Sweep):
+    runs = _runs(sweep)
+    assert sorted(runs) == ["<data>", "dp2", "pp2", "tp2", "tp3"]
+    data = runs["<data>"]
+    assert data.data.tags["meshtrain.sweep.stage"] == "data_processing"
+    assert data.data.tags["kedro.pipeline"] == "data_processing"
+    client = mlflow_client(sweep.project)
+    for layout, (dp, tp, pp, name, accumulation) in EXPECTED.items():
+        run = runs[layout]
+        params, tags, metrics = run.data.params, run.data.tags, run.data.metrics
+        assert run.info.status == "FINISHED", layout
+        assert run.info.run_name == name == tags["meshtrain.layout"]
+        assert (
+            params["parallel.data_parallel_size"],
+            params["parallel.tensor_parallel_size"],
+            params["parallel.pipeline_parallel_size"],
+        ) == (dp, tp, pp), layout
+        assert params["global_batch_size"] == "8"
+        assert params["training.gradient_accumulation_steps"] == accumulation
+        assert tags["meshtrain.sweep.status"] == "finished"
+        assert tags["kedro.env"] == "local"
+        assert len(tags["mlflow.source.git.commit"]) == 40
+        assert len(client.get_metric_history(run.info.run_id, "loss")) == 8
+        for key in ("tokens_per_s", "memory/peak_rss_mb", "val_loss", "eval/val_perplexity"):
+            assert key in metrics, (layout, key)
+        artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+        assert "plan.json" in artifacts
+        assert ("pipeline_timeline.png" in artifacts) == (pp != "1"), layout
+    refused = runs["tp3"]
+    assert refused.info.status == "FAILED"
+    assert refused.info.run_name == "tp3 (refused)"
+    assert refused.data.tags["meshtrain.sweep.status"] == "refused"
+    assert "parallel.tensor_parallel_size=3" in refused.data.tags["meshtrain.sweep.error"]
+
+
+@pytest.mark.slow
+def test_sweep_layouts_reach_the_same_weights(sweep: Sweep):
+    folder = sweep.project / "data/06_models/sweeps" / sweep.sweep_id
+    assert sorted(p.name for p in folder.iterdir()) == ["dp2", "pp2", "tp2"]
+    expected = load_file(folder / "dp2" / "model.safetensors")
+    for layout in ("tp2", "pp2"):
+        got = load_file(folder / layout / "model.safetensors")
+        assert got.keys() == expected.keys()
+        for key, want in expected.items():
+            assert got[key].shape == want.shape
+            assert (got[key] - want).norm() / want.norm() <= 1e-5, (layout, key)
+
+
+@pytest.mark.slow
+def test_sweep_refuses_a_bad_layout_string_before_running_anything(tmp_path: Path):
+    from tests.kedro_project import make_project
+
+    project = make_project(tmp_path / "project")
+    result = subprocess.run(
+        [str(KEDRO), "sweep", "--layouts", "dp2 tq2"],
+        cwd=project,
+        env=project_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "token 'tq2' is not understood" in result.stderr
+    assert not (project / "mlflow.db").exists()
+    assert not any((project / "data/02_intermediate").iterdir())
