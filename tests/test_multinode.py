@@ -21,7 +21,6 @@ from typing import Any
 
 import datasets
 import pytest
-from safetensors import safe_open
 
 from meshtrain.config import ConfigError, LaunchConfig, RunConfig
 from meshtrain.data.blocks import arrow_files
@@ -168,15 +167,13 @@ def test_two_nodes_on_loopback_match_one_process(tiny_blocks, tmp_path: Path):
     assert f"training {LAYOUT}" in rank0_log
     assert not any("training dp2" in p.read_text() for p in (run_dir / "logs/node1").rglob("*.log"))
 
-    # Node 1's ranks (2 and 3: dp rank 1) wrote their shards into the shared folder.
+    # All four ranks, two per node, wrote into the one shared folder (with ZeRO-1 each
+    # rank owns a slice of the optimizer state; node 1's ranks 2 and 3 are dp rank 1).
     final = Path(summaries[0]["final_checkpoint"])
     assert sorted(p.name for p in (final / "rng").iterdir()) == [
         f"rank_{r:05d}.safetensors" for r in range(4)
     ]
-    optimizer_files = sorted(p.name for p in (final / "optimizer").iterdir())
-    assert len(optimizer_files) == 4, optimizer_files
-    with safe_open(final / "shards/tp_rank_01_pp_rank_00/model.safetensors", "pt") as shard:
-        assert shard.keys()
+    assert len(list((final / "optimizer").iterdir())) == 4
 
     expected_losses, expected_weights = reference_run(tiny_blocks, "llama", TINY_MODEL)
     assert_matches_reference(

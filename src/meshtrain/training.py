@@ -139,7 +139,8 @@ def run_training(
     if summary is None:
         raise RuntimeError(
             f"training finished on node {launch.node_rank} but rank 0's summary did not reach "
-            f"it; the checkpoints are in {run_dir}"
+            f"it (it travels through the agents' shared store, which "
+            f"TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 turns off); the checkpoints are in {run_dir}"
         )
     summary["run_name"] = run_dir.name
     return summary
