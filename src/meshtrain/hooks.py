@@ -1,8 +1,19 @@
 """One MLflow run per `kedro run`, opened before the first node and closed after the last.
 
 The nodes (and rank 0 of the training workers, through the run id) log into
-it. Settings come from `conf/<env>/mlflow.yml`; the `MLFLOW_TRACKING_URI`
-environment variable, when set, wins as it does everywhere in MLflow.
+it. Settings come from `conf/<env>/mlflow.yml`. Where the run goes is decided
+in this order (see docs/tracking.md):
+
+1. the `MLFLOW_TRACKING_URI` environment variable, when set, wins, as it does
+   everywhere in MLflow;
+2. else, when mlflow.yml names a `credentials:` entry (the `team` environment
+   does), that entry of Kedro's credentials config: a whole `tracking_uri`,
+   or `host` (+ `port`, `scheme`), with optional `username`/`password` for a
+   server started with `--app-name basic-auth`;
+3. else mlflow.yml's `tracking_uri` (a sqlite file at the project root by default).
+
+MLflow's system metrics (CPU, memory, and GPU where one is visible) are
+sampled from this process while the run is open (`log_system_metrics`).
 """
 
 from __future__ import annotations
@@ -10,15 +21,46 @@ from __future__ import annotations
 import logging
 import os
 import subprocess
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import mlflow
+from kedro.config import MissingConfigException, OmegaConfigLoader
 from kedro.framework.hooks import hook_impl
 
 logger = logging.getLogger(__name__)
 
-DEFAULTS = {"enabled": True, "tracking_uri": "sqlite:///mlflow.db", "experiment_name": "meshtrain"}
+DEFAULTS: dict[str, Any] = {
+    "enabled": True,
+    "tracking_uri": "sqlite:///mlflow.db",
+    "experiment_name": "meshtrain",
+    # Name of an entry in Kedro's credentials config that holds the tracking server.
+    "credentials": None,
+    "log_system_metrics": True,
+    "system_metrics_sampling_interval": 10,
+}
+
+# MLflow's own variables; each wins over what meshtrain's config says.
+URI_VARIABLE = "MLFLOW_TRACKING_URI"
+USERNAME_VARIABLE = "MLFLOW_TRACKING_USERNAME"
+PASSWORD_VARIABLE = "MLFLOW_TRACKING_PASSWORD"
+SAMPLING_VARIABLE = "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL"
+
+
+class TrackingConfigError(ValueError):
+    """The MLflow tracking settings of a Kedro environment are incomplete or wrong."""
+
+
+@dataclass(frozen=True)
+class TrackingServer:
+    """Where the run is logged, and (for a server with basic auth) as whom."""
+
+    uri: str
+    username: str | None = None
+    password: str | None = None
 
 
 def resolve_tracking_uri(uri: str, project_path: Path) -> str:
@@ -29,6 +71,112 @@ def resolve_tracking_uri(uri: str, project_path: Path) -> str:
             if path and not path.startswith("/"):
                 return f"{scheme}{(project_path / path).as_posix()}"
     return uri
+
+
+def redact(uri: str) -> str:
+    """The URI with any password replaced, for logs."""
+    parts = urlsplit(uri)
+    if parts.password is None:
+        return uri
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def _server_from_entry(entry: Any, key: str, looked_in: list[str]) -> TrackingServer:
+    where = " / ".join(looked_in)
+    if not isinstance(entry, Mapping):
+        raise TrackingConfigError(
+            f"The credentials entry '{key}' ({where}) must be a mapping with `tracking_uri` "
+            f"or `host`, got {type(entry).__name__}."
+        )
+    unknown = set(entry) - {"tracking_uri", "host", "port", "scheme", "username", "password"}
+    if unknown:
+        raise TrackingConfigError(
+            f"The credentials entry '{key}' ({where}) has unknown keys {sorted(unknown)}; "
+            "known: tracking_uri, host, port, scheme, username, password."
+        )
+    if entry.get("tracking_uri"):
+        uri = str(entry["tracking_uri"])
+    elif entry.get("host"):
+        scheme = entry.get("scheme") or "http"
+        port = f":{entry['port']}" if entry.get("port") else ""
+        uri = f"{scheme}://{entry['host']}{port}"
+    else:
+        raise TrackingConfigError(
+            f"The credentials entry '{key}' ({where}) needs `tracking_uri` "
+            f"(e.g. http://mlflow.example.org:5000) or `host` (+ optional `port`, `scheme`)."
+        )
+    username, password = entry.get("username"), entry.get("password")
+    if (username is None) != (password is None):
+        raise TrackingConfigError(
+            f"The credentials entry '{key}' ({where}) has only one of `username` and "
+            "`password`; give both (a server started with --app-name basic-auth) or neither."
+        )
+    return TrackingServer(
+        uri=uri,
+        username=None if username is None else str(username),
+        password=None if password is None else str(password),
+    )
+
+
+def choose_tracking_server(
+    settings: Mapping[str, Any],
+    credentials: Mapping[str, Any],
+    environ: Mapping[str, str],
+    looked_in: list[str],
+) -> TrackingServer:
+    """Apply the precedence of the module docstring.
+
+    `credentials` is the merged credentials config; `looked_in` names the files
+    it came from, so that an error says where the entry should go.
+    """
+    if environ.get(URI_VARIABLE):
+        return TrackingServer(uri=environ[URI_VARIABLE])
+    key = settings.get("credentials")
+    if not key:
+        return TrackingServer(uri=str(settings["tracking_uri"]))
+    if key not in credentials:
+        raise TrackingConfigError(
+            f"MLflow tracking: mlflow.yml takes the tracking server from the credentials "
+            f"entry '{key}', which is in none of {', '.join(looked_in)}, and {URI_VARIABLE} "
+            f"is not set. Either add to conf/local/credentials.yml (git-ignored):\n"
+            f"  {key}:\n"
+            f"    tracking_uri: http://<host>:<port>\n"
+            f"    # username: <you>        # only for a server with --app-name basic-auth\n"
+            f"    # password: <secret>\n"
+            f"or export {URI_VARIABLE}=http://<host>:<port> (and {USERNAME_VARIABLE} / "
+            f"{PASSWORD_VARIABLE} for basic auth). See docs/tracking.md."
+        )
+    return _server_from_entry(credentials[key], key, looked_in)
+
+
+def _credentials_of(loader: OmegaConfigLoader) -> dict[str, Any]:
+    try:
+        return dict(loader["credentials"] or {})
+    except MissingConfigException:
+        return {}
+
+
+def load_credentials(config_loader: OmegaConfigLoader, env: str) -> tuple[dict[str, Any], list]:
+    """The credentials config of the run env (base + `--env`), completed by conf/local's.
+
+    Kedro reads conf/local only when it is the run env, yet conf/local is the
+    git-ignored home of secrets; so for `--env team` the entries of
+    conf/local/credentials.yml fill in those the run env lacks.
+    """
+    base_env = getattr(config_loader, "base_env", None) or "base"
+    credentials = _credentials_of(config_loader)
+    looked_in = [f"conf/{base_env}/credentials*.yml", f"conf/{env}/credentials*.yml"]
+    if env != "local":
+        local = OmegaConfigLoader(
+            conf_source=str(config_loader.conf_source),
+            env="local",
+            base_env=base_env,
+            default_run_env="local",
+        )
+        credentials = {**_credentials_of(local), **credentials}
+        looked_in.append("conf/local/credentials*.yml")
+    return credentials, looked_in
 
 
 def git_commit(project_path: Path) -> str | None:
@@ -46,33 +194,81 @@ def git_commit(project_path: Path) -> str | None:
     return out.stdout.strip() or None
 
 
+def mlflow_settings(config_loader: OmegaConfigLoader, env: str | None) -> dict[str, Any]:
+    """mlflow.yml of the run env over `DEFAULTS`; an unknown key (a typo) is refused."""
+    try:
+        configured = config_loader["mlflow"] or {}
+    except (KeyError, MissingConfigException):
+        configured = {}
+    unknown = set(configured) - set(DEFAULTS)
+    if unknown:
+        raise TrackingConfigError(
+            f"mlflow.yml (env {env or 'local'}) has unknown keys {sorted(unknown)}; "
+            f"known: {', '.join(DEFAULTS)}."
+        )
+    return {**DEFAULTS, **configured}
+
+
+def project_tracking_server(
+    config_loader: OmegaConfigLoader,
+    env: str | None,
+    project_path: Path,
+    settings: Mapping[str, Any] | None = None,
+) -> TrackingServer:
+    """Where this project's runs go in `env`, by the precedence of the module docstring,
+    with a relative sqlite path anchored at the project; for the hook and for any other
+    caller that must find the same runs (e.g. a command that reads them back)."""
+    settings = settings if settings is not None else mlflow_settings(config_loader, env)
+    credentials: dict[str, Any] = {}
+    looked_in: list[str] = []
+    if settings.get("credentials") and not os.environ.get(URI_VARIABLE):
+        credentials, looked_in = load_credentials(config_loader, env or "local")
+    server = choose_tracking_server(settings, credentials, os.environ, looked_in)
+    return TrackingServer(
+        resolve_tracking_uri(server.uri, project_path), server.username, server.password
+    )
+
+
+def use_tracking_server(server: TrackingServer) -> None:
+    """Point this process's MLflow at `server`; basic-auth credentials go where MLflow's
+    REST client reads them (also in the spawned workers), unless already set there."""
+    if server.username is not None:
+        os.environ.setdefault(USERNAME_VARIABLE, server.username)
+        os.environ.setdefault(PASSWORD_VARIABLE, server.password or "")
+    mlflow.set_tracking_uri(server.uri)
+
+
 class MlflowRunHook:
     def __init__(self) -> None:
         self.settings: dict[str, Any] = dict(DEFAULTS)
         self.project_path = Path.cwd()
         self.env: str | None = None
+        self.config_loader: OmegaConfigLoader | None = None
         self.started = False
 
     @hook_impl
     def after_context_created(self, context) -> None:
-        try:
-            configured = context.config_loader["mlflow"] or {}
-        except KeyError:
-            configured = {}
-        self.settings = {**DEFAULTS, **configured}
+        self.settings = mlflow_settings(context.config_loader, context.env)
         self.project_path = Path(context.project_path)
         self.env = context.env
+        self.config_loader = context.config_loader
 
     @hook_impl
     def before_pipeline_run(self, run_params: dict[str, Any]) -> None:
         if not self.settings["enabled"]:
             return
-        uri = os.environ.get("MLFLOW_TRACKING_URI") or self.settings["tracking_uri"]
-        mlflow.set_tracking_uri(resolve_tracking_uri(uri, self.project_path))
+        # Credentials are read here, not when the context is created: this runs after the
+        # catalog and parameters are built, so reading conf/local's credentials (a second
+        # config loader) cannot disturb them, and other kedro commands never need them.
+        use_tracking_server(
+            project_tracking_server(self.config_loader, self.env, self.project_path, self.settings)
+        )
         mlflow.set_experiment(self.settings["experiment_name"])
         if mlflow.active_run() is not None:
             mlflow.end_run()
-        pipeline = run_params.get("pipeline_name") or "__default__"
+        pipeline = run_params.get("pipeline_name") or ",".join(
+            run_params.get("pipeline_names") or ["__default__"]
+        )
         tags = {
             "kedro.pipeline": pipeline,
             "kedro.env": run_params.get("env") or self.env or "local",
@@ -83,10 +279,16 @@ class MlflowRunHook:
             tags["mlflow.source.git.commit"] = commit
         if run_params.get("runtime_params"):
             tags["kedro.runtime_params"] = str(run_params["runtime_params"])
-        mlflow.start_run(run_name=pipeline, tags=tags)
+        log_system_metrics = bool(self.settings["log_system_metrics"])
+        interval = self.settings["system_metrics_sampling_interval"]
+        if log_system_metrics and interval and not os.environ.get(SAMPLING_VARIABLE):
+            mlflow.set_system_metrics_sampling_interval(float(interval))
+        mlflow.start_run(run_name=pipeline, tags=tags, log_system_metrics=log_system_metrics)
         self.started = True
         logger.info(
-            "MLflow run %s in %s", mlflow.active_run().info.run_id, mlflow.get_tracking_uri()
+            "MLflow run %s in %s",
+            mlflow.active_run().info.run_id,
+            redact(mlflow.get_tracking_uri()),
         )
 
     @hook_impl
