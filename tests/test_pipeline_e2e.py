@@ -138,25 +138,13 @@ def _weights(folder: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow
-def test_tensor_and_pipeline_runs_are_tracked_and_equal_the_single_process_run(
-    project: Path, default_run
-):
-    """`--params parallel.tensor_parallel_size=2` (and the 3-D example with pipeline stages
-    too) trains, consolidates and evaluates, MLflow shows the layout, and the weights
-    equal a one-process run's."""
-    # Same global batch (4) in both: tp=2 leaves dp=1, as does one process.
+def test_three_d_run_is_tracked_and_equals_the_single_process_run(project: Path, default_run):
+    """The 3-D example (`tensor_parallel_size=2,pipeline_parallel_size=2` on 4 processes)
+    trains, consolidates and evaluates, MLflow shows the layout and the pipeline picture,
+    and the weights equal a one-process run's. (tp=2, pp=2 and dp=2 alone are compared
+    with each other by the sweep in tests/test_sweep.py.)"""
+    # Same global batch (4) in both: tp=2 x pp=2 on 4 ranks leaves dp=1, as does one process.
     common = SMALL_RUN + ",training.adam_epsilon=1e-5"
-    tp2 = kedro_run(
-        project,
-        "--from-nodes",
-        "plan_layout",
-        "--params",
-        common + ",parallel.tensor_parallel_size=2,consolidation.output_dir=data/06_models/tp2",
-    )
-    assert tp2.returncode == 0, tp2.stdout[-3000:] + tp2.stderr[-5000:]
-    metrics = json.loads((project / "data/08_reporting/metrics.json").read_text())
-    assert metrics["layout"] == "dp1-tp2-pp1-sp"
-    assert metrics["val_perplexity"] < metrics["initial_val_perplexity"]
     single = kedro_run(
         project,
         "--from-nodes",
@@ -165,26 +153,8 @@ def test_tensor_and_pipeline_runs_are_tracked_and_equal_the_single_process_run(
         common + ",launch.nproc_per_node=1,consolidation.output_dir=data/06_models/tp1",
     )
     assert single.returncode == 0, single.stdout[-3000:] + single.stderr[-5000:]
-
-    import mlflow
-
-    client = mlflow.tracking.MlflowClient(tracking_uri=f"sqlite:///{project / 'mlflow.db'}")
-    experiment = client.get_experiment_by_name("meshtrain")
-    (run,) = client.search_runs(
-        [experiment.experiment_id], "tags.mlflow.runName = 'dp1-tp2-pp1-sp'"
-    )
-    assert run.data.params["parallel.tensor_parallel_size"] == "2"
-    assert run.data.params["parallel.sequence_parallel"] == "True"
-    assert "eval/val_perplexity" in run.data.metrics
-
     expected = _weights(project / "data/06_models/tp1")
-    got = _weights(project / "data/06_models/tp2")
-    assert got.keys() == expected.keys()
-    for key, want in expected.items():
-        assert got[key].shape == want.shape
-        assert (got[key] - want).norm() / want.norm() <= 1e-5, key
 
-    # The 3-D example: tensor x pipeline parallel on 4 ranks, same global batch.
     three_d = kedro_run(
         project,
         "--from-nodes",
@@ -195,6 +165,14 @@ def test_tensor_and_pipeline_runs_are_tracked_and_equal_the_single_process_run(
         + ",launch.nproc_per_node=4,consolidation.output_dir=data/06_models/tp2pp2",
     )
     assert three_d.returncode == 0, three_d.stdout[-3000:] + three_d.stderr[-5000:]
+    metrics = json.loads((project / "data/08_reporting/metrics.json").read_text())
+    assert metrics["layout"] == "dp1-tp2-pp2-sp-1f1b-mb4"
+    assert metrics["val_perplexity"] < metrics["initial_val_perplexity"]
+
+    import mlflow
+
+    client = mlflow.tracking.MlflowClient(tracking_uri=f"sqlite:///{project / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("meshtrain")
     (run,) = client.search_runs(
         [experiment.experiment_id], "tags.mlflow.runName = 'dp1-tp2-pp2-sp-1f1b-mb4'"
     )
@@ -204,14 +182,17 @@ def test_tensor_and_pipeline_runs_are_tracked_and_equal_the_single_process_run(
         "2",
     )
     assert params["parallel.pipeline_parallel_size"] == "2"
+    assert params["parallel.sequence_parallel"] == "True"
     assert params["parallel.pipeline_schedule"] == "1f1b"
     assert params["parallel.pipeline_parallel_num_microbatches"] == "4"
     assert "pipeline/bubble_fraction" in run.data.metrics
+    assert "eval/val_perplexity" in run.data.metrics
     artifacts = [a.path for a in client.list_artifacts(run.info.run_id)]
     assert "pipeline_timeline.png" in artifacts
     got = _weights(project / "data/06_models/tp2pp2")
     assert got.keys() == expected.keys()
     for key, want in expected.items():
+        assert got[key].shape == want.shape
         assert (got[key] - want).norm() / want.norm() <= 1e-5, key
 
 
