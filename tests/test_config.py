@@ -206,7 +206,7 @@ def test_to_dict_from_dict_round_trip_through_json() -> None:
         data={"source": "text_files", "text_files": ["a.txt", "b.txt"], "num_proc": None},
     )
     values = run.to_dict()
-    assert set(values) == {"parallel", "training", "launch", "model", "data"}
+    assert set(values) == {"parallel", "training", "launch", "model", "data", "planner"}
     assert values["parallel"]["data_parallel_size"] == 2
     assert values["model"]["config"] == {"hidden_size": 64, "num_hidden_layers": 2}
     assert RunConfig.from_dict(values) == run

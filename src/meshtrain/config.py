@@ -38,8 +38,24 @@ class ParallelConfig:
     pipeline_parallel_layers: list[int] | None = None
     sequence_parallel: bool | Literal["auto"] = AUTO
     zero_1: bool | Literal["auto"] = AUTO
-    activation_checkpointing: Literal["none", "full", "selective"] = "none"
+    # none | selective (recompute norms, rotary, gating) | full (recompute each layer) |
+    # auto (the planner picks the least recomputation that fits).
+    activation_checkpointing: Literal["none", "full", "selective", "auto"] = "none"
     activation_offloading: bool = False
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    """What the planner plans for (`planner.*`)."""
+
+    # auto: the visible GPU's profile, else cpu; or cpu | h100 | h200 | trn1 | trn2 | a
+    # profile defined in device_profiles.
+    device: str = AUTO
+    # Fraction of device memory kept free of the estimate (allocator fragmentation, the
+    # runtime, what the model does not count).
+    memory_margin: float = 0.1
+    # Field overrides per profile name, or whole new profiles (see planner/devices.py).
+    device_profiles: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -76,7 +92,7 @@ class LaunchConfig:
     nproc_per_node: int = 2
     nnodes: int = 1
     node_rank: int = 0
-    backend: Literal["auto", "gloo", "nccl"] = AUTO
+    backend: Literal["auto", "gloo", "nccl", "neuron"] = AUTO
     rdzv_endpoint: str | None = None
     rdzv_id: str = "meshtrain"
     max_restarts: int = 0
@@ -240,6 +256,7 @@ class RunConfig:
     launch: LaunchConfig
     model: ModelConfig
     data: DataConfig
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
 
     @classmethod
     def from_params(
@@ -250,13 +267,21 @@ class RunConfig:
         launch: dict | None = None,
         model: dict | None = None,
         data: dict | None = None,
+        planner: dict | None = None,
     ) -> RunConfig:
+        planner_config = parse(PlannerConfig, planner, "planner")
+        if not 0 <= planner_config.memory_margin < 1:
+            raise ConfigError(
+                f"`planner.memory_margin` is {planner_config.memory_margin}; use a fraction "
+                "in [0, 1), e.g. 0.1 to keep 10% of device memory free."
+            )
         return cls(
             parallel=parse(ParallelConfig, parallel, "parallel"),
             training=parse(TrainingConfig, training, "training"),
             launch=parse(LaunchConfig, launch, "launch"),
             model=parse(ModelConfig, model, "model"),
             data=parse(DataConfig, data, "data"),
+            planner=planner_config,
         )
 
     def to_dict(self) -> dict[str, dict[str, Any]]:

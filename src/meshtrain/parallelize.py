@@ -25,6 +25,7 @@ from transformers import PretrainedConfig
 
 from meshtrain.config import TrainingConfig
 from meshtrain.models.llama_family import LlamaStage, kv_replication_factor
+from meshtrain.parallel.activation_memory import apply_activation_checkpointing, offload_context
 from meshtrain.parallel.flat_buffer import FlatParameters
 from meshtrain.parallel.mesh import ParallelDims
 from meshtrain.parallel.pipeline_parallel import (
@@ -68,6 +69,7 @@ class ParallelModel:
     runner: PipelineRunner | None
     autocast: Callable[[], AbstractContextManager]
     layout: Layout
+    offload: Callable[[], AbstractContextManager] = nullcontext
 
     def loss_context(self) -> AbstractContextManager:
         # Cross-entropy on vocabulary-sharded logits: the full logits never exist on one rank.
@@ -82,15 +84,20 @@ class ParallelModel:
 
         Under pipeline parallelism only the last stage knows the loss (0 elsewhere).
         """
-        with self.loss_context():
+        with self.loss_context(), self.offload():
             if self.runner is not None:
                 with self.autocast():
                     return self.runner.train_step(input_ids, accumulation_steps)
-            with self.autocast():
-                logits = self.modules[0](input_ids=input_ids).logits
-            loss = causal_lm_loss(logits, input_ids) / accumulation_steps
+            loss = self._loss(input_ids) / accumulation_steps
             loss.backward()
         return as_local(loss.detach())
+
+    def _loss(self, input_ids: torch.Tensor) -> torch.Tensor:
+        # The logits go out of scope here: backward needs only log-softmax's output, so
+        # not holding them saves a (batch x sequence x vocabulary) tensor at the peak.
+        with self.autocast():
+            logits = self.modules[0](input_ids=input_ids).logits
+        return causal_lm_loss(logits, input_ids)
 
     @torch.no_grad()
     def eval_batch(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -115,8 +122,7 @@ def parallelize(
 ) -> ParallelModel:
     """Apply the layout to a freshly built (identical on every rank) model."""
     hf_config = model.config
-    if layout.activation_checkpointing == "full":
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    apply_activation_checkpointing(model, layout.activation_checkpointing)
 
     if dims.pp > 1:
         stage_ids = stage_ids_of_rank(
@@ -175,7 +181,16 @@ def parallelize(
             loss_fn=last_stage_loss,
         )
     return ParallelModel(
-        modules, parameters, layouts, hf_config, dims, tp_sync, runner, autocast, layout
+        modules,
+        parameters,
+        layouts,
+        hf_config,
+        dims,
+        tp_sync,
+        runner,
+        autocast,
+        layout,
+        offload=offload_context(layout.activation_offloading, device),
     )
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import resource
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import partial
@@ -24,6 +25,7 @@ from meshtrain.checkpoint.save import save_checkpoint
 from meshtrain.config import RunConfig
 from meshtrain.data.blocks import BlockStore
 from meshtrain.data.sampler import GlobalBatchSampler
+from meshtrain.memory_probe import PeakMemory, measure_peak_memory
 from meshtrain.models import build_model, config_from_dict
 from meshtrain.parallel.mesh import ParallelDims
 from meshtrain.parallel.pipeline_parallel import idle_fraction, theoretical_bubble
@@ -203,9 +205,13 @@ def train(spec: WorkerSpec) -> dict[str, Any] | None:
     # Steady-state throughput: tokens over the wall time of the logged steps after the
     # first (which pays for warm-up), not a mean of per-step rates (that reads high).
     timed_tokens, timed_seconds = 0, 0.0
+    peak_memory: dict[str, Any] = {}
     last_checkpoint: Path | None = None
     val_loss = initial_val_loss
     train_start = time.perf_counter()
+    # Peak tensor memory is measured on one step once the optimizer's states exist; that
+    # step runs under a tracker and is left out of the throughput.
+    memory_step = start_step + 1 if cfg.max_steps > start_step + 1 else None
     for step in range(start_step, cfg.max_steps):
         step_start = time.perf_counter()
         microbatches = sampler.rank_microbatches(
@@ -213,18 +219,26 @@ def train(spec: WorkerSpec) -> dict[str, Any] | None:
         )
         if pm.runner is not None:
             pm.runner.recorder.enabled = step == timeline_step
-        loss_sum = torch.zeros((), device=device)
-        for indices in microbatches:
-            input_ids = train_blocks.batch(indices).to(device, non_blocking=True)
-            loss_sum += pm.train_batch(input_ids, len(microbatches))
-        pm.synchronize_tensor_parallel_gradients()
-        grad_norm = optimizer.step()
+        measuring = (
+            measure_peak_memory(device, existing=persistent_tensors(pm, flat, optimizer))
+            if step == memory_step
+            else nullcontext()
+        )
+        with measuring as measured:
+            loss_sum = torch.zeros((), device=device)
+            for indices in microbatches:
+                input_ids = train_blocks.batch(indices).to(device, non_blocking=True)
+                loss_sum += pm.train_batch(input_ids, len(microbatches))
+            pm.synchronize_tensor_parallel_gradients()
+            grad_norm = optimizer.step()
         schedule.step()
         flat.zero_grad()
         done = step + 1
         if pm.runner is not None and step == timeline_step:
             pm.runner.recorder.enabled = False
             report_pipeline_timeline(pm, tracker, run_dir, done)
+        if measured is not None:
+            peak_memory = report_peak_memory(measured, tracker, done)
 
         if done % cfg.log_every == 0 or done == cfg.max_steps:
             # The only per-step host sync: the loss, from the last pipeline stage, averaged
@@ -236,7 +250,7 @@ def train(spec: WorkerSpec) -> dict[str, Any] | None:
             elapsed = time.perf_counter() - step_start
             throughput = plan.tokens_per_step / elapsed
             losses.append((done, global_loss))
-            if done > start_step + 1:
+            if done > start_step + 1 and step != memory_step:
                 timed_tokens += plan.tokens_per_step
                 timed_seconds += elapsed
             rss, peak = _rss_mb()
@@ -297,6 +311,41 @@ def train(spec: WorkerSpec) -> dict[str, Any] | None:
         "train_time_s": train_time,
         "peak_rss_mb_rank0": peak,
         "model_states_bytes_rank0": state_bytes,
+        "measured_peak_memory": peak_memory,
+    }
+
+
+def persistent_tensors(pm: ParallelModel, flat: Any, optimizer: Any) -> list[torch.Tensor]:
+    """What lives through a step: parameters and buffers of this rank's stages, the flat
+    gradient buffer, the optimizer's gradient shard and states."""
+    tensors = [flat.params, flat.grads, optimizer.grad_shard]
+    for module in pm.modules:
+        tensors.extend(module.parameters())
+        tensors.extend(module.buffers())
+    for state in optimizer.optimizer.state.values():
+        tensors.extend(v for v in state.values() if isinstance(v, torch.Tensor))
+    return tensors
+
+
+def report_peak_memory(measured: PeakMemory, tracker: MetricsLogger, step: int) -> dict[str, Any]:
+    """Gather every rank's measured peak; rank 0 logs the largest and each pipeline
+    rank's, and returns them for the summary (the planner predicts the same). Collective."""
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (measured.peak_bytes, measured.by_kind))
+    peaks = [peak for peak, _ in gathered]
+    worst = max(range(len(peaks)), key=peaks.__getitem__)
+    tracker.log(
+        {
+            "memory/peak_tensor_mb": peaks[worst] / 2**20,
+            **{f"memory/peak_tensor_mb_rank{r}": p / 2**20 for r, p in enumerate(peaks)},
+        },
+        step=step,
+    )
+    return {
+        "peak_bytes": peaks[worst],
+        "peak_rank": worst,
+        "peak_bytes_per_rank": peaks,
+        "by_kind_of_peak_rank": gathered[worst][1],
     }
 
 

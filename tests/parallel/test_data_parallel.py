@@ -25,6 +25,11 @@ CASES = {
         {"zero_1": True, "activation_checkpointing": "full"},
         {"per_device_train_batch_size": 4},
     ),
+    # Selective recomputation, and offloading (a no-op on CPU that must change nothing).
+    "dp2-selective-offload": (
+        {"activation_checkpointing": "selective", "activation_offloading": True},
+        {"per_device_train_batch_size": 4},
+    ),
 }
 BF16 = ({"zero_1": True}, {"per_device_train_batch_size": 4, "mixed_precision": "bf16"})
 

@@ -52,6 +52,13 @@ WORLD_2 = {
         "mistral",
         TINY_MODEL,
     ),
+    # Selective recomputation keeps the collectives' results: nothing runs twice over tp.
+    "tp2-sp-selective": (
+        {"tensor_parallel_size": 2, "activation_checkpointing": "selective"},
+        ONE_MICROBATCH,
+        "llama",
+        TINY_MODEL,
+    ),
 }
 
 

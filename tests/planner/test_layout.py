@@ -233,20 +233,6 @@ REFUSALS = [
         {"launch": {"backend": "gloo"}},
         id="nccl-without-cuda",
     ),
-    pytest.param(
-        {"parallel": {"activation_checkpointing": "selective"}},
-        "parallel.activation_checkpointing",
-        "full",
-        {"parallel": {"activation_checkpointing": "full"}},
-        id="selective-checkpointing",
-    ),
-    pytest.param(
-        {"parallel": {"activation_offloading": True}},
-        "parallel.activation_offloading",
-        "activation_offloading=false",
-        {"parallel": {"activation_offloading": False}},
-        id="activation-offloading",
-    ),
 ]
 
 
@@ -441,11 +427,7 @@ def test_more_processes_than_gpus_is_refused(
 def test_every_problem_is_reported_at_once(model_config: PretrainedConfig) -> None:
     error = _refusals(
         model_config,
-        parallel={
-            "tensor_parallel_size": 3,
-            "activation_checkpointing": "selective",
-            "activation_offloading": True,
-        },
+        parallel={"tensor_parallel_size": 3},
         training={"per_device_train_batch_size": 2000},
         launch={"backend": "nccl"},
         data={"block_size": 1024, "tokenizer": "big"},
@@ -455,8 +437,6 @@ def test_every_problem_is_reported_at_once(model_config: PretrainedConfig) -> No
     expected = {
         "parallel.tensor_parallel_size",
         "parallel.data_parallel_size",  # auto cannot fill world 2 with tp 3
-        "parallel.activation_checkpointing",
-        "parallel.activation_offloading",
         "training.per_device_train_batch_size",
         "launch.backend",
         "data.block_size",
@@ -489,9 +469,8 @@ def test_num_parameters_is_the_real_parameter_count(model_config: PretrainedConf
     memory = plan.memory_estimate_per_rank
     assert memory["parameters"] == 4 * real
     assert memory["gradients"] == 4 * real
-    assert (
-        memory["total"] == memory["parameters"] + memory["gradients"] + memory["optimizer_states"]
-    )
+    parts = ("parameters", "gradients", "optimizer_states", "communication_buffers")
+    assert memory["total"] == sum(memory[p] for p in (*parts, "activations", "loss"))
 
 
 def test_zero_1_shards_the_optimizer_states(model_config: PretrainedConfig) -> None:
@@ -521,12 +500,18 @@ def test_memory_estimate_pads_the_zero_1_shard() -> None:
     assert estimate.parameters == 28
     assert estimate.gradients == 28
     assert estimate.optimizer_states == 4 * 2 * 4
-    assert estimate.total == 28 + 28 + 32
-    assert estimate.to_dict() == {
+    assert estimate.communication_buffers == 4 * 4  # the gradient shard reduced into
+    assert estimate.total == 28 + 28 + 32 + 16
+    assert estimate.to_dict() | {"total_per_pipeline_rank": []} == {
         "parameters": 28,
         "gradients": 28,
         "optimizer_states": 32,
-        "total": 88,
+        "communication_buffers": 16,
+        "activations": 0,
+        "loss": 0,
+        "total": 104,
+        "peak_pipeline_rank": 0,
+        "total_per_pipeline_rank": [],
     }
     norm = {"model.norm.weight": (7,)}
     assert estimate_model_states(norm, dp=2, tp=1, pp=1, zero_1=False).optimizer_states == 56

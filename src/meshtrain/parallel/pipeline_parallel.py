@@ -145,7 +145,9 @@ class PipelineRunner:
         losses: list[torch.Tensor] = []
         args = (input_ids,) if self.holds_first else ()
         target = input_ids if self.holds_last else None
-        method(*args, target=target, losses=losses)
+        # return_outputs=False: the last stage would otherwise keep every microbatch's
+        # logits until the step ends, only to hand back what the losses already say.
+        method(*args, target=target, losses=losses, return_outputs=False)
         return losses
 
     def train_step(self, input_ids: torch.Tensor, accumulation_steps: int) -> torch.Tensor:

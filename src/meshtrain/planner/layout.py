@@ -16,11 +16,14 @@ import torch
 from transformers import PretrainedConfig
 
 from meshtrain.config import AUTO, RunConfig
-from meshtrain.models.llama_family import kv_replication_factor
-from meshtrain.planner.memory import estimate_model_states
+from meshtrain.planner.cost import estimate_step_time
+from meshtrain.planner.devices import GIB, DeviceProfile, device_profile
+from meshtrain.planner.memory import ModelShape, StepShape, estimate_memory
 
 # What the engine can run today. The planner is the one place that knows.
-IMPLEMENTED_ACTIVATION_CHECKPOINTING = ("none", "full")
+IMPLEMENTED_ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
+# Preference among layouts whose estimated step times are within this factor of the best.
+TIE = 1.02
 
 
 @dataclass(frozen=True)
@@ -83,6 +86,10 @@ class Plan:
     num_train_blocks: int
     num_validation_blocks: int
     notes: list[str] = field(default_factory=list)
+    device: str = "cpu"
+    time_estimate: dict[str, float] = field(default_factory=dict)
+    # The other layouts the planner weighed: name, estimates, and why each lost.
+    candidates: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         values = dataclasses.asdict(self)
@@ -236,16 +243,17 @@ def _plan_pipeline(
     return microbatches, virtual, split
 
 
-def plan_run(
+def _plan_layout(
     run: RunConfig,
     model_config: PretrainedConfig,
     *,
     num_train_blocks: int,
     num_validation_blocks: int,
-    tokenizer_size: int | None = None,
-    cuda_available: bool | None = None,
+    tokenizer_size: int | None,
+    cuda_available: bool | None,
+    device: DeviceProfile,
 ) -> Plan:
-    """Resolve `auto`, validate the layout against model, world and data, and estimate memory."""
+    """Validate one layout (only dp may be `auto`) and estimate its memory and step time."""
     refusals: list[Refusal] = []
     notes: list[str] = []
     par, train, launch = run.parallel, run.training, run.launch
@@ -379,16 +387,6 @@ def plan_run(
                 f"Use one of: {', '.join(IMPLEMENTED_ACTIVATION_CHECKPOINTING)}.",
             )
         )
-    if par.activation_offloading:
-        refusals.append(
-            Refusal(
-                "parallel.activation_offloading",
-                True,
-                "activation offloading is not available in this version of meshtrain yet",
-                "Use activation_offloading=false.",
-            )
-        )
-
     global_batch = train.per_device_train_batch_size * train.gradient_accumulation_steps * dp
     if global_batch > num_train_blocks:
         accumulation = train.gradient_accumulation_steps
@@ -490,14 +488,40 @@ def plan_run(
         activation_checkpointing=par.activation_checkpointing,
         activation_offloading=par.activation_offloading,
     )
-    memory = estimate_model_states(
-        shapes,
+    shape = ModelShape.from_config(model_config)
+    step = StepShape(
         dp=dp,
         tp=tp,
         pp=pp,
         zero_1=zero_1,
-        kv_replication=kv_replication_factor(kv_heads, tp),
+        sequence_parallel=sequence_parallel,
+        activation_checkpointing=par.activation_checkpointing,
+        activation_offloading=par.activation_offloading,
+        microbatch_size=train.per_device_train_batch_size // microbatches,
+        microbatches=microbatches,
+        schedule=par.pipeline_schedule if pp > 1 else "none",
+        virtual_stages=virtual_stages,
+        stage_layers=tuple(stage_layers or [layers]),
+        seq_len=block_size,
+        bf16=train.mixed_precision == "bf16",
+        offload_effective=par.activation_offloading and device.name != "cpu",
     )
+    memory = estimate_memory(shapes, shape, step)
+    local = memory.parameters // 4
+    owned = memory.optimizer_states // 8
+    time_estimate = estimate_step_time(
+        shape,
+        step,
+        device,
+        accumulation=train.gradient_accumulation_steps,
+        local_parameters=local,
+        owned_parameters=owned,
+    )
+    if par.activation_offloading and device.name == "cpu":
+        notes.append(
+            "parallel.activation_offloading has no effect on CPU (activations already live in "
+            "host memory); it is kept for accelerators."
+        )
     return Plan(
         layout=layout,
         world_size=world,
@@ -510,4 +534,198 @@ def plan_run(
         num_train_blocks=num_train_blocks,
         num_validation_blocks=num_validation_blocks,
         notes=notes,
+        device=device.name,
+        time_estimate={
+            **time_estimate.to_dict(),
+            "tokens_per_s": global_batch * block_size / time_estimate.step_s,
+        },
+    )
+
+
+def plan_run(
+    run: RunConfig,
+    model_config: PretrainedConfig,
+    *,
+    num_train_blocks: int,
+    num_validation_blocks: int,
+    tokenizer_size: int | None = None,
+    cuda_available: bool | None = None,
+) -> Plan:
+    """Resolve `auto`, validate the layout against model, world, data and device memory.
+
+    With `tensor_parallel_size`, `pipeline_parallel_size` or
+    `activation_checkpointing` at `auto`, every layout the fixed values allow is
+    planned; those refused or over the device's memory (less
+    `planner.memory_margin`) drop out, and the fastest estimated step wins,
+    preferring (within 2%) smaller tp, then smaller pp, then less recomputation.
+    The others are kept in `Plan.candidates` with the reason each lost.
+    """
+    cuda = torch.cuda.is_available() if cuda_available is None else cuda_available
+    device = resolve_device(run.planner.device, run.planner.device_profiles, cuda)
+    budget = device.memory_bytes * (1 - run.planner.memory_margin)
+    kwargs = {
+        "num_train_blocks": num_train_blocks,
+        "num_validation_blocks": num_validation_blocks,
+        "tokenizer_size": tokenizer_size,
+        "cuda_available": cuda,
+        "device": device,
+    }
+    variants = _search_space(run, model_config)
+    if len(variants) == 1:
+        plan = _plan_layout(variants[0], model_config, **kwargs)
+        if plan.memory_estimate_per_rank["total"] > budget:
+            raise LayoutError([_over_memory(plan, device, run)])
+        return plan
+
+    planned: list[Plan] = []
+    rejected: list[dict[str, Any]] = []
+    for variant in variants:
+        try:
+            planned.append(_plan_layout(variant, model_config, **kwargs))
+        except LayoutError as error:
+            rejected.append(
+                {
+                    "layout": _variant_name(variant),
+                    "rejected": "; ".join(str(r) for r in error.refusals),
+                }
+            )
+    fitting = [p for p in planned if p.memory_estimate_per_rank["total"] <= budget]
+    if not fitting:
+        if planned:
+            smallest = min(planned, key=lambda p: p.memory_estimate_per_rank["total"])
+            raise LayoutError([_over_memory(smallest, device, run)])
+        raise LayoutError(
+            [
+                Refusal(
+                    "parallel",
+                    "auto",
+                    "no layout of this world size can run this model: "
+                    + " | ".join(f"{r['layout']}: {r['rejected']}" for r in rejected[:4]),
+                    "Change launch.nproc_per_node or the model's head/layer counts.",
+                )
+            ]
+        )
+    best_time = min(p.time_estimate["step_s"] for p in fitting)
+    ac_order = {"none": 0, "selective": 1, "full": 2}
+
+    def preference(p: Plan) -> tuple:
+        lay = p.layout
+        tied = p.time_estimate["step_s"] <= best_time * TIE
+        return (
+            not tied,
+            p.time_estimate["step_s"] if not tied else 0.0,
+            lay.tensor_parallel_size,
+            lay.pipeline_parallel_size,
+            ac_order[lay.activation_checkpointing],
+        )
+
+    ranked = sorted(fitting, key=preference)
+    chosen = ranked[0]
+    candidates = []
+    for p in sorted(planned, key=lambda p: p.time_estimate["step_s"]):
+        if p is chosen:
+            continue
+        ratio = p.time_estimate["step_s"] / chosen.time_estimate["step_s"]
+        if p.memory_estimate_per_rank["total"] > budget:
+            why = (
+                f"does not fit: {p.memory_estimate_per_rank['total'] / GIB:.2f} GiB per rank "
+                f"over the {budget / GIB:.2f} GiB budget"
+            )
+        elif ratio > TIE:
+            why = f"slower: estimated step {ratio:.2f}x the chosen one"
+        else:
+            why = "as fast within 2%; the chosen one needs less parallelism or recomputation"
+        candidates.append(_summary(p) | {"lost_because": why})
+    candidates.extend(rejected)
+    return dataclasses.replace(
+        chosen,
+        candidates=candidates,
+        notes=[*chosen.notes, f"chosen among {len(planned)} valid layouts on {device.name}"],
+    )
+
+
+def resolve_device(name: str, overrides: dict[str, dict[str, Any]], cuda: bool) -> DeviceProfile:
+    """`auto`: the visible GPU's profile (h100/h200 by name, else h100) or `cpu`."""
+    if name == AUTO:
+        if not cuda:
+            name = "cpu"
+        else:
+            gpu = torch.cuda.get_device_name(0).lower() if torch.cuda.is_available() else ""
+            name = "h200" if "h200" in gpu else "h100"
+    try:
+        return device_profile(name, overrides)
+    except ValueError as error:
+        raise LayoutError([Refusal("planner.device", name, str(error), "")]) from None
+
+
+def _summary(plan: Plan) -> dict[str, Any]:
+    return {
+        "layout": plan.layout.name,
+        "memory_per_rank_bytes": plan.memory_estimate_per_rank["total"],
+        "step_s": plan.time_estimate["step_s"],
+        "tokens_per_s": plan.time_estimate["tokens_per_s"],
+    }
+
+
+def _over_memory(plan: Plan, device: DeviceProfile, run: RunConfig) -> Refusal:
+    need = plan.memory_estimate_per_rank["total"] / GIB
+    budget = device.memory_bytes * (1 - run.planner.memory_margin) / GIB
+    return Refusal(
+        "parallel",
+        plan.layout.name,
+        f"the estimated peak is {need:.2f} GiB per rank and a {device.name} device offers "
+        f"{budget:.2f} GiB after planner.memory_margin={run.planner.memory_margin}",
+        "Use more tensor or pipeline parallelism (or `auto`), ZeRO-1, "
+        "parallel.activation_checkpointing=selective or full, a smaller "
+        "training.per_device_train_batch_size with more gradient_accumulation_steps, "
+        "or more devices.",
+    )
+
+
+def _search_space(run: RunConfig, model_config: PretrainedConfig) -> list[RunConfig]:
+    """Every combination of the `auto` knobs the fixed values allow (one if none is auto)."""
+    par, world = run.parallel, run.launch.world_size
+    layers = model_config.num_hidden_layers
+    heads = model_config.num_attention_heads
+    kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
+    tp_options = (
+        [d for d in _divisors(world) if heads % d == 0 and (kv_heads % d == 0 or d % kv_heads == 0)]
+        if par.tensor_parallel_size == AUTO
+        else [par.tensor_parallel_size]
+    )
+    pp_options = (
+        [d for d in _divisors(world) if d <= layers]
+        if par.pipeline_parallel_size == AUTO
+        else [par.pipeline_parallel_size]
+    )
+    ac_options = (
+        list(IMPLEMENTED_ACTIVATION_CHECKPOINTING)
+        if par.activation_checkpointing == AUTO
+        else [par.activation_checkpointing]
+    )
+    if len(tp_options) == len(pp_options) == len(ac_options) == 1:
+        return [run]
+    variants = []
+    for tp in tp_options:
+        for pp in pp_options:
+            if world % (tp * pp):
+                continue
+            if par.data_parallel_size != AUTO and par.data_parallel_size * tp * pp != world:
+                continue
+            for ac in ac_options:
+                parallel = dataclasses.replace(
+                    par,
+                    tensor_parallel_size=tp,
+                    pipeline_parallel_size=pp,
+                    activation_checkpointing=ac,
+                )
+                variants.append(dataclasses.replace(run, parallel=parallel))
+    return variants or [run]
+
+
+def _variant_name(run: RunConfig) -> str:
+    par = run.parallel
+    return (
+        f"tp{par.tensor_parallel_size}-pp{par.pipeline_parallel_size}"
+        f"-ac-{par.activation_checkpointing}"
     )

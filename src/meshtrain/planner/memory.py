@@ -1,11 +1,41 @@
-"""Per-rank memory estimate of the model states (parameters, gradients, optimizer).
+"""Per-rank memory model: model states, saved activations, the loss, in-flight microbatches.
 
-Counts come from the model's real parameter shapes. What a rank holds: its
-tensor-parallel share of every sharded parameter (KV projections counted
-with their replicated heads), all of every replicated one (norms), divided
-over pipeline stages; gradients of the same size; AdamW's two moments,
-divided by dp when ZeRO-1 shards them. Activations are left to the measured
-planner (a later piece).
+Every term is counted from what meshtrain's own training step keeps alive, so
+the model can be checked one to one against the measured peak of live tensors
+(`meshtrain.memory_probe`, `bench/planner_validation.py`):
+
+- model states, from the real (meta-device) parameter shapes: this rank's
+  tensor-parallel share of each sharded parameter (KV projections with their
+  replicated heads) and all of each replicated one, on its pipeline stages;
+  gradients in the flat buffer; AdamW's two moments, divided by dp under
+  ZeRO-1, which also keeps a gradient shard to reduce-scatter into;
+- the activations autograd saves in a Llama-family decoder layer (Hugging
+  Face's implementation with SDPA, whose attention keeps no sequence x
+  sequence matrix): per token, in elements,
+  `8h + 2kv + 4i + a` without tensor parallelism (the layer input, the two
+  RMSNorm intermediates and outputs, q after rotary, k and v, the attention
+  output, the post-attention residual; gate, up, SiLU and their product;
+  the attention's log-sum-exp per head), and with tensor parallelism
+  `6h + (2h + 2kv + 4i + a)/t` (norms replicated) or with sequence
+  parallelism `2h + (6h + 2kv + 4i + a)/t` (norms sequence-sharded, the two
+  all-gathered norm outputs kept by the column-parallel matmuls). This is the
+  Korthikanti et al. (2022) accounting redone for this layer: their
+  `sbh(34 + 5as/h)` counts a GPT block with dropout and materialised
+  attention scores;
+- full activation checkpointing keeps each layer's input and, in backward,
+  one layer's activations at a time; selective keeps the matmul and
+  attention outputs and recomputes norms, rotary and the gated activation;
+- the loss: log-softmax over the vocabulary (sharded by tp) is kept, and its
+  backward needs two more such tensors (one under tensor parallelism, whose
+  fused vocabulary-parallel loss writes the gradient once);
+- pipeline schedules: GPipe keeps every microbatch's activations, 1F1B at
+  most `pp - stage` on a stage, interleaved 1F1B its warm-up depth in model
+  chunks (torch's schedule); the last stage keeps the logits of each
+  microbatch in flight until its backward.
+
+Parameters are fp32 in both precisions (bf16 runs under autocast, so the
+fp32 parameters are the master weights); under bf16 the matmul outputs are
+counted at 2 bytes.
 """
 
 from __future__ import annotations
@@ -13,44 +43,137 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from transformers import PretrainedConfig
+
 from meshtrain.models.llama_family import is_kv_projection, is_tensor_parallel_sharded
 
 BYTES_FP32 = 4
+BYTES_BF16 = 2
 ADAM_MOMENTS = 2
+INT64 = 8
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes of a Llama-family model that memory and time depend on."""
+
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied_embeddings: bool
+
+    @classmethod
+    def from_config(cls, config: PretrainedConfig) -> ModelShape:
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        return cls(
+            hidden=config.hidden_size,
+            intermediate=config.intermediate_size,
+            layers=config.num_hidden_layers,
+            heads=heads,
+            kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=head_dim,
+            vocab=config.vocab_size,
+            tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        )
 
 
 @dataclass(frozen=True)
 class MemoryEstimate:
+    """Bytes on one rank at its peak (the largest over the pipeline stages)."""
+
     parameters: int
     gradients: int
     optimizer_states: int
+    communication_buffers: int
+    activations: int
+    loss: int
+    pipeline_rank: int = 0
+    per_pipeline_rank: tuple[int, ...] = ()
+
+    @property
+    def model_states(self) -> int:
+        return self.parameters + self.gradients + self.optimizer_states
 
     @property
     def total(self) -> int:
-        return self.parameters + self.gradients + self.optimizer_states
+        return self.model_states + self.communication_buffers + self.activations + self.loss
 
-    def to_dict(self) -> dict[str, int]:
+    def to_dict(self) -> dict[str, int | list[int]]:
         return {
             "parameters": self.parameters,
             "gradients": self.gradients,
             "optimizer_states": self.optimizer_states,
+            "communication_buffers": self.communication_buffers,
+            "activations": self.activations,
+            "loss": self.loss,
             "total": self.total,
+            "peak_pipeline_rank": self.pipeline_rank,
+            "total_per_pipeline_rank": list(self.per_pipeline_rank),
         }
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What one rank runs per optimizer step."""
+
+    dp: int
+    tp: int
+    pp: int
+    zero_1: bool
+    sequence_parallel: bool
+    activation_checkpointing: str
+    activation_offloading: bool
+    microbatch_size: int  # sequences per forward (the per-device batch / pp microbatches)
+    microbatches: int  # per pipeline schedule step (1 without pp)
+    schedule: str
+    virtual_stages: int
+    stage_layers: tuple[int, ...]  # decoder layers of each stage, in order
+    seq_len: int
+    bf16: bool = False
+    offload_effective: bool = False  # activations really leave the device (accelerators)
 
 
 def local_parameter_count(
     shapes: dict[str, tuple[int, ...]], *, tp: int, kv_replication: int = 1
 ) -> int:
     """Elements of all parameters one tensor-parallel rank holds."""
-    local = 0
+    return sum(_local_numel(name, shape, tp, kv_replication) for name, shape in shapes.items())
+
+
+def _local_numel(name: str, shape: tuple[int, ...], tp: int, kv_replication: int) -> int:
+    numel = math.prod(shape)
+    if tp > 1 and is_tensor_parallel_sharded(name):
+        copies = kv_replication if is_kv_projection(name) else 1
+        return math.ceil(numel * copies / tp)
+    return numel
+
+
+def stage_parameter_counts(
+    shapes: dict[str, tuple[int, ...]],
+    stage_layers: tuple[int, ...],
+    *,
+    tp: int,
+    kv_replication: int,
+) -> list[int]:
+    """Local parameter elements of each pipeline stage (embeddings first, head last)."""
+    first_layer = [sum(stage_layers[:i]) for i in range(len(stage_layers))]
+    counts = [0] * len(stage_layers)
     for name, shape in shapes.items():
-        numel = math.prod(shape)
-        if tp > 1 and is_tensor_parallel_sharded(name):
-            copies = kv_replication if is_kv_projection(name) else 1
-            local += math.ceil(numel * copies / tp)
-        else:
-            local += numel
-    return local
+        numel = _local_numel(name, shape, tp, kv_replication)
+        if ".layers." in name:
+            layer = int(name.split(".layers.")[1].split(".")[0])
+            stage = max(i for i, start in enumerate(first_layer) if start <= layer)
+        elif "embed_tokens" in name:
+            stage = 0
+        else:  # final norm, lm_head
+            stage = len(stage_layers) - 1
+        counts[stage] += numel
+    return counts
 
 
 def estimate_model_states(
@@ -62,16 +185,167 @@ def estimate_model_states(
     zero_1: bool,
     kv_replication: int = 1,
 ) -> MemoryEstimate:
-    """Bytes per rank of fp32 parameters, fp32 gradients and AdamW moments.
-
-    Parameters are fp32 in both precisions (bf16 runs under autocast), so the
-    master copy is the parameter itself. ZeRO-1 pads the flat buffer to a
-    multiple of dp before it shards, as the optimizer does.
-    """
+    """Bytes per rank of fp32 parameters, gradients and AdamW moments, stages averaged."""
     local = math.ceil(local_parameter_count(shapes, tp=tp, kv_replication=kv_replication) / pp)
     owned = math.ceil(local / dp) if zero_1 else local
     return MemoryEstimate(
         parameters=local * BYTES_FP32,
         gradients=local * BYTES_FP32,
         optimizer_states=owned * BYTES_FP32 * ADAM_MOMENTS,
+        communication_buffers=owned * BYTES_FP32 if zero_1 else 0,
+        activations=0,
+        loss=0,
     )
+
+
+def layer_activation_elements(m: ModelShape, step: StepShape) -> tuple[float, float]:
+    """(fp32-kept, matmul-output) elements one decoder layer saves per token on one rank.
+
+    Split in two so bf16 autocast can count matmul outputs at 2 bytes while the
+    residual stream and the norms stay fp32.
+    """
+    t = step.tp
+    h, i, a = m.hidden, m.intermediate, m.heads
+    kv = max(m.kv_heads // t, 1) * m.head_dim if t > 1 else m.kv_heads * m.head_dim
+    q_and_out = 2 * h / t  # q after rotary, attention output (= o_proj input)
+    mlp = 4 * i / t  # gate, up, SiLU(gate), their product
+    per_head = a / t  # log-sum-exp
+    if step.activation_checkpointing == "selective":
+        # Kept: the layer input, every matmul's and the attention's output (o_proj's and
+        # down_proj's whole-width partial sums under tp); norms, rotary, SiLU and the
+        # gating product are recomputed.
+        x = h / t if step.sequence_parallel else h
+        partial_sums = 2 * h
+        return x, 2 * h / t + 2 * kv + 2 * i / t + per_head + partial_sums
+    if t == 1:
+        # fp32: input, normed input, residual, normed residual; matmul side: the two norm
+        # outputs as the matmuls keep them, q, attention output, k, v, the MLP.
+        return 4 * h, 2 * h + q_and_out + 2 * kv + mlp + per_head
+    if step.sequence_parallel:
+        # The same four sequence-sharded; the two all-gathered norm outputs whole.
+        return 4 * h / t, 2 * h + q_and_out + 2 * kv + mlp + per_head
+    return 4 * h, 2 * h + q_and_out + 2 * kv + mlp + per_head
+
+
+def estimate_memory(
+    shapes: dict[str, tuple[int, ...]], m: ModelShape, step: StepShape
+) -> MemoryEstimate:
+    """Peak bytes of live tensors on the most loaded rank, with its breakdown."""
+    kv_replication = max(1, step.tp // m.kv_heads) if step.tp > m.kv_heads else 1
+    stages = len(step.stage_layers)
+    counts = stage_parameter_counts(
+        shapes, step.stage_layers, tp=step.tp, kv_replication=kv_replication
+    )
+    # Rank r holds stages r, r + pp, ... (interleaved) or just stage r.
+    per_rank: list[MemoryEstimate] = []
+    for rank in range(step.pp):
+        mine = list(range(rank, stages, step.pp))
+        local = sum(counts[s] for s in mine)
+        padded = math.ceil(local / step.dp) * step.dp if step.zero_1 else local
+        owned = padded // step.dp if step.zero_1 else local
+        activations, loss = _activations_on_rank(m, step, rank, mine)  # saved, at the peak
+        per_rank.append(
+            MemoryEstimate(
+                parameters=padded * BYTES_FP32,
+                gradients=padded * BYTES_FP32,
+                optimizer_states=owned * BYTES_FP32 * ADAM_MOMENTS,
+                communication_buffers=owned * BYTES_FP32 if step.zero_1 else 0,
+                activations=activations,
+                loss=loss,
+            )
+        )
+    worst = max(range(step.pp), key=lambda r: per_rank[r].total)
+    peak = per_rank[worst]
+    return MemoryEstimate(
+        parameters=peak.parameters,
+        gradients=peak.gradients,
+        optimizer_states=peak.optimizer_states,
+        communication_buffers=peak.communication_buffers,
+        activations=peak.activations,
+        loss=peak.loss,
+        pipeline_rank=worst,
+        per_pipeline_rank=tuple(e.total for e in per_rank),
+    )
+
+
+def in_flight_microbatches(step: StepShape, rank: int) -> int:
+    """Model chunks x microbatches whose activations a pipeline rank holds at once."""
+    m, p = step.microbatches, step.pp
+    if p == 1 or step.schedule == "gpipe":
+        return m * step.virtual_stages if p > 1 else 1
+    if step.schedule == "interleaved_1f1b":
+        warmup = (step.virtual_stages - 1) * p + 2 * (p - 1 - rank)
+        return min(m * step.virtual_stages, warmup + 1)
+    return min(m, p - rank)
+
+
+def _activations_on_rank(
+    m: ModelShape, step: StepShape, rank: int, stages: list[int]
+) -> tuple[int, int]:
+    """(activation bytes at the peak, loss bytes at the peak) for one pipeline rank."""
+    t, h = step.tp, m.hidden
+    tokens = step.microbatch_size * step.seq_len  # per microbatch
+    matmul_bytes = BYTES_BF16 if step.bf16 else BYTES_FP32
+    kept, matmul = layer_activation_elements(m, step)
+    layer_bytes = tokens * (kept * BYTES_FP32 + matmul * matmul_bytes)
+    shard = t if step.sequence_parallel else 1
+    holds_first = 0 in stages
+    holds_last = len(step.stage_layers) - 1 in stages
+    layers = sum(step.stage_layers[s] for s in stages)
+    chunks = len(stages)
+
+    if step.activation_checkpointing == "full":
+        saved_per_layer = tokens * h / shard * BYTES_FP32  # the layer's input
+        recomputed = layer_bytes  # backward re-runs one layer at a time
+    else:
+        saved_per_layer = layer_bytes
+        recomputed = 0
+    if step.offload_effective:
+        saved_per_layer = 0  # saved tensors wait in host memory
+
+    per_microbatch = saved_per_layer * layers / chunks
+    # Rotary cos/sin for the microbatch, shared by the layers.
+    per_microbatch += 2 * step.seq_len * m.head_dim * BYTES_FP32
+    if holds_first:
+        per_microbatch += tokens * (INT64 + h / shard * BYTES_FP32 / chunks)
+    if step.pp > 1:
+        # The stage output kept by the schedule until its backward (a copy of the residual).
+        per_microbatch += tokens * h / shard * BYTES_FP32
+    if holds_last:
+        # Final norm: its input and normed input (sharded under SP), its output whole.
+        per_microbatch += tokens * (2 * h / shard + h) * BYTES_FP32 / chunks
+    activations = int(per_microbatch * in_flight_microbatches(step, rank))
+
+    # Two moments of the backward, whichever is higher: its start at the loss (log-softmax
+    # kept per microbatch in flight, plus one (tp: fused) or two more vocabulary-wide
+    # tensors), or inside a layer (a recomputed layer and the gradients of its activations).
+    logits = tokens * m.vocab / t * BYTES_FP32
+    kept_logits = 0
+    at_loss = 0
+    if holds_last:
+        # Under pp the schedule also keeps each microbatch's logits until its backward.
+        kept_logits = int((2 if step.pp > 1 else 1) * logits * _last_stage_in_flight(step))
+        at_loss = int((1 if t > 1 else 2) * logits)
+    in_layer = int(recomputed + _backward_working_set(m, step, tokens)) - (
+        int(logits) if holds_last else 0
+    )
+    return activations + max(0, in_layer - at_loss), kept_logits + at_loss
+
+
+def _last_stage_in_flight(step: StepShape) -> int:
+    last_rank = (len(step.stage_layers) - 1) % step.pp
+    if step.pp == 1:
+        return 1
+    if step.schedule == "gpipe":
+        return step.microbatches
+    return (
+        1
+        if step.schedule == "1f1b"
+        else in_flight_microbatches(step, last_rank) // max(1, step.virtual_stages)
+    )
+
+
+def _backward_working_set(m: ModelShape, step: StepShape, tokens: int) -> int:
+    """Gradients of a layer's activations alive at once during its backward."""
+    t = step.tp
+    return int(tokens * (2 * m.hidden + 2 * m.intermediate / t) * BYTES_FP32)

@@ -1,0 +1,258 @@
+"""The planner against real runs: predicted / measured peak memory and step time per layout.
+
+For each layout in the table below (dp/tp/pp, ZeRO-1, sequence parallelism,
+activation checkpointing, pipeline schedules and microbatches varied, on a tiny
+and a small Llama shape), one short real training run measures every rank's
+peak memory of live tensors during one step (`meshtrain.memory_probe`: torch's
+MemTracker on CPU, the CUDA allocator on a GPU) and the steady-state step time;
+the planner's estimate for the same layout stands beside it. Layouts of one
+world size and model share one spawned process group (start-up dominates).
+
+Then, per world size and model, the planner's first choice (its search over
+all layouts that fit) is compared with the fastest layout measured.
+
+    .venv/bin/python bench/planner_validation.py [--steps 6] [--only small]
+
+Prints a table; asserts nothing (targets: memory within +/-10% on every layout,
+the first choice within 10% of the fastest measured).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+
+import datasets  # noqa: E402
+import torch  # noqa: E402
+
+from meshtrain.config import LaunchConfig, RunConfig  # noqa: E402
+from meshtrain.data.blocks import arrow_files  # noqa: E402
+from meshtrain.launch import run_workers  # noqa: E402
+from meshtrain.models import build_model_config  # noqa: E402
+from meshtrain.planner import plan_run  # noqa: E402
+from meshtrain.training import make_worker_spec  # noqa: E402
+from meshtrain.worker import worker_main_sequence  # noqa: E402
+
+MODELS = {
+    # The project's default shape.
+    "tiny": {
+        "fields": {
+            "hidden_size": 128,
+            "intermediate_size": 352,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 512,
+        },
+        "vocab": 4096,
+        "block": 128,
+        "batch": 8,
+    },
+    "small": {
+        "fields": {
+            "hidden_size": 256,
+            "intermediate_size": 704,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 4,
+            "max_position_embeddings": 512,
+        },
+        "vocab": 8192,
+        "block": 256,
+        "batch": 4,
+    },
+}
+
+# (model, world size, parallel overrides)
+LAYOUTS: list[tuple[str, int, dict[str, Any]]] = [
+    ("tiny", 1, {}),
+    ("tiny", 1, {"activation_checkpointing": "full"}),
+    ("tiny", 1, {"activation_checkpointing": "selective"}),
+    ("tiny", 2, {"data_parallel_size": 2}),
+    ("tiny", 2, {"data_parallel_size": 2, "zero_1": False}),
+    ("tiny", 2, {"tensor_parallel_size": 2, "sequence_parallel": False}),
+    ("tiny", 2, {"tensor_parallel_size": 2}),
+    ("tiny", 2, {"pipeline_parallel_size": 2, "pipeline_schedule": "1f1b"}),
+    ("tiny", 2, {"pipeline_parallel_size": 2, "pipeline_schedule": "gpipe"}),
+    ("small", 1, {}),
+    ("small", 2, {"data_parallel_size": 2}),
+    ("small", 2, {"tensor_parallel_size": 2}),
+    ("small", 2, {"tensor_parallel_size": 2, "activation_checkpointing": "full"}),
+    ("small", 2, {"pipeline_parallel_size": 2, "pipeline_parallel_num_microbatches": 2}),
+    ("small", 4, {"data_parallel_size": 2, "tensor_parallel_size": 2}),
+    ("small", 4, {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}),
+]
+
+
+def random_blocks(vocab: int, block: int, count: int, out: Path) -> datasets.DatasetDict:
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (count, block), generator=generator, dtype=torch.int32)
+    blocks = datasets.DatasetDict(
+        {
+            "train": datasets.Dataset.from_dict({"input_ids": ids[:-8].tolist()}),
+            "validation": datasets.Dataset.from_dict({"input_ids": ids[-8:].tolist()}),
+        }
+    )
+    blocks.save_to_disk(str(out))
+    return datasets.load_from_disk(str(out))
+
+
+def run_config(model: str, world: int, parallel: dict[str, Any], steps: int, out: Path):
+    shape = MODELS[model]
+    defaults = {
+        "data_parallel_size": "auto",
+        "tensor_parallel_size": 1,
+        "pipeline_parallel_size": 1,
+    }
+    return RunConfig.from_params(
+        parallel={**defaults, **parallel},
+        training={
+            "per_device_train_batch_size": shape["batch"],
+            "max_steps": steps,
+            "warmup_steps": 1,
+            "eval_batches": 0,
+            "checkpoint_every": 10_000,
+            "keep_last": 1,
+            "output_dir": str(out),
+        },
+        launch={"nproc_per_node": world},
+        model={"architecture": "llama", "config": shape["fields"]},
+        data={"block_size": shape["block"]},
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--only", choices=sorted(MODELS), default=None)
+    parser.add_argument(
+        "--match", default=None, help="only layouts whose parallel overrides name this parameter"
+    )
+    args = parser.parse_args()
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        groups: dict[tuple[str, int], list[tuple[dict, Any]]] = {}
+        blocks_of = {}
+        for model, world, parallel in LAYOUTS:
+            if (args.only and model != args.only) or (args.match and args.match not in parallel):
+                continue
+            shape = MODELS[model]
+            if model not in blocks_of:
+                count = shape["batch"] * 4 * (args.steps + 2) + 8
+                blocks_of[model] = random_blocks(
+                    shape["vocab"], shape["block"], count, root / f"blocks-{model}"
+                )
+            blocks = blocks_of[model]
+            run = run_config(model, world, parallel, args.steps, root / "runs")
+            config = build_model_config("llama", shape["fields"], vocab_size=shape["vocab"])
+            plan = plan_run(
+                run,
+                config,
+                num_train_blocks=len(blocks["train"]),
+                num_validation_blocks=len(blocks["validation"]),
+                cuda_available=False,
+            )
+            run = RunConfig.from_params(
+                **{
+                    **run.to_dict(),
+                    "training": {
+                        **run.to_dict()["training"],
+                        "run_name": f"{model}-{plan.layout.name}",
+                    },
+                }
+            )
+            spec = make_worker_spec(
+                run,
+                plan,
+                train_files=arrow_files(blocks["train"]),
+                validation_files=[],
+                tokenizer_dir=None,
+            )
+            groups.setdefault((model, world), []).append((plan.to_dict(), spec))
+        for (model, world), items in groups.items():
+            started = time.perf_counter()
+            summaries = run_workers(
+                worker_main_sequence,
+                ([spec for _, spec in items],),
+                LaunchConfig(nproc_per_node=world),
+                log_dir=root / "logs",
+                run_id=f"validation-{model}-{world}",
+            )[0]
+            seconds = time.perf_counter() - started
+            print(f"[{model} world {world}: {len(items)} runs in {seconds:.0f}s]", file=sys.stderr)
+            for (plan, _), summary in zip(items, summaries, strict=True):
+                rows.append((model, world, plan, summary))
+
+    print_table(rows, args.steps)
+
+
+def print_table(rows: list[tuple[str, int, dict, dict]], steps: int) -> None:
+    print(
+        f"{'model':6} {'layout':32} {'memory MiB: pred':>16} {'meas':>7} {'ratio':>6} "
+        f"{'step ms: pred':>14} {'meas':>7} {'ratio':>6}"
+    )
+    worst = 0.0
+    for model, _, plan, summary in rows:
+        predicted = plan["memory_estimate_per_rank"]["total"]
+        measured = summary["measured_peak_memory"]["peak_bytes"]
+        worst = max(worst, abs(predicted / measured - 1))
+        step_pred = plan["time_estimate"]["step_s"] * 1e3
+        rate = summary["mean_tokens_per_s"]
+        step_meas = plan["tokens_per_step"] / rate * 1e3 if rate else float("nan")
+        print(
+            f"{model:6} {plan['layout_name']:32} {predicted / 2**20:16.1f} "
+            f"{measured / 2**20:7.1f} {predicted / measured:6.2f} "
+            f"{step_pred:14.0f} {step_meas:7.0f} {step_pred / step_meas:6.2f}"
+        )
+    print(f"largest memory error: {worst:.1%} over {len(rows)} layouts ({steps} steps each)")
+
+    # The planner's own choice (tp, pp and dp all auto) against the fastest measured.
+    groups: dict[tuple[str, int], list[tuple[dict, dict]]] = {}
+    for model, world, plan, summary in rows:
+        groups.setdefault((model, world), []).append((plan, summary))
+    for (model, world), items in groups.items():
+        if world == 1 or len(items) < 2:
+            continue
+        measured = {
+            p["layout_name"]: p["tokens_per_step"] / s["mean_tokens_per_s"] for p, s in items
+        }
+        choice = planner_choice(model, world)
+        fastest = min(measured, key=measured.get)
+        if choice in measured:
+            verdict = f"{measured[choice] / measured[fastest]:.2f}x the fastest step time"
+        else:
+            verdict = "not among the measured layouts"
+        print(
+            f"{model} world {world}: planner chose {choice}; fastest measured {fastest}; {verdict}"
+        )
+
+
+def planner_choice(model: str, world: int) -> str:
+    shape = MODELS[model]
+    run = run_config(
+        model,
+        world,
+        {"tensor_parallel_size": "auto", "pipeline_parallel_size": "auto"},
+        10,
+        Path(tempfile.gettempdir()),
+    )
+    config = build_model_config("llama", shape["fields"], vocab_size=shape["vocab"])
+    blocks = shape["batch"] * world * 100
+    plan = plan_run(
+        run, config, num_train_blocks=blocks, num_validation_blocks=8, cuda_available=False
+    )
+    return plan.layout.name
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""Step-time model: compute, tensor/pipeline/data-parallel communication, the bubble.
+
+- compute: training FLOPs per token (6 per matmul parameter, plus causal
+  attention's `6 s h` per layer; full checkpointing adds a forward, 2 per
+  parameter) over the device's sustained rate, split over tp x pp;
+- tensor parallelism: per layer and microbatch, two collectives of the
+  activations forward and two backward (all-reduces; all-gathers and
+  reduce-scatters under sequence parallelism, the same bytes), ring cost
+  `2 (t-1)/t` bytes per all-reduce over the link, plus a latency per hop;
+- pipeline parallelism: the bubble, `(p-1)/v` microbatch times, and one
+  activation send and one gradient send per microbatch and stage boundary;
+- data parallelism: the gradient all-reduce (or ZeRO-1's reduce-scatter and
+  parameter all-gather: the same bytes), not overlapped with backward;
+- the optimizer's elementwise AdamW update over the owned parameters.
+
+Nothing overlaps: meshtrain runs these one after the other today.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshtrain.planner.devices import DeviceProfile
+from meshtrain.planner.memory import BYTES_BF16, BYTES_FP32, ModelShape, StepShape
+
+
+@dataclass(frozen=True)
+class TimeEstimate:
+    compute_s: float
+    tensor_parallel_s: float
+    pipeline_s: float
+    data_parallel_s: float
+    optimizer_s: float
+
+    @property
+    def step_s(self) -> float:
+        return (
+            self.compute_s
+            + self.tensor_parallel_s
+            + self.pipeline_s
+            + self.data_parallel_s
+            + self.optimizer_s
+        )
+
+    def to_dict(self) -> dict[str, float]:
+        return {
+            "compute_s": self.compute_s,
+            "tensor_parallel_s": self.tensor_parallel_s,
+            "pipeline_s": self.pipeline_s,
+            "data_parallel_s": self.data_parallel_s,
+            "optimizer_s": self.optimizer_s,
+            "step_s": self.step_s,
+        }
+
+
+def training_flops_per_token(m: ModelShape, seq_len: int, checkpointing: str) -> float:
+    """Forward + backward FLOPs per token of the whole model."""
+    h, kv = m.hidden, m.kv_heads * m.head_dim
+    attention_weights = h * (2 * h + 2 * kv)  # q, o: h x h; k, v: h x kv
+    mlp_weights = 3 * h * m.intermediate
+    matmul_params = m.layers * (attention_weights + mlp_weights) + h * m.vocab
+    attention_scores = m.layers * 2 * seq_len * h  # QK^T and AV, causal half, forward
+    forward = 2 * matmul_params + attention_scores
+    extra = 0.0
+    if checkpointing == "full":
+        extra = forward - 2 * h * m.vocab  # every layer's forward again, not the head
+    elif checkpointing == "selective":
+        extra = 0.05 * forward  # norms, rotary and gating again: elementwise, cheap
+    return 3 * forward + extra
+
+
+def _ring(bytes_: float, ranks: int, gbps: float, latency_us: float, factor: float) -> float:
+    """Seconds of a ring collective: `factor` (2 for all-reduce, 1 for gather/scatter)."""
+    if ranks <= 1:
+        return 0.0
+    return factor * (ranks - 1) / ranks * bytes_ / (gbps * 1e9) + factor * (ranks - 1) * (
+        latency_us * 1e-6
+    )
+
+
+def _link(device: DeviceProfile, span: int) -> float:
+    """GB/s of a group whose ranks span `span` consecutive devices (tp innermost)."""
+    return device.intra_node_gbps if span <= device.devices_per_node else device.inter_node_gbps
+
+
+def estimate_step_time(
+    m: ModelShape,
+    step: StepShape,
+    device: DeviceProfile,
+    *,
+    accumulation: int,
+    local_parameters: int,
+    owned_parameters: int,
+) -> TimeEstimate:
+    """Seconds of one optimizer step on the slowest rank."""
+    tokens_per_microbatch = step.microbatch_size * step.seq_len
+    microbatches = step.microbatches * accumulation  # forwards per step per rank
+    tokens = tokens_per_microbatch * microbatches
+    flops = tokens * training_flops_per_token(m, step.seq_len, step.activation_checkpointing)
+    compute = flops / (step.tp * step.pp) / (device.tflops(step.bf16) * 1e12)
+
+    activation_bytes = tokens_per_microbatch * m.hidden * (BYTES_BF16 if step.bf16 else BYTES_FP32)
+    tp_link = (
+        device.intra_node_gbps if step.tp <= device.devices_per_node else device.inter_node_gbps
+    )
+    layers_per_rank = m.layers / step.pp
+    # Four all-reduce-sized collectives per layer (two forward, two backward), plus the
+    # embedding's and the vocabulary-parallel head's.
+    per_microbatch = (4 * layers_per_rank + 2) * _ring(
+        activation_bytes, step.tp, tp_link, device.latency_us, 2.0
+    )
+    tensor_parallel = per_microbatch * microbatches
+
+    pipeline = 0.0
+    if step.pp > 1:
+        group_span = step.tp * step.pp
+        pp_link = (
+            device.intra_node_gbps
+            if group_span <= device.devices_per_node
+            else device.inter_node_gbps
+        )
+        send = activation_bytes / step.tp / (pp_link * 1e9) + device.latency_us * 1e-6
+        per_microbatch_time = (compute + tensor_parallel) / microbatches
+        bubble = (step.pp - 1) / step.virtual_stages * per_microbatch_time * accumulation
+        pipeline = bubble + 2 * send * microbatches
+
+    data_parallel = 0.0
+    if step.dp > 1:
+        dp_link = _link(device, step.dp * step.tp * step.pp)
+        gradient_bytes = local_parameters * BYTES_FP32
+        data_parallel = _ring(gradient_bytes, step.dp, dp_link, device.latency_us, 2.0)
+
+    # AdamW reads parameter, gradient and two moments and writes three: ~28 bytes each.
+    optimizer = owned_parameters * 28 / (device.memory_gbps * 1e9)
+    return TimeEstimate(compute, tensor_parallel, pipeline, data_parallel, optimizer)

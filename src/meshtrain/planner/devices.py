@@ -1,0 +1,141 @@
+"""Device profiles: what the planner assumes about the hardware it plans for.
+
+Built-in profiles come from the vendors' published figures, except `cpu`,
+which was measured on this project's 2-core CI machines (one rank per core,
+gloo over loopback; `bench/planner_validation.py --calibrate` re-measures it).
+Sustained throughput is a fraction of the peak that well-tuned training
+reaches (model FLOPs utilisation); it is the number to adjust first when
+measured step times disagree. Any field can be overridden, and new profiles
+added, with `planner.device_profiles` in `conf/<env>/parameters_planning.yml`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    name: str
+    memory_gib: float  # per device (per rank); for cpu, the host memory a rank may use
+    devices_per_node: int
+    tflops_fp32: float  # sustained, per device
+    tflops_bf16: float
+    intra_node_gbps: float  # GB/s per device for collectives inside a node
+    inter_node_gbps: float  # GB/s per device across nodes
+    latency_us: float  # per collective hop
+    memory_gbps: float  # device memory bandwidth, for the optimizer's elementwise update
+    note: str = ""
+
+    @property
+    def memory_bytes(self) -> int:
+        return int(self.memory_gib * GIB)
+
+    def tflops(self, bf16: bool) -> float:
+        return self.tflops_bf16 if bf16 else self.tflops_fp32
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+BUILTIN_PROFILES: dict[str, DeviceProfile] = {
+    profile.name: profile
+    for profile in (
+        DeviceProfile(
+            name="cpu",
+            memory_gib=8.0,
+            devices_per_node=2,
+            # Effective rate of the default model's training step on one core, elementwise
+            # work and framework overhead included (bench/planner_validation.py --calibrate).
+            tflops_fp32=0.028,
+            tflops_bf16=0.010,
+            intra_node_gbps=1.0,
+            inter_node_gbps=0.1,
+            latency_us=150.0,
+            memory_gbps=8.0,
+            note="measured on the project's 2-core machines (gloo over loopback)",
+        ),
+        DeviceProfile(
+            name="h100",
+            memory_gib=80.0,
+            devices_per_node=8,
+            # 989 TFLOPs dense bf16, ~495 TF32 peak (SXM); 40% sustained.
+            tflops_fp32=198.0,
+            tflops_bf16=396.0,
+            intra_node_gbps=450.0,  # NVLink 4: 900 GB/s bidirectional
+            inter_node_gbps=50.0,  # one 400 Gb/s InfiniBand NIC per GPU
+            latency_us=10.0,
+            memory_gbps=3350.0,
+            note="published H100 SXM figures, 40% of peak sustained",
+        ),
+        DeviceProfile(
+            name="h200",
+            memory_gib=141.0 * 1e9 / GIB,
+            devices_per_node=8,
+            tflops_fp32=198.0,
+            tflops_bf16=396.0,
+            intra_node_gbps=450.0,
+            inter_node_gbps=50.0,
+            latency_us=10.0,
+            memory_gbps=4800.0,
+            note="published H200 SXM figures (H100 compute, 141 GB HBM3e), 40% sustained",
+        ),
+        DeviceProfile(
+            name="trn1",
+            memory_gib=16.0,  # per NeuronCore-v2; 32 per trn1.32xlarge (16 chips x 2)
+            devices_per_node=32,
+            # 190 TFLOPs bf16 per Trainium chip = 95 per NeuronCore; fp32 48 per core.
+            tflops_fp32=19.0,
+            tflops_bf16=38.0,
+            intra_node_gbps=48.0,  # NeuronLink-v2, 768 GB/s per chip over 16 chips' rings
+            inter_node_gbps=3.1,  # 800 Gb/s EFA per trn1.32xlarge over 32 cores
+            latency_us=20.0,
+            memory_gbps=410.0,  # 820 GB/s HBM per chip
+            note="published trn1.32xlarge figures per NeuronCore, 40% sustained",
+        ),
+        DeviceProfile(
+            name="trn2",
+            memory_gib=24.0,  # per logical NeuronCore (LNC=2): 96 GiB per chip / 4
+            devices_per_node=64,
+            # 667 TFLOPs dense bf16 per Trainium2 chip, 4 logical cores per chip.
+            tflops_fp32=17.0,
+            tflops_bf16=67.0,
+            intra_node_gbps=64.0,  # NeuronLink-v3, 1 TB/s per chip
+            inter_node_gbps=6.2,  # 3.2 Tb/s EFA per trn2.48xlarge over 64 logical cores
+            latency_us=20.0,
+            memory_gbps=725.0,  # 2.9 TB/s HBM per chip
+            note="published trn2.48xlarge figures per logical NeuronCore, 40% sustained",
+        ),
+    )
+}
+
+
+def device_profile(name: str, overrides: dict[str, dict[str, Any]] | None = None) -> DeviceProfile:
+    """The named profile with `overrides[name]` applied (which may also define a new one)."""
+    overrides = overrides or {}
+    fields = {f.name for f in dataclasses.fields(DeviceProfile)}
+    for profile_name, values in overrides.items():
+        unknown = sorted(set(values) - fields)
+        if unknown:
+            raise ValueError(
+                f"planner.device_profiles.{profile_name}.{unknown[0]} is not a profile field; "
+                f"known: {', '.join(sorted(fields - {'name'}))}."
+            )
+    if name in BUILTIN_PROFILES:
+        return dataclasses.replace(BUILTIN_PROFILES[name], **overrides.get(name, {}))
+    if name in overrides:
+        missing = sorted(fields - {"name", "note"} - set(overrides[name]))
+        if missing:
+            raise ValueError(
+                f"planner.device_profiles.{name} defines a new device and needs every field; "
+                f"missing: {', '.join(missing)}."
+            )
+        return DeviceProfile(name=name, **overrides[name])
+    known = sorted(set(BUILTIN_PROFILES) | set(overrides))
+    raise ValueError(
+        f"planner.device={name!r} is not a known device; use one of {', '.join(known)}."
+    )
