@@ -27,7 +27,7 @@ def store(tmp_path_factory) -> str:
     mlflow.set_tracking_uri(previous)
 
 
-def test_loss_curve_is_drawn_from_the_runs_own_history(store: str, tmp_path: Path):
+def test_loss_curve_is_drawn_from_the_runs_own_history(store: str, tmp_path: Path, monkeypatch):
     with mlflow.start_run() as run:
         mlflow.set_tag("meshtrain.layout", "dp2-tp1-pp1-zero1")
         target = TrackingTarget(store, run.info.run_id)
@@ -38,8 +38,25 @@ def test_loss_curve_is_drawn_from_the_runs_own_history(store: str, tmp_path: Pat
         for step in (0, 4, 8):
             logger.log({"val_loss": 7.1 - 0.1 * step}, step=step)
         logger.flush()
+        # A resumed run logs steps 5..8 again; the later values are the ones drawn.
+        for step in range(5, 9):
+            mlflow.log_metric("loss", 6.0 - 0.1 * step, step=step, timestamp=2**41 + step)
 
+        drawn = {}
+        real_loss_curve = plots.loss_curve
+
+        def spy(history, path, title):
+            drawn.update(history, title=title)
+            return real_loss_curve(history, path, title)
+
+        monkeypatch.setattr(plots, "loss_curve", spy)
         assert tracking.log_loss_curve() == "loss_curve.png"
+
+    assert drawn["title"] == "dp2-tp1-pp1-zero1: loss per step"
+    assert [step for step, _ in drawn["training loss"]] == list(range(1, 9))
+    assert drawn["training loss"][4] == (5, pytest.approx(5.5))
+    assert drawn["training loss"][3] == (4, pytest.approx(6.6))
+    assert drawn["validation loss"] == [(0, 7.1), (4, pytest.approx(6.7)), (8, pytest.approx(6.3))]
 
     client = MlflowClient(tracking_uri=store)
     assert "loss_curve.png" in [a.path for a in client.list_artifacts(run.info.run_id)]

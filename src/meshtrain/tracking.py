@@ -105,7 +105,8 @@ def log_artifact(path: str | Path, artifact_path: str | None = None) -> None:
         mlflow.log_artifact(str(path), artifact_path=artifact_path)
 
 
-LOSS_CURVE_METRICS = ("loss", "val_loss")
+# Metric -> its label in the loss-curve picture.
+LOSS_CURVE_METRICS = {"loss": "training loss", "val_loss": "validation loss"}
 
 
 def log_loss_curve(target: TrackingTarget | None = None) -> str | None:
@@ -123,11 +124,17 @@ def log_loss_curve(target: TrackingTarget | None = None) -> str | None:
     from meshtrain.plots import loss_curve
 
     client = MlflowClient(tracking_uri=target.tracking_uri)
-    history = {
-        name: [(m.step, m.value) for m in client.get_metric_history(target.run_id, name)]
-        for name in LOSS_CURVE_METRICS
-    }
-    if not history["loss"]:
+    history = {}
+    for metric, label in LOSS_CURVE_METRICS.items():
+        # A resumed run logs again the steps between its last checkpoint and the failure:
+        # the later value of a step wins.
+        latest = {}
+        for m in sorted(
+            client.get_metric_history(target.run_id, metric), key=lambda m: m.timestamp
+        ):
+            latest[m.step] = m.value
+        history[label] = sorted(latest.items())
+    if not history["training loss"]:
         return None
     run = client.get_run(target.run_id)
     title = run.data.tags.get("meshtrain.layout") or run.info.run_name or target.run_id
