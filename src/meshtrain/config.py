@@ -64,6 +64,10 @@ class TrainingConfig:
 
     per_device_train_batch_size: int = 8
     gradient_accumulation_steps: int = 1
+    # When set, the global batch the planner holds fixed over every layout it weighs:
+    # per_device_train_batch_size becomes the largest per-device batch per forward (per
+    # pipeline microbatch under pp) and the accumulation steps follow from dp.
+    global_batch_size: int | None = None
     learning_rate: float = 3e-3
     min_learning_rate_ratio: float = 0.1
     warmup_steps: int = 20
@@ -139,6 +143,7 @@ _POSITIVE_INTS = {
     "pipeline_parallel_virtual_stages",
     "per_device_train_batch_size",
     "gradient_accumulation_steps",
+    "global_batch_size",
     "max_steps",
     "checkpoint_every",
     "eval_every",

@@ -158,7 +158,7 @@ def train(spec: WorkerSpec) -> dict[str, Any] | None:
     def evaluate() -> float | None:
         if validation_blocks is None or cfg.eval_batches == 0:
             return None
-        return evaluate_loss(pm, validation_blocks, cfg, device)
+        return evaluate_loss(pm, validation_blocks, cfg, device, per_device_batch(plan, cfg))
 
     def checkpoint(step: int) -> Path:
         return save_checkpoint(
@@ -215,7 +215,7 @@ def train(spec: WorkerSpec) -> dict[str, Any] | None:
     for step in range(start_step, cfg.max_steps):
         step_start = time.perf_counter()
         microbatches = sampler.rank_microbatches(
-            step, dims.dp_rank, dims.dp, cfg.per_device_train_batch_size
+            step, dims.dp_rank, dims.dp, per_device_batch(plan, cfg)
         )
         if pm.runner is not None:
             pm.runner.recorder.enabled = step == timeline_step
@@ -327,6 +327,11 @@ def persistent_tensors(pm: ParallelModel, flat: Any, optimizer: Any) -> list[tor
     return tensors
 
 
+def per_device_batch(plan: Plan, cfg: Any) -> int:
+    """The planner's per-device batch (it splits `training.global_batch_size` when set)."""
+    return plan.per_device_train_batch_size or cfg.per_device_train_batch_size
+
+
 def report_peak_memory(measured: PeakMemory, tracker: MetricsLogger, step: int) -> dict[str, Any]:
     """Gather every rank's measured peak; rank 0 logs the largest and each pipeline
     rank's, and returns them for the summary (the planner predicts the same). Collective."""
@@ -378,7 +383,9 @@ def report_pipeline_timeline(
 
 
 @torch.no_grad()
-def evaluate_loss(pm: ParallelModel, blocks: BlockStore, cfg: Any, device: torch.device) -> float:
+def evaluate_loss(
+    pm: ParallelModel, blocks: BlockStore, cfg: Any, device: torch.device, batch_size: int
+) -> float:
     """Token-weighted mean loss over the first `eval_batches` global batches of validation.
 
     Every data-parallel rank scores a contiguous slice and the sums are
@@ -389,7 +396,7 @@ def evaluate_loss(pm: ParallelModel, blocks: BlockStore, cfg: Any, device: torch
     """
     dims = pm.dims
     pm.set_training(False)
-    per_rank = cfg.per_device_train_batch_size
+    per_rank = batch_size
     count = min(len(blocks), cfg.eval_batches * per_rank * dims.dp)
     share = -(-count // dims.dp)
     lo, hi = dims.dp_rank * share, min(count, (dims.dp_rank + 1) * share)

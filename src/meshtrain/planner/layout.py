@@ -87,6 +87,9 @@ class Plan:
     num_validation_blocks: int
     notes: list[str] = field(default_factory=list)
     device: str = "cpu"
+    # Resolved batch split (they differ from the parameters when global_batch_size is set).
+    per_device_train_batch_size: int = 0
+    gradient_accumulation_steps: int = 1
     time_estimate: dict[str, float] = field(default_factory=dict)
     # The other layouts the planner weighed: name, estimates, and why each lost.
     candidates: list[dict[str, Any]] = field(default_factory=list)
@@ -252,6 +255,7 @@ def _plan_layout(
     tokenizer_size: int | None,
     cuda_available: bool | None,
     device: DeviceProfile,
+    shapes: dict[str, tuple[int, ...]],
 ) -> Plan:
     """Validate one layout (only dp may be `auto`) and estimate its memory and step time."""
     refusals: list[Refusal] = []
@@ -471,9 +475,6 @@ def _plan_layout(
     if refusals:
         raise LayoutError(refusals)
 
-    from meshtrain.models import parameter_shapes  # noqa: PLC0415  (meta-device build)
-
-    shapes = parameter_shapes(model_config)
     num_parameters = sum(math.prod(s) for s in shapes.values())
     layout = Layout(
         data_parallel_size=dp,
@@ -535,6 +536,8 @@ def _plan_layout(
         num_validation_blocks=num_validation_blocks,
         notes=notes,
         device=device.name,
+        per_device_train_batch_size=train.per_device_train_batch_size,
+        gradient_accumulation_steps=train.gradient_accumulation_steps,
         time_estimate={
             **time_estimate.to_dict(),
             "tokens_per_s": global_batch * block_size / time_estimate.step_s,
@@ -557,13 +560,17 @@ def plan_run(
     `activation_checkpointing` at `auto`, every layout the fixed values allow is
     planned; those refused or over the device's memory (less
     `planner.memory_margin`) drop out, and the fastest estimated step wins,
-    preferring (within 2%) smaller tp, then smaller pp, then less recomputation.
+    preferring (within 2% of the best estimated tokens/s) smaller tp, then smaller
+    pp, then less recomputation.
     The others are kept in `Plan.candidates` with the reason each lost.
     """
     cuda = torch.cuda.is_available() if cuda_available is None else cuda_available
     device = resolve_device(run.planner.device, run.planner.device_profiles, cuda)
     budget = device.memory_bytes * (1 - run.planner.memory_margin)
+    from meshtrain.models import parameter_shapes  # noqa: PLC0415  (meta-device build)
+
     kwargs = {
+        "shapes": parameter_shapes(model_config),
         "num_train_blocks": num_train_blocks,
         "num_validation_blocks": num_validation_blocks,
         "tokenizer_size": tokenizer_size,
@@ -572,7 +579,7 @@ def plan_run(
     }
     variants = _search_space(run, model_config)
     if len(variants) == 1:
-        plan = _plan_layout(variants[0], model_config, **kwargs)
+        plan = _plan_layout(_fit_global_batch(variants[0]), model_config, **kwargs)
         if plan.memory_estimate_per_rank["total"] > budget:
             raise LayoutError([_over_memory(plan, device, run)])
         return plan
@@ -581,7 +588,7 @@ def plan_run(
     rejected: list[dict[str, Any]] = []
     for variant in variants:
         try:
-            planned.append(_plan_layout(variant, model_config, **kwargs))
+            planned.append(_plan_layout(_fit_global_batch(variant), model_config, **kwargs))
         except LayoutError as error:
             rejected.append(
                 {
@@ -605,15 +612,21 @@ def plan_run(
                 )
             ]
         )
-    best_time = min(p.time_estimate["step_s"] for p in fitting)
+
+    # Throughput, not step time: without training.global_batch_size the global batch
+    # grows with dp, so steps of different layouts hold different numbers of tokens.
+    def speed(p: Plan) -> float:
+        return p.time_estimate["tokens_per_s"]
+
+    best = max(speed(p) for p in fitting)
     ac_order = {"none": 0, "selective": 1, "full": 2}
 
     def preference(p: Plan) -> tuple:
         lay = p.layout
-        tied = p.time_estimate["step_s"] <= best_time * TIE
+        tied = speed(p) * TIE >= best
         return (
             not tied,
-            p.time_estimate["step_s"] if not tied else 0.0,
+            0.0 if tied else -speed(p),
             lay.tensor_parallel_size,
             lay.pipeline_parallel_size,
             ac_order[lay.activation_checkpointing],
@@ -622,17 +635,17 @@ def plan_run(
     ranked = sorted(fitting, key=preference)
     chosen = ranked[0]
     candidates = []
-    for p in sorted(planned, key=lambda p: p.time_estimate["step_s"]):
+    for p in sorted(planned, key=speed, reverse=True):
         if p is chosen:
             continue
-        ratio = p.time_estimate["step_s"] / chosen.time_estimate["step_s"]
+        ratio = speed(chosen) / speed(p)
         if p.memory_estimate_per_rank["total"] > budget:
             why = (
                 f"does not fit: {p.memory_estimate_per_rank['total'] / GIB:.2f} GiB per rank "
                 f"over the {budget / GIB:.2f} GiB budget"
             )
         elif ratio > TIE:
-            why = f"slower: estimated step {ratio:.2f}x the chosen one"
+            why = f"slower: the chosen layout's estimated tokens/s is {ratio:.2f}x"
         else:
             why = "as fast within 2%; the chosen one needs less parallelism or recomputation"
         candidates.append(_summary(p) | {"lost_because": why})
@@ -721,6 +734,44 @@ def _search_space(run: RunConfig, model_config: PretrainedConfig) -> list[RunCon
                 )
                 variants.append(dataclasses.replace(run, parallel=parallel))
     return variants or [run]
+
+
+def _fit_global_batch(run: RunConfig) -> RunConfig:
+    """With `training.global_batch_size`, split it for this layout's dp and pp.
+
+    The per-device batch is the largest that divides the rank's share and is at most
+    `per_device_train_batch_size` per forward (times the pipeline microbatches, at most
+    2 x pp of them); the rest is gradient accumulation.
+    """
+    train, par = run.training, run.parallel
+    target = train.global_batch_size
+    if target is None:
+        return run
+    tp = 1 if par.tensor_parallel_size == AUTO else par.tensor_parallel_size
+    pp = 1 if par.pipeline_parallel_size == AUTO else par.pipeline_parallel_size
+    world = run.launch.world_size
+    dp = world // (tp * pp) if par.data_parallel_size == AUTO else par.data_parallel_size
+    if dp < 1 or target % dp:
+        raise LayoutError(
+            [
+                Refusal(
+                    "training.global_batch_size",
+                    target,
+                    f"it does not split evenly over data_parallel_size={dp}",
+                    f"Use a multiple of {max(dp, 1)}.",
+                )
+            ]
+        )
+    share = target // dp
+    forwards = 2 * pp if pp > 1 else 1
+    limit = train.per_device_train_batch_size * forwards
+    per_device = max(d for d in _divisors(share) if d <= limit)
+    training = dataclasses.replace(
+        train,
+        per_device_train_batch_size=per_device,
+        gradient_accumulation_steps=share // per_device,
+    )
+    return dataclasses.replace(run, training=training)
 
 
 def _variant_name(run: RunConfig) -> str:
