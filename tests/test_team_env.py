@@ -134,3 +134,12 @@ def test_incomplete_credentials_entry_is_refused_with_its_name(entry, says):
         choose_tracking_server(TEAM, {"mlflow": entry}, {}, LOOKED_IN)
     assert says in str(error.value)
     assert "conf/team/credentials*.yml" in str(error.value)
+
+
+def test_missing_system_package_skips_here_but_fails_in_ci(monkeypatch):
+    monkeypatch.delenv("CI", raising=False)
+    with pytest.raises(pytest.skip.Exception, match="apt-get install chromium"):
+        servers.require(False, "chromium")
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="CI=true but chromium is not installed"):
+        servers.require(False, "chromium")
