@@ -19,7 +19,7 @@ def check_backend_available(backend: str) -> None:
     missing = [name for name in NEURON_PACKAGES if importlib.util.find_spec(name) is None]
     if missing:
         raise BackendUnavailableError(
-            f"launch.backend=neuron needs {', '.join(missing)}, which is not installed. The AWS "
+            f"launch.backend=neuron needs {', '.join(missing)} (not installed here). The AWS "
             "Neuron packages come only from AWS's own package index (the PyPI packages of those "
             "names are placeholders): on a Trainium instance (Neuron DLAMI or Deep Learning "
             "Container) run `pip install torch-neuronx neuronx-distributed --extra-index-url "

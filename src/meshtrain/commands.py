@@ -4,6 +4,8 @@
 
     python -m meshtrain consolidate CHECKPOINT_DIR [OUTPUT_DIR] [--max-shard-size 5GB]
         [--no-verify]
+    python -m meshtrain plan --model CONFIG_JSON --devices N --device trn1 [--seq-len 4096]
+        [--global-batch 256] [--tp/--pp/--dp SIZE] [--json]
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pathlib import Path
 
 from meshtrain.checkpoint import CheckpointError, consolidate_checkpoint, resolve_checkpoint
 from meshtrain.checkpoint.consolidate import parse_size
+from meshtrain.planner import command as plan_command
 
 DEFAULT_OUTPUT = "consolidated"
 
@@ -58,11 +61,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="skip the sha256 check of every file (sizes are still checked); the check "
         "runs alongside the copy and costs a read of the checkpoint",
     )
+    plan_command.add_parser(commands)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "plan":
+        return plan_command.run_plan(args)
     if args.command == "consolidate":
         try:
             max_shard_size = parse_size(args.max_shard_size)

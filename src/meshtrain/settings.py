@@ -13,6 +13,9 @@ HOOKS = (MlflowRunHook(),)
 CONFIG_LOADER_ARGS = {
     "base_env": "base",
     "default_run_env": "local",
+    # An environment (conf/gpu, conf/trn1, ...) overrides single parameters, e.g.
+    # `launch.backend`, and keeps the rest of each group from conf/base.
+    "merge_strategy": {"parameters": "soft"},
     "config_patterns": {
         "mlflow": ["mlflow*", "mlflow*/**"],
     },

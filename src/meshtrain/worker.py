@@ -238,7 +238,9 @@ def train(spec: WorkerSpec) -> dict[str, Any] | None:
             pm.runner.recorder.enabled = False
             report_pipeline_timeline(pm, tracker, run_dir, done)
         if measured is not None:
-            peak_memory = report_peak_memory(measured, tracker, done)
+            peak_memory = report_peak_memory(
+                measured, tracker, done, plan.memory_estimate_per_rank["total"]
+            )
 
         if done % cfg.log_every == 0 or done == cfg.max_steps:
             # The only per-step host sync: the loss, from the last pipeline stage, averaged
@@ -332,7 +334,9 @@ def per_device_batch(plan: Plan, cfg: Any) -> int:
     return plan.per_device_train_batch_size or cfg.per_device_train_batch_size
 
 
-def report_peak_memory(measured: PeakMemory, tracker: MetricsLogger, step: int) -> dict[str, Any]:
+def report_peak_memory(
+    measured: PeakMemory, tracker: MetricsLogger, step: int, predicted_bytes: int
+) -> dict[str, Any]:
     """Gather every rank's measured peak; rank 0 logs the largest and each pipeline
     rank's, and returns them for the summary (the planner predicts the same). Collective."""
     gathered: list[Any] = [None] * dist.get_world_size()
@@ -342,11 +346,13 @@ def report_peak_memory(measured: PeakMemory, tracker: MetricsLogger, step: int) 
     tracker.log(
         {
             "memory/peak_tensor_mb": peaks[worst] / 2**20,
+            "memory/predicted_peak_mb": predicted_bytes / 2**20,
             **{f"memory/peak_tensor_mb_rank{r}": p / 2**20 for r, p in enumerate(peaks)},
         },
         step=step,
     )
     return {
+        "predicted_peak_bytes": predicted_bytes,
         "peak_bytes": peaks[worst],
         "peak_rank": worst,
         "peak_bytes_per_rank": peaks,

@@ -132,6 +132,17 @@ def run_group(specs: list[WorkerSpec], world: int, out: Path, run_id: str) -> li
     )[0]
 
 
+def assert_memory_model_holds(name: str, summary: dict[str, Any], tolerance: float = 0.10) -> None:
+    """The planner's predicted peak of live tensors is within `tolerance` of the measured
+    one (the largest over the ranks, measured on one step by `meshtrain.memory_probe`)."""
+    measured = summary["measured_peak_memory"]
+    predicted, peak = measured["predicted_peak_bytes"], measured["peak_bytes"]
+    assert abs(predicted / peak - 1) <= tolerance, (
+        f"{name}: predicted {predicted / 2**20:.2f} MiB, measured {peak / 2**20:.2f} MiB "
+        f"per rank {[round(b / 2**20, 2) for b in measured['peak_bytes_per_rank']]}"
+    )
+
+
 def assert_matches_reference(
     name: str,
     summary: dict[str, Any],

@@ -11,7 +11,13 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import TINY_MODEL
-from tests.parallel.reference import assert_matches_reference, make_spec, reference_run, run_group
+from tests.parallel.reference import (
+    assert_matches_reference,
+    assert_memory_model_holds,
+    make_spec,
+    reference_run,
+    run_group,
+)
 
 CASES = {
     # per-device batch x accumulation x dp = 8 in every case
@@ -58,6 +64,7 @@ def test_dp2_with_and_without_zero1_match_one_process(tiny_blocks, tmp_path: Pat
             name, summary, expected_losses, expected_weights, tmp_path / f"{name}-hf"
         )
         assert summary["initial_val_loss"] > summary["final_val_loss"]
+        assert_memory_model_holds(name, summary)
 
     # bf16 autocast is not fp32 arithmetic, so it only has to track the fp32 run closely.
     bf16_losses = [loss for _, loss in bf16_result["losses"]]

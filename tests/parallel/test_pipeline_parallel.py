@@ -8,7 +8,13 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import TINY_MODEL
-from tests.parallel.reference import assert_matches_reference, make_spec, reference_run, run_group
+from tests.parallel.reference import (
+    assert_matches_reference,
+    assert_memory_model_holds,
+    make_spec,
+    reference_run,
+    run_group,
+)
 
 FOUR_LAYERS = {**TINY_MODEL, "num_hidden_layers": 4}
 BATCH_8 = {"per_device_train_batch_size": 8}
@@ -69,6 +75,7 @@ def _run(cases: dict, world: int, blocks, out: Path) -> None:
     losses, weights = reference_run(blocks, "llama", FOUR_LAYERS)
     for name, summary in zip(cases, results, strict=True):
         assert_matches_reference(name, summary, losses, weights, out / f"{name}-hf")
+        assert_memory_model_holds(name, summary)
 
 
 @pytest.mark.slow

@@ -14,7 +14,13 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import TINY_MODEL
-from tests.parallel.reference import assert_matches_reference, make_spec, reference_run, run_group
+from tests.parallel.reference import (
+    assert_matches_reference,
+    assert_memory_model_holds,
+    make_spec,
+    reference_run,
+    run_group,
+)
 
 QWEN2_TIED = {**TINY_MODEL, "tie_word_embeddings": True}
 QWEN3 = {**TINY_MODEL, "head_dim": 16}
@@ -85,6 +91,7 @@ def _run_group(cases: dict, world: int, blocks, out: Path) -> None:
             references[key] = reference_run(blocks, architecture, fields)
         losses, weights = references[key]
         assert_matches_reference(name, summary, losses, weights, out / f"{name}-hf")
+        assert_memory_model_holds(name, summary)
 
 
 @pytest.mark.slow

@@ -19,13 +19,14 @@ def plan_layout(
     launch: dict[str, Any],
     model: dict[str, Any],
     data: dict[str, Any],
+    planner: dict[str, Any],
 ) -> dict[str, Any]:
     """Args: tokenizer, blocks and the parameter groups. Returns: `plan.json`'s content.
 
     Raises `LayoutError` naming each refused parameter and a value that works.
     """
     run = RunConfig.from_params(
-        parallel=parallel, training=training, launch=launch, model=model, data=data
+        parallel=parallel, training=training, launch=launch, model=model, data=data, planner=planner
     )
     plan = plan_for_run(
         run,

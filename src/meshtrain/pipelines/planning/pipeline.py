@@ -18,6 +18,7 @@ def create_pipeline(**kwargs) -> Pipeline:
                     "params:launch",
                     "params:model",
                     "params:data",
+                    "params:planner",
                 ],
                 "plan",
                 name="plan_layout",

@@ -12,6 +12,7 @@ from typing import Any
 import datasets
 
 from meshtrain import tracking
+from meshtrain.backends import check_backend_available
 from meshtrain.config import RunConfig
 from meshtrain.data.blocks import arrow_files
 from meshtrain.launch import check_launch
@@ -29,10 +30,11 @@ def train_model(
     launch: dict[str, Any],
     model: dict[str, Any],
     data: dict[str, Any],
+    planner: dict[str, Any],
 ) -> dict[str, Any]:
     """Args: the plan, blocks, tokenizer and parameters. Returns: the training summary."""
     run = RunConfig.from_params(
-        parallel=parallel, training=training, launch=launch, model=model, data=data
+        parallel=parallel, training=training, launch=launch, model=model, data=data, planner=planner
     )
     check_launch(run.launch)  # before the replanning below: a wrong node rank costs nothing
     resolved = Plan.from_dict(plan)
@@ -43,6 +45,7 @@ def train_model(
         num_validation_blocks=len(packed_blocks["validation"]),
     )
     check_plan_is_current(resolved, replanned)
+    check_backend_available(resolved.backend)  # e.g. neuron without the AWS packages
     node0 = run.launch.node_rank == 0
     if node0:
         tracking.log_plan(plan, run.to_dict())

@@ -19,6 +19,7 @@ def create_pipeline(**kwargs) -> Pipeline:
                     "params:launch",
                     "params:model",
                     "params:data",
+                    "params:planner",
                 ],
                 "training_summary",
                 name="train_model",

@@ -1,0 +1,158 @@
+"""`python -m meshtrain plan`: choose a layout for a model and a cluster, without hardware.
+
+    python -m meshtrain plan --model examples/model_configs/llama-3.1-8b.json \
+        --devices 8 --device h100 --seq-len 4096 --global-batch 256
+
+The model comes from a Hugging Face `config.json` (or a folder holding one);
+nothing is downloaded and no weights are built (shapes come from the meta
+device). Prints the chosen layout, its memory breakdown and step-time
+estimate, and every other layout with the reason it lost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from meshtrain.config import AUTO, ConfigError, RunConfig
+from meshtrain.planner.devices import BUILTIN_PROFILES, GIB
+from meshtrain.planner.layout import LayoutError, Plan, plan_run
+
+
+def add_parser(commands: Any) -> None:
+    plan = commands.add_parser(
+        "plan",
+        help="choose dp/tp/pp, ZeRO-1, SP and checkpointing for a model on N devices",
+        description=__doc__.split("\n\n")[0],
+    )
+    plan.add_argument("--model", required=True, help="a config.json or a folder with one")
+    plan.add_argument("--devices", type=int, required=True, help="world size (all nodes)")
+    plan.add_argument(
+        "--device",
+        default="cpu",
+        help=f"device profile: {', '.join(BUILTIN_PROFILES)} (default: %(default)s)",
+    )
+    plan.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence")
+    plan.add_argument("--global-batch", type=int, default=256, help="sequences per step")
+    plan.add_argument(
+        "--micro-batch-size",
+        type=int,
+        default=1,
+        help="largest per-device batch per forward (per pipeline microbatch)",
+    )
+    plan.add_argument("--devices-per-node", type=int, default=None)
+    for size in ("dp", "tp", "pp"):
+        plan.add_argument(f"--{size}", default=AUTO, help=f"fix the {size} size (default auto)")
+    plan.add_argument(
+        "--activation-checkpointing", default=AUTO, choices=("auto", "none", "selective", "full")
+    )
+    plan.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved_1f1b"))
+    plan.add_argument("--bf16", action="store_true", help="bf16 autocast (fp32 master weights)")
+    plan.add_argument("--memory-margin", type=float, default=0.1)
+    plan.add_argument("--json", action="store_true", help="print plan.json's content instead")
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    from transformers import AutoConfig  # noqa: PLC0415
+
+    path = Path(args.model)
+    if not path.exists():
+        print(f"error: --model {path}: no such file or folder (give a config.json)")
+        return 1
+    config = AutoConfig.from_pretrained(str(path))
+    config._attn_implementation = "sdpa"
+    per_node = args.devices_per_node or min(args.devices, _per_node(args.device))
+    if args.devices % per_node:
+        print(f"error: --devices {args.devices} is not a multiple of {per_node} per node")
+        return 1
+    try:
+        run = RunConfig.from_params(
+            parallel={
+                "data_parallel_size": args.dp,
+                "tensor_parallel_size": args.tp,
+                "pipeline_parallel_size": args.pp,
+                "activation_checkpointing": args.activation_checkpointing,
+                "pipeline_schedule": args.schedule,
+            },
+            training={
+                "per_device_train_batch_size": args.micro_batch_size,
+                "global_batch_size": args.global_batch,
+                "mixed_precision": "bf16" if args.bf16 else "no",
+            },
+            launch={
+                "nproc_per_node": per_node,
+                "nnodes": args.devices // per_node,
+                # Planning for another machine: only trn devices name their backend here; a
+                # GPU plan is made without looking for GPUs on this one.
+                "backend": "neuron" if args.device.startswith("trn") else AUTO,
+            },
+            model={"architecture": config.model_type},
+            data={"block_size": args.seq_len},
+            planner={"device": args.device, "memory_margin": args.memory_margin},
+        )
+        plan = plan_run(
+            run,
+            config,
+            num_train_blocks=args.global_batch * 10**6,
+            num_validation_blocks=args.devices,
+            cuda_available=False,
+        )
+    except (ConfigError, LayoutError) as error:
+        print(f"error: {error}")
+        return 1
+    if args.json:
+        print(json.dumps(plan.to_dict(), indent=2, sort_keys=True))
+    else:
+        print(describe(plan, args))
+    return 0
+
+
+def _per_node(device: str) -> int:
+    profile = BUILTIN_PROFILES.get(device)
+    return profile.devices_per_node if profile else 8
+
+
+def describe(plan: Plan, args: argparse.Namespace) -> str:
+    """The choice, its breakdown and the runners-up, as a person reads them."""
+    memory, time = plan.memory_estimate_per_rank, plan.time_estimate
+    lines = [
+        f"{args.devices} x {plan.device}, {plan.num_parameters / 1e9:.2f}B parameters, "
+        f"sequence {args.seq_len}, global batch {plan.global_batch_size}",
+        f"chosen: {plan.layout.name}  (per-device batch {plan.per_device_train_batch_size}, "
+        f"accumulation {plan.gradient_accumulation_steps})",
+        f"  memory per rank (peak, pipeline rank {memory['peak_pipeline_rank']}): "
+        f"{memory['total'] / GIB:.2f} GiB",
+    ]
+    for part in (
+        "parameters",
+        "gradients",
+        "optimizer_states",
+        "communication_buffers",
+        "activations",
+        "loss",
+    ):
+        lines.append(f"    {part:22} {memory[part] / GIB:8.2f} GiB")
+    lines.append(
+        f"  step {time['step_s']:.2f} s, {time['tokens_per_s']:,.0f} tokens/s: "
+        + ", ".join(
+            f"{k[:-2].replace('_', ' ')} {v:.2f} s"
+            for k, v in time.items()
+            if k.endswith("_s") and k not in ("step_s", "tokens_per_s")
+        )
+    )
+    if plan.candidates:
+        lines.append("other layouts:")
+        lines.append(f"  {'layout':44} {'GiB/rank':>9} {'tokens/s':>12}  why not")
+        for c in plan.candidates:
+            if "rejected" in c:
+                lines.append(f"  {c['layout']:44} {'':>9} {'':>12}  refused: {c['rejected']}")
+            else:
+                lines.append(
+                    f"  {c['layout']:44} {c['memory_per_rank_bytes'] / GIB:9.2f} "
+                    f"{c['tokens_per_s']:12,.0f}  {c['lost_because']}"
+                )
+    for note in plan.notes:
+        lines.append(f"note: {note}")
+    return "\n".join(lines)
