@@ -244,6 +244,7 @@ class MlflowRunHook:
         self.project_path = Path.cwd()
         self.env: str | None = None
         self.config_loader: OmegaConfigLoader | None = None
+        self.node_rank = 0
         self.started = False
 
     @hook_impl
@@ -252,10 +253,20 @@ class MlflowRunHook:
         self.project_path = Path(context.project_path)
         self.env = context.env
         self.config_loader = context.config_loader
+        # On several nodes only node 0 records the run (its rank 0 logs the metrics); the
+        # other nodes' `kedro run --pipeline training` would open empty runs.
+        launch = (context.params or {}).get("launch") or {}
+        try:
+            self.node_rank = int(launch.get("node_rank", 0) or 0)
+        except (TypeError, ValueError):
+            self.node_rank = 0  # the config check names the bad value before any worker
 
     @hook_impl
     def before_pipeline_run(self, run_params: dict[str, Any]) -> None:
         if not self.settings["enabled"]:
+            return
+        if self.node_rank > 0:
+            logger.info("launch.node_rank=%d: node 0 records this run in MLflow", self.node_rank)
             return
         # Credentials are read here, not when the context is created: this runs after the
         # catalog and parameters are built, so reading conf/local's credentials (a second
