@@ -71,8 +71,8 @@ MODELS = {
     },
 }
 
-# (model, world size, parallel overrides)
-LAYOUTS: list[tuple[str, int, dict[str, Any]]] = [
+# (model, world size, parallel overrides[, training overrides])
+LAYOUTS: list[tuple] = [
     ("tiny", 1, {}),
     ("tiny", 1, {"activation_checkpointing": "full"}),
     ("tiny", 1, {"activation_checkpointing": "selective"}),
@@ -89,6 +89,27 @@ LAYOUTS: list[tuple[str, int, dict[str, Any]]] = [
     ("small", 2, {"pipeline_parallel_size": 2, "pipeline_parallel_num_microbatches": 2}),
     ("small", 4, {"data_parallel_size": 2, "tensor_parallel_size": 2}),
     ("small", 4, {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}),
+    ("small", 2, {"tensor_parallel_size": 2, "activation_checkpointing": "selective"}),
+    (
+        "small",
+        2,
+        {
+            "tensor_parallel_size": 2,
+            "sequence_parallel": False,
+            "activation_checkpointing": "selective",
+        },
+    ),
+    ("tiny", 1, {"activation_checkpointing": "selective"}, {"mixed_precision": "bf16"}),
+    ("tiny", 1, {}, {"mixed_precision": "bf16"}),
+    (
+        "small",
+        2,
+        {
+            "pipeline_parallel_size": 2,
+            "pipeline_schedule": "interleaved_1f1b",
+            "pipeline_parallel_num_microbatches": 4,
+        },
+    ),
 ]
 
 
@@ -105,7 +126,14 @@ def random_blocks(vocab: int, block: int, count: int, out: Path) -> datasets.Dat
     return datasets.load_from_disk(str(out))
 
 
-def run_config(model: str, world: int, parallel: dict[str, Any], steps: int, out: Path):
+def run_config(
+    model: str,
+    world: int,
+    parallel: dict[str, Any],
+    steps: int,
+    out: Path,
+    training: dict[str, Any] | None = None,
+):
     shape = MODELS[model]
     defaults = {
         "data_parallel_size": "auto",
@@ -122,6 +150,7 @@ def run_config(model: str, world: int, parallel: dict[str, Any], steps: int, out
             "checkpoint_every": 10_000,
             "keep_last": 1,
             "output_dir": str(out),
+            **(training or {}),
         },
         launch={"nproc_per_node": world},
         model={"architecture": "llama", "config": shape["fields"]},
@@ -134,7 +163,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--only", choices=sorted(MODELS), default=None)
     parser.add_argument(
-        "--match", default=None, help="only layouts whose parallel overrides name this parameter"
+        "--match", default=None, help="only layouts whose overrides name this parameter"
     )
     args = parser.parse_args()
 
@@ -143,8 +172,10 @@ def main() -> None:
         root = Path(tmp)
         groups: dict[tuple[str, int], list[tuple[dict, Any]]] = {}
         blocks_of = {}
-        for model, world, parallel in LAYOUTS:
-            if (args.only and model != args.only) or (args.match and args.match not in parallel):
+        for model, world, parallel, *rest in LAYOUTS:
+            training = rest[0] if rest else {}
+            named = {**parallel, **training}
+            if (args.only and model != args.only) or (args.match and args.match not in named):
                 continue
             shape = MODELS[model]
             if model not in blocks_of:
@@ -153,7 +184,7 @@ def main() -> None:
                     shape["vocab"], shape["block"], count, root / f"blocks-{model}"
                 )
             blocks = blocks_of[model]
-            run = run_config(model, world, parallel, args.steps, root / "runs")
+            run = run_config(model, world, parallel, args.steps, root / "runs", training)
             config = build_model_config("llama", shape["fields"], vocab_size=shape["vocab"])
             plan = plan_run(
                 run,
@@ -210,7 +241,8 @@ def print_table(rows: list[tuple[str, int, dict, dict]], steps: int) -> None:
         rate = summary["mean_tokens_per_s"]
         step_meas = plan["tokens_per_step"] / rate * 1e3 if rate else float("nan")
         print(
-            f"{model:6} {plan['layout_name']:32} {predicted / 2**20:16.1f} "
+            f"{model:6} {Path(summary['run_dir']).name.removeprefix(model + '-'):32} "
+            f"{predicted / 2**20:16.1f} "
             f"{measured / 2**20:7.1f} {predicted / measured:6.2f} "
             f"{step_pred:14.0f} {step_meas:7.0f} {step_pred / step_meas:6.2f}"
         )

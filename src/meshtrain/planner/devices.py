@@ -52,7 +52,8 @@ BUILTIN_PROFILES: dict[str, DeviceProfile] = {
             # Effective rate of the default model's training step on one core, elementwise
             # work and framework overhead included (bench/planner_validation.py --calibrate).
             tflops_fp32=0.028,
-            tflops_bf16=0.010,
+            # No bf16 matmul units on these cores: autocast measured ~10x slower than fp32.
+            tflops_bf16=0.003,
             intra_node_gbps=1.0,
             inter_node_gbps=0.1,
             latency_us=150.0,

@@ -211,12 +211,17 @@ def layer_activation_elements(m: ModelShape, step: StepShape) -> tuple[float, fl
     mlp = 4 * i / t  # gate, up, SiLU(gate), their product
     per_head = a / t  # log-sum-exp
     if step.activation_checkpointing == "selective":
-        # Kept: the layer input, every matmul's and the attention's output (o_proj's and
-        # down_proj's whole-width partial sums under tp); norms, rotary, SiLU and the
-        # gating product are recomputed.
-        x = h / t if step.sequence_parallel else h
-        partial_sums = 2 * h
-        return x, 2 * h / t + 2 * kv + 2 * i / t + per_head + partial_sums
+        # Kept: the layer input and the outputs of every matmul, the attention and every
+        # collective (no collective runs twice): q, k, v, attention, gate, up, and
+        # o_proj's and down_proj's whole-width partial sums; under tp also those sums
+        # all-reduced (or reduce-scattered under SP, which also keeps the two all-gathered
+        # norm outputs). Norms, rotary, SiLU and the gating product are recomputed.
+        core = 2 * h / t + 2 * kv + 2 * i / t + per_head + 2 * h
+        if t == 1:
+            return h, core
+        if step.sequence_parallel:
+            return h / t, core + 2 * h + 2 * h / t
+        return h, core + 2 * h
     if t == 1:
         # fp32: input, normed input, residual, normed residual; matmul side: the two norm
         # outputs as the matmuls keep them, q, attention output, k, v, the MLP.
