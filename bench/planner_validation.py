@@ -165,7 +165,16 @@ def main() -> None:
     parser.add_argument(
         "--match", default=None, help="only layouts whose overrides name this parameter"
     )
+    parser.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="measure the cpu profile's numbers (training FLOP/s on one core, gloo all-reduce "
+        "bandwidth and latency between two processes) and exit",
+    )
     args = parser.parse_args()
+    if args.calibrate:
+        calibrate()
+        return
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -284,6 +293,62 @@ def planner_choice(model: str, world: int) -> str:
         run, config, num_train_blocks=blocks, num_validation_blocks=8, cuda_available=False
     )
     return plan.layout.name
+
+
+def calibrate() -> None:
+    """The numbers behind the `cpu` device profile, measured on this machine."""
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415
+
+    from meshtrain.planner.cost import training_flops_per_token  # noqa: PLC0415
+    from meshtrain.planner.memory import ModelShape  # noqa: PLC0415
+
+    torch.set_num_threads(1)
+    shape = MODELS["tiny"]
+    config = build_model_config("llama", shape["fields"], vocab_size=shape["vocab"])
+    model = AutoModelForCausalLM.from_config(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    ids = torch.randint(0, shape["vocab"], (shape["batch"], shape["block"]))
+    times = []
+    for _ in range(8):
+        start = time.perf_counter()
+        logits = model(input_ids=ids).logits
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten()).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        times.append(time.perf_counter() - start)
+    step = sorted(times[2:])[len(times[2:]) // 2]
+    flops = ids.numel() * training_flops_per_token(
+        ModelShape.from_config(config), shape["block"], "none"
+    )
+    print(f"training rate, one core: {flops / step / 1e12:.4f} TFLOP/s (median step {step:.3f} s)")
+
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.multiprocessing.spawn(_gloo_probe, args=(tmp,), nprocs=2, join=True)
+
+
+def _gloo_probe(rank: int, tmp: str) -> None:
+    import torch.distributed as dist  # noqa: PLC0415
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=2)
+    results = {}
+    for numel in (256, 4 * 2**20):
+        tensor = torch.ones(numel)
+        for _ in range(3):
+            dist.all_reduce(tensor)
+        start = time.perf_counter()
+        for _ in range(10):
+            dist.all_reduce(tensor)
+        results[numel] = (time.perf_counter() - start) / 10
+    if rank == 0:
+        latency = results[256]
+        # A 2-rank ring all-reduce moves 2 (n-1)/n = 1 times the bytes.
+        bandwidth = 4 * 4 * 2**20 / (results[4 * 2**20] - latency)
+        print(
+            f"gloo all-reduce, 2 processes: latency {latency * 1e6:.0f} us, "
+            f"bandwidth {bandwidth / 1e9:.2f} GB/s"
+        )
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -51,12 +51,12 @@ BUILTIN_PROFILES: dict[str, DeviceProfile] = {
             devices_per_node=2,
             # Effective rate of the default model's training step on one core, elementwise
             # work and framework overhead included (bench/planner_validation.py --calibrate).
-            tflops_fp32=0.028,
+            tflops_fp32=0.035,
             # No bf16 matmul units on these cores: autocast measured ~10x slower than fp32.
             tflops_bf16=0.003,
-            intra_node_gbps=1.0,
+            intra_node_gbps=0.8,
             inter_node_gbps=0.1,
-            latency_us=150.0,
+            latency_us=1000.0,  # gloo over loopback: ~2 ms for a small 2-rank all-reduce
             memory_gbps=8.0,
             note="measured on the project's 2-core machines (gloo over loopback)",
         ),
