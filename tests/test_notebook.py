@@ -87,7 +87,7 @@ def test_notebook_compares_the_layouts_of_the_latest_sweep(
     client = mlflow_client(sweep.project)
     experiment = client.get_experiment_by_name("meshtrain")
     table = _texts(cells[2])
-    for layout, (*_, name, _) in EXPECTED.items():
+    for layout, (*_, name) in EXPECTED.items():
         (run,) = client.search_runs(
             [experiment.experiment_id],
             f"tags.`meshtrain.sweep` = '{sweep.sweep_id}' and "

@@ -125,38 +125,33 @@ PARAMS = {
 }
 
 
-def test_every_layout_gets_the_accumulation_that_holds_the_global_batch():
+def test_every_layout_gets_the_same_global_batch_and_explicit_dp_fixes_the_world():
     batch, entries = plan_sweep(parse_layouts("dp2 tp2 pp2 dp4 dp2xtp2"), PARAMS)
     assert batch == 4 * 4  # per-device batch x the largest dp
     overrides = {e.layout: e.overrides for e in entries}
     assert all(e.error is None for e in entries)
-    assert overrides["dp4"]["training.gradient_accumulation_steps"] == 1
-    assert overrides["dp2"]["training.gradient_accumulation_steps"] == 2
-    assert overrides["tp2"]["training.gradient_accumulation_steps"] == 4  # dp auto = 1
-    assert overrides["dp2xtp2"]["training.gradient_accumulation_steps"] == 2
-    # An explicit dp fixes the world size; dp=auto keeps the configured one.
+    assert {o["training.global_batch_size"] for o in overrides.values()} == {16}
     assert overrides["dp4"]["launch.nproc_per_node"] == 4
     assert overrides["dp2xtp2"]["launch.nproc_per_node"] == 4
-    assert "launch.nproc_per_node" not in overrides["tp2"]
-    for entry in entries:
-        dp = 4 if entry.layout == "dp4" else 2 if entry.layout.startswith("dp2") else 1
-        accumulation = entry.overrides["training.gradient_accumulation_steps"]
-        assert 4 * accumulation * dp == batch
+    assert overrides["dp2"]["launch.nproc_per_node"] == 2
+    assert "launch.nproc_per_node" not in overrides["tp2"]  # dp=auto: the configured world
 
 
-def test_a_layout_that_cannot_reach_the_global_batch_is_refused_alone():
-    batch, entries = plan_sweep(parse_layouts("dp2 dp3"), PARAMS, global_batch_size=8)
-    assert batch == 8
-    dp2, dp3 = entries
-    assert dp2.error is None and dp2.overrides["training.gradient_accumulation_steps"] == 1
-    assert "layout 'dp3' (dp=3) cannot train with the sweep's global batch 8" in dp3.error
-    assert "--global-batch-size 12" in dp3.error
+def test_the_global_batch_comes_from_the_option_or_the_parameters():
+    configured = {**PARAMS, "training": {**PARAMS["training"], "global_batch_size": 24}}
+    assert plan_sweep(parse_layouts("dp2"), configured)[0] == 24
+    assert plan_sweep(parse_layouts("dp2"), PARAMS, global_batch_size=12)[0] == 12
+    assert plan_sweep(parse_layouts("dp2"), configured, global_batch_size=24)[0] == 24
+    with pytest.raises(ValueError, match="--global-batch-size=12 and training.global_batch_size"):
+        plan_sweep(parse_layouts("dp2"), configured, global_batch_size=12)
 
 
 def test_a_layout_the_world_cannot_hold_is_left_for_the_planner_to_refuse():
-    _, (tp3,) = plan_sweep(parse_layouts("tp3"), PARAMS)
+    batch, (tp3, dp2) = plan_sweep(parse_layouts("tp3 dp2"), PARAMS)
+    assert batch == 8  # tp3 has no dp in a world of 2; dp2's decides
     assert tp3.error is None
-    assert "training.gradient_accumulation_steps" not in tp3.overrides
+    assert "training.global_batch_size" not in tp3.overrides
+    assert dp2.overrides["training.global_batch_size"] == 8
 
 
 def test_layouts_that_nodes_cannot_share_and_parameter_typos_are_refused():
@@ -205,10 +200,10 @@ LAYOUTS = "dp2 tp3 tp2 pp2"
 # adam_epsilon=1e-5: see tests/test_pipeline_e2e.py (last-bit noise near zero gradients).
 SWEEP_PARAMS = SMALL_RUN + ",training.adam_epsilon=1e-5"
 EXPECTED = {
-    # layout: (dp, tp, pp, run name, gradient accumulation), global batch 2 x 4 = 8
-    "dp2": ("2", "1", "1", "dp2-tp1-pp1-zero1", "1"),
-    "tp2": ("1", "2", "1", "dp1-tp2-pp1-sp", "2"),
-    "pp2": ("1", "1", "2", "dp1-tp1-pp2-1f1b-mb4", "2"),
+    # layout: (dp, tp, pp, run name); global batch 4 x the largest dp (2) = 8 in each
+    "dp2": ("2", "1", "1", "dp2-tp1-pp1-zero1"),
+    "tp2": ("1", "2", "1", "dp1-tp2-pp1-sp"),
+    "pp2": ("1", "1", "2", "dp1-tp1-pp2-1f1b-mb4"),
 }
 
 
@@ -282,7 +277,7 @@ def test_sweep_trains_every_layout_and_reports_the_refused_one(sweep: Sweep):
     ]
     summary = output[output.index(f"== sweep {sweep.sweep_id}") :]
     table, refused = summary.split("\ntp3: refused\n")
-    for layout, (*_, name, _) in EXPECTED.items():
+    for layout, (*_, name) in EXPECTED.items():
         assert re.search(rf"^\s*{layout}\s+finished\s+{name}\s", table, re.M), table
     for column in ("final loss", "val perplexity", "tokens/s", "peak RSS rank 0 (MiB)"):
         assert column in table
@@ -299,7 +294,7 @@ def test_each_sweep_run_holds_its_layout_tags_metrics_and_pictures(sweep: Sweep)
     assert data.data.tags["meshtrain.sweep.stage"] == "data_processing"
     assert data.data.tags["kedro.pipeline"] == "data_processing"
     client = mlflow_client(sweep.project)
-    for layout, (dp, tp, pp, name, accumulation) in EXPECTED.items():
+    for layout, (dp, tp, pp, name) in EXPECTED.items():
         run = runs[layout]
         params, tags, metrics = run.data.params, run.data.tags, run.data.metrics
         assert run.info.status == "FINISHED", layout
@@ -309,8 +304,10 @@ def test_each_sweep_run_holds_its_layout_tags_metrics_and_pictures(sweep: Sweep)
             params["parallel.tensor_parallel_size"],
             params["parallel.pipeline_parallel_size"],
         ) == (dp, tp, pp), layout
-        assert params["global_batch_size"] == "8"
-        assert params["training.gradient_accumulation_steps"] == accumulation
+        assert params["global_batch_size"] == params["training.global_batch_size"] == "8"
+        # The planner's split of it, as logged: per-device batch x accumulation x dp.
+        per_device = int(params["training.per_device_train_batch_size"])
+        assert per_device * int(params["training.gradient_accumulation_steps"]) * int(dp) == 8
         assert tags["meshtrain.sweep.status"] == "finished"
         assert tags["kedro.env"] == "local"
         assert len(tags["mlflow.source.git.commit"]) == 40
@@ -357,3 +354,21 @@ def test_sweep_refuses_a_bad_layout_string_before_running_anything(tmp_path: Pat
     assert "token 'tq2' is not understood" in result.stderr
     assert not (project / "mlflow.db").exists()
     assert not any((project / "data/02_intermediate").iterdir())
+
+
+def test_printed_tracking_uris_hide_passwords():
+    from meshtrain.cli import redact
+
+    assert redact("http://me:s3cret@mlflow.example:5000") == "http://me:***@mlflow.example:5000"
+    assert redact("sqlite:////project/mlflow.db") == "sqlite:////project/mlflow.db"
+
+
+def test_params_that_a_layout_also_sets_are_refused():
+    import click
+
+    from meshtrain.cli import _refuse_conflicts
+
+    specs = parse_layouts("dp2 tp2-nosp")
+    _refuse_conflicts(specs, {"parallel": {"zero_1": False}, "training": {"max_steps": 8}})
+    with pytest.raises(click.BadParameter, match="sets parallel.sequence_parallel, which layout"):
+        _refuse_conflicts(specs, {"parallel": {"sequence_parallel": True}})

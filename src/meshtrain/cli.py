@@ -17,6 +17,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import click
 from kedro.framework.cli.utils import CONTEXT_SETTINGS, _split_params, env_option
@@ -58,7 +59,7 @@ class Outcome:
     "--layouts",
     "-l",
     required=True,
-    help='layouts to train, separated by spaces or commas, e.g. "dp2 tp2 pp2 dp2xtp2". '
+    help='layouts to train, separated by spaces or commas, e.g. "dp2 tp2 pp2 dp2xtp2"; '
     + sweeps.GRAMMAR
     + ".",
 )
@@ -74,9 +75,11 @@ class Outcome:
     "--global-batch-size",
     type=click.IntRange(min=1),
     default=None,
-    help="samples per optimizer step, the same in every layout (each layout reaches it "
-    "with gradient_accumulation_steps). Default: per_device_train_batch_size x "
-    "gradient_accumulation_steps x the largest dp among the layouts.",
+    help="samples per optimizer step, the same in every layout: passed to each as "
+    "training.global_batch_size, which the planner splits into that layout's per-device "
+    "batch and accumulation steps. Default: training.global_batch_size when set, else "
+    "per_device_train_batch_size x gradient_accumulation_steps x the largest dp among "
+    "the layouts.",
 )
 @click.pass_obj
 def sweep(
@@ -186,6 +189,15 @@ def _refuse_conflicts(specs: list[sweeps.LayoutSpec], user_params: dict[str, Any
                 )
 
 
+def redact(uri: str) -> str:
+    """The URI without a password, for printing."""
+    parts = urlsplit(uri)
+    if parts.password is None:
+        return uri
+    host = parts.netloc.rsplit("@", 1)[1]
+    return urlunsplit(parts._replace(netloc=f"{parts.username}:***@{host}"))
+
+
 def _folder_name(layout: str) -> str:
     return "".join(c if c.isalnum() or c in "-_" else "_" for c in layout)
 
@@ -263,7 +275,17 @@ def _report(
         finished = runs[runs[status] == "finished"] if status in runs else runs.iloc[:0]
         if len(finished):
             click.echo(sweeps.format_table(sweeps.comparison_table(finished)))
-        click.echo(f"\nMLflow: {tracking_uri}, experiment {experiment!r}, tag {sweeps.SWEEP_TAG}")
+        elif any(o.status == "finished" for o in outcomes):
+            click.secho(
+                f"No run of this sweep is in {redact(tracking_uri)}, yet layouts finished: "
+                "the runs went to another store. When mlflow.yml takes the server from "
+                "credentials, export MLFLOW_TRACKING_URI for the sweep.",
+                fg="red",
+                err=True,
+            )
+        click.echo(
+            f"\nMLflow: {redact(tracking_uri)}, experiment {experiment!r}, tag {sweeps.SWEEP_TAG}"
+        )
     else:
         click.echo("MLflow is disabled in mlflow.yml: no comparison table.")
     for outcome in outcomes:

@@ -4,7 +4,8 @@ A layout string names a whole layout in a few letters, the way people say it:
 `dp2`, `tp2`, `pp2`, `dp2xtp2`, `tp2xpp2-gpipe-mb8`, `dp4-nozero1`. This module
 turns such strings into `--params` overrides, holds the global batch fixed
 across the layouts (the layout-independence contract compares runs at the
-same global batch), and builds the comparison table from the MLflow runs.
+same global batch; the planner splits it per layout), and builds the
+comparison table from the MLflow runs.
 Running the layouts is the caller's business (`meshtrain.cli`'s `kedro sweep`);
 nothing here imports Kedro.
 """
@@ -185,42 +186,48 @@ def plan_sweep(
     params: dict[str, Any],
     global_batch_size: int | None = None,
 ) -> tuple[int, list[SweepEntry]]:
-    """Per-layout `--params` overrides that hold the global batch fixed.
+    """Per-layout `--params` overrides, all at one global batch.
 
-    `params` are the project's parameters with the user's overrides applied. Each
-    layout keeps `training.per_device_train_batch_size` (the knob that decides
-    activation memory) and gets the `gradient_accumulation_steps` that makes
-    per-device batch x accumulation x dp equal the sweep's global batch. That batch
-    is `global_batch_size` when given, else the configured per-device batch x
-    accumulation x the largest dp among the layouts (so every layout reaches it by
-    accumulating). A layout whose world size or batch cannot be set up gets an
-    `error` instead of overrides; the planner judges everything else.
+    `params` are the project's parameters with the user's overrides applied. Every
+    layout gets `training.global_batch_size`, which the planner splits into that
+    layout's per-device batch and accumulation steps (or refuses, when dp does not
+    divide it). The batch is `global_batch_size` when given, else the configured
+    `training.global_batch_size`, else the configured per-device batch x accumulation
+    x the largest dp among the layouts. A layout naming dp fixes the world size
+    (`launch.nproc_per_node`); one the nodes cannot share gets an `error` instead of
+    overrides. The planner judges everything else.
 
     Returns: the global batch and one entry per layout.
     """
     training = parse(TrainingConfig, params.get("training"), "training")
     launch = parse(LaunchConfig, params.get("launch"), "launch")
     parse(ParallelConfig, params.get("parallel"), "parallel")  # refuse typos before any run
-    configured_world = launch.nproc_per_node * launch.nnodes
-    per_device = training.per_device_train_batch_size
-
-    def dp_of(spec: LayoutSpec) -> int | None:
-        if spec.explicit_dp is not None:
-            return spec.explicit_dp
-        dp, rest = divmod(configured_world, spec.tp * spec.pp)
-        return dp if not rest and dp >= 1 else None  # the planner will refuse it
-
-    dps = [dp for dp in map(dp_of, specs) if dp is not None]
-    if global_batch_size is None:
-        global_batch_size = per_device * training.gradient_accumulation_steps * max(dps, default=1)
-    if global_batch_size < 1:
-        raise ValueError(f"--global-batch-size={global_batch_size}: it must be at least 1")
+    configured = training.global_batch_size
+    if global_batch_size is not None and configured not in (None, global_batch_size):
+        raise ValueError(
+            f"--global-batch-size={global_batch_size} and training.global_batch_size="
+            f"{configured} disagree; give one of them"
+        )
+    batch = global_batch_size or configured
+    if batch is None:
+        world = launch.nproc_per_node * launch.nnodes
+        dps = [
+            spec.explicit_dp or world // (spec.tp * spec.pp)
+            for spec in specs
+            if spec.explicit_dp or world % (spec.tp * spec.pp) == 0
+        ]
+        batch = (
+            training.per_device_train_batch_size
+            * training.gradient_accumulation_steps
+            * max(dps, default=1)
+        )
+    if batch < 1:
+        raise ValueError(f"--global-batch-size={batch}: it must be at least 1")
 
     entries = []
     for spec in specs:
         entry = SweepEntry(spec, overrides=dict(spec.params))
         entries.append(entry)
-        dp = dp_of(spec)
         if spec.explicit_dp is not None:
             world = spec.explicit_dp * spec.tp * spec.pp
             if world % launch.nnodes:
@@ -232,21 +239,13 @@ def plan_sweep(
                 )
                 continue
             entry.overrides["launch.nproc_per_node"] = world // launch.nnodes
-        if dp is None:
-            continue  # dp=auto does not fit the world: leave the refusal to the planner
-        accumulation, rest = divmod(global_batch_size, per_device * dp)
-        if rest or accumulation < 1:
-            fits = per_device * dp * max(1, math.ceil(global_batch_size / (per_device * dp)))
-            entry.error = (
-                f"layout {spec.text!r} (dp={dp}) cannot train with the sweep's global batch "
-                f"{global_batch_size}: it must be training.per_device_train_batch_size="
-                f"{per_device} x gradient_accumulation_steps x dp={dp}; use "
-                f"--global-batch-size {fits} (or another multiple of {per_device * dp}), or "
-                "another training.per_device_train_batch_size"
-            )
+        elif (launch.nproc_per_node * launch.nnodes) % (spec.tp * spec.pp):
+            # dp=auto cannot fill this world: the planner refuses the sizes themselves, and
+            # its message about those is the useful one (a global batch would be refused
+            # first, "over data_parallel_size=0").
             continue
-        entry.overrides["training.gradient_accumulation_steps"] = accumulation
-    return global_batch_size, entries
+        entry.overrides["training.global_batch_size"] = batch
+    return batch, entries
 
 
 def new_sweep_id() -> str:
