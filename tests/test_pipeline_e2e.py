@@ -73,7 +73,15 @@ def test_mlflow_run_holds_layout_params_and_metrics(project: Path, default_run):
         assert key in run.data.metrics, key
     assert "eval/val_perplexity" in run.data.metrics
     assert run.data.tags["kedro.env"] == "local"
-    assert "plan.json" in [a.path for a in client.list_artifacts(run.info.run_id)]
+    # The planner's estimates beside what the run measured.
+    assert float(run.data.params["estimate.time.tokens_per_s"]) > 0
+    assert run.data.params["estimate.device"] == "cpu"
+    assert 0.9 <= run.data.metrics["memory/predicted_over_measured"] <= 1.1
+    assert run.data.metrics["memory/peak_tensor_mb"] > 0
+    assert run.data.metrics["memory/predicted_peak_mb"] > 0
+    artifacts = [a.path for a in client.list_artifacts(run.info.run_id)]
+    for name in ("plan.json", "loss_curve.png", "memory_breakdown.png"):
+        assert name in artifacts, name
 
 
 @pytest.mark.slow

@@ -71,3 +71,60 @@ def loss_curve(history: dict[str, list[tuple[int, float]]], path: Path, title: s
     figure.savefig(path, dpi=120)
     plt.close(figure)
     return path
+
+
+_MEMORY_PARTS = {
+    "parameters": "#4C72B0",
+    "gradients": "#55A868",
+    "optimizer_states": "#C44E52",
+    "communication_buffers": "#8172B2",
+    "activations": "#DD8452",
+    "loss": "#937860",
+}
+
+
+def memory_breakdown(
+    predicted: dict[str, int | list[int]],
+    measured_per_rank: list[int],
+    ranks_per_stage: int,
+    path: Path,
+    title: str,
+) -> Path:
+    """Left: the planner's breakdown of the peak rank, stacked, beside the measured peak.
+    Right: every rank's predicted total (by its pipeline stage) beside its measured peak."""
+    mib = 2**20
+    figure, (left, right) = plt.subplots(
+        1, 2, figsize=(12, 4.2), gridspec_kw={"width_ratios": [1, 1.6]}
+    )
+    bottom = 0.0
+    for part, colour in _MEMORY_PARTS.items():
+        value = predicted[part] / mib
+        left.bar(0, value, bottom=bottom, color=colour, label=part.replace("_", " "))
+        bottom += value
+    left.bar(1, max(measured_per_rank) / mib, color="#333333", label="measured peak")
+    left.set_xticks([0, 1], ["predicted", "measured"])
+    left.set_ylabel("MiB")
+    left.set_title("peak rank", fontsize=9)
+    left.set_xlim(-0.6, 2.6)  # room on the right for the legend
+    left.legend(fontsize=7, loc="upper right")
+
+    stage_totals = predicted.get("total_per_pipeline_rank") or [predicted["total"]]
+    ranks = range(len(measured_per_rank))
+    expected = [stage_totals[r // ranks_per_stage] / mib for r in ranks]
+    right.bar([r - 0.2 for r in ranks], expected, width=0.4, color="#4C72B0", label="predicted")
+    right.bar(
+        [r + 0.2 for r in ranks],
+        [b / mib for b in measured_per_rank],
+        width=0.4,
+        color="#333333",
+        label="measured",
+    )
+    right.set_xticks(list(ranks), [f"rank {r}" for r in ranks], fontsize=8)
+    right.set_title("every rank", fontsize=9)
+    right.legend(fontsize=7)
+    figure.suptitle(title, fontsize=10)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path

@@ -80,6 +80,9 @@ def log_plan(plan: dict[str, Any], run_config: dict[str, Any]) -> None:
         }
     )
     params.update(flatten({"estimate.memory_per_rank_bytes": plan["memory_estimate_per_rank"]}))
+    params.update(flatten({"estimate.time": plan.get("time_estimate") or {}}))
+    if plan.get("device"):
+        params["estimate.device"] = plan["device"]
     client = MlflowClient()
     run_id = mlflow.active_run().info.run_id
     existing = client.get_run(run_id).data.params
@@ -146,6 +149,32 @@ def log_loss_curve(target: TrackingTarget | None = None) -> str | None:
     with tempfile.TemporaryDirectory() as tmp:
         path = loss_curve(history, Path(tmp) / "loss_curve.png", f"{title}: loss per step")
         client.log_artifact(target.run_id, str(path))
+    return path.name
+
+
+def log_memory_report(plan: dict[str, Any], summary: dict[str, Any]) -> str | None:
+    """Draw the planner's memory prediction beside each rank's measured peak and log it
+    as `memory_breakdown.png`, with their ratio as a metric. No-op outside a run or when
+    the run measured nothing (a single step)."""
+    measured = summary.get("measured_peak_memory") or {}
+    if mlflow.active_run() is None or not measured.get("peak_bytes_per_rank"):
+        return None
+    from meshtrain.plots import memory_breakdown
+
+    layout = plan["layout"]
+    predicted = plan["memory_estimate_per_rank"]
+    # (memory/predicted_peak_mb and memory/peak_tensor_mb come from rank 0 at that step.)
+    mlflow.log_metric("memory/predicted_over_measured", predicted["total"] / measured["peak_bytes"])
+    ranks_per_stage = layout["data_parallel_size"] * layout["tensor_parallel_size"]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = memory_breakdown(
+            predicted,
+            measured["peak_bytes_per_rank"],
+            ranks_per_stage,
+            Path(tmp) / "memory_breakdown.png",
+            f"{plan['layout_name']}: peak memory of tensors per rank, predicted and measured",
+        )
+        mlflow.log_artifact(str(path))
     return path.name
 
 

@@ -49,7 +49,7 @@ def train_model(
     node0 = run.launch.node_rank == 0
     if node0:
         tracking.log_plan(plan, run.to_dict())
-    return run_training(
+    summary = run_training(
         run,
         resolved,
         train_files=arrow_files(packed_blocks["train"]),
@@ -58,3 +58,7 @@ def train_model(
         # Rank 0 is on node 0; another node's MLflow run (if its hook opened one) gets nothing.
         tracking=tracking.active_target() if node0 else None,
     )
+    if node0:
+        tracking.log_loss_curve()
+        tracking.log_memory_report(plan, summary)
+    return summary
