@@ -13,12 +13,14 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+import pandas as pd
 import pytest
 from safetensors.torch import load_file
 
 from meshtrain.config import ConfigError
 from meshtrain.sweep import (
     LayoutStringError,
+    comparison_table,
     layout_error,
     parse_layout,
     parse_layouts,
@@ -372,3 +374,38 @@ def test_params_that_a_layout_also_sets_are_refused():
     _refuse_conflicts(specs, {"parallel": {"zero_1": False}, "training": {"max_steps": 8}})
     with pytest.raises(click.BadParameter, match="sets parallel.sequence_parallel, which layout"):
         _refuse_conflicts(specs, {"parallel": {"sequence_parallel": True}})
+
+
+def test_the_comparison_table_puts_predictions_beside_measurements():
+    mib = 2**20
+    runs = pd.DataFrame(
+        {
+            "status": ["FINISHED", "FAILED"],
+            "tags.meshtrain.sweep.layout": ["dp2", "tp3"],
+            "tags.meshtrain.sweep.status": ["finished", "refused"],
+            "tags.mlflow.runName": ["dp2-tp1-pp1-zero1", "tp3 (refused)"],
+            "metrics.loss": [6.2, None],
+            "metrics.memory/peak_rss_mb": [600.0, None],
+            "metrics.eval/val_perplexity": [None, None],  # not logged: column left out
+            "params.estimate.memory_per_rank_bytes.parameters": [str(4 * mib), None],
+            "params.estimate.memory_per_rank_bytes.gradients": [str(4 * mib), None],
+            "params.estimate.memory_per_rank_bytes.optimizer_states": [str(2 * mib), None],
+            "params.estimate.memory_per_rank_bytes.total": [str(30 * mib), None],
+        }
+    )
+    table = comparison_table(runs)
+    assert list(table.columns) == [
+        "layout",
+        "status",
+        "run name",
+        "final loss",
+        "peak RSS rank 0 (MiB)",
+        "predicted peak (MiB)",
+        "predicted model states (MiB)",
+    ]
+    assert table.loc[0, "predicted peak (MiB)"] == 30
+    assert table.loc[0, "predicted model states (MiB)"] == 10
+    assert table["status"].tolist() == ["finished", "refused"]
+    # The worker's own prediction, when logged, wins over the plan's param.
+    runs["metrics.memory/predicted_peak_mb"] = [28.0, None]
+    assert comparison_table(runs).loc[0, "predicted peak (MiB)"] == 28

@@ -273,37 +273,43 @@ def layout_error(output: str) -> str | None:
     return "\n".join(found)
 
 
-# The comparison table: column -> (MLflow search_runs column, scale).
+# The comparison table: column -> MLflow search_runs column.
 _COLUMNS = {
-    "run name": ("tags.mlflow.runName", None),
-    "final loss": ("metrics.loss", None),
-    "val loss": ("metrics.eval/val_loss", None),
-    "val perplexity": ("metrics.eval/val_perplexity", None),
-    "tokens/s": ("metrics.eval/train_tokens_per_s", None),
-    "peak RSS rank 0 (MiB)": ("metrics.memory/peak_rss_mb", None),
-    "model states (MiB)": ("metrics.memory/model_states_mb", None),
-    "predicted model states (MiB)": ("params.estimate.memory_per_rank_bytes.total", 2**-20),
+    "run name": "tags.mlflow.runName",
+    "final loss": "metrics.loss",
+    "val loss": "metrics.eval/val_loss",
+    "val perplexity": "metrics.eval/val_perplexity",
+    "tokens/s": "metrics.eval/train_tokens_per_s",
+    "peak RSS rank 0 (MiB)": "metrics.memory/peak_rss_mb",
+    "peak tensors (MiB)": "metrics.memory/peak_tensor_mb",
+    "predicted peak (MiB)": "metrics.memory/predicted_peak_mb",
+    "model states (MiB)": "metrics.memory/model_states_mb",
 }
+_ESTIMATE = "params.estimate.memory_per_rank_bytes."
+_MODEL_STATES = ("parameters", "gradients", "optimizer_states")
 
 
 def comparison_table(runs: pd.DataFrame) -> pd.DataFrame:
     """One row per layout from `mlflow.search_runs` output of one sweep's layout runs.
 
-    Columns whose source the runs do not hold (an older run, a metric not logged)
-    are left out rather than shown empty. Peak memory is rank 0's resident set, the
-    figure measured on every backend; the prediction is the planner's estimate of
-    the model states, when the plan logged one.
+    Measured and predicted memory sit side by side: rank 0's peak resident set (what
+    the OS saw), the worst rank's peak tensor memory and the planner's prediction of
+    it, and the model states (parameters, gradients, optimizer moments) one rank holds
+    with the planner's count of them. Columns the runs do not hold (an older run, a
+    metric not logged) are left out rather than shown empty.
     """
     table = pd.DataFrame(index=runs.index)
     table["layout"] = runs.get(f"tags.{SWEEP_LAYOUT_TAG}", runs.get("tags.meshtrain.layout"))
     table["status"] = runs.get(f"tags.{SWEEP_STATUS_TAG}", runs["status"].str.lower())
-    for column, (source, scale) in _COLUMNS.items():
-        if source not in runs:
-            continue
-        values = runs[source]
-        if source.startswith("params."):
-            values = pd.to_numeric(values, errors="coerce")
-        table[column] = values * scale if scale else values
+    for column, source in _COLUMNS.items():
+        if source in runs:
+            table[column] = runs[source]
+    if "predicted peak (MiB)" not in table and f"{_ESTIMATE}total" in runs:
+        # Runs planned before the worker logged the prediction beside its measurement.
+        table["predicted peak (MiB)"] = pd.to_numeric(runs[f"{_ESTIMATE}total"]) / 2**20
+    if all(f"{_ESTIMATE}{part}" in runs for part in _MODEL_STATES):
+        states = sum(pd.to_numeric(runs[f"{_ESTIMATE}{part}"]) for part in _MODEL_STATES)
+        table["predicted model states (MiB)"] = states / 2**20
     table = table.dropna(axis=1, how="all")
     return table.reset_index(drop=True)
 
