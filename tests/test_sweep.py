@@ -317,7 +317,7 @@ def test_each_sweep_run_holds_its_layout_tags_metrics_and_pictures(sweep: Sweep)
         for key in ("tokens_per_s", "memory/peak_rss_mb", "val_loss", "eval/val_perplexity"):
             assert key in metrics, (layout, key)
         artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
-        assert "plan.json" in artifacts
+        assert {"plan.json", "loss_curve.png", "memory_breakdown.png"} <= artifacts
         assert ("pipeline_timeline.png" in artifacts) == (pp != "1"), layout
     refused = runs["tp3"]
     assert refused.info.status == "FAILED"

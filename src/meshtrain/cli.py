@@ -27,8 +27,8 @@ from mlflow.tracking import MlflowClient
 
 from meshtrain import sweep as sweeps
 from meshtrain.config import ConfigError
-from meshtrain.hooks import DEFAULTS as MLFLOW_DEFAULTS
-from meshtrain.hooks import resolve_tracking_uri
+from meshtrain.hooks import mlflow_settings as project_mlflow_settings
+from meshtrain.hooks import project_tracking_server, use_tracking_server
 
 # Lines of a failed run's output kept for the summary when it is not a planner refusal.
 _TAIL_LINES = 400
@@ -111,19 +111,22 @@ def sweep(
     ) as session:
         context = session.load_context()
         project_params = context.params
-        try:
-            mlflow_settings = {**MLFLOW_DEFAULTS, **(context.config_loader["mlflow"] or {})}
-        except KeyError:
-            mlflow_settings = dict(MLFLOW_DEFAULTS)
+        mlflow_settings = project_mlflow_settings(context.config_loader, env)
+        # The same store the hook of each layout's `kedro run` writes to (credentials too).
+        server = (
+            project_tracking_server(context.config_loader, env, project_path, mlflow_settings)
+            if mlflow_settings["enabled"]
+            else None
+        )
     try:
         batch, entries = sweeps.plan_sweep(specs, project_params, global_batch_size)
     except (ConfigError, ValueError) as error:
         raise click.UsageError(str(error)) from None
 
     sweep_id = sweeps.new_sweep_id()
-    tracking_uri = os.environ.get("MLFLOW_TRACKING_URI") or resolve_tracking_uri(
-        mlflow_settings["tracking_uri"], project_path
-    )
+    tracking_uri = server.uri if server else ""
+    if server:
+        use_tracking_server(server)
     experiment = mlflow_settings["experiment_name"]
     models_root = (
         PurePosixPath(project_params["consolidation"]["output_dir"]).parent / "sweeps" / sweep_id

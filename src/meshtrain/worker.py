@@ -158,7 +158,14 @@ def train(spec: WorkerSpec) -> dict[str, Any] | None:
     def evaluate() -> float | None:
         if validation_blocks is None or cfg.eval_batches == 0:
             return None
-        return evaluate_loss(pm, validation_blocks, cfg, device, per_device_batch(plan, cfg))
+        return evaluate_loss(
+            pm,
+            validation_blocks,
+            cfg,
+            device,
+            per_device_batch(plan, cfg),
+            plan.global_batch_size,
+        )
 
     def checkpoint(step: int) -> Path:
         return save_checkpoint(
@@ -390,7 +397,12 @@ def report_pipeline_timeline(
 
 @torch.no_grad()
 def evaluate_loss(
-    pm: ParallelModel, blocks: BlockStore, cfg: Any, device: torch.device, batch_size: int
+    pm: ParallelModel,
+    blocks: BlockStore,
+    cfg: Any,
+    device: torch.device,
+    batch_size: int,
+    global_batch: int,
 ) -> float:
     """Token-weighted mean loss over the first `eval_batches` global batches of validation.
 
@@ -403,7 +415,8 @@ def evaluate_loss(
     dims = pm.dims
     pm.set_training(False)
     per_rank = batch_size
-    count = min(len(blocks), cfg.eval_batches * per_rank * dims.dp)
+    # `eval_batches` global batches: the same blocks whatever the layout splits them into.
+    count = min(len(blocks), cfg.eval_batches * global_batch)
     share = -(-count // dims.dp)
     lo, hi = dims.dp_rank * share, min(count, (dims.dp_rank + 1) * share)
     if pm.runner is not None:

@@ -750,8 +750,13 @@ def _fit_global_batch(run: RunConfig) -> RunConfig:
     tp = 1 if par.tensor_parallel_size == AUTO else par.tensor_parallel_size
     pp = 1 if par.pipeline_parallel_size == AUTO else par.pipeline_parallel_size
     world = run.launch.world_size
-    dp = world // (tp * pp) if par.data_parallel_size == AUTO else par.data_parallel_size
-    if dp < 1 or target % dp:
+    if par.data_parallel_size == AUTO:
+        if world % (tp * pp):
+            return run  # the planner refuses the sizes themselves, with the reason
+        dp = world // (tp * pp)
+    else:
+        dp = par.data_parallel_size
+    if target % dp:
         raise LayoutError(
             [
                 Refusal(
