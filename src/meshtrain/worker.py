@@ -283,10 +283,15 @@ def train(spec: WorkerSpec) -> dict[str, Any] | None:
                 step=done,
             )
             if done % progress_every == 0 or done == cfg.max_steps:
+                # Rank 0's progress line (every 5% of the run): a bar would fill the
+                # launcher's per-rank log files with carriage returns.
+                spent = time.perf_counter() - train_start
+                remaining = spent / (done - start_step) * (cfg.max_steps - done)
                 report(
-                    f"step {done}/{cfg.max_steps} | loss {global_loss:.4f} | "
-                    f"lr {schedule.get_last_lr()[0]:.2e} | grad norm {float(grad_norm):.3f} | "
-                    f"{throughput:,.0f} tokens/s"
+                    f"step {done}/{cfg.max_steps} ({done / cfg.max_steps:.0%}, "
+                    f"{_clock(spent)} elapsed, {_clock(remaining)} left) | "
+                    f"loss {global_loss:.4f} | lr {schedule.get_last_lr()[0]:.2e} | "
+                    f"grad norm {float(grad_norm):.3f} | {throughput:,.0f} tokens/s"
                 )
         if cfg.eval_every and done % cfg.eval_every == 0 and done != cfg.max_steps:
             val_loss = evaluate()
@@ -334,6 +339,12 @@ def persistent_tensors(pm: ParallelModel, flat: Any, optimizer: Any) -> list[tor
     for state in optimizer.optimizer.state.values():
         tensors.extend(v for v in state.values() if isinstance(v, torch.Tensor))
     return tensors
+
+
+def _clock(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
 
 
 def per_device_batch(plan: Plan, cfg: Any) -> int:
