@@ -14,10 +14,10 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from meshtrain.checkpoint import CheckpointError, consolidate_checkpoint, resolve_checkpoint
 from meshtrain.checkpoint.consolidate import parse_size
-from meshtrain.planner import command as plan_command
 
 DEFAULT_OUTPUT = "consolidated"
 
@@ -61,14 +61,51 @@ def build_parser() -> argparse.ArgumentParser:
         help="skip the sha256 check of every file (sizes are still checked); the check "
         "runs alongside the copy and costs a read of the checkpoint",
     )
-    plan_command.add_parser(commands)
+    add_plan_parser(commands)
     return parser
+
+
+def add_plan_parser(commands: Any) -> None:
+    plan = commands.add_parser(
+        "plan",
+        help="choose dp/tp/pp, ZeRO-1, SP and checkpointing for a model on N devices",
+        description="Choose a layout for a model and a cluster without the hardware: the "
+        "fastest estimated layout that fits, its memory breakdown and step time, and why "
+        "each other layout lost.",
+    )
+    plan.add_argument("--model", required=True, help="a config.json or a folder with one")
+    plan.add_argument("--devices", type=int, required=True, help="world size (all nodes)")
+    plan.add_argument(
+        "--device",
+        default="cpu",
+        help="device profile: cpu, h100, h200, trn1, trn2 (default: %(default)s)",
+    )
+    plan.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence")
+    plan.add_argument("--global-batch", type=int, default=256, help="sequences per step")
+    plan.add_argument(
+        "--micro-batch-size",
+        type=int,
+        default=1,
+        help="largest per-device batch per forward (per pipeline microbatch)",
+    )
+    plan.add_argument("--devices-per-node", type=int, default=None)
+    for size in ("dp", "tp", "pp"):
+        plan.add_argument(f"--{size}", default="auto", help=f"fix the {size} size (default auto)")
+    plan.add_argument(
+        "--activation-checkpointing", default="auto", choices=("auto", "none", "selective", "full")
+    )
+    plan.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved_1f1b"))
+    plan.add_argument("--bf16", action="store_true", help="bf16 autocast (fp32 master weights)")
+    plan.add_argument("--memory-margin", type=float, default=0.1)
+    plan.add_argument("--json", action="store_true", help="print plan.json's content instead")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "plan":
-        return plan_command.run_plan(args)
+        from meshtrain.planner.command import run_plan  # noqa: PLC0415  (torch; consolidate needs none)
+
+        return run_plan(args)
     if args.command == "consolidate":
         try:
             max_shard_size = parse_size(args.max_shard_size)

@@ -14,44 +14,10 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Any
 
 from meshtrain.config import AUTO, ConfigError, RunConfig
 from meshtrain.planner.devices import BUILTIN_PROFILES, GIB
 from meshtrain.planner.layout import LayoutError, Plan, plan_run
-
-
-def add_parser(commands: Any) -> None:
-    plan = commands.add_parser(
-        "plan",
-        help="choose dp/tp/pp, ZeRO-1, SP and checkpointing for a model on N devices",
-        description=__doc__.split("\n\n")[0],
-    )
-    plan.add_argument("--model", required=True, help="a config.json or a folder with one")
-    plan.add_argument("--devices", type=int, required=True, help="world size (all nodes)")
-    plan.add_argument(
-        "--device",
-        default="cpu",
-        help=f"device profile: {', '.join(BUILTIN_PROFILES)} (default: %(default)s)",
-    )
-    plan.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence")
-    plan.add_argument("--global-batch", type=int, default=256, help="sequences per step")
-    plan.add_argument(
-        "--micro-batch-size",
-        type=int,
-        default=1,
-        help="largest per-device batch per forward (per pipeline microbatch)",
-    )
-    plan.add_argument("--devices-per-node", type=int, default=None)
-    for size in ("dp", "tp", "pp"):
-        plan.add_argument(f"--{size}", default=AUTO, help=f"fix the {size} size (default auto)")
-    plan.add_argument(
-        "--activation-checkpointing", default=AUTO, choices=("auto", "none", "selective", "full")
-    )
-    plan.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved_1f1b"))
-    plan.add_argument("--bf16", action="store_true", help="bf16 autocast (fp32 master weights)")
-    plan.add_argument("--memory-margin", type=float, default=0.1)
-    plan.add_argument("--json", action="store_true", help="print plan.json's content instead")
 
 
 def run_plan(args: argparse.Namespace) -> int:
