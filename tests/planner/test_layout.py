@@ -710,3 +710,22 @@ def test_tied_embeddings_with_pipeline_are_refused() -> None:
 def test_microbatch_count_from_params_strings() -> None:
     run = RunConfig.from_params(parallel={"pipeline_parallel_layers": "[1, 3]"})
     assert run.parallel.pipeline_parallel_layers == [1, 3]
+
+
+@pytest.mark.parametrize(
+    ("architecture", "extra"),
+    [
+        ("llama", {}),
+        ("llama", {"attention_bias": True, "mlp_bias": True, "tie_word_embeddings": True}),
+        ("qwen2", {"tie_word_embeddings": True}),
+        ("qwen3", {"head_dim": 32}),
+        ("mistral", {}),
+    ],
+)
+def test_shapes_from_the_config_equal_the_built_model(architecture: str, extra: dict) -> None:
+    """The planner's shapes (no modelling code imported) are the real model's, name by name."""
+    from meshtrain.models import parameter_shapes
+    from meshtrain.models.parameter_names import llama_family_shapes
+
+    config = build_model_config(architecture, {**SHAPE, **extra}, vocab_size=VOCAB)
+    assert llama_family_shapes(config) == parameter_shapes(config)

@@ -26,6 +26,12 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
+from meshtrain.models.parameter_names import (  # noqa: F401  (re-exported)
+    is_kv_projection,
+    is_tensor_parallel_sharded,
+    kv_replication_factor,
+)
+
 
 def decoder_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """(index as named in Hugging Face, layer) for the decoder layers this module holds.
@@ -87,23 +93,6 @@ def tensor_parallel_plan(model: nn.Module, *, sequence_parallel: bool) -> dict[s
     return plan
 
 
-def kv_replication_factor(num_key_value_heads: int, tensor_parallel_size: int) -> int:
-    """How many copies of each KV head tp ranks need so every rank holds whole heads.
-
-    1 when the KV heads divide evenly over the ranks; tp / kv when there are
-    fewer KV heads than ranks (optimum-neuron's `kv_size_multiplier`).
-    Raises ValueError when neither divides the other.
-    """
-    if num_key_value_heads % tensor_parallel_size == 0:
-        return 1
-    if tensor_parallel_size % num_key_value_heads == 0:
-        return tensor_parallel_size // num_key_value_heads
-    raise ValueError(
-        f"num_key_value_heads={num_key_value_heads} and tensor_parallel_size="
-        f"{tensor_parallel_size}: one must divide the other"
-    )
-
-
 def replicate_kv_heads(model: nn.Module, factor: int) -> list[str]:
     """Repeat every KV head `factor` times in k_proj/v_proj; returns the parameter names.
 
@@ -159,30 +148,6 @@ def head_local_parameters(model: nn.Module) -> dict[str, str]:
             if norm is not None and getattr(norm, "weight", None) is not None:
                 found[f"model.layers.{index}.self_attn.{kind}_norm.weight"] = kind
     return found
-
-
-def is_tensor_parallel_sharded(name: str) -> bool:
-    """Whether parameter `name` is split over tp ranks (for the memory estimate)."""
-    return name.endswith(
-        (
-            "q_proj.weight",
-            "k_proj.weight",
-            "v_proj.weight",
-            "q_proj.bias",
-            "k_proj.bias",
-            "v_proj.bias",
-            "o_proj.weight",
-            "gate_proj.weight",
-            "up_proj.weight",
-            "down_proj.weight",
-            "embed_tokens.weight",
-            "lm_head.weight",
-        )
-    )
-
-
-def is_kv_projection(name: str) -> bool:
-    return name.endswith(("k_proj.weight", "v_proj.weight", "k_proj.bias", "v_proj.bias"))
 
 
 class LlamaStage(nn.Module):

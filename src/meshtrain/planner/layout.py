@@ -16,6 +16,7 @@ import torch
 from transformers import PretrainedConfig
 
 from meshtrain.config import AUTO, RunConfig
+from meshtrain.models.parameter_names import llama_family_shapes
 from meshtrain.planner.cost import estimate_step_time
 from meshtrain.planner.devices import GIB, DeviceProfile, device_profile
 from meshtrain.planner.memory import ModelShape, StepShape, estimate_memory
@@ -567,10 +568,8 @@ def plan_run(
     cuda = torch.cuda.is_available() if cuda_available is None else cuda_available
     device = resolve_device(run.planner.device, run.planner.device_profiles, cuda)
     budget = device.memory_bytes * (1 - run.planner.memory_margin)
-    from meshtrain.models import parameter_shapes  # noqa: PLC0415  (meta-device build)
-
     kwargs = {
-        "shapes": parameter_shapes(model_config),
+        "shapes": llama_family_shapes(model_config),
         "num_train_blocks": num_train_blocks,
         "num_validation_blocks": num_validation_blocks,
         "tokenizer_size": tokenizer_size,

@@ -42,10 +42,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from transformers import PretrainedConfig
+from meshtrain.models.parameter_names import is_kv_projection, is_tensor_parallel_sharded
 
-from meshtrain.models.llama_family import is_kv_projection, is_tensor_parallel_sharded
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 BYTES_FP32 = 4
 BYTES_BF16 = 2
