@@ -33,15 +33,9 @@ from __future__ import annotations
 
 import os
 
-for _key, _value in {
-    "KEDRO_DISABLE_TELEMETRY": "true",
-    "DO_NOT_TRACK": "true",
-    "MLFLOW_DISABLE_TELEMETRY": "true",
-    "HF_HUB_OFFLINE": "1",
-    "HF_DATASETS_OFFLINE": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-}.items():
-    os.environ.setdefault(_key, _value)
+from meshtrain.offline import use_offline_defaults
+
+use_offline_defaults()
 
 import argparse  # noqa: E402
 import resource  # noqa: E402

@@ -20,15 +20,15 @@ the first choice within 10% of the fastest measured).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+from meshtrain.offline import use_offline_defaults
+
+use_offline_defaults()
 
 import datasets  # noqa: E402
 import torch  # noqa: E402

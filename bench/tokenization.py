@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
 import statistics
 import sys
 import tempfile
@@ -50,15 +49,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-ENV = {
-    "KEDRO_DISABLE_TELEMETRY": "true",
-    "DO_NOT_TRACK": "true",
-    "MLFLOW_DISABLE_TELEMETRY": "true",
-    "HF_HUB_OFFLINE": "1",
-    "HF_DATASETS_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-}
+from meshtrain.offline import use_offline_defaults
 
 VALIDATION_FRACTION = 0.05
 SPLIT_SEED = 1234
@@ -194,8 +185,7 @@ def run(side: str, corpus, tokenizer, args, root: Path, tag: str) -> dict[str, A
 
 
 def main() -> None:
-    for key, value in ENV.items():
-        os.environ.setdefault(key, value)
+    use_offline_defaults()  # before datasets and tokenizers load
     import datasets
 
     from meshtrain.data.corpus import load_corpus

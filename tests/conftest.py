@@ -2,18 +2,9 @@
 
 from __future__ import annotations
 
-import os
+from meshtrain.offline import use_offline_defaults
 
-for _key, _value in {
-    "HF_HUB_OFFLINE": "1",
-    "HF_DATASETS_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "KEDRO_DISABLE_TELEMETRY": "true",
-    "DO_NOT_TRACK": "true",
-    "MLFLOW_DISABLE_TELEMETRY": "true",
-    "TOKENIZERS_PARALLELISM": "false",
-}.items():
-    os.environ.setdefault(_key, _value)
+use_offline_defaults()
 
 from pathlib import Path  # noqa: E402
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,10 +27,9 @@ from torch.utils._pytree import tree_flatten
 
 @dataclass
 class PeakMemory:
-    """Peak bytes of live tensors during the measured block, and what it is made of."""
+    """Peak bytes of live tensors during the measured block."""
 
     peak_bytes: int = 0
-    by_kind: dict[str, int] = field(default_factory=dict)
 
 
 def _plain_tensors(value: torch.Tensor) -> Iterator[torch.Tensor]:
@@ -100,4 +99,3 @@ def measure_peak_memory(
     with tracker:
         yield result
     result.peak_bytes = tracker.existing + tracker.peak
-    result.by_kind = {"existing": tracker.existing, "step": tracker.peak}

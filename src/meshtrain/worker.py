@@ -94,6 +94,9 @@ def train(spec: WorkerSpec) -> dict[str, Any] | None:
     run = RunConfig.from_dict(spec.run)
     plan = Plan.from_dict(spec.plan)
     layout, cfg = plan.layout, run.training
+    # The planner's split of the batch (it differs from the parameter when
+    # training.global_batch_size is set); plans older than that field lack it.
+    per_device = plan.per_device_train_batch_size or cfg.per_device_train_batch_size
     rank = dist.get_rank()
     device = torch.device(
         f"cuda:{torch.cuda.current_device()}" if plan.backend == "nccl" else "cpu"
@@ -159,12 +162,7 @@ def train(spec: WorkerSpec) -> dict[str, Any] | None:
         if validation_blocks is None or cfg.eval_batches == 0:
             return None
         return evaluate_loss(
-            pm,
-            validation_blocks,
-            cfg,
-            device,
-            per_device_batch(plan, cfg),
-            plan.global_batch_size,
+            pm, validation_blocks, cfg.eval_batches, device, per_device, plan.global_batch_size
         )
 
     def checkpoint(step: int) -> Path:
@@ -221,9 +219,7 @@ def train(spec: WorkerSpec) -> dict[str, Any] | None:
     memory_step = start_step + 1 if cfg.max_steps > start_step + 1 else None
     for step in range(start_step, cfg.max_steps):
         step_start = time.perf_counter()
-        microbatches = sampler.rank_microbatches(
-            step, dims.dp_rank, dims.dp, per_device_batch(plan, cfg)
-        )
+        microbatches = sampler.rank_microbatches(step, dims.dp_rank, dims.dp, per_device)
         if pm.runner is not None:
             pm.runner.recorder.enabled = step == timeline_step
         measuring = (
@@ -347,19 +343,13 @@ def _clock(seconds: float) -> str:
     return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
 
 
-def per_device_batch(plan: Plan, cfg: Any) -> int:
-    """The planner's per-device batch (it splits `training.global_batch_size` when set)."""
-    return plan.per_device_train_batch_size or cfg.per_device_train_batch_size
-
-
 def report_peak_memory(
     measured: PeakMemory, tracker: MetricsLogger, step: int, predicted_bytes: int
 ) -> dict[str, Any]:
     """Gather every rank's measured peak; rank 0 logs the largest and each pipeline
     rank's, and returns them for the summary (the planner predicts the same). Collective."""
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (measured.peak_bytes, measured.by_kind))
-    peaks = [peak for peak, _ in gathered]
+    peaks: list[int] = [0] * dist.get_world_size()
+    dist.all_gather_object(peaks, measured.peak_bytes)
     worst = max(range(len(peaks)), key=peaks.__getitem__)
     tracker.log(
         {
@@ -374,7 +364,6 @@ def report_peak_memory(
         "peak_bytes": peaks[worst],
         "peak_rank": worst,
         "peak_bytes_per_rank": peaks,
-        "by_kind_of_peak_rank": gathered[worst][1],
     }
 
 
@@ -410,9 +399,9 @@ def report_pipeline_timeline(
 def evaluate_loss(
     pm: ParallelModel,
     blocks: BlockStore,
-    cfg: Any,
+    eval_batches: int,
     device: torch.device,
-    batch_size: int,
+    per_rank: int,
     global_batch: int,
 ) -> float:
     """Token-weighted mean loss over the first `eval_batches` global batches of validation.
@@ -425,9 +414,8 @@ def evaluate_loss(
     """
     dims = pm.dims
     pm.set_training(False)
-    per_rank = batch_size
     # `eval_batches` global batches: the same blocks whatever the layout splits them into.
-    count = min(len(blocks), cfg.eval_batches * global_batch)
+    count = min(len(blocks), eval_batches * global_batch)
     share = -(-count // dims.dp)
     lo, hi = dims.dp_rank * share, min(count, (dims.dp_rank + 1) * share)
     if pm.runner is not None:

@@ -21,7 +21,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshtrain.planner.devices import DeviceProfile
-from meshtrain.planner.memory import BYTES_BF16, BYTES_FP32, ModelShape, StepShape
+from meshtrain.planner.memory import (
+    ADAM_MOMENTS,
+    BYTES_BF16,
+    BYTES_FP32,
+    MemoryEstimate,
+    ModelShape,
+    StepShape,
+)
 
 
 @dataclass(frozen=True)
@@ -89,10 +96,10 @@ def estimate_step_time(
     device: DeviceProfile,
     *,
     accumulation: int,
-    local_parameters: int,
-    owned_parameters: int,
+    memory: MemoryEstimate,
 ) -> TimeEstimate:
-    """Seconds of one optimizer step on the slowest rank."""
+    """Seconds of one optimizer step on the slowest rank (`memory`: its estimate, whose
+    gradient buffer dp reduces and whose optimizer states AdamW updates)."""
     tokens_per_microbatch = step.microbatch_size * step.seq_len
     microbatches = step.microbatches * accumulation  # forwards per step per rank
     tokens = tokens_per_microbatch * microbatches
@@ -127,9 +134,9 @@ def estimate_step_time(
     data_parallel = 0.0
     if step.dp > 1:
         dp_link = _link(device, step.dp * step.tp * step.pp)
-        gradient_bytes = local_parameters * BYTES_FP32
-        data_parallel = _ring(gradient_bytes, step.dp, dp_link, device.latency_us, 2.0)
+        data_parallel = _ring(memory.gradients, step.dp, dp_link, device.latency_us, 2.0)
 
     # AdamW reads parameter, gradient and two moments and writes three: ~28 bytes each.
-    optimizer = owned_parameters * 28 / (device.memory_gbps * 1e9)
+    owned = memory.optimizer_states / (BYTES_FP32 * ADAM_MOMENTS)
+    optimizer = owned * 28 / (device.memory_gbps * 1e9)
     return TimeEstimate(compute, tensor_parallel, pipeline, data_parallel, optimizer)

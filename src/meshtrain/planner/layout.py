@@ -134,6 +134,21 @@ def _fmt(values: list[int]) -> str:
     return ", ".join(str(v) for v in values) if values else "none"
 
 
+def tensor_parallel_degrees(world: int, model_config: PretrainedConfig) -> list[int]:
+    """tp degrees the model and this engine accept: they divide the world and the attention
+    heads, and the KV heads divide tp or tp divides them (then KV heads are replicated)."""
+    heads = model_config.num_attention_heads
+    kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
+    return [
+        d for d in _divisors(world) if heads % d == 0 and (kv_heads % d == 0 or d % kv_heads == 0)
+    ]
+
+
+def pipeline_parallel_degrees(world: int, model_config: PretrainedConfig) -> list[int]:
+    """pp degrees that divide the world and leave every stage a decoder layer."""
+    return [d for d in _divisors(world) if d <= model_config.num_hidden_layers]
+
+
 def balanced_split(layers: int, stages: int) -> list[int]:
     """Decoder layers per stage, as even as possible (earlier stages take the remainder)."""
     base, extra = divmod(layers, stages)
@@ -267,11 +282,7 @@ def _plan_layout(
     kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
     layers = model_config.num_hidden_layers
 
-    # Tensor parallel degrees that the model and this engine accept.
-    # KV heads are replicated when there are fewer than tp ranks (kv must divide tp).
-    tp_ok = [
-        d for d in _divisors(world) if heads % d == 0 and (kv_heads % d == 0 or d % kv_heads == 0)
-    ]
+    tp_ok = tensor_parallel_degrees(world, model_config)
     tp = 1 if par.tensor_parallel_size == AUTO else par.tensor_parallel_size
     if tp not in tp_ok:
         why = []
@@ -293,7 +304,7 @@ def _plan_layout(
             )
         )
 
-    pp_ok = [d for d in _divisors(world) if d <= layers]
+    pp_ok = pipeline_parallel_degrees(world, model_config)
     pp = 1 if par.pipeline_parallel_size == AUTO else par.pipeline_parallel_size
     if pp not in pp_ok:
         if pp > layers:
@@ -509,15 +520,8 @@ def _plan_layout(
         offload_effective=par.activation_offloading and device.name != "cpu",
     )
     memory = estimate_memory(shapes, shape, step)
-    local = memory.parameters // 4
-    owned = memory.optimizer_states // 8
     time_estimate = estimate_step_time(
-        shape,
-        step,
-        device,
-        accumulation=train.gradient_accumulation_steps,
-        local_parameters=local,
-        owned_parameters=owned,
+        shape, step, device, accumulation=train.gradient_accumulation_steps, memory=memory
     )
     if par.activation_offloading and device.name == "cpu":
         notes.append(
@@ -697,16 +701,13 @@ def _over_memory(plan: Plan, device: DeviceProfile, run: RunConfig) -> Refusal:
 def _search_space(run: RunConfig, model_config: PretrainedConfig) -> list[RunConfig]:
     """Every combination of the `auto` knobs the fixed values allow (one if none is auto)."""
     par, world = run.parallel, run.launch.world_size
-    layers = model_config.num_hidden_layers
-    heads = model_config.num_attention_heads
-    kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
     tp_options = (
-        [d for d in _divisors(world) if heads % d == 0 and (kv_heads % d == 0 or d % kv_heads == 0)]
+        tensor_parallel_degrees(world, model_config)
         if par.tensor_parallel_size == AUTO
         else [par.tensor_parallel_size]
     )
     pp_options = (
-        [d for d in _divisors(world) if d <= layers]
+        pipeline_parallel_degrees(world, model_config)
         if par.pipeline_parallel_size == AUTO
         else [par.pipeline_parallel_size]
     )

@@ -40,6 +40,7 @@ counted at 2 bytes.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -190,13 +191,21 @@ def estimate_model_states(
     """Bytes per rank of fp32 parameters, gradients and AdamW moments, stages averaged."""
     local = math.ceil(local_parameter_count(shapes, tp=tp, kv_replication=kv_replication) / pp)
     owned = math.ceil(local / dp) if zero_1 else local
+    return _with_model_states(local, owned, zero_1)
+
+
+def _with_model_states(
+    held: int, owned: int, zero_1: bool, *, activations: int = 0, loss: int = 0
+) -> MemoryEstimate:
+    """fp32 parameters and gradients of `held` elements, AdamW's moments of the `owned`
+    ones, and under ZeRO-1 the gradient shard they are reduce-scattered into."""
     return MemoryEstimate(
-        parameters=local * BYTES_FP32,
-        gradients=local * BYTES_FP32,
+        parameters=held * BYTES_FP32,
+        gradients=held * BYTES_FP32,
         optimizer_states=owned * BYTES_FP32 * ADAM_MOMENTS,
         communication_buffers=owned * BYTES_FP32 if zero_1 else 0,
-        activations=0,
-        loss=0,
+        activations=activations,
+        loss=loss,
     )
 
 
@@ -252,26 +261,11 @@ def estimate_memory(
         owned = padded // step.dp if step.zero_1 else local
         activations, loss = _activations_on_rank(m, step, rank, mine)  # saved, at the peak
         per_rank.append(
-            MemoryEstimate(
-                parameters=padded * BYTES_FP32,
-                gradients=padded * BYTES_FP32,
-                optimizer_states=owned * BYTES_FP32 * ADAM_MOMENTS,
-                communication_buffers=owned * BYTES_FP32 if step.zero_1 else 0,
-                activations=activations,
-                loss=loss,
-            )
+            _with_model_states(padded, owned, step.zero_1, activations=activations, loss=loss)
         )
     worst = max(range(step.pp), key=lambda r: per_rank[r].total)
-    peak = per_rank[worst]
-    return MemoryEstimate(
-        parameters=peak.parameters,
-        gradients=peak.gradients,
-        optimizer_states=peak.optimizer_states,
-        communication_buffers=peak.communication_buffers,
-        activations=peak.activations,
-        loss=peak.loss,
-        pipeline_rank=worst,
-        per_pipeline_rank=tuple(e.total for e in per_rank),
+    return dataclasses.replace(
+        per_rank[worst], pipeline_rank=worst, per_pipeline_rank=tuple(e.total for e in per_rank)
     )
 
 
