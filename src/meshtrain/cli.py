@@ -17,7 +17,6 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import click
 from kedro.framework.cli.utils import CONTEXT_SETTINGS, _split_params, env_option
@@ -28,7 +27,7 @@ from mlflow.tracking import MlflowClient
 from meshtrain import sweep as sweeps
 from meshtrain.config import ConfigError
 from meshtrain.hooks import mlflow_settings as project_mlflow_settings
-from meshtrain.hooks import project_tracking_server, use_tracking_server
+from meshtrain.hooks import project_tracking_server, redact, use_tracking_server
 
 # Lines of a failed run's output kept for the summary when it is not a planner refusal.
 _TAIL_LINES = 400
@@ -190,15 +189,6 @@ def _refuse_conflicts(specs: list[sweeps.LayoutSpec], user_params: dict[str, Any
                     "layout (--layouts) or leave it out of the layouts",
                     param_hint="--params",
                 )
-
-
-def redact(uri: str) -> str:
-    """The URI without a password, for printing."""
-    parts = urlsplit(uri)
-    if parts.password is None:
-        return uri
-    host = parts.netloc.rsplit("@", 1)[1]
-    return urlunsplit(parts._replace(netloc=f"{parts.username}:***@{host}"))
 
 
 def _folder_name(layout: str) -> str:
