@@ -8,7 +8,9 @@ the same per-device batch, global batch, AdamW hyper-parameters (lr 3e-3, betas
 same number of steps, as
 
 (a) meshtrain: `make_worker_spec` + `run_workers(worker_main_sequence, ...)`, the real
-    loop (`meshtrain.worker.train`: flat buffer, `ShardedAdamW`, ZeRO-1 at dp > 1),
+    loop (`meshtrain.worker.train`: flat buffer, `ShardedAdamW`, ZeRO-1 at dp > 1 with
+    bucketed gradient reductions started during the backward; at dp=2 also once with
+    `training.overlap_grad_reduce=false`, the reductions after the backward),
     logging every step (`log_every=1`, the project default: a loss all-reduce and
     `.item()` per step), `eval_batches=0`, `checkpoint_every` beyond the run (the final
     step still saves one checkpoint; it is not timed, see below);
@@ -58,9 +60,9 @@ shared machine; nothing is asserted.
 `meshtrain.worker.train` (same components: `parallelize`, `FlatParameters`, the
 pieces of `ShardedAdamW.step`, `BlockStore`, `GlobalBatchSampler`) with timers
 around data, forward, loss, backward, gradient reduction, norm and clipping, AdamW,
-parameter all-gather, zero_grad and the logging sync; the same copy with two changes
-proposed for `src/` (gloo reduce-scatter as `all_to_all_single` + local sum, fused
-AdamW); at dp > 1 the copy with `zero_1` off; and the same timers around what the
+parameter all-gather, zero_grad and the logging sync; at dp > 1 the same copy with
+the gradient reduction after the backward instead of overlapped with it, and with
+`zero_1` off; and the same timers around what the
 Trainer runs underneath (DDP with `find_unused_parameters=True`, `clip_grad_norm_`,
 fused AdamW, `zero_grad(set_to_none=True)`). All columns run in one process group,
 warmed up, in alternating blocks of a few steps (so load from other jobs falls on
@@ -139,8 +141,18 @@ LAUNCHER_ENV = (
     "TORCHELASTIC_USE_AGENT_STORE",
 )
 # The sides compared at each world size (the bare loop is one process by definition).
-SYSTEMS = {2: ("meshtrain", "trainer"), 1: ("meshtrain", "trainer", "bare")}
-LABELS = {"meshtrain": "meshtrain", "trainer": "HF Trainer", "bare": "bare loop"}
+# At dp=2 meshtrain also runs with its gradient reduction after the backward instead of
+# overlapped with it (`training.overlap_grad_reduce=false`), to show what overlap buys.
+SYSTEMS = {
+    2: ("meshtrain", "trainer", "meshtrain_after"),
+    1: ("meshtrain", "trainer", "bare"),
+}
+LABELS = {
+    "meshtrain": "meshtrain",
+    "meshtrain_after": "meshtrain, reduction after backward",
+    "trainer": "HF Trainer",
+    "bare": "bare loop",
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -153,6 +165,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--block", type=int, default=128)
     parser.add_argument("--batch", type=int, default=8, help="per-device batch")
+    parser.add_argument(
+        "--bucket-mb",
+        type=float,
+        default=RunConfig.from_params().training.grad_bucket_mb,
+        help="meshtrain's training.grad_bucket_mb (default: the project's)",
+    )
     parser.add_argument("--steps", type=int, default=20, help="timed steps per run")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first")
     parser.add_argument("--repeats", type=int, default=2, help="order reversed on odd repeats")
@@ -296,7 +314,13 @@ def meshtrain_entry(specs: list[Any], job: dict[str, Any]) -> dict[str, Any] | N
     }
 
 
-def meshtrain_spec(job: dict[str, Any], blocks: datasets.DatasetDict, out: Path, name: str):
+def meshtrain_spec(
+    job: dict[str, Any],
+    blocks: datasets.DatasetDict,
+    out: Path,
+    name: str,
+    training: dict[str, Any] | None = None,
+):
     from meshtrain.training import make_worker_spec
 
     world = job["world"]
@@ -315,6 +339,8 @@ def meshtrain_spec(job: dict[str, Any], blocks: datasets.DatasetDict, out: Path,
             "keep_last": 1,
             "output_dir": str(out),
             "run_name": name,
+            "grad_bucket_mb": job["bucket_mb"],
+            **(training or {}),
         },
         launch={"nproc_per_node": world},
         model={"architecture": "llama", "config": model_fields(job)},
@@ -505,8 +531,9 @@ def run_one(system: str, job: dict[str, Any], blocks, root: Path, tag: str, verb
     tokens_per_step = job["batch"] * world * job["block"]
     began = time.perf_counter()
     with _quiet(root / "ranks.log", verbose):
-        if system == "meshtrain":
-            spec, launch = meshtrain_spec(job, blocks, out, tag)
+        if system.startswith("meshtrain"):
+            after = {"overlap_grad_reduce": False} if system == "meshtrain_after" else {}
+            spec, launch = meshtrain_spec(job, blocks, out, tag, after)
             results = run_workers(
                 meshtrain_entry, ([spec], job), launch, log_dir=out / tag / "logs", run_id=tag
             )
@@ -526,8 +553,14 @@ def run_one(system: str, job: dict[str, Any], blocks, root: Path, tag: str, verb
     )
     result["wall_s"] = time.perf_counter() - began
     extra = ""
-    if system == "meshtrain":
-        extra = f"; own mean_tokens_per_s {result['summary']['mean_tokens_per_s']:,.0f}"
+    if system.startswith("meshtrain"):
+        summary = result["summary"]
+        buckets = summary["gradient_buckets"]
+        extra = (
+            f"; own mean_tokens_per_s {summary['mean_tokens_per_s']:,.0f}; "
+            f"{buckets['started_in_backward']} of {buckets['count']} gradient buckets "
+            "started in the backward"
+        )
     elif system == "trainer":
         whole = (job["warmup"] + job["steps"] + 1) * tokens_per_step / result["train_runtime"]
         extra = (
@@ -623,7 +656,7 @@ PHASES = (
 PROFILE_BLOCK = 4  # steps of one side before switching to the other
 PROFILE_LABELS = {
     "meshtrain": "meshtrain (as is)",
-    "proposed": "meshtrain + a2a reduce-scatter + fused AdamW",
+    "after backward": "meshtrain, reduction after backward",
     "zero_1 off": "meshtrain, zero_1=false",
     "ddp": "DDP + fused AdamW (Trainer's step)",
 }
@@ -646,17 +679,12 @@ class _Timer:
 def _meshtrain_copy(job: dict[str, Any], dims, blocks: BlockStore, variant: str = "as is"):
     """The set-up of `meshtrain.worker.train`, and a step function timing each phase.
 
-    variant "as is": what `train` runs. "zero_1 off": the same with
-    `parallel.zero_1=false` (all-reduce, every rank updates everything). "proposed":
-    two changes suggested for `src/` -- the gloo reduce-scatter done as one
-    `all_to_all_single` plus a local sum, and AdamW with `fused=True`.
+    variant "as is": what `train` runs (bucketed reductions started during the
+    backward, so "backward" includes starting them and "grad reduce" is what is left
+    to wait for). "after backward": the same with `training.overlap_grad_reduce=false`.
+    "zero_1 off": `parallel.zero_1=false` (all-reduce, every rank updates everything).
     """
     from meshtrain.models import config_from_dict
-    from meshtrain.parallel.data_parallel import (
-        average_gradients,
-        gather_parameters,
-        reduce_scatter_gradients,
-    )
     from meshtrain.parallel.flat_buffer import FlatParameters
     from meshtrain.parallel.zero import ShardedAdamW
     from meshtrain.parallelize import causal_lm_loss, parallelize
@@ -679,33 +707,19 @@ def _meshtrain_copy(job: dict[str, Any], dims, blocks: BlockStore, variant: str 
         eps=OPTIM["adam_epsilon"],
         weight_decay=OPTIM["weight_decay"],
         max_grad_norm=OPTIM["max_grad_norm"],
+        overlap_reduction=variant != "after backward",
+        bucket_bytes=int(job["bucket_mb"] * 2**20),
     )
-    scratch = None
-    if variant == "proposed":
-        groups = optimizer.optimizer.param_groups
-        optimizer.optimizer = torch.optim.AdamW(
-            [{k: group[k] for k in ("params", "weight_decay", "range")} for group in groups],
-            lr=OPTIM["learning_rate"],
-            betas=(OPTIM["adam_beta1"], OPTIM["adam_beta2"]),
-            eps=OPTIM["adam_epsilon"],
-            fused=True,
-        )
-        scratch = torch.empty_like(flat.grads) if optimizer.zero_1 else None
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer.optimizer,
         partial(warmup_cosine, warmup_steps=job["warmup"], max_steps=10**6, min_ratio=0.1),
     )
     sampler = GlobalBatchSampler(len(blocks), job["batch"] * dims.dp, SEED)
 
-    def reduce_scatter_by_all_to_all() -> None:
-        dist.all_to_all_single(scratch, flat.grads, group=optimizer.group)
-        shard = optimizer.grad_shard
-        torch.sum(scratch.view(dims.dp, -1), 0, out=shard)
-        shard.div_(dims.dp)
-
     def step(index: int, timer: _Timer) -> None:
         timer.restart()
         micro = sampler.rank_microbatches(index, dims.dp_rank, dims.dp, job["batch"])
+        optimizer.reducer.expect(len(micro))
         loss_sum = torch.zeros(())
         for indices in micro:
             ids = blocks.batch(indices)
@@ -718,12 +732,7 @@ def _meshtrain_copy(job: dict[str, Any], dims, blocks: BlockStore, variant: str 
             loss.backward()
             loss_sum += loss.detach()
             timer.mark("backward")
-        if scratch is not None:
-            reduce_scatter_by_all_to_all()
-        elif optimizer.zero_1:
-            reduce_scatter_gradients(flat.grads, optimizer.grad_shard, optimizer.group)
-        else:
-            average_gradients(flat.grads, optimizer.group)
+        optimizer.reducer.finish(optimizer.grad_shard)
         timer.mark("grad reduce")
         norm = optimizer.global_grad_norm()
         coef = torch.clamp(optimizer.max_grad_norm / (norm + 1e-6), max=1.0)
@@ -731,9 +740,9 @@ def _meshtrain_copy(job: dict[str, Any], dims, blocks: BlockStore, variant: str 
         timer.mark("grad norm+clip")
         optimizer.optimizer.step()
         timer.mark("adamw")
-        if optimizer.zero_1:
-            owned = flat.params[optimizer.start : optimizer.end].clone()
-            gather_parameters(flat.params, owned, optimizer.group)
+        if optimizer.zero_1 and dims.dp > 1:
+            owned = flat.params[optimizer.start : optimizer.end]
+            dist.all_gather_into_tensor(flat.params, owned, group=optimizer.group)
         timer.mark("param gather")
         schedule.step()
         flat.zero_grad()
@@ -755,7 +764,8 @@ def _ddp_copy(job: dict[str, Any], dims, blocks: BlockStore):
     config = hf_config(job)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.train()
-    wrapped = DistributedDataParallel(model) if dims.dp > 1 else model
+    # As the Trainer wraps a model without gradient checkpointing.
+    wrapped = DistributedDataParallel(model, find_unused_parameters=True) if dims.dp > 1 else model
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     optimizer = torch.optim.AdamW(
@@ -809,8 +819,8 @@ def profile_entry(job: dict[str, Any]) -> dict[str, Any] | None:
         dims = ParallelDims.build(world, 1, 1, "cpu")
         blocks = BlockStore(job["train_files"])
         steps = {"meshtrain": _meshtrain_copy(job, dims, blocks)}
-        steps["proposed"] = _meshtrain_copy(job, dims, blocks, "proposed")
         if world > 1:
+            steps["after backward"] = _meshtrain_copy(job, dims, blocks, "after backward")
             steps["zero_1 off"] = _meshtrain_copy(job, dims, blocks, "zero_1 off")
         steps["ddp"] = _ddp_copy(job, dims, blocks)
         timers = {name: _Timer() for name in steps}
@@ -867,7 +877,11 @@ def profile_tables(args: argparse.Namespace, root: Path, blocks_path: Path) -> l
         n = result["steps"]
         tokens = args.batch * world * args.block
         layout = f"dp={world}" if world > 1 else "1 process"
-        zero = " (meshtrain: ZeRO-1, reduce-scatter + all-gather)" if world > 1 else ""
+        zero = (
+            " (meshtrain: ZeRO-1, bucketed reductions to the owner + all-gather)"
+            if world > 1
+            else ""
+        )
         names = list(result["walls"])
         lines.append("")
         lines.append(

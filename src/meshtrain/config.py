@@ -76,6 +76,10 @@ class TrainingConfig:
     adam_beta2: float = 0.95
     adam_epsilon: float = 1e-8
     max_grad_norm: float = 1.0
+    # Data-parallel gradient averaging in buckets of this size, each started as soon as
+    # the backward has finished its gradients (off: all of them after the backward).
+    overlap_grad_reduce: bool = True
+    grad_bucket_mb: float = 25.0
     max_steps: int = 200
     seed: int = 42
     mixed_precision: Literal["no", "bf16"] = "no"
@@ -280,9 +284,16 @@ class RunConfig:
                 f"`planner.memory_margin` is {planner_config.memory_margin}; use a fraction "
                 "in [0, 1), e.g. 0.1 to keep 10% of device memory free."
             )
+        training_config = parse(TrainingConfig, training, "training")
+        if not training_config.grad_bucket_mb > 0:
+            raise ConfigError(
+                f"`training.grad_bucket_mb` is {training_config.grad_bucket_mb}; use a size in "
+                "MiB above 0, e.g. 25 (DDP's default) or 1-4 for models of a few million "
+                "parameters."
+            )
         return cls(
             parallel=parse(ParallelConfig, parallel, "parallel"),
-            training=parse(TrainingConfig, training, "training"),
+            training=training_config,
             launch=parse(LaunchConfig, launch, "launch"),
             model=parse(ModelConfig, model, "model"),
             data=parse(DataConfig, data, "data"),

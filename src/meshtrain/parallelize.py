@@ -108,6 +108,11 @@ class ParallelModel:
             logits = self.modules[0](input_ids=input_ids).logits
             return as_local(causal_lm_loss(logits, input_ids))
 
+    @property
+    def backward_passes_per_batch(self) -> int:
+        """How often one `train_batch` accumulates into each gradient."""
+        return self.layout.pipeline_parallel_num_microbatches if self.runner else 1
+
     def synchronize_tensor_parallel_gradients(self) -> None:
         if self.tp_sync is not None:
             self.tp_sync()
@@ -208,6 +213,9 @@ def build_optimizer(
         flat,
         dims.dp_group,
         zero_1=zero_1,
+        overlap_reduction=training.overlap_grad_reduce,
+        bucket_bytes=int(training.grad_bucket_mb * 2**20),
+        reduce_after_backward=pm.tp_sync.parameter_names if pm.tp_sync else (),
         norm_groups=norm_groups,
         lr=training.learning_rate,
         betas=(training.adam_beta1, training.adam_beta2),

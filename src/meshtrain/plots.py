@@ -77,7 +77,6 @@ _MEMORY_PARTS = {
     "parameters": "#4C72B0",
     "gradients": "#55A868",
     "optimizer_states": "#C44E52",
-    "communication_buffers": "#8172B2",
     "activations": "#DD8452",
     "loss": "#937860",
 }

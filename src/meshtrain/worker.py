@@ -228,6 +228,7 @@ def train(spec: WorkerSpec) -> dict[str, Any] | None:
             else nullcontext()
         )
         with measuring as measured:
+            optimizer.reducer.expect(len(microbatches) * pm.backward_passes_per_batch)
             loss_sum = torch.zeros((), device=device)
             for indices in microbatches:
                 input_ids = train_blocks.batch(indices).to(device, non_blocking=True)
@@ -322,12 +323,16 @@ def train(spec: WorkerSpec) -> dict[str, Any] | None:
         "peak_rss_mb_rank0": peak,
         "model_states_bytes_rank0": state_bytes,
         "measured_peak_memory": peak_memory,
+        "gradient_buckets": {
+            "count": len(optimizer.reducer.buckets),
+            "started_in_backward": optimizer.reducer.started_in_backward,
+        },
     }
 
 
 def persistent_tensors(pm: ParallelModel, flat: Any, optimizer: Any) -> list[torch.Tensor]:
     """What lives through a step: parameters and buffers of this rank's stages, the flat
-    gradient buffer, the optimizer's gradient shard and states."""
+    gradient buffer (the optimizer's gradient shard is a view of it) and its states."""
     tensors = [flat.params, flat.grads, optimizer.grad_shard]
     for module in pm.modules:
         tensors.extend(module.parameters())

@@ -22,11 +22,21 @@ from tests.parallel.reference import (
 CASES = {
     # per-device batch x accumulation x dp = 8 in every case
     "dp2-zero1": ({"zero_1": True}, {"per_device_train_batch_size": 4}),
+    # Buckets of a few parameters each, started during the backward of the second
+    # microbatch only (a reduction after the first would lose the second's gradients).
     "dp2-zero1-accum2": (
         {"zero_1": True},
-        {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2},
+        {
+            "per_device_train_batch_size": 2,
+            "gradient_accumulation_steps": 2,
+            "grad_bucket_mb": 0.02,
+        },
     ),
-    "dp2-no-zero": ({"zero_1": False}, {"per_device_train_batch_size": 4}),
+    "dp2-no-zero": ({"zero_1": False}, {"per_device_train_batch_size": 4, "grad_bucket_mb": 0.02}),
+    "dp2-zero1-after-backward": (
+        {"zero_1": True},
+        {"per_device_train_batch_size": 4, "overlap_grad_reduce": False},
+    ),
     "dp2-zero1-checkpointing": (
         {"zero_1": True, "activation_checkpointing": "full"},
         {"per_device_train_batch_size": 4},
@@ -59,12 +69,19 @@ def test_dp2_with_and_without_zero1_match_one_process(tiny_blocks, tmp_path: Pat
 
     expected_losses, expected_weights = reference_run(tiny_blocks, "llama", TINY_MODEL)
     assert expected_losses[-1] < expected_losses[0]
-    for name, summary in zip(CASES, results, strict=True):
+    for (name, (_, training)), summary in zip(CASES.items(), results, strict=True):
         assert_matches_reference(
             name, summary, expected_losses, expected_weights, tmp_path / f"{name}-hf"
         )
         assert summary["initial_val_loss"] > summary["final_val_loss"]
         assert_memory_model_holds(name, summary)
+        buckets = summary["gradient_buckets"]
+        if training.get("grad_bucket_mb"):
+            # Every bucket was started by the backward (of the last microbatch).
+            assert buckets["count"] > 2, buckets
+            assert buckets["started_in_backward"] == buckets["count"], buckets
+        elif training.get("overlap_grad_reduce") is False:
+            assert buckets["started_in_backward"] == 0, buckets
 
     # bf16 autocast is not fp32 arithmetic, so it only has to track the fp32 run closely.
     bf16_losses = [loss for _, loss in bf16_result["losses"]]

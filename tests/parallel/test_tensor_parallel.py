@@ -42,6 +42,14 @@ WORLD_4 = {
         TINY_MODEL,
     ),
     "qwen2-tied-tp4-sp": ({"tensor_parallel_size": 4}, ONE_MICROBATCH, "qwen2", QWEN2_TIED),
+    # Per-head norms: their gradients are summed over tp after the backward, so their
+    # bucket waits for that while the others are reduced over dp during it.
+    "qwen3-dp2-tp2-zero1-sp-small-buckets": (
+        {"tensor_parallel_size": 2, "data_parallel_size": 2, "zero_1": True},
+        {"per_device_train_batch_size": 4, "grad_bucket_mb": 0.01},
+        "qwen3",
+        QWEN3,
+    ),
 }
 WORLD_2 = {
     "tp2-sp": ({"tensor_parallel_size": 2}, ONE_MICROBATCH, "llama", TINY_MODEL),
@@ -92,6 +100,10 @@ def _run_group(cases: dict, world: int, blocks, out: Path) -> None:
         losses, weights = references[key]
         assert_matches_reference(name, summary, losses, weights, out / f"{name}-hf")
         assert_memory_model_holds(name, summary)
+        if name.endswith("small-buckets"):
+            buckets = summary["gradient_buckets"]
+            # The per-head norms' buckets wait for the tp sum; the rest overlap the backward.
+            assert 0 < buckets["started_in_backward"] < buckets["count"], buckets
 
 
 @pytest.mark.slow

@@ -469,7 +469,7 @@ def test_num_parameters_is_the_real_parameter_count(model_config: PretrainedConf
     memory = plan.memory_estimate_per_rank
     assert memory["parameters"] == 4 * real
     assert memory["gradients"] == 4 * real
-    parts = ("parameters", "gradients", "optimizer_states", "communication_buffers")
+    parts = ("parameters", "gradients", "optimizer_states")
     assert memory["total"] == sum(memory[p] for p in (*parts, "activations", "loss"))
 
 
@@ -500,16 +500,14 @@ def test_memory_estimate_pads_the_zero_1_shard() -> None:
     assert estimate.parameters == 28
     assert estimate.gradients == 28
     assert estimate.optimizer_states == 4 * 2 * 4
-    assert estimate.communication_buffers == 4 * 4  # the gradient shard reduced into
-    assert estimate.total == 28 + 28 + 32 + 16
+    assert estimate.total == 28 + 28 + 32
     assert estimate.to_dict() | {"total_per_pipeline_rank": []} == {
         "parameters": 28,
         "gradients": 28,
         "optimizer_states": 32,
-        "communication_buffers": 16,
         "activations": 0,
         "loss": 0,
-        "total": 104,
+        "total": 88,
         "peak_pipeline_rank": 0,
         "total_per_pipeline_rank": [],
     }

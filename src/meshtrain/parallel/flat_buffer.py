@@ -28,6 +28,7 @@ class Slot:
     offset: int
     numel: int
     shape: tuple[int, ...]
+    position: int  # where the parameter came in the model's order (the buffer sorts them)
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,7 @@ class FlatParameters:
             layouts = layouts or plain_layouts(parameters)
             parameters = parameters.named_parameters()
         named = [(n, p) for n, p in parameters if p.requires_grad]
+        position = {n: i for i, (n, _) in enumerate(named)}
         layouts = layouts or {n: ParameterLayout(n, None, 1) for n, _ in named}
 
         def kind(item: tuple[str, torch.Tensor]) -> tuple[bool, int]:
@@ -66,7 +68,7 @@ class FlatParameters:
         offset = 0
         for name, p in ordered:
             local = local_tensor(p)
-            self.slots.append(Slot(name, offset, local.numel(), tuple(local.shape)))
+            self.slots.append(Slot(name, offset, local.numel(), tuple(local.shape), position[name]))
             no_decay, copies = kind((name, p))
             if self.runs and (not self.runs[-1].weight_decay, self.runs[-1].copies) == (
                 no_decay,

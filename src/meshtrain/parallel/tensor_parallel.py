@@ -101,6 +101,10 @@ class TensorParallelGradSync:
             if layout.head_local
         ]
         self.kv_copies = [params[n] for n, layout in layouts.items() if layout.kv_replication > 1]
+        # Their gradients are final only after this sum (data parallelism waits for it).
+        self.parameter_names = frozenset(
+            n for n, layout in layouts.items() if layout.head_local or layout.kv_replication > 1
+        )
         self.kv_group = None
         if kv_replication > 1:
             # Ranks holding copies of one KV head are neighbours on the tp axis.

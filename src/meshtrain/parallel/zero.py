@@ -5,7 +5,8 @@ tensor-parallel layouts need exactly that, so meshtrain shards the optimizer
 itself. The flat buffer (see `flat_buffer`) is cut into `dp` equal ranges;
 with ZeRO-1 each data-parallel rank
 
-1. reduce-scatters the gradients, receiving the mean only for its range,
+1. receives the mean of the gradients over its range only (bucket-wise
+   reductions to the owner, overlapped with the backward: `data_parallel`),
 2. updates its range with AdamW, holding moments for that range alone,
 3. all-gathers the updated ranges so every rank has the whole model again.
 
@@ -16,14 +17,12 @@ the parameters one by one, which is why ZeRO-1 reproduces one process.
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 import torch.distributed as dist
 
-from meshtrain.parallel.data_parallel import (
-    average_gradients,
-    gather_parameters,
-    reduce_scatter_gradients,
-)
+from meshtrain.parallel.data_parallel import GradientReducer
 from meshtrain.parallel.flat_buffer import FlatParameters
 
 
@@ -40,7 +39,12 @@ class ShardedAdamW:
         eps: float,
         weight_decay: float,
         max_grad_norm: float,
+        overlap_reduction: bool = True,
+        bucket_bytes: int = 25 * 2**20,
+        reduce_after_backward: Collection[str] = (),
     ) -> None:
+        """`reduce_after_backward`: names of parameters whose gradients are completed
+        after the backward (tensor parallelism's sums) and so reduced after it."""
         self.flat = flat
         self.group = group
         self.zero_1 = zero_1
@@ -48,15 +52,23 @@ class ShardedAdamW:
         self.max_grad_norm = max_grad_norm
         size = dist.get_world_size(group) if group is not None else 1
         rank = dist.get_rank(group) if group is not None else 0
+        owned_ranges = None
         if zero_1:
             per_rank = flat.padded_numel // size
-            self.start, self.end = rank * per_rank, (rank + 1) * per_rank
-            self.grad_shard = torch.zeros(
-                per_rank, dtype=flat.grads.dtype, device=flat.grads.device
-            )
+            owned_ranges = [(r * per_rank, (r + 1) * per_rank) for r in range(size)]
+            self.start, self.end = owned_ranges[rank]
         else:
             self.start, self.end = 0, flat.padded_numel
-            self.grad_shard = flat.grads
+        # The averaged gradients of the owned range: where the reductions leave them.
+        self.grad_shard = flat.grads[self.start : self.end]
+        self.reducer = GradientReducer(
+            flat,
+            group,
+            owned_ranges=owned_ranges,
+            bucket_bytes=bucket_bytes,
+            overlap=overlap_reduction,
+            deferred_names=reduce_after_backward,
+        )
 
         # The owned range, cut where the runs change; padding is never updated.
         groups = []
@@ -78,19 +90,18 @@ class ShardedAdamW:
         return self.end - self.start
 
     def step(self) -> torch.Tensor:
-        """Synchronise gradients, clip to the global norm, update; returns the pre-clip norm."""
-        if self.zero_1:
-            reduce_scatter_gradients(self.flat.grads, self.grad_shard, self.group)
-        else:
-            average_gradients(self.flat.grads, self.group)
+        """Finish averaging the gradients, clip to the global norm, update; returns the
+        pre-clip norm."""
+        self.reducer.finish(self.grad_shard)
         norm = self.global_grad_norm()
         if self.max_grad_norm > 0:
             coef = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
             self.grad_shard.mul_(coef)
         self.optimizer.step()
-        if self.zero_1:
-            owned = self.flat.params[self.start : self.end].clone()
-            gather_parameters(self.flat.params, owned, self.group)
+        if self.zero_1 and self.reducer.size > 1:
+            # The owned range is its own chunk of the output: gathered in place.
+            owned = self.flat.params[self.start : self.end]
+            dist.all_gather_into_tensor(self.flat.params, owned, group=self.group)
         return norm
 
     def global_grad_norm(self) -> torch.Tensor:

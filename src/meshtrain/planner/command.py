@@ -95,7 +95,6 @@ def describe(plan: Plan, args: argparse.Namespace) -> str:
         "parameters",
         "gradients",
         "optimizer_states",
-        "communication_buffers",
         "activations",
         "loss",
     ):

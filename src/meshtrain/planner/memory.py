@@ -7,8 +7,9 @@ the model can be checked one to one against the measured peak of live tensors
 - model states, from the real (meta-device) parameter shapes: this rank's
   tensor-parallel share of each sharded parameter (KV projections with their
   replicated heads) and all of each replicated one, on its pipeline stages;
-  gradients in the flat buffer; AdamW's two moments, divided by dp under
-  ZeRO-1, which also keeps a gradient shard to reduce-scatter into;
+  gradients in the flat buffer (the data-parallel reductions work in place
+  in it, ZeRO-1's owner included); AdamW's two moments, divided by dp under
+  ZeRO-1;
 - the activations autograd saves in a Llama-family decoder layer (Hugging
   Face's implementation with SDPA, whose attention keeps no sequence x
   sequence matrix): per token, in elements,
@@ -92,7 +93,6 @@ class MemoryEstimate:
     parameters: int
     gradients: int
     optimizer_states: int
-    communication_buffers: int
     activations: int
     loss: int
     pipeline_rank: int = 0
@@ -104,14 +104,13 @@ class MemoryEstimate:
 
     @property
     def total(self) -> int:
-        return self.model_states + self.communication_buffers + self.activations + self.loss
+        return self.model_states + self.activations + self.loss
 
     def to_dict(self) -> dict[str, int | list[int]]:
         return {
             "parameters": self.parameters,
             "gradients": self.gradients,
             "optimizer_states": self.optimizer_states,
-            "communication_buffers": self.communication_buffers,
             "activations": self.activations,
             "loss": self.loss,
             "total": self.total,
@@ -191,19 +190,18 @@ def estimate_model_states(
     """Bytes per rank of fp32 parameters, gradients and AdamW moments, stages averaged."""
     local = math.ceil(local_parameter_count(shapes, tp=tp, kv_replication=kv_replication) / pp)
     owned = math.ceil(local / dp) if zero_1 else local
-    return _with_model_states(local, owned, zero_1)
+    return _with_model_states(local, owned)
 
 
 def _with_model_states(
-    held: int, owned: int, zero_1: bool, *, activations: int = 0, loss: int = 0
+    held: int, owned: int, *, activations: int = 0, loss: int = 0
 ) -> MemoryEstimate:
     """fp32 parameters and gradients of `held` elements, AdamW's moments of the `owned`
-    ones, and under ZeRO-1 the gradient shard they are reduce-scattered into."""
+    ones."""
     return MemoryEstimate(
         parameters=held * BYTES_FP32,
         gradients=held * BYTES_FP32,
         optimizer_states=owned * BYTES_FP32 * ADAM_MOMENTS,
-        communication_buffers=owned * BYTES_FP32 if zero_1 else 0,
         activations=activations,
         loss=loss,
     )
@@ -261,7 +259,7 @@ def estimate_memory(
         owned = padded // step.dp if step.zero_1 else local
         activations, loss = _activations_on_rank(m, step, rank, mine)  # saved, at the peak
         per_rank.append(
-            _with_model_states(padded, owned, step.zero_1, activations=activations, loss=loss)
+            _with_model_states(padded, owned, activations=activations, loss=loss)
         )
     worst = max(range(step.pp), key=lambda r: per_rank[r].total)
     return dataclasses.replace(
