@@ -213,7 +213,7 @@ def measure(job: dict[str, Any], sequence_parallel: bool) -> dict[str, Any]:
     pm = parallelize(build_model(config, seed=SEED), dims, layout, device, autocast)
     pm.set_training(True)
     flat, optimizer = build_optimizer(
-        pm, zero_1=layout.zero_1, training=TrainingConfig(learning_rate=1e-4)
+        pm, zero_1=layout.zero_1, overlap=False, training=TrainingConfig(learning_rate=1e-4)
     )
     (model,) = pm.modules  # no pipeline parallelism: the one module is the whole model
     kv_replication = kv_replication_factor(config.num_key_value_heads, tp) if tp > 1 else 1

@@ -78,7 +78,9 @@ class TrainingConfig:
     max_grad_norm: float = 1.0
     # Data-parallel gradient averaging in buckets of this size, each started as soon as
     # the backward has finished its gradients (off: all of them after the backward).
-    overlap_grad_reduce: bool = True
+    # auto: on with NCCL and Neuron; off with gloo, where the CPU cores that compute
+    # would also have to do the communication (measured slower, docs/speed.md).
+    overlap_grad_reduce: bool | Literal["auto"] = AUTO
     grad_bucket_mb: float = 25.0
     max_steps: int = 200
     seed: int = 42

@@ -200,7 +200,7 @@ def parallelize(
 
 
 def build_optimizer(
-    pm: ParallelModel, *, zero_1: bool, training: TrainingConfig
+    pm: ParallelModel, *, zero_1: bool, overlap: bool, training: TrainingConfig
 ) -> tuple[FlatParameters, ShardedAdamW]:
     """The flat buffer over this rank's parameters and AdamW on it (ZeRO-1 over dp),
     with the global gradient norm summed over the tp and pp groups."""
@@ -213,7 +213,7 @@ def build_optimizer(
         flat,
         dims.dp_group,
         zero_1=zero_1,
-        overlap_reduction=training.overlap_grad_reduce,
+        overlap_reduction=overlap,
         bucket_bytes=int(training.grad_bucket_mb * 2**20),
         reduce_after_backward=pm.tp_sync.parameter_names if pm.tp_sync else (),
         norm_groups=norm_groups,

@@ -120,7 +120,9 @@ def train(spec: WorkerSpec) -> dict[str, Any] | None:
     del model  # only this rank's stages are kept
     pm.set_training(True)
 
-    flat, optimizer = build_optimizer(pm, zero_1=layout.zero_1, training=cfg)
+    flat, optimizer = build_optimizer(
+        pm, zero_1=layout.zero_1, overlap=plan.overlap_grad_reduce, training=cfg
+    )
     start_step = 0
     if spec.resume_from:
         resumed = restore_checkpoint(

@@ -30,9 +30,13 @@ CASES = {
             "per_device_train_batch_size": 2,
             "gradient_accumulation_steps": 2,
             "grad_bucket_mb": 0.02,
+            "overlap_grad_reduce": True,
         },
     ),
-    "dp2-no-zero": ({"zero_1": False}, {"per_device_train_batch_size": 4, "grad_bucket_mb": 0.02}),
+    "dp2-no-zero": (
+        {"zero_1": False},
+        {"per_device_train_batch_size": 4, "grad_bucket_mb": 0.02, "overlap_grad_reduce": True},
+    ),
     "dp2-zero1-after-backward": (
         {"zero_1": True},
         {"per_device_train_batch_size": 4, "overlap_grad_reduce": False},

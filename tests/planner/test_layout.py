@@ -727,3 +727,31 @@ def test_shapes_from_the_config_equal_the_built_model(architecture: str, extra: 
 
     config = build_model_config(architecture, {**SHAPE, **extra}, vocab_size=VOCAB)
     assert llama_family_shapes(config) == parameter_shapes(config)
+
+
+def test_gradient_overlap_is_on_for_accelerators_and_off_on_cpu(
+    model_config: PretrainedConfig,
+) -> None:
+    assert _plan(model_config).overlap_grad_reduce is False  # gloo: the cores are busy
+    neuron = _plan(model_config, launch={"backend": "neuron"})
+    assert neuron.overlap_grad_reduce is True
+    forced = _plan(model_config, training={"overlap_grad_reduce": True})
+    assert forced.overlap_grad_reduce is True
+
+
+def test_overlapped_averaging_leaves_only_the_last_bucket_and_the_gather_exposed(
+    model_config: PretrainedConfig,
+) -> None:
+    """The time model: with overlap, a reduction shorter than the last backward costs
+    one bucket's share; ZeRO-1's all-gather after the update is exposed either way."""
+    one_bucket, small = {"grad_bucket_mb": 1000}, {"grad_bucket_mb": 0.5}
+
+    def dp_seconds(**training: Any) -> float:
+        return _plan(model_config, training=training).time_estimate["data_parallel_s"]
+
+    after = dp_seconds(overlap_grad_reduce=False, **small)
+    assert dp_seconds(overlap_grad_reduce=True, **one_bucket) == pytest.approx(after)
+    overlapped = dp_seconds(overlap_grad_reduce=True, **small)
+    assert 0 < overlapped < after
+    gather_only = after / 2  # ZeRO-1: reduction and all-gather move the same bytes
+    assert overlapped > gather_only

@@ -9,11 +9,15 @@
   `2 (t-1)/t` bytes per all-reduce over the link, plus a latency per hop;
 - pipeline parallelism: the bubble, `(p-1)/v` microbatch times, and one
   activation send and one gradient send per microbatch and stage boundary;
-- data parallelism: the gradient all-reduce (or ZeRO-1's reduce-scatter and
-  parameter all-gather: the same bytes), not overlapped with backward;
+- data parallelism: the gradient averaging (an all-reduce, or under ZeRO-1 a
+  reduction to each range's owner: half the bytes), and under ZeRO-1 the
+  parameter all-gather after the update. With `overlap_grad_reduce` the
+  averaging runs in buckets during the backward of the step's last
+  microbatch: only what does not fit in that backward, or at least the last
+  bucket, is exposed; the all-gather always is;
 - the optimizer's elementwise AdamW update over the owned parameters.
 
-Nothing overlaps: meshtrain runs these one after the other today.
+Everything else runs one after the other, as meshtrain does.
 """
 
 from __future__ import annotations
@@ -97,6 +101,8 @@ def estimate_step_time(
     *,
     accumulation: int,
     memory: MemoryEstimate,
+    overlap_grad_reduce: bool = False,
+    bucket_bytes: float = 25 * 2**20,
 ) -> TimeEstimate:
     """Seconds of one optimizer step on the slowest rank (`memory`: its estimate, whose
     gradient buffer dp reduces and whose optimizer states AdamW updates)."""
@@ -134,7 +140,16 @@ def estimate_step_time(
     data_parallel = 0.0
     if step.dp > 1:
         dp_link = _link(device, step.dp * step.tp * step.pp)
-        data_parallel = _ring(memory.gradients, step.dp, dp_link, device.latency_us, 2.0)
+        factor = 1.0 if step.zero_1 else 2.0
+        averaging = _ring(memory.gradients, step.dp, dp_link, device.latency_us, factor)
+        if overlap_grad_reduce:
+            # Backward is two thirds of a microbatch's compute; the last bucket (the
+            # embedding's, finished last) cannot overlap anything.
+            backward = 2 / 3 * compute / microbatches
+            last_bucket = averaging * min(1.0, bucket_bytes / max(1, memory.gradients))
+            averaging = max(averaging - backward, last_bucket)
+        gather = _ring(memory.parameters, step.dp, dp_link, device.latency_us, 1.0)
+        data_parallel = averaging + (gather if step.zero_1 else 0.0)
 
     # AdamW reads parameter, gradient and two moments and writes three: ~28 bytes each.
     owned = memory.optimizer_states / (BYTES_FP32 * ADAM_MOMENTS)

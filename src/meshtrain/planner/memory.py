@@ -258,9 +258,7 @@ def estimate_memory(
         padded = math.ceil(local / step.dp) * step.dp if step.zero_1 else local
         owned = padded // step.dp if step.zero_1 else local
         activations, loss = _activations_on_rank(m, step, rank, mine)  # saved, at the peak
-        per_rank.append(
-            _with_model_states(padded, owned, activations=activations, loss=loss)
-        )
+        per_rank.append(_with_model_states(padded, owned, activations=activations, loss=loss))
     worst = max(range(step.pp), key=lambda r: per_rank[r].total)
     return dataclasses.replace(
         per_rank[worst], pipeline_rank=worst, per_pipeline_rank=tuple(e.total for e in per_rank)
