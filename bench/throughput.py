@@ -742,7 +742,7 @@ def _meshtrain_copy(job: dict[str, Any], dims, blocks: BlockStore, variant: str 
         timer.mark("adamw")
         if optimizer.zero_1 and dims.dp > 1:
             owned = flat.params[optimizer.start : optimizer.end]
-            dist.all_gather_into_tensor(flat.params, owned, group=optimizer.group)
+            dist.all_gather_single(flat.params, owned, group=optimizer.group)
         timer.mark("param gather")
         schedule.step()
         flat.zero_grad()

@@ -101,7 +101,7 @@ class ShardedAdamW:
         if self.zero_1 and self.reducer.size > 1:
             # The owned range is its own chunk of the output: gathered in place.
             owned = self.flat.params[self.start : self.end]
-            dist.all_gather_into_tensor(self.flat.params, owned, group=self.group)
+            dist.all_gather_single(self.flat.params, owned, group=self.group)
         return norm
 
     def global_grad_norm(self) -> torch.Tensor:
