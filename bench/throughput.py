@@ -9,8 +9,8 @@ same number of steps, as
 
 (a) meshtrain: `make_worker_spec` + `run_workers(worker_main_sequence, ...)`, the real
     loop (`meshtrain.worker.train`: flat buffer, `ShardedAdamW`, ZeRO-1 at dp > 1 with
-    bucketed gradient reductions started during the backward; at dp=2 also once with
-    `training.overlap_grad_reduce=false`, the reductions after the backward),
+    the bucketed gradient reductions after the backward, the default on CPU; at dp=2
+    also once with `training.overlap_grad_reduce=true`, started during the backward),
     logging every step (`log_every=1`, the project default: a loss all-reduce and
     `.item()` per step), `eval_batches=0`, `checkpoint_every` beyond the run (the final
     step still saves one checkpoint; it is not timed, see below);
@@ -61,8 +61,8 @@ shared machine; nothing is asserted.
 pieces of `ShardedAdamW.step`, `BlockStore`, `GlobalBatchSampler`) with timers
 around data, forward, loss, backward, gradient reduction, norm and clipping, AdamW,
 parameter all-gather, zero_grad and the logging sync; at dp > 1 the same copy with
-the gradient reduction after the backward instead of overlapped with it, and with
-`zero_1` off; and the same timers around what the
+the gradient reduction overlapped with the backward, and with `zero_1` off; and the
+same timers around what the
 Trainer runs underneath (DDP with `find_unused_parameters=True`, `clip_grad_norm_`,
 fused AdamW, `zero_grad(set_to_none=True)`). All columns run in one process group,
 warmed up, in alternating blocks of a few steps (so load from other jobs falls on
@@ -141,15 +141,15 @@ LAUNCHER_ENV = (
     "TORCHELASTIC_USE_AGENT_STORE",
 )
 # The sides compared at each world size (the bare loop is one process by definition).
-# At dp=2 meshtrain also runs with its gradient reduction after the backward instead of
-# overlapped with it (`training.overlap_grad_reduce=false`), to show what overlap buys.
+# At dp=2 meshtrain also runs with its bucketed gradient reduction overlapped with the
+# backward (`training.overlap_grad_reduce=true`; the default on CPU is after it).
 SYSTEMS = {
-    2: ("meshtrain", "trainer", "meshtrain_after"),
+    2: ("meshtrain", "trainer", "meshtrain_overlap"),
     1: ("meshtrain", "trainer", "bare"),
 }
 LABELS = {
     "meshtrain": "meshtrain",
-    "meshtrain_after": "meshtrain, reduction after backward",
+    "meshtrain_overlap": "meshtrain, reduction overlapped with backward",
     "trainer": "HF Trainer",
     "bare": "bare loop",
 }
@@ -532,8 +532,8 @@ def run_one(system: str, job: dict[str, Any], blocks, root: Path, tag: str, verb
     began = time.perf_counter()
     with _quiet(root / "ranks.log", verbose):
         if system.startswith("meshtrain"):
-            after = {"overlap_grad_reduce": False} if system == "meshtrain_after" else {}
-            spec, launch = meshtrain_spec(job, blocks, out, tag, after)
+            overlap = {"overlap_grad_reduce": True} if system == "meshtrain_overlap" else {}
+            spec, launch = meshtrain_spec(job, blocks, out, tag, overlap)
             results = run_workers(
                 meshtrain_entry, ([spec], job), launch, log_dir=out / tag / "logs", run_id=tag
             )
@@ -656,7 +656,7 @@ PHASES = (
 PROFILE_BLOCK = 4  # steps of one side before switching to the other
 PROFILE_LABELS = {
     "meshtrain": "meshtrain (as is)",
-    "after backward": "meshtrain, reduction after backward",
+    "overlap": "meshtrain, reduction overlapped with backward",
     "zero_1 off": "meshtrain, zero_1=false",
     "ddp": "DDP + fused AdamW (Trainer's step)",
 }
@@ -679,10 +679,11 @@ class _Timer:
 def _meshtrain_copy(job: dict[str, Any], dims, blocks: BlockStore, variant: str = "as is"):
     """The set-up of `meshtrain.worker.train`, and a step function timing each phase.
 
-    variant "as is": what `train` runs (bucketed reductions started during the
-    backward, so "backward" includes starting them and "grad reduce" is what is left
-    to wait for). "after backward": the same with `training.overlap_grad_reduce=false`.
-    "zero_1 off": `parallel.zero_1=false` (all-reduce, every rank updates everything).
+    variant "as is": what `train` runs with the plan's settings (on CPU the bucketed
+    reductions after the backward). "overlap": the same with
+    `training.overlap_grad_reduce=true` ("backward" then includes starting the
+    reductions, "grad reduce" is what is left to wait for). "zero_1 off":
+    `parallel.zero_1=false` (all-reduce, every rank updates everything).
     """
     from meshtrain.models import config_from_dict
     from meshtrain.parallel.flat_buffer import FlatParameters
@@ -707,7 +708,7 @@ def _meshtrain_copy(job: dict[str, Any], dims, blocks: BlockStore, variant: str 
         eps=OPTIM["adam_epsilon"],
         weight_decay=OPTIM["weight_decay"],
         max_grad_norm=OPTIM["max_grad_norm"],
-        overlap_reduction=variant != "after backward",
+        overlap_reduction=plan.overlap_grad_reduce or variant == "overlap",
         bucket_bytes=int(job["bucket_mb"] * 2**20),
     )
     schedule = torch.optim.lr_scheduler.LambdaLR(
@@ -820,7 +821,7 @@ def profile_entry(job: dict[str, Any]) -> dict[str, Any] | None:
         blocks = BlockStore(job["train_files"])
         steps = {"meshtrain": _meshtrain_copy(job, dims, blocks)}
         if world > 1:
-            steps["after backward"] = _meshtrain_copy(job, dims, blocks, "after backward")
+            steps["overlap"] = _meshtrain_copy(job, dims, blocks, "overlap")
             steps["zero_1 off"] = _meshtrain_copy(job, dims, blocks, "zero_1 off")
         steps["ddp"] = _ddp_copy(job, dims, blocks)
         timers = {name: _Timer() for name in steps}

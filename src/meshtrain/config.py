@@ -82,6 +82,9 @@ class TrainingConfig:
     # would also have to do the communication (measured slower, docs/speed.md).
     overlap_grad_reduce: bool | Literal["auto"] = AUTO
     grad_bucket_mb: float = 25.0
+    # torch.compile each decoder layer (after tensor parallelism and checkpointing):
+    # fuses the elementwise work between the matmuls; pays a compile on the first steps.
+    compile: bool = False
     max_steps: int = 200
     seed: int = 42
     mixed_precision: Literal["no", "bf16"] = "no"

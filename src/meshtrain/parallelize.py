@@ -24,7 +24,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from transformers import PretrainedConfig
 
 from meshtrain.config import TrainingConfig
-from meshtrain.models.llama_family import LlamaStage, kv_replication_factor
+from meshtrain.models.llama_family import LlamaStage, decoder_layers, kv_replication_factor
 from meshtrain.parallel.activation_memory import apply_activation_checkpointing, offload_context
 from meshtrain.parallel.flat_buffer import FlatParameters
 from meshtrain.parallel.mesh import ParallelDims
@@ -124,8 +124,15 @@ def parallelize(
     layout: Layout,
     device: torch.device,
     autocast: Callable[[], AbstractContextManager],
+    *,
+    compile_layers: bool = False,
 ) -> ParallelModel:
-    """Apply the layout to a freshly built (identical on every rank) model."""
+    """Apply the layout to a freshly built (identical on every rank) model.
+
+    `compile_layers`: torch.compile every decoder layer last, in place (parameter
+    names, and so checkpoints, stay those of the Hugging Face model), once its
+    tensor-parallel sharding and checkpointing are set.
+    """
     hf_config = model.config
     apply_activation_checkpointing(model, layout.activation_checkpointing)
 
@@ -159,6 +166,10 @@ def parallelize(
                 module.sequence_parallel = layout.sequence_parallel
     else:
         layouts = {n: lay for m in modules for n, lay in plain_layouts(m).items()}
+    if compile_layers:
+        for module in modules:
+            for _, layer in decoder_layers(module):
+                layer.compile()
     parameters = {n: p for m in modules for n, p in m.named_parameters()}
     tp_sync = (
         TensorParallelGradSync(parameters, layouts, dims.mesh, kv_replication)

@@ -116,7 +116,7 @@ def train(spec: WorkerSpec) -> dict[str, Any] | None:
         dtype=torch.bfloat16,
         enabled=cfg.mixed_precision == "bf16",
     )
-    pm = parallelize(model, dims, layout, device, autocast)
+    pm = parallelize(model, dims, layout, device, autocast, compile_layers=cfg.compile)
     del model  # only this rank's stages are kept
     pm.set_training(True)
 

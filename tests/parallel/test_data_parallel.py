@@ -37,6 +37,8 @@ CASES = {
         {"zero_1": False},
         {"per_device_train_batch_size": 4, "grad_bucket_mb": 0.02, "overlap_grad_reduce": True},
     ),
+    # torch.compile'd decoder layers: the same arithmetic to 1e-5.
+    "dp2-zero1-compile": ({"zero_1": True}, {"per_device_train_batch_size": 4, "compile": True}),
     "dp2-zero1-after-backward": (
         {"zero_1": True},
         {"per_device_train_batch_size": 4, "overlap_grad_reduce": False},
