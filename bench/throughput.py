@@ -9,8 +9,8 @@ same number of steps, as
 
 (a) meshtrain: `make_worker_spec` + `run_workers(worker_main_sequence, ...)`, the real
     loop (`meshtrain.worker.train`: flat buffer, `ShardedAdamW`, ZeRO-1 at dp > 1 with
-    the bucketed gradient reductions after the backward, the default on CPU; at dp=2
-    also once with `training.overlap_grad_reduce=true`, started during the backward),
+    the bucketed gradient reductions started during the backward; at dp=2 also once
+    with `training.overlap_grad_reduce=false`, the reductions after the backward),
     logging every step (`log_every=1`, the project default: a loss all-reduce and
     `.item()` per step), `eval_batches=0`, `checkpoint_every` beyond the run (the final
     step still saves one checkpoint; it is not timed, see below);
@@ -61,8 +61,8 @@ shared machine; nothing is asserted.
 pieces of `ShardedAdamW.step`, `BlockStore`, `GlobalBatchSampler`) with timers
 around data, forward, loss, backward, gradient reduction, norm and clipping, AdamW,
 parameter all-gather, zero_grad and the logging sync; at dp > 1 the same copy with
-the gradient reduction overlapped with the backward, and with `zero_1` off; and the
-same timers around what the
+the gradient reduction after the backward instead of during it, and with `zero_1`
+off; and the same timers around what the
 Trainer runs underneath (DDP with `find_unused_parameters=True`, `clip_grad_norm_`,
 fused AdamW, `zero_grad(set_to_none=True)`). All columns run in one process group,
 warmed up, in alternating blocks of a few steps (so load from other jobs falls on
@@ -71,6 +71,7 @@ all of them alike).
     .venv/bin/python bench/throughput.py                  # default shape, ~3-5 min
     .venv/bin/python bench/throughput.py --repeats 4      # steadier ratios, ~6-8 min
     .venv/bin/python bench/throughput.py --profile-only   # only the per-phase tables
+    .venv/bin/python bench/throughput.py --compile        # + meshtrain with torch.compile
     .venv/bin/python bench/throughput.py --hidden 512 --intermediate 1408 --layers 8 \\
         --heads 8 --kv-heads 4 --steps 8 --warmup 2      # a larger shape
 """
@@ -141,15 +142,16 @@ LAUNCHER_ENV = (
     "TORCHELASTIC_USE_AGENT_STORE",
 )
 # The sides compared at each world size (the bare loop is one process by definition).
-# At dp=2 meshtrain also runs with its bucketed gradient reduction overlapped with the
-# backward (`training.overlap_grad_reduce=true`; the default on CPU is after it).
+# At dp=2 meshtrain also runs with its bucketed gradient reduction after the backward
+# instead of during it (`training.overlap_grad_reduce=false`), to show what overlap buys.
 SYSTEMS = {
-    2: ("meshtrain", "trainer", "meshtrain_overlap"),
+    2: ("meshtrain", "trainer", "meshtrain_after"),
     1: ("meshtrain", "trainer", "bare"),
 }
 LABELS = {
     "meshtrain": "meshtrain",
-    "meshtrain_overlap": "meshtrain, reduction overlapped with backward",
+    "meshtrain_after": "meshtrain, reduction after backward",
+    "meshtrain_compile": "meshtrain, training.compile=true",
     "trainer": "HF Trainer",
     "bare": "bare loop",
 }
@@ -181,6 +183,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--threads",
         default="1",
         help="intra-op threads of every process of every side; auto: cpu_count // ranks",
+    )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="add a meshtrain side with training.compile=true (compiled during the warm-up)",
     )
     parser.add_argument("--profile", action="store_true", help="add the per-phase breakdown")
     parser.add_argument("--profile-only", action="store_true", help="only the per-phase breakdown")
@@ -532,8 +539,11 @@ def run_one(system: str, job: dict[str, Any], blocks, root: Path, tag: str, verb
     began = time.perf_counter()
     with _quiet(root / "ranks.log", verbose):
         if system.startswith("meshtrain"):
-            overlap = {"overlap_grad_reduce": True} if system == "meshtrain_overlap" else {}
-            spec, launch = meshtrain_spec(job, blocks, out, tag, overlap)
+            training = {
+                "meshtrain_after": {"overlap_grad_reduce": False},
+                "meshtrain_compile": {"compile": True},
+            }.get(system, {})
+            spec, launch = meshtrain_spec(job, blocks, out, tag, training)
             results = run_workers(
                 meshtrain_entry, ([spec], job), launch, log_dir=out / tag / "logs", run_id=tag
             )
@@ -587,7 +597,7 @@ def throughput_tables(args: argparse.Namespace, root: Path, blocks_path: Path) -
     for world in args.worlds:
         job = {**vars(args), "world": world, "blocks": str(blocks_path), "work_dir": None}
         job.pop("worlds")
-        systems = SYSTEMS[world]
+        systems = SYSTEMS[world] + (("meshtrain_compile",) if args.compile else ())
         results: dict[str, list[float]] = defaultdict(list)
         medians: dict[str, list[float]] = defaultdict(list)
         for repeat in range(args.repeats):
@@ -656,7 +666,7 @@ PHASES = (
 PROFILE_BLOCK = 4  # steps of one side before switching to the other
 PROFILE_LABELS = {
     "meshtrain": "meshtrain (as is)",
-    "overlap": "meshtrain, reduction overlapped with backward",
+    "after backward": "meshtrain, reduction after backward",
     "zero_1 off": "meshtrain, zero_1=false",
     "ddp": "DDP + fused AdamW (Trainer's step)",
 }
@@ -679,11 +689,10 @@ class _Timer:
 def _meshtrain_copy(job: dict[str, Any], dims, blocks: BlockStore, variant: str = "as is"):
     """The set-up of `meshtrain.worker.train`, and a step function timing each phase.
 
-    variant "as is": what `train` runs with the plan's settings (on CPU the bucketed
-    reductions after the backward). "overlap": the same with
-    `training.overlap_grad_reduce=true` ("backward" then includes starting the
-    reductions, "grad reduce" is what is left to wait for). "zero_1 off":
-    `parallel.zero_1=false` (all-reduce, every rank updates everything).
+    variant "as is": what `train` runs (the bucketed reductions started during the
+    backward, so "backward" includes starting them and "grad reduce" is what is left
+    to wait for). "after backward": the same with `training.overlap_grad_reduce=false`.
+    "zero_1 off": `parallel.zero_1=false` (all-reduce, every rank updates everything).
     """
     from meshtrain.models import config_from_dict
     from meshtrain.parallel.flat_buffer import FlatParameters
@@ -708,7 +717,7 @@ def _meshtrain_copy(job: dict[str, Any], dims, blocks: BlockStore, variant: str 
         eps=OPTIM["adam_epsilon"],
         weight_decay=OPTIM["weight_decay"],
         max_grad_norm=OPTIM["max_grad_norm"],
-        overlap_reduction=plan.overlap_grad_reduce or variant == "overlap",
+        overlap_reduction=variant != "after backward",
         bucket_bytes=int(job["bucket_mb"] * 2**20),
     )
     schedule = torch.optim.lr_scheduler.LambdaLR(
@@ -821,7 +830,7 @@ def profile_entry(job: dict[str, Any]) -> dict[str, Any] | None:
         blocks = BlockStore(job["train_files"])
         steps = {"meshtrain": _meshtrain_copy(job, dims, blocks)}
         if world > 1:
-            steps["overlap"] = _meshtrain_copy(job, dims, blocks, "overlap")
+            steps["after backward"] = _meshtrain_copy(job, dims, blocks, "after backward")
             steps["zero_1 off"] = _meshtrain_copy(job, dims, blocks, "zero_1 off")
         steps["ddp"] = _ddp_copy(job, dims, blocks)
         timers = {name: _Timer() for name in steps}

@@ -78,9 +78,7 @@ class TrainingConfig:
     max_grad_norm: float = 1.0
     # Data-parallel gradient averaging in buckets of this size, each started as soon as
     # the backward has finished its gradients (off: all of them after the backward).
-    # auto: on with NCCL and Neuron; off with gloo, where the CPU cores that compute
-    # would also have to do the communication (measured slower, docs/speed.md).
-    overlap_grad_reduce: bool | Literal["auto"] = AUTO
+    overlap_grad_reduce: bool = True
     grad_bucket_mb: float = 25.0
     # torch.compile each decoder layer (after tensor parallelism and checkpointing):
     # fuses the elementwise work between the matmuls; pays a compile on the first steps.

@@ -70,8 +70,6 @@ def log_plan(plan: dict[str, Any], run_config: dict[str, Any]) -> None:
     for key in ("per_device_train_batch_size", "gradient_accumulation_steps"):
         if plan.get(key):  # plans written before the planner split the batch lack them
             params[f"training.{key}"] = str(plan[key])
-    if "overlap_grad_reduce" in plan:
-        params["training.overlap_grad_reduce"] = str(plan["overlap_grad_reduce"])
     params.update(
         {
             "world_size": str(plan["world_size"]),

@@ -121,7 +121,7 @@ def train(spec: WorkerSpec) -> dict[str, Any] | None:
     pm.set_training(True)
 
     flat, optimizer = build_optimizer(
-        pm, zero_1=layout.zero_1, overlap=plan.overlap_grad_reduce, training=cfg
+        pm, zero_1=layout.zero_1, overlap=cfg.overlap_grad_reduce, training=cfg
     )
     start_step = 0
     if spec.resume_from:

@@ -30,12 +30,11 @@ CASES = {
             "per_device_train_batch_size": 2,
             "gradient_accumulation_steps": 2,
             "grad_bucket_mb": 0.02,
-            "overlap_grad_reduce": True,
         },
     ),
     "dp2-no-zero": (
         {"zero_1": False},
-        {"per_device_train_batch_size": 4, "grad_bucket_mb": 0.02, "overlap_grad_reduce": True},
+        {"per_device_train_batch_size": 4, "grad_bucket_mb": 0.02},
     ),
     # torch.compile'd decoder layers: the same arithmetic to 1e-5.
     "dp2-zero1-compile": ({"zero_1": True}, {"per_device_train_batch_size": 4, "compile": True}),

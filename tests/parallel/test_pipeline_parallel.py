@@ -52,7 +52,7 @@ WORLD_4 = {
 WORLD_8 = {
     "dp2-pp2-tp2-zero1-sp": (
         _pp(2, "1f1b", 2, tensor_parallel_size=2, data_parallel_size=2, zero_1=True),
-        {"per_device_train_batch_size": 4, "grad_bucket_mb": 0.01, "overlap_grad_reduce": True},
+        {"per_device_train_batch_size": 4, "grad_bucket_mb": 0.01},
     ),
 }
 

@@ -46,7 +46,7 @@ WORLD_4 = {
     # bucket waits for that while the others are reduced over dp during it.
     "qwen3-dp2-tp2-zero1-sp-small-buckets": (
         {"tensor_parallel_size": 2, "data_parallel_size": 2, "zero_1": True},
-        {"per_device_train_batch_size": 4, "grad_bucket_mb": 0.01, "overlap_grad_reduce": True},
+        {"per_device_train_batch_size": 4, "grad_bucket_mb": 0.01},
         "qwen3",
         QWEN3,
     ),

@@ -729,16 +729,6 @@ def test_shapes_from_the_config_equal_the_built_model(architecture: str, extra: 
     assert llama_family_shapes(config) == parameter_shapes(config)
 
 
-def test_gradient_overlap_is_on_for_accelerators_and_off_on_cpu(
-    model_config: PretrainedConfig,
-) -> None:
-    assert _plan(model_config).overlap_grad_reduce is False  # gloo: the cores are busy
-    neuron = _plan(model_config, launch={"backend": "neuron"})
-    assert neuron.overlap_grad_reduce is True
-    forced = _plan(model_config, training={"overlap_grad_reduce": True})
-    assert forced.overlap_grad_reduce is True
-
-
 def test_overlapped_averaging_leaves_only_the_last_bucket_and_the_gather_exposed(
     model_config: PretrainedConfig,
 ) -> None:

@@ -91,7 +91,6 @@ class Plan:
     # Resolved batch split (they differ from the parameters when global_batch_size is set).
     per_device_train_batch_size: int = 0
     gradient_accumulation_steps: int = 1
-    overlap_grad_reduce: bool = False  # `training.overlap_grad_reduce` resolved
     time_estimate: dict[str, float] = field(default_factory=dict)
     # The other layouts the planner weighed: name, estimates, and why each lost.
     candidates: list[dict[str, Any]] = field(default_factory=list)
@@ -488,10 +487,6 @@ def _plan_layout(
     if refusals:
         raise LayoutError(refusals)
 
-    overlap = train.overlap_grad_reduce
-    if overlap == AUTO:
-        # On CPU the cores that run the backward would also run gloo's sums and copies.
-        overlap = backend != "gloo"
     num_parameters = sum(math.prod(s) for s in shapes.values())
     layout = Layout(
         data_parallel_size=dp,
@@ -531,7 +526,7 @@ def _plan_layout(
         device,
         accumulation=train.gradient_accumulation_steps,
         memory=memory,
-        overlap_grad_reduce=overlap,
+        overlap_grad_reduce=train.overlap_grad_reduce,
         bucket_bytes=train.grad_bucket_mb * 2**20,
     )
     if par.activation_offloading and device.name == "cpu":
@@ -554,7 +549,6 @@ def _plan_layout(
         device=device.name,
         per_device_train_batch_size=train.per_device_train_batch_size,
         gradient_accumulation_steps=train.gradient_accumulation_steps,
-        overlap_grad_reduce=overlap,
         time_estimate={
             **time_estimate.to_dict(),
             "tokens_per_s": global_batch * block_size / time_estimate.step_s,
