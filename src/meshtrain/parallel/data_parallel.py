@@ -27,6 +27,7 @@ from functools import partial
 
 import torch
 import torch.distributed as dist
+from torch.utils.hooks import RemovableHandle
 
 from meshtrain.parallel.flat_buffer import FlatParameters
 
@@ -134,7 +135,7 @@ class GradientReducer:
         self._next = 0
         self._works: list[dist.Work] = []
         self.started_in_backward = 0  # buckets the last step's backward started
-        self._hooks = []
+        self._hooks: list[RemovableHandle] = []
         if self.overlap:
             for i, parameter in enumerate(flat.parameters):
                 self._hooks.append(
