@@ -72,6 +72,7 @@ all of them alike).
     .venv/bin/python bench/throughput.py --repeats 4      # steadier ratios, ~6-8 min
     .venv/bin/python bench/throughput.py --profile-only   # only the per-phase tables
     .venv/bin/python bench/throughput.py --compile        # + meshtrain with torch.compile
+    .venv/bin/python bench/throughput.py --control        # + meshtrain again: the noise
     .venv/bin/python bench/throughput.py --hidden 512 --intermediate 1408 --layers 8 \\
         --heads 8 --kv-heads 4 --steps 8 --warmup 2      # a larger shape
 """
@@ -152,6 +153,7 @@ LABELS = {
     "meshtrain": "meshtrain",
     "meshtrain_after": "meshtrain, reduction after backward",
     "meshtrain_compile": "meshtrain, training.compile=true",
+    "meshtrain_again": "meshtrain again (control: identical code)",
     "trainer": "HF Trainer",
     "bare": "bare loop",
 }
@@ -188,6 +190,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--compile",
         action="store_true",
         help="add a meshtrain side with training.compile=true (compiled during the warm-up)",
+    )
+    parser.add_argument(
+        "--control",
+        action="store_true",
+        help="add meshtrain once more, identical: the ratio of the two is the noise",
     )
     parser.add_argument("--profile", action="store_true", help="add the per-phase breakdown")
     parser.add_argument("--profile-only", action="store_true", help="only the per-phase breakdown")
@@ -597,7 +604,11 @@ def throughput_tables(args: argparse.Namespace, root: Path, blocks_path: Path) -
     for world in args.worlds:
         job = {**vars(args), "world": world, "blocks": str(blocks_path), "work_dir": None}
         job.pop("worlds")
-        systems = SYSTEMS[world] + (("meshtrain_compile",) if args.compile else ())
+        systems = (
+            SYSTEMS[world]
+            + (("meshtrain_compile",) if args.compile else ())
+            + (("meshtrain_again",) if args.control else ())
+        )
         results: dict[str, list[float]] = defaultdict(list)
         medians: dict[str, list[float]] = defaultdict(list)
         for repeat in range(args.repeats):
