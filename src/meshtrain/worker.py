@@ -334,8 +334,8 @@ def train(spec: WorkerSpec) -> dict[str, Any] | None:
 
 def persistent_tensors(pm: ParallelModel, flat: Any, optimizer: Any) -> list[torch.Tensor]:
     """What lives through a step: parameters and buffers of this rank's stages, the flat
-    gradient buffer (the optimizer's gradient shard is a view of it) and its states."""
-    tensors = [flat.params, flat.grads, optimizer.grad_shard]
+    gradient buffer (the optimizer's gradient shard is a view of it) and AdamW's states."""
+    tensors = [flat.params, flat.grads]
     for module in pm.modules:
         tensors.extend(module.parameters())
         tensors.extend(module.buffers())

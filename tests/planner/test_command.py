@@ -18,13 +18,18 @@ def _plan(capsys, *args: str) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
-def test_8b_on_eight_h100_fits_and_explains_the_others(capsys) -> None:
-    plan = _plan(
+def _plan_example(capsys, model: str, devices: int, device: str) -> dict:
+    """A shipped example config at sequence 4096, global batch 256, bf16."""
+    return _plan(
         capsys,
-        "--model", str(EXAMPLES / "llama-3.1-8b.json"),
-        "--devices", "8", "--device", "h100",
+        "--model", str(EXAMPLES / f"{model}.json"),
+        "--devices", str(devices), "--device", device,
         "--seq-len", "4096", "--global-batch", "256", "--bf16",
     )  # fmt: skip
+
+
+def test_8b_on_eight_h100_fits_and_explains_the_others(capsys) -> None:
+    plan = _plan_example(capsys, "llama-3.1-8b", 8, "h100")
     assert plan["device"] == "h100"
     assert 7.9e9 < plan["num_parameters"] < 8.1e9
     assert plan["global_batch_size"] == 256
@@ -44,12 +49,7 @@ def test_8b_on_eight_h100_fits_and_explains_the_others(capsys) -> None:
 
 
 def test_3b_on_a_trn1_32xlarge_keeps_pipeline_off_for_tied_embeddings(capsys) -> None:
-    plan = _plan(
-        capsys,
-        "--model", str(EXAMPLES / "llama-3.2-3b.json"),
-        "--devices", "32", "--device", "trn1",
-        "--seq-len", "4096", "--global-batch", "256", "--bf16",
-    )  # fmt: skip
+    plan = _plan_example(capsys, "llama-3.2-3b", 32, "trn1")
     assert plan["backend"] == "neuron"
     assert plan["layout"]["pipeline_parallel_size"] == 1
     assert plan["memory_estimate_per_rank"]["total"] <= 16 * GIB * 0.9

@@ -39,8 +39,8 @@ class ShardedAdamW:
         eps: float,
         weight_decay: float,
         max_grad_norm: float,
-        overlap_reduction: bool = True,
-        bucket_bytes: int = 25 * 2**20,
+        overlap_reduction: bool,
+        bucket_bytes: int,
         reduce_after_backward: Collection[str] = (),
     ) -> None:
         """`reduce_after_backward`: names of parameters whose gradients are completed

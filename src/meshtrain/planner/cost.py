@@ -101,8 +101,8 @@ def estimate_step_time(
     *,
     accumulation: int,
     memory: MemoryEstimate,
-    overlap_grad_reduce: bool = False,
-    bucket_bytes: float = 25 * 2**20,
+    overlap_grad_reduce: bool,
+    bucket_bytes: float,
 ) -> TimeEstimate:
     """Seconds of one optimizer step on the slowest rank (`memory`: its estimate, whose
     gradient buffer dp reduces and whose optimizer states AdamW updates)."""
