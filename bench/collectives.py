@@ -8,7 +8,7 @@ the default model's (1,787,008 fp32 elements), in alternating rounds:
 * `all_reduce`: the whole buffer (data parallelism without ZeRO-1);
 * `reduce_scatter_single`: each rank gets the sum of its equal range;
 * `reduce to owners`: one `reduce` per owner range, to that owner, started
-  asynchronously and then waited for (what `meshtrain.parallel.data_parallel`
+  asynchronously and then waited for (what `meshtrain.distributed.data_parallel`
   does with a bucket size at least the owned range);
 * `reduce to owners, 1 MiB buckets`: the same cut into buckets of about 1 MiB;
 * `all_to_all + sum`: `all_to_all_single` of the buffer and a local sum;

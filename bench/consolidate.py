@@ -30,12 +30,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from meshtrain.checkpoint.files import shard_dir_name
 from meshtrain.checkpoint.manifest import (
     FORMAT,
     FORMAT_VERSION,
     describe_files,
     mark_complete,
-    shard_dir_name,
 )
 from meshtrain.models import build_model_config, parameter_shapes
 from meshtrain.planner.layout import balanced_split

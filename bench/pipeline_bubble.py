@@ -1,12 +1,12 @@
 """Pipeline-parallel bubble benchmark: measured idle fraction beside theory.
 
 For each pipeline size pp (world size = pp, dp = tp = 1) one process group is
-spawned with `meshtrain.launch.run_workers` (process start-up costs more than a
+spawned with `meshtrain.launch.elastic.run_workers` (process start-up costs more than a
 measurement, so every schedule and microbatch count of that pp runs inside the
 same group). For each schedule -- GPipe, 1F1B and interleaved 1F1B with v
 virtual stages per rank -- and each microbatch count m in {pp, 2pp, 4pp}, the
-model is built and parallelised as `meshtrain.worker.train` does
-(`build_model` -> `meshtrain.parallelize.parallelize` with a `Layout` whose
+model is built and parallelised as `meshtrain.trainer.Trainer` does
+(`build_model` -> `meshtrain.models.llama.parallelize.parallelize` with a `Layout` whose
 stages are balanced), then trained on one random token batch per step:
 `--warmup` steps first, then `--steps` measured steps with the runner's
 `SpanRecorder` on. The bubble of a step is, per rank, the share of the step's
@@ -52,17 +52,16 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
 
-from meshtrain.config import LaunchConfig  # noqa: E402
-from meshtrain.launch import run_workers  # noqa: E402
-from meshtrain.models import build_model, build_model_config  # noqa: E402
-from meshtrain.parallel.mesh import ParallelDims  # noqa: E402
-from meshtrain.parallel.pipeline_parallel import (  # noqa: E402
+from meshtrain.config import LaunchConfig, Layout  # noqa: E402
+from meshtrain.distributed.parallel_dims import ParallelDims  # noqa: E402
+from meshtrain.distributed.pipeline_parallel import (  # noqa: E402
     Span,
     idle_fraction,
     theoretical_bubble,
 )
-from meshtrain.parallelize import parallelize  # noqa: E402
-from meshtrain.planner import Layout  # noqa: E402
+from meshtrain.launch.elastic import run_workers  # noqa: E402
+from meshtrain.models import build_model, build_model_config  # noqa: E402
+from meshtrain.models.llama.parallelize import parallelize  # noqa: E402
 from meshtrain.planner.layout import balanced_split  # noqa: E402
 
 SEED = 1234
@@ -229,7 +228,7 @@ def summarise(pp: int, result: dict[str, Any]) -> dict[str, Any]:
 
 
 def draw_timeline(pp: int, result: dict[str, Any], out: Path) -> Path:
-    from meshtrain.plots import pipeline_timeline
+    from meshtrain.tracking.plots import pipeline_timeline
 
     spans = result["spans"][-1]  # the last measured step
     idle = idle_fraction(spans)

@@ -3,7 +3,7 @@
 For each layout in the table below (dp/tp/pp, ZeRO-1, sequence parallelism,
 activation checkpointing, pipeline schedules and microbatches varied, on a tiny
 and a small Llama shape), one short real training run measures every rank's
-peak memory of live tensors during one step (`meshtrain.memory_probe`: torch's
+peak memory of live tensors during one step (`meshtrain.components.memory_probe`: torch's
 MemTracker on CPU, the CUDA allocator on a GPU) and the steady-state step time;
 the planner's estimate for the same layout stands beside it. Layouts of one
 world size and model share one spawned process group (start-up dominates).
@@ -35,11 +35,11 @@ import torch  # noqa: E402
 
 from meshtrain.config import LaunchConfig, RunConfig  # noqa: E402
 from meshtrain.data.blocks import arrow_files  # noqa: E402
-from meshtrain.launch import run_workers  # noqa: E402
+from meshtrain.launch.elastic import run_workers  # noqa: E402
+from meshtrain.launch.job import make_worker_spec  # noqa: E402
+from meshtrain.launch.worker import worker_main_sequence  # noqa: E402
 from meshtrain.models import build_model_config  # noqa: E402
 from meshtrain.planner import plan_run  # noqa: E402
-from meshtrain.training import make_worker_spec  # noqa: E402
-from meshtrain.worker import worker_main_sequence  # noqa: E402
 
 MODELS = {
     # The project's default shape.

@@ -1,9 +1,9 @@
 """Tensor parallelism benchmark: per-rank memory and collectives for tp = 1, 2, 4.
 
 For each tensor-parallel size (world size = tp, dp = pp = 1) one process group
-is spawned with `meshtrain.launch.run_workers`; inside it the model is built
-and parallelised exactly as `meshtrain.worker.train` does (`build_model` ->
-`meshtrain.parallelize.parallelize`, i.e. `apply_tensor_parallel` and
+is spawned with `meshtrain.launch.elastic.run_workers`; inside it the model is built
+and parallelised exactly as `meshtrain.trainer.Trainer` does (`build_model` ->
+`meshtrain.models.llama.parallelize.parallelize`, i.e. `apply_tensor_parallel` and
 `TensorParallelGradSync` -> `FlatParameters` -> `ShardedAdamW`; the loss under
 `loss_parallel`), with and without sequence parallelism for tp > 1. After
 warm-up steps on random token batches (the same seed on every rank) each
@@ -46,14 +46,19 @@ from torch.distributed._tools.mem_tracker import MemTracker  # noqa: E402
 from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
 from torch.distributed.tensor.debug import CommDebugMode  # noqa: E402
 
-from meshtrain.config import LaunchConfig, TrainingConfig  # noqa: E402
-from meshtrain.launch import run_workers  # noqa: E402
+from meshtrain.components.optimizer import build_optimizer  # noqa: E402
+from meshtrain.config import (  # noqa: E402
+    LaunchConfig,
+    Layout,  # noqa: E402
+    TrainingConfig,
+)
+from meshtrain.distributed.parallel_dims import ParallelDims  # noqa: E402
+from meshtrain.launch.elastic import run_workers  # noqa: E402
 from meshtrain.models import build_model, config_from_dict  # noqa: E402
 from meshtrain.models.builder import build_model_config, parameter_shapes  # noqa: E402
-from meshtrain.models.llama_family import kv_replication_factor  # noqa: E402
-from meshtrain.parallel.mesh import ParallelDims  # noqa: E402
-from meshtrain.parallelize import build_optimizer, causal_lm_loss, parallelize  # noqa: E402
-from meshtrain.planner import Layout  # noqa: E402
+from meshtrain.models.llama.kv_heads import kv_replication_factor  # noqa: E402
+from meshtrain.models.llama.parallelize import parallelize  # noqa: E402
+from meshtrain.models.parallel_model import causal_lm_loss  # noqa: E402
 from meshtrain.planner.memory import estimate_model_states  # noqa: E402
 
 SEED = 1234
@@ -207,7 +212,7 @@ def measure(job: dict[str, Any], sequence_parallel: bool) -> dict[str, Any]:
         activation_checkpointing="none",
         activation_offloading=False,
     )
-    # As worker.train does it: build, parallelize (tensor/sequence parallel), then the
+    # As the Trainer does it: build, parallelize (tensor/sequence parallel), then the
     # flat buffer and AdamW with the global gradient norm over the tp group. fp32.
     autocast = partial(torch.autocast, device_type=device.type, enabled=False)
     pm = parallelize(build_model(config, seed=SEED), dims, layout, device, autocast)
@@ -289,7 +294,7 @@ def measure(job: dict[str, Any], sequence_parallel: bool) -> dict[str, Any]:
     replicated_numel = sum(
         flat_slot.numel
         for flat_slot in flat.slots
-        if pm.layouts[flat_slot.name].tp_dim is None and tp > 1
+        if pm.sharding[flat_slot.name].tp_dim is None and tp > 1
     )
     return {
         "tp": tp,

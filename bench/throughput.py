@@ -8,7 +8,7 @@ the same per-device batch, global batch, AdamW hyper-parameters (lr 3e-3, betas
 same number of steps, as
 
 (a) meshtrain: `make_worker_spec` + `run_workers(worker_main_sequence, ...)`, the real
-    loop (`meshtrain.worker.train`: flat buffer, `ShardedAdamW`, ZeRO-1 at dp > 1 with
+    loop (`meshtrain.trainer.Trainer`: flat buffer, `ShardedAdamW`, ZeRO-1 at dp > 1 with
     the bucketed gradient reductions started during the backward; at dp=2 also once
     with `training.overlap_grad_reduce=false`, the reductions after the backward),
     logging every step (`log_every=1`, the project default: a loss all-reduce and
@@ -57,7 +57,7 @@ reversed on every other repeat. Only ratios measured side by side mean anything 
 shared machine; nothing is asserted.
 
 `--profile` adds where a step's time goes, per phase: a copy of the loop of
-`meshtrain.worker.train` (same components: `parallelize`, `FlatParameters`, the
+`meshtrain.trainer.Trainer` (same components: `parallelize`, `FlatParameters`, the
 pieces of `ShardedAdamW.step`, `BlockStore`, `GlobalBatchSampler`) with timers
 around data, forward, loss, backward, gradient reduction, norm and clipping, AdamW,
 parameter all-gather, zero_grad and the logging sync; at dp > 1 the same copy with
@@ -104,13 +104,13 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
 
+from meshtrain.components.lr_schedule import warmup_cosine  # noqa: E402
 from meshtrain.config import LaunchConfig, RunConfig  # noqa: E402
 from meshtrain.data.blocks import BlockStore, arrow_files  # noqa: E402
 from meshtrain.data.sampler import GlobalBatchSampler  # noqa: E402
-from meshtrain.launch import run_workers  # noqa: E402
+from meshtrain.launch.elastic import run_workers  # noqa: E402
 from meshtrain.models import build_model, build_model_config  # noqa: E402
 from meshtrain.planner import plan_run  # noqa: E402
-from meshtrain.schedule import warmup_cosine  # noqa: E402
 
 SEED = 42
 DATA_SEED = 0
@@ -313,12 +313,13 @@ class _TimedSampler(GlobalBatchSampler):
 @record
 def meshtrain_entry(specs: list[Any], job: dict[str, Any]) -> dict[str, Any] | None:
     """`worker_main_sequence` with the step start times recorded (rank 0 returns them)."""
-    import meshtrain.worker
+    import meshtrain.launch.worker
+    import meshtrain.trainer
 
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     _TimedSampler.set_threads = None if job["threads"] == "auto" else _threads(job, local_world)
-    meshtrain.worker.GlobalBatchSampler = _TimedSampler  # this worker process only
-    summaries = meshtrain.worker.worker_main_sequence(specs)
+    meshtrain.trainer.GlobalBatchSampler = _TimedSampler  # this worker process only
+    summaries = meshtrain.launch.worker.worker_main_sequence(specs)
     if summaries[-1] is None:
         return None
     return {
@@ -335,7 +336,7 @@ def meshtrain_spec(
     name: str,
     training: dict[str, Any] | None = None,
 ):
-    from meshtrain.training import make_worker_spec
+    from meshtrain.launch.job import make_worker_spec
 
     world = job["world"]
     run = RunConfig.from_params(
@@ -698,19 +699,20 @@ class _Timer:
 
 
 def _meshtrain_copy(job: dict[str, Any], dims, blocks: BlockStore, variant: str = "as is"):
-    """The set-up of `meshtrain.worker.train`, and a step function timing each phase.
+    """The set-up of `meshtrain.trainer.Trainer`, and a step function timing each phase.
 
     variant "as is": what `train` runs (the bucketed reductions started during the
     backward, so "backward" includes starting them and "grad reduce" is what is left
     to wait for). "after backward": the same with `training.overlap_grad_reduce=false`.
     "zero_1 off": `parallel.zero_1=false` (all-reduce, every rank updates everything).
     """
+    from meshtrain.components.metrics import rss_mb as _rss_mb
+    from meshtrain.distributed.flat_buffer import FlatParameters
+    from meshtrain.distributed.zero import ShardedAdamW
     from meshtrain.models import config_from_dict
-    from meshtrain.parallel.flat_buffer import FlatParameters
-    from meshtrain.parallel.zero import ShardedAdamW
-    from meshtrain.parallelize import causal_lm_loss, parallelize
+    from meshtrain.models.llama.parallelize import parallelize
+    from meshtrain.models.parallel_model import causal_lm_loss
     from meshtrain.planner import Plan
-    from meshtrain.worker import _rss_mb
 
     plan = Plan.from_dict(job["plan"])
     layout = plan.layout
@@ -718,7 +720,7 @@ def _meshtrain_copy(job: dict[str, Any], dims, blocks: BlockStore, variant: str 
     autocast = partial(torch.autocast, device_type="cpu", dtype=torch.bfloat16, enabled=False)
     pm = parallelize(model, dims, layout, torch.device("cpu"), autocast)
     pm.set_training(True)
-    flat = FlatParameters(pm.parameters.items(), num_shards=dims.dp, layouts=pm.layouts)
+    flat = FlatParameters(pm.parameters.items(), num_shards=dims.dp, sharding=pm.sharding)
     optimizer = ShardedAdamW(
         flat,
         dims.dp_group,
@@ -830,7 +832,7 @@ def _ddp_copy(job: dict[str, Any], dims, blocks: BlockStore):
 @record
 def profile_entry(job: dict[str, Any]) -> dict[str, Any] | None:
     """Both copies in one process group, alternating blocks of steps; rank 0's timings."""
-    from meshtrain.parallel.mesh import ParallelDims
+    from meshtrain.distributed.parallel_dims import ParallelDims
 
     warnings.filterwarnings("ignore")
     threads = _set_threads(job)

@@ -17,7 +17,13 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from meshtrain.config import LaunchConfig
-from meshtrain.launch import WorkerFailedError, free_port, is_loopback, run_workers, split_endpoint
+from meshtrain.launch.elastic import (
+    WorkerFailedError,
+    free_port,
+    is_loopback,
+    run_workers,
+    split_endpoint,
+)
 from tests.conftest import child_processes
 
 
@@ -91,7 +97,7 @@ def _launcher(node_rank: int, nnodes: int, endpoint: str, log_dir: Path) -> subp
         "import sys\n"
         "from pathlib import Path\n"
         "from meshtrain.config import LaunchConfig\n"
-        "from meshtrain.launch import run_workers\n"
+        "from meshtrain.launch.elastic import run_workers\n"
         "from tests.test_launch import fail_on_rank_one\n"
         "launch = LaunchConfig(nproc_per_node=1, nnodes=int(sys.argv[2]),"
         " node_rank=int(sys.argv[1]), rdzv_endpoint=sys.argv[3], rdzv_id='dup')\n"

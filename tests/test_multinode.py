@@ -24,12 +24,12 @@ import pytest
 
 from meshtrain.config import ConfigError, LaunchConfig, RunConfig
 from meshtrain.data.blocks import arrow_files
-from meshtrain.launch import check_launch, free_port
+from meshtrain.launch.elastic import check_launch, free_port
+from meshtrain.launch.job import make_worker_spec, run_training
 from meshtrain.models import build_model_config
 from meshtrain.planner import Plan, plan_run
-from meshtrain.training import make_worker_spec, run_training
 from tests.conftest import TINY_BLOCK, TINY_MODEL, TINY_VOCAB, child_processes
-from tests.parallel.reference import TRAINING, assert_matches_reference, reference_run
+from tests.distributed.reference import TRAINING, assert_matches_reference, reference_run
 
 REPO = Path(__file__).resolve().parents[1]
 RDZV_ID = "job42"

@@ -18,7 +18,7 @@ import pytest
 from safetensors.torch import load_file
 
 from meshtrain.config import ConfigError
-from meshtrain.sweep import (
+from meshtrain.tracking.sweep import (
     LayoutStringError,
     comparison_table,
     layout_error,

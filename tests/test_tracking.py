@@ -11,7 +11,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from meshtrain import plots, tracking
-from meshtrain.tracking import MetricsLogger, TrackingTarget
+from meshtrain.tracking.mlflow_run import MetricsLogger, TrackingTarget
 
 
 @pytest.fixture(scope="module")

@@ -45,6 +45,51 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class Layout:
+    """`parallel.*` resolved by the planner: no `auto` left (the plan's `layout`)."""
+
+    data_parallel_size: int
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    pipeline_parallel_num_microbatches: int
+    pipeline_schedule: str
+    sequence_parallel: bool
+    zero_1: bool
+    activation_checkpointing: str
+    activation_offloading: bool
+    pipeline_parallel_virtual_stages: int = 1
+    pipeline_parallel_layers: list[int] | None = None  # decoder layers per stage, in order
+
+    @property
+    def num_stages(self) -> int:
+        return self.pipeline_parallel_size * self.pipeline_parallel_virtual_stages
+
+    @property
+    def name(self) -> str:
+        """A short label for run names and folders, e.g. `dp2-tp1-pp1-zero1`."""
+        parts = [
+            f"dp{self.data_parallel_size}",
+            f"tp{self.tensor_parallel_size}",
+            f"pp{self.pipeline_parallel_size}",
+        ]
+        if self.zero_1:
+            parts.append("zero1")
+        if self.sequence_parallel:
+            parts.append("sp")
+        if self.pipeline_parallel_size > 1:
+            schedule = self.pipeline_schedule
+            if schedule == "interleaved_1f1b":
+                schedule += f"-v{self.pipeline_parallel_virtual_stages}"
+            parts.append(f"{schedule}-mb{self.pipeline_parallel_num_microbatches}")
+        if self.activation_checkpointing != "none":
+            parts.append(f"ac-{self.activation_checkpointing}")
+        return "-".join(parts)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
 class PlannerConfig:
     """What the planner plans for (`planner.*`)."""
 

@@ -26,13 +26,13 @@ from meshtrain.checkpoint.consolidate import (
     read_safetensors_header,
     save_safetensors,
 )
+from meshtrain.checkpoint.files import shard_dir_name
 from meshtrain.checkpoint.manifest import (
     FORMAT,
     FORMAT_VERSION,
     describe_files,
     mark_complete,
     read_manifest,
-    shard_dir_name,
     write_json_atomic,
 )
 from meshtrain.commands import main

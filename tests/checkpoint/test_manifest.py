@@ -18,13 +18,13 @@ from meshtrain.checkpoint import (
     list_checkpoints,
     resolve_checkpoint,
 )
+from meshtrain.checkpoint.files import shard_dir_name
 from meshtrain.checkpoint.manifest import (
     FORMAT,
     FORMAT_VERSION,
     describe_files,
     mark_complete,
     read_manifest,
-    shard_dir_name,
     write_json_atomic,
 )
 from meshtrain.models import build_model, build_model_config

@@ -9,19 +9,19 @@ import torch
 
 from meshtrain.checkpoint.load import check_compatible, check_resumable, local_piece
 from meshtrain.checkpoint.manifest import CheckpointError, find_resume_checkpoint
-from meshtrain.parallel.tensor_parallel import ParameterLayout
+from meshtrain.distributed.tensor_parallel import ParameterSharding
 
 
 def test_another_model_shape_is_refused_naming_the_tensor() -> None:
     manifest = {"tensors": {"model.norm.weight": {"shape": [64]}}}
-    layouts = {"model.norm.weight": ParameterLayout("model.norm.weight", None, 1)}
+    layouts = {"model.norm.weight": ParameterSharding("model.norm.weight", None, 1)}
     with pytest.raises(CheckpointError, match="model.norm.weight is \\[64\\]"):
         check_compatible(manifest, {"model.norm.weight": torch.zeros(128)}, layouts)
     with pytest.raises(CheckpointError, match="no tensor lm_head.weight"):
         check_compatible(
             manifest,
             {"lm_head.weight": torch.zeros(2, 2)},
-            {"lm_head.weight": ParameterLayout("lm_head.weight", 0, 1)},
+            {"lm_head.weight": ParameterSharding("lm_head.weight", 0, 1)},
         )
 
 
@@ -47,6 +47,6 @@ def test_latest_with_nothing_to_resume_says_where_it_looked(tmp_path) -> None:
 def test_kv_heads_are_copied_again_for_the_new_tp() -> None:
     # 2 KV heads of 3 rows; tp=4 needs each head twice, ranks 0,1 get head 0.
     full = torch.arange(12.0).reshape(6, 2)
-    layout = ParameterLayout("k", 0, 2, kv_replication=2, head_dim=3)
+    layout = ParameterSharding("k", 0, 2, kv_replication=2, head_dim=3)
     assert torch.equal(local_piece(full, layout, 1, 4), full[:3])
     assert torch.equal(local_piece(full, layout, 2, 4), full[3:])

@@ -12,9 +12,9 @@ import pytest
 import torch
 from transformers import PretrainedConfig
 
-from meshtrain.config import RunConfig
+from meshtrain.config import Layout, RunConfig
 from meshtrain.models import build_model, build_model_config
-from meshtrain.planner import Layout, LayoutError, Plan, Refusal, plan_run
+from meshtrain.planner import LayoutError, Plan, Refusal, plan_run
 from meshtrain.planner.memory import estimate_model_states
 from meshtrain.planner.resolve import check_plan_is_current, plan_for_run
 
@@ -723,7 +723,7 @@ def test_microbatch_count_from_params_strings() -> None:
 def test_shapes_from_the_config_equal_the_built_model(architecture: str, extra: dict) -> None:
     """The planner's shapes (no modelling code imported) are the real model's, name by name."""
     from meshtrain.models import parameter_shapes
-    from meshtrain.models.parameter_names import llama_family_shapes
+    from meshtrain.models.llama.parameter_names import llama_family_shapes
 
     config = build_model_config(architecture, {**SHAPE, **extra}, vocab_size=VOCAB)
     assert llama_family_shapes(config) == parameter_shapes(config)

@@ -49,11 +49,11 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from meshtrain.checkpoint.files import shard_dir_name
 from meshtrain.checkpoint.manifest import (
     CheckpointError,
     read_manifest,
     resolve_checkpoint,
-    shard_dir_name,
 )
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -20,15 +20,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from meshtrain.checkpoint.manifest import (
-    CheckpointError,
-    read_manifest,
-    shard_dir_name,
-)
-from meshtrain.parallel.flat_buffer import FlatParameters
-from meshtrain.parallel.mesh import ParallelDims
-from meshtrain.parallel.tensor_parallel import ParameterLayout
-from meshtrain.parallel.zero import ShardedAdamW
+from meshtrain.checkpoint import files
+from meshtrain.checkpoint.manifest import CheckpointError, read_manifest
+from meshtrain.distributed.flat_buffer import FlatParameters
+from meshtrain.distributed.parallel_dims import ParallelDims
+from meshtrain.distributed.tensor_parallel import ParameterSharding
+from meshtrain.distributed.zero import ShardedAdamW
+from meshtrain.models.llama.kv_heads import drop_kv_copies, repeat_kv_heads
 
 
 def assemble_full(meta: dict[str, Any], tp: int, piece) -> torch.Tensor:
@@ -37,26 +35,15 @@ def assemble_full(meta: dict[str, Any], tp: int, piece) -> torch.Tensor:
         full = piece(0)
     else:
         full = torch.cat([piece(r) for r in range(tp)], dim=meta["tp_dim"])
-    copies = meta.get("kv_replication", 1)
-    if copies > 1:
-        head_dim = meta["kv_head_dim"]
-        heads = full.shape[0] // (copies * head_dim)
-        full = full.reshape(heads, copies, head_dim, *full.shape[1:])[:, 0]
-        full = full.reshape(meta["shape"])
-    return full
+    return drop_kv_copies(full, meta.get("kv_replication", 1), meta.get("kv_head_dim", 0))
 
 
-def local_piece(full: torch.Tensor, layout: ParameterLayout, tp_rank: int, tp: int):
+def local_piece(full: torch.Tensor, spec: ParameterSharding, tp_rank: int, tp: int):
     """This tp rank's part of a full tensor under the new layout (inverse of assemble_full)."""
-    if layout.tp_dim is None:
+    if spec.tp_dim is None:
         return full
-    if layout.kv_replication > 1:
-        copies, head_dim = layout.kv_replication, layout.head_dim
-        heads = full.shape[0] // head_dim
-        full = full.reshape(heads, 1, head_dim, *full.shape[1:])
-        full = full.expand(heads, copies, head_dim, *full.shape[3:])
-        full = full.reshape(heads * copies * head_dim, *full.shape[3:])
-    return torch.chunk(full, tp, dim=layout.tp_dim)[tp_rank]
+    full = repeat_kv_heads(full, spec.kv_replication, spec.head_dim or 0)
+    return torch.chunk(full, tp, dim=spec.tp_dim)[tp_rank]
 
 
 class CheckpointReader:
@@ -78,10 +65,9 @@ class CheckpointReader:
 
     def parameter(self, name: str) -> torch.Tensor:
         meta = self.manifest["tensors"][name]
-        shards = self.root / "shards"
 
         def piece(tp_rank: int) -> torch.Tensor:
-            path = shards / shard_dir_name(tp_rank, meta["pp_rank"]) / "model.safetensors"
+            path = files.shard_weights(self.root, tp_rank, meta["pp_rank"])
             return self._open(path).get_tensor(name)
 
         return assemble_full(meta, self.tp, piece)
@@ -91,19 +77,19 @@ class CheckpointReader:
         pp_rank = meta["pp_rank"]
 
         def piece(tp_rank: int) -> torch.Tensor:
-            offset, numel, shape = self._flat_layout(tp_rank, pp_rank)[name]
+            offset, numel, shape = self._flat_index(tp_rank, pp_rank)[name]
             return self._flat_range(tp_rank, pp_rank, key, offset, offset + numel).view(shape)
 
         return assemble_full(meta, self.tp, piece)
 
     def step(self) -> float:
-        path = next(p for p in sorted((self.root / "optimizer").glob("*.safetensors")))
+        path = next(p for p in sorted((self.root / files.OPTIMIZER).glob("*.safetensors")))
         return float(self._open(path).get_tensor("step")[0])
 
-    def _flat_layout(self, tp_rank: int, pp_rank: int):
+    def _flat_index(self, tp_rank: int, pp_rank: int):
         key = (tp_rank, pp_rank)
         if key not in self._flat:
-            path = self.root / "shards" / shard_dir_name(tp_rank, pp_rank) / "flat_layout.json"
+            path = files.flat_index(self.root, tp_rank, pp_rank)
             slots = json.loads(path.read_text())["slots"]
             self._flat[key] = {name: (offset, numel, shape) for name, offset, numel, shape in slots}
         return self._flat[key]
@@ -112,9 +98,8 @@ class CheckpointReader:
         """Elements [lo, hi) of one coordinate's flat moment buffer, from the dp owners' files."""
         coordinate = (tp_rank, pp_rank)
         if coordinate not in self._ranges:
-            suffix = f"_tp_rank_{tp_rank:02d}_pp_rank_{pp_rank:02d}.safetensors"
             owners = []
-            for path in sorted((self.root / "optimizer").glob(f"dp_rank_*{suffix}")):
+            for path in files.optimizer_files(self.root, tp_rank, pp_rank):
                 start, end = json.loads(self._open(path).metadata()["range"])
                 owners.append((start, end, path))
             self._ranges[coordinate] = owners
@@ -132,14 +117,17 @@ class CheckpointReader:
         return values
 
 
-def check_compatible(manifest: dict[str, Any], parameters: dict[str, torch.Tensor], layouts):
+def check_compatible(
+    manifest: dict[str, Any],
+    parameters: dict[str, torch.Tensor],
+    sharding: dict[str, ParameterSharding],
+) -> None:
     """Refuse a checkpoint of another model, naming the first tensor that differs."""
     saved = manifest["tensors"]
     for name, parameter in parameters.items():
         if name not in saved:
             raise CheckpointError(f"the checkpoint has no tensor {name}: it is of another model")
-        shape = list(parameter.shape)
-        shape[0] //= layouts[name].kv_replication
+        shape = sharding[name].hf_shape(parameter.shape)
         if saved[name]["shape"] != shape:
             raise CheckpointError(
                 f"tensor {name} is {saved[name]['shape']} in the checkpoint but {shape} in the "
@@ -151,39 +139,39 @@ def restore_checkpoint(
     root: Path,
     *,
     parameters: dict[str, torch.Tensor],
-    layouts: dict[str, ParameterLayout],
+    sharding: dict[str, ParameterSharding],
     flat: FlatParameters,
     optimizer: ShardedAdamW,
     dims: ParallelDims,
 ) -> dict[str, Any]:
     """Load parameters and optimizer state into this rank's (possibly new) layout.
 
-    Returns the saved trainer state (step, schedule, layout...). Collective-free:
+    Returns the saved trainer state (step, layout, sample stream). Collective-free:
     each rank reads what it needs.
     """
     manifest = read_manifest(root, verify=True)
-    check_compatible(manifest, parameters, layouts)
+    check_compatible(manifest, parameters, sharding)
     start, end = optimizer.start, optimizer.end
     exp_avg = torch.zeros(end - start, dtype=flat.params.dtype)
     exp_avg_sq = torch.zeros_like(exp_avg)
     with ExitStack() as stack:
         reader = CheckpointReader(root, manifest, stack)
         for slot in flat.slots:
-            layout = layouts[slot.name]
+            spec = sharding[slot.name]
             full = reader.parameter(slot.name)
-            local = local_piece(full, layout, dims.tp_rank, dims.tp).reshape(-1)
+            local = local_piece(full, spec, dims.tp_rank, dims.tp).reshape(-1)
             flat.params[slot.offset : slot.offset + slot.numel].copy_(local)
             lo, hi = max(slot.offset, start), min(slot.offset + slot.numel, end)
             if lo >= hi:
                 continue
             for key, target in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
-                moment = local_piece(reader.moment(slot.name, key), layout, dims.tp_rank, dims.tp)
+                moment = local_piece(reader.moment(slot.name, key), spec, dims.tp_rank, dims.tp)
                 flat_moment = moment.reshape(-1)
                 target[lo - start : hi - start] = flat_moment[lo - slot.offset : hi - slot.offset]
         step = reader.step()
     optimizer.load_state_tensors(exp_avg, exp_avg_sq, step)
-    state = json.loads((root / "trainer_state.json").read_text())
-    rng = root / "rng" / f"rank_{torch.distributed.get_rank():05d}.safetensors"
+    state = json.loads((root / files.TRAINER_STATE).read_text())
+    rng = files.rng_file(root, torch.distributed.get_rank())
     if manifest["world_size"] == torch.distributed.get_world_size() and rng.is_file():
         torch.set_rng_state(load_file(rng)["cpu"])
     return state
@@ -196,7 +184,7 @@ def check_resumable(
 
     Returns the checkpoint's step.
     """
-    state = json.loads((Path(checkpoint) / "trainer_state.json").read_text())
+    state = json.loads((Path(checkpoint) / files.TRAINER_STATE).read_text())
     for key, now in (
         ("seed", seed),
         ("global_batch_size", global_batch_size),

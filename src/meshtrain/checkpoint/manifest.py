@@ -1,12 +1,5 @@
-"""The checkpoint folder's contract: names, the JSON manifest, the completion marker.
-
-    checkpoint-<step>/
-      shards/tp_rank_XX_pp_rank_YY/model.safetensors   local parameter shards
-      optimizer/dp_rank_XX_tp_rank_YY_pp_rank_ZZ.safetensors   AdamW moments
-      config.json, tokenizer/                          to rebuild a HF model
-      trainer_state.json                               step, layout, schedule
-      manifest.json                                    tensors and files (sha256)
-      COMPLETE                                         written last, atomically
+"""A checkpoint's JSON manifest (every tensor, every file's size and sha256) and its
+completion marker; finding complete checkpoints. The folder's names are in `files`.
 
 A checkpoint without `COMPLETE` is a half-written one and is never used.
 """
@@ -16,32 +9,18 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import warnings
 from pathlib import Path
 from typing import Any
 
+from meshtrain.checkpoint.files import CHECKPOINT_RE, MANIFEST, MARKER
+
 FORMAT = "meshtrain-checkpoint"
 FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
-MARKER = "COMPLETE"
-_CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint is incomplete, corrupted or not a meshtrain checkpoint."""
-
-
-def checkpoint_name(step: int) -> str:
-    return f"checkpoint-{step}"
-
-
-def shard_dir_name(tp_rank: int, pp_rank: int) -> str:
-    return f"tp_rank_{tp_rank:02d}_pp_rank_{pp_rank:02d}"
-
-
-def optimizer_file_name(dp_rank: int, tp_rank: int, pp_rank: int) -> str:
-    return f"dp_rank_{dp_rank:02d}_tp_rank_{tp_rank:02d}_pp_rank_{pp_rank:02d}.safetensors"
 
 
 def write_json_atomic(path: Path, payload: Any) -> None:
@@ -118,7 +97,7 @@ def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
     """(step, folder) of every complete checkpoint in a run folder, oldest first."""
     found = []
     for child in Path(run_dir).iterdir() if Path(run_dir).is_dir() else []:
-        match = _CHECKPOINT_RE.match(child.name)
+        match = CHECKPOINT_RE.match(child.name)
         if match and is_complete(child):
             found.append((int(match.group(1)), child))
     return sorted(found)
@@ -129,7 +108,7 @@ def resolve_checkpoint(path: Path) -> Path:
     path = Path(path)
     if path.name == "shards":
         path = path.parent
-    if (path / MANIFEST).exists() or _CHECKPOINT_RE.match(path.name):
+    if (path / MANIFEST).exists() or CHECKPOINT_RE.match(path.name):
         return path
     complete = list_checkpoints(path)
     if not complete:

@@ -12,20 +12,18 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from transformers import PretrainedConfig
 
+from meshtrain.checkpoint import files
 from meshtrain.checkpoint.manifest import (
     FORMAT,
     FORMAT_VERSION,
-    checkpoint_name,
     describe_files,
     list_checkpoints,
     mark_complete,
-    optimizer_file_name,
-    shard_dir_name,
     write_json_atomic,
 )
-from meshtrain.parallel.mesh import ParallelDims
-from meshtrain.parallel.tensor_parallel import ParameterLayout, local_tensor
-from meshtrain.parallel.zero import ShardedAdamW
+from meshtrain.distributed.parallel_dims import ParallelDims
+from meshtrain.distributed.tensor_parallel import ParameterSharding, local_tensor
+from meshtrain.distributed.zero import ShardedAdamW
 
 
 def save_checkpoint(
@@ -33,7 +31,7 @@ def save_checkpoint(
     step: int,
     *,
     parameters: dict[str, torch.Tensor],
-    layouts: dict[str, ParameterLayout],
+    sharding: dict[str, ParameterSharding],
     optimizer: ShardedAdamW,
     dims: ParallelDims,
     trainer_state: dict[str, Any],
@@ -42,39 +40,41 @@ def save_checkpoint(
     keep_last: int,
 ) -> Path:
     """Collective: every rank calls it. Returns the checkpoint folder."""
-    root = Path(run_dir) / checkpoint_name(step)
+    root = Path(run_dir) / files.checkpoint_name(step)
     rank = dist.get_rank()
     if rank == 0 and root.exists():
         shutil.rmtree(root)  # a leftover from a run that died mid-save
     dist.barrier()
 
     if dims.dp_rank == 0:
-        shard_dir = root / "shards" / shard_dir_name(dims.tp_rank, dims.pp_rank)
-        shard_dir.mkdir(parents=True, exist_ok=True)
+        weights = files.shard_weights(root, dims.tp_rank, dims.pp_rank)
+        weights.parent.mkdir(parents=True, exist_ok=True)
         tensors = {n: local_tensor(p).detach().contiguous() for n, p in parameters.items()}
-        save_file(tensors, shard_dir / "model.safetensors", metadata={"format": "pt"})
+        save_file(tensors, weights, metadata={"format": "pt"})
         # Where each parameter sits in this coordinate's flat buffer, so optimizer moments
         # (saved as flat ranges) can be resharded onto another layout.
-        write_json_atomic(shard_dir / "flat_layout.json", optimizer.flat.describe())
+        write_json_atomic(
+            files.flat_index(root, dims.tp_rank, dims.pp_rank), optimizer.flat.index()
+        )
     if optimizer.zero_1 or dims.dp_rank == 0:
-        opt_dir = root / "optimizer"
+        opt_dir = root / files.OPTIMIZER
         opt_dir.mkdir(parents=True, exist_ok=True)
         save_file(
             optimizer.state_tensors(),
-            opt_dir / optimizer_file_name(dims.dp_rank, dims.tp_rank, dims.pp_rank),
+            opt_dir / files.optimizer_file_name(dims.dp_rank, dims.tp_rank, dims.pp_rank),
             metadata={"range": json.dumps([optimizer.start, optimizer.end])},
         )
-    rng_dir = root / "rng"
-    rng_dir.mkdir(parents=True, exist_ok=True)
-    save_file({"cpu": torch.get_rng_state()}, rng_dir / f"rank_{rank:05d}.safetensors")
+    rng = files.rng_file(root, rank)
+    rng.parent.mkdir(parents=True, exist_ok=True)
+    save_file({"cpu": torch.get_rng_state()}, rng)
     if rank == 0:
         model_config.save_pretrained(root)
-        write_json_atomic(root / "trainer_state.json", trainer_state)
+        write_json_atomic(root / files.TRAINER_STATE, trainer_state)
         if tokenizer_dir is not None:
-            shutil.copytree(tokenizer_dir, root / "tokenizer", dirs_exist_ok=True)
+            shutil.copytree(tokenizer_dir, root / files.TOKENIZER, dirs_exist_ok=True)
     # Every stage's tensors go in the one manifest: gather their entries (JSON-able dicts).
     mine = (
-        {n: tensor_entry(p, layouts[n], dims.pp_rank) for n, p in parameters.items()}
+        {n: tensor_entry(p, sharding[n], dims.pp_rank) for n, p in parameters.items()}
         if dims.dp_rank == 0 and dims.tp_rank == 0
         else {}
     )
@@ -106,19 +106,16 @@ def _hf_order(name: str) -> tuple:
     return (0 if "embed" in name else 2 if "norm" in name else 3, 0, name)
 
 
-def tensor_entry(parameter: torch.Tensor, layout: ParameterLayout, pp_rank: int) -> dict:
+def tensor_entry(parameter: torch.Tensor, spec: ParameterSharding, pp_rank: int) -> dict:
     """How consolidation rebuilds one tensor: its full shape, split and KV copies."""
-    shape = list(parameter.shape)  # a DTensor's shape is the global one
-    if layout.kv_replication > 1:
-        shape[0] //= layout.kv_replication  # the Hugging Face tensor has each KV head once
     entry = {
-        "shape": shape,
+        "shape": spec.hf_shape(parameter.shape),
         "dtype": str(parameter.dtype).removeprefix("torch."),
-        "tp_dim": layout.tp_dim,
+        "tp_dim": spec.tp_dim,
         "pp_rank": pp_rank,
     }
-    if layout.kv_replication > 1:
-        entry.update(kv_replication=layout.kv_replication, kv_head_dim=layout.head_dim)
+    if spec.kv_replication > 1:
+        entry.update(kv_replication=spec.kv_replication, kv_head_dim=spec.head_dim)
     return entry
 
 

@@ -1,6 +1,6 @@
 """Model adapters: how to build each supported architecture and how it maps to Hugging Face.
 
-The builders are loaded on first use: importing `meshtrain.models.parameter_names`
+The builders are loaded on first use: importing `meshtrain.models.llama.parameter_names`
 (the planner does) must not pull in the modelling code.
 """
 

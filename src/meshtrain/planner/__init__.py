@@ -1,5 +1,5 @@
 """Planning: resolve the parallel layout, refuse impossible ones, estimate memory."""
 
-from meshtrain.planner.layout import Layout, LayoutError, Plan, Refusal, plan_run
+from meshtrain.planner.layout import LayoutError, Plan, Refusal, plan_run
 
-__all__ = ["Layout", "LayoutError", "Plan", "Refusal", "plan_run"]
+__all__ = ["LayoutError", "Plan", "Refusal", "plan_run"]

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from transformers import PretrainedConfig
 
-from meshtrain.config import AUTO, RunConfig
-from meshtrain.models.parameter_names import llama_family_shapes
+from meshtrain.config import AUTO, Layout, RunConfig
+from meshtrain.models.llama.parameter_names import llama_family_shapes
 from meshtrain.planner.cost import estimate_step_time
 from meshtrain.planner.devices import GIB, DeviceProfile, device_profile
 from meshtrain.planner.memory import ModelShape, StepShape, estimate_memory
@@ -25,51 +25,6 @@ from meshtrain.planner.memory import ModelShape, StepShape, estimate_memory
 IMPLEMENTED_ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
 # Preference among layouts whose estimated step times are within this factor of the best.
 TIE = 1.02
-
-
-@dataclass(frozen=True)
-class Layout:
-    """A resolved parallel layout: no `auto` left."""
-
-    data_parallel_size: int
-    tensor_parallel_size: int
-    pipeline_parallel_size: int
-    pipeline_parallel_num_microbatches: int
-    pipeline_schedule: str
-    sequence_parallel: bool
-    zero_1: bool
-    activation_checkpointing: str
-    activation_offloading: bool
-    pipeline_parallel_virtual_stages: int = 1
-    pipeline_parallel_layers: list[int] | None = None  # decoder layers per stage, in order
-
-    @property
-    def num_stages(self) -> int:
-        return self.pipeline_parallel_size * self.pipeline_parallel_virtual_stages
-
-    @property
-    def name(self) -> str:
-        """A short label for run names and folders, e.g. `dp2-tp1-pp1-zero1`."""
-        parts = [
-            f"dp{self.data_parallel_size}",
-            f"tp{self.tensor_parallel_size}",
-            f"pp{self.pipeline_parallel_size}",
-        ]
-        if self.zero_1:
-            parts.append("zero1")
-        if self.sequence_parallel:
-            parts.append("sp")
-        if self.pipeline_parallel_size > 1:
-            schedule = self.pipeline_schedule
-            if schedule == "interleaved_1f1b":
-                schedule += f"-v{self.pipeline_parallel_virtual_stages}"
-            parts.append(f"{schedule}-mb{self.pipeline_parallel_num_microbatches}")
-        if self.activation_checkpointing != "none":
-            parts.append(f"ac-{self.activation_checkpointing}")
-        return "-".join(parts)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
 
 @dataclass(frozen=True)

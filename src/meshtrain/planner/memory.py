@@ -2,7 +2,7 @@
 
 Every term is counted from what meshtrain's own training step keeps alive, so
 the model can be checked one to one against the measured peak of live tensors
-(`meshtrain.memory_probe`, `bench/planner_validation.py`):
+(`meshtrain.components.memory_probe`, `bench/planner_validation.py`):
 
 - model states, from the real (meta-device) parameter shapes: this rank's
   tensor-parallel share of each sharded parameter (KV projections with their
@@ -46,7 +46,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from meshtrain.models.parameter_names import is_kv_projection, is_tensor_parallel_sharded
+from meshtrain.models.llama.parameter_names import is_kv_projection, is_tensor_parallel_sharded
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig

@@ -7,8 +7,8 @@ from typing import Any
 
 import datasets
 
-from meshtrain import tracking
 from meshtrain.evaluation import evaluate_model
+from meshtrain.tracking import mlflow_run as tracking
 
 
 def evaluate(

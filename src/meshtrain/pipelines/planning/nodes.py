@@ -6,9 +6,9 @@ from typing import Any
 
 import datasets
 
-from meshtrain import tracking
 from meshtrain.config import RunConfig
 from meshtrain.planner.resolve import plan_for_run
+from meshtrain.tracking import mlflow_run as tracking
 
 
 def plan_layout(

@@ -11,14 +11,14 @@ from typing import Any
 
 import datasets
 
-from meshtrain import tracking
-from meshtrain.backends import check_backend_available
 from meshtrain.config import RunConfig
 from meshtrain.data.blocks import arrow_files
-from meshtrain.launch import check_launch
+from meshtrain.launch.backends import check_backend_available
+from meshtrain.launch.elastic import check_launch
+from meshtrain.launch.job import run_training
 from meshtrain.planner import Plan
 from meshtrain.planner.resolve import check_plan_is_current, plan_for_run
-from meshtrain.training import run_training
+from meshtrain.tracking import mlflow_run as tracking
 
 
 def train_model(

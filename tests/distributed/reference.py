@@ -19,15 +19,16 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from meshtrain.checkpoint import consolidate_checkpoint
+from meshtrain.components.lr_schedule import warmup_cosine
 from meshtrain.config import LaunchConfig, RunConfig
 from meshtrain.data.blocks import BlockStore, arrow_files
 from meshtrain.data.sampler import GlobalBatchSampler
-from meshtrain.launch import run_workers
+from meshtrain.launch.elastic import run_workers
+from meshtrain.launch.job import make_worker_spec
+from meshtrain.launch.worker import worker_main_sequence
 from meshtrain.models import build_model, build_model_config
 from meshtrain.planner import plan_run
-from meshtrain.schedule import warmup_cosine
-from meshtrain.training import make_worker_spec
-from meshtrain.worker import WorkerSpec, worker_main_sequence
+from meshtrain.trainer import WorkerSpec
 from tests.conftest import TINY_BLOCK, TINY_VOCAB
 
 STEPS = 6
@@ -134,7 +135,7 @@ def run_group(specs: list[WorkerSpec], world: int, out: Path, run_id: str) -> li
 
 def assert_memory_model_holds(name: str, summary: dict[str, Any], tolerance: float = 0.10) -> None:
     """The planner's predicted peak of live tensors is within `tolerance` of the measured
-    one (the largest over the ranks, measured on one step by `meshtrain.memory_probe`)."""
+    one (the largest over the ranks, measured on one step by `components.memory_probe`)."""
     if "ac-full" in summary["layout_name"]:
         # Full recomputation's backward working set is approximated; at these toy sizes
         # (hidden 64, 256 tokens a microbatch) it over-predicts by up to 17%, at the

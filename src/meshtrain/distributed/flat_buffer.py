@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from meshtrain.parallel.tensor_parallel import ParameterLayout, local_tensor, plain_layouts
+from meshtrain.distributed.tensor_parallel import ParameterSharding, local_tensor, unsharded
 
 
 @dataclass(frozen=True)
@@ -46,20 +46,20 @@ class FlatParameters:
         self,
         parameters: nn.Module | Iterable[tuple[str, torch.Tensor]],
         num_shards: int = 1,
-        layouts: dict[str, ParameterLayout] | None = None,
+        sharding: dict[str, ParameterSharding] | None = None,
     ) -> None:
         """`parameters`: a module, or (name, parameter) pairs (e.g. of several stages)."""
         if isinstance(parameters, nn.Module):
-            layouts = layouts or plain_layouts(parameters)
+            sharding = sharding or unsharded(parameters)
             parameters = parameters.named_parameters()
         named = [(n, p) for n, p in parameters if p.requires_grad]
         position = {n: i for i, (n, _) in enumerate(named)}
-        layouts = layouts or {n: ParameterLayout(n, None, 1) for n, _ in named}
+        sharding = sharding or {n: ParameterSharding(n, None, 1) for n, _ in named}
 
         def kind(item: tuple[str, torch.Tensor]) -> tuple[bool, int]:
             name, parameter = item
             # Matrices and embeddings are decayed; norms and biases are not.
-            return (parameter.ndim < 2, layouts[name].copies)
+            return (parameter.ndim < 2, sharding[name].copies)
 
         ordered = sorted(named, key=kind)  # stable: module order within a kind
         self.parameters = [p for _, p in ordered]
@@ -94,8 +94,9 @@ class FlatParameters:
                 grad = DTensor.from_local(grad, p.device_mesh, p.placements, run_check=False)
             p.grad = grad
 
-    def describe(self) -> dict:
-        """The buffer's layout as JSON: where each parameter's elements are."""
+    def index(self) -> dict:
+        """Where each parameter's elements are in the buffer, as JSON (saved with each
+        checkpoint shard, so optimizer moments can be re-cut for another layout)."""
         return {
             "numel": self.numel,
             "padded_numel": self.padded_numel,

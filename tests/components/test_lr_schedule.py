@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from meshtrain.schedule import warmup_cosine
+from meshtrain.components.lr_schedule import warmup_cosine
 
 WARMUP = 10
 MAX_STEPS = 100

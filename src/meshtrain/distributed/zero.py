@@ -22,8 +22,8 @@ from collections.abc import Collection
 import torch
 import torch.distributed as dist
 
-from meshtrain.parallel.data_parallel import GradientReducer
-from meshtrain.parallel.flat_buffer import FlatParameters
+from meshtrain.distributed.data_parallel import GradientReducer
+from meshtrain.distributed.flat_buffer import FlatParameters
 
 
 class ShardedAdamW:

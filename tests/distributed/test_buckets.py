@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from meshtrain.parallel.data_parallel import GradientReducer, cut_buckets
-from meshtrain.parallel.flat_buffer import FlatParameters
+from meshtrain.distributed.data_parallel import GradientReducer, cut_buckets
+from meshtrain.distributed.flat_buffer import FlatParameters
 
 
 def _flat(sizes: list[tuple[str, tuple[int, ...]]], num_shards: int) -> FlatParameters:

@@ -1,16 +1,18 @@
-"""Tensor (and sequence) parallelism on DTensor, for any model with an adapter plan.
+"""Tensor (and sequence) parallelism on DTensor: what is generic to every model.
 
-`apply_tensor_parallel` shards the model with the adapter's plan and returns,
-for every trainable parameter, what the optimizer and the checkpoint need to
-know: along which dimension it is split, how many tp ranks hold a copy of
-each element (for the gradient norm), and which gradients need an extra sum
-over tp ranks before data-parallel reduction (replicated KV heads, per-head
-norms). The communication of tensor parallelism itself happens inside the
-DTensor parallel styles and `loss_parallel`.
+A model's own module (e.g. `meshtrain.models.llama.sharding`) applies its
+plan with `parallelize_module`; this module then records, for every
+trainable parameter, what the optimizer and the checkpoint need to know
+(`ParameterSharding`): along which dimension it is split, how many tp ranks
+hold a copy of each element (for the gradient norm), and which gradients need
+an extra sum over tp ranks before data-parallel reduction (replicated KV
+heads, per-head norms). The communication of tensor parallelism itself
+happens inside the DTensor parallel styles and `loss_parallel`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -18,14 +20,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor.parallel import parallelize_module
-
-from meshtrain.models import llama_family
 
 
 @dataclass(frozen=True)
-class ParameterLayout:
-    """Where one trainable parameter lives across the tensor-parallel ranks."""
+class ParameterSharding:
+    """How one trainable parameter is split over the tensor-parallel ranks."""
 
     name: str
     tp_dim: int | None  # the split dimension, None when every tp rank holds all of it
@@ -34,47 +33,49 @@ class ParameterLayout:
     head_local: str | None = None  # "q"/"k": per-head norm whose grads are partial sums
     head_dim: int | None = None  # rows per KV head, to undo the replication
 
+    def hf_shape(self, global_shape: Sequence[int]) -> list[int]:
+        """The Hugging Face tensor's shape, from the (DTensor's) global one: each KV head once."""
+        return [global_shape[0] // self.kv_replication, *global_shape[1:]]
+
 
 def local_tensor(parameter: torch.Tensor) -> torch.Tensor:
     """The tensor that holds this rank's elements (a DTensor's local shard, else itself)."""
     return parameter._local_tensor if isinstance(parameter, DTensor) else parameter
 
 
-def apply_tensor_parallel(
-    model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool, kv_replication: int
-) -> dict[str, ParameterLayout]:
-    """Shard `model` in place over `tp_mesh`; returns each parameter's layout by name."""
-    replicated_kv = set(llama_family.replicate_kv_heads(model, kv_replication))
-    tied = bool(getattr(model.config, "tie_word_embeddings", False))
-    parallelize_module(
-        model,
-        tp_mesh,
-        llama_family.tensor_parallel_plan(model, sequence_parallel=sequence_parallel),
-    )
-    if tied and hasattr(model, "lm_head") and hasattr(model.model, "embed_tokens"):
-        # parallelize_module gave each module its own DTensor; both are vocab-sharded
-        # on dim 0, so re-tying keeps one parameter whose gradient sums both uses.
-        model.lm_head.weight = model.model.embed_tokens.weight
-    head_local = llama_family.head_local_parameters(model)
-    head_dim = llama_family.decoder_layers(model)[0][1].self_attn.head_dim
-    tp = tp_mesh.size()
-    layouts = {}
+def read_sharding(
+    model: nn.Module,
+    tp: int,
+    *,
+    kv_replicated: Collection[str] = (),
+    kv_replication: int = 1,
+    head_dim: int | None = None,
+    head_local: dict[str, str] | None = None,
+) -> dict[str, ParameterSharding]:
+    """Every parameter's sharding, read off a model its plan has already sharded.
+
+    `kv_replicated`: names of the parameters whose KV heads were repeated
+    `kv_replication` times (of `head_dim` rows each); `head_local`: name -> "q"/"k"
+    for per-head norm weights.
+    """
+    head_local = head_local or {}
+    sharding = {}
     for name, parameter in model.named_parameters():
         tp_dim = None
         if isinstance(parameter, DTensor):
             shards = [p.dim for p in parameter.placements if isinstance(p, Shard)]
             tp_dim = shards[0] if shards else None
-        kv = kv_replication if name in replicated_kv else 1
+        kv = kv_replication if name in kv_replicated else 1
         copies = tp if tp_dim is None else kv
-        layouts[name] = ParameterLayout(
+        sharding[name] = ParameterSharding(
             name, tp_dim, copies, kv, head_local.get(name), head_dim if kv > 1 else None
         )
-    return layouts
+    return sharding
 
 
-def plain_layouts(model: nn.Module) -> dict[str, ParameterLayout]:
-    """Layouts of an unsharded model (tp = 1)."""
-    return {name: ParameterLayout(name, None, 1) for name, _ in model.named_parameters()}
+def unsharded(model: nn.Module) -> dict[str, ParameterSharding]:
+    """The sharding of a model without tensor parallelism (tp = 1): nothing split."""
+    return {name: ParameterSharding(name, None, 1) for name, _ in model.named_parameters()}
 
 
 class TensorParallelGradSync:
@@ -90,20 +91,20 @@ class TensorParallelGradSync:
     def __init__(
         self,
         params: dict[str, torch.Tensor],
-        layouts: dict[str, ParameterLayout],
+        sharding: dict[str, ParameterSharding],
         mesh: DeviceMesh,
         kv_replication: int,
     ) -> None:
         self.tp_group = mesh.get_group("tp") if mesh["tp"].size() > 1 else None
         self.head_local = [
-            (params[n], 1.0 if layout.head_local == "q" else 1.0 / kv_replication)
-            for n, layout in layouts.items()
-            if layout.head_local
+            (params[n], 1.0 if spec.head_local == "q" else 1.0 / kv_replication)
+            for n, spec in sharding.items()
+            if spec.head_local
         ]
-        self.kv_copies = [params[n] for n, layout in layouts.items() if layout.kv_replication > 1]
+        self.kv_copies = [params[n] for n, spec in sharding.items() if spec.kv_replication > 1]
         # Their gradients are final only after this sum (data parallelism waits for it).
         self.parameter_names = frozenset(
-            n for n, layout in layouts.items() if layout.head_local or layout.kv_replication > 1
+            n for n, spec in sharding.items() if spec.head_local or spec.kv_replication > 1
         )
         self.kv_group = None
         if kv_replication > 1:

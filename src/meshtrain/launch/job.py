@@ -17,10 +17,11 @@ from typing import Any
 from meshtrain.checkpoint.load import check_resumable
 from meshtrain.checkpoint.manifest import find_resume_checkpoint
 from meshtrain.config import ConfigError, RunConfig
-from meshtrain.launch import check_launch, run_workers
+from meshtrain.launch.elastic import check_launch, run_workers
+from meshtrain.launch.worker import worker_main
 from meshtrain.planner import Plan
-from meshtrain.tracking import TrackingTarget
-from meshtrain.worker import WorkerSpec, worker_main
+from meshtrain.tracking.mlflow_run import TrackingTarget
+from meshtrain.trainer import WorkerSpec
 
 
 def make_worker_spec(

@@ -129,7 +129,7 @@ def log_loss_curve(target: TrackingTarget | None = None) -> str | None:
     target = target or active_target()
     if target is None:
         return None
-    from meshtrain.plots import loss_curve
+    from meshtrain.tracking.plots import loss_curve
 
     client = MlflowClient(tracking_uri=target.tracking_uri)
     history = {}
@@ -159,7 +159,7 @@ def log_memory_report(plan: dict[str, Any], summary: dict[str, Any]) -> str | No
     measured = summary.get("measured_peak_memory") or {}
     if mlflow.active_run() is None or not measured.get("peak_bytes_per_rank"):
         return None
-    from meshtrain.plots import memory_breakdown
+    from meshtrain.tracking.plots import memory_breakdown
 
     layout = plan["layout"]
     predicted = plan["memory_estimate_per_rank"]

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.hooks import RemovableHandle
 
-from meshtrain.parallel.flat_buffer import FlatParameters
+from meshtrain.distributed.flat_buffer import FlatParameters
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from meshtrain.parallel.pipeline_parallel import Span, idle_fraction  # noqa: E402
+from meshtrain.distributed.pipeline_parallel import Span, idle_fraction  # noqa: E402
 
 _COLOURS = {"forward": "#4C72B0", "backward": "#DD8452"}
 

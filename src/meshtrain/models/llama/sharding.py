@@ -10,27 +10,28 @@ stay DTensors between layers so HF derives positions and masks from the
 global sequence length.
 
 Everything model-specific about tensor parallelism lives here; the generic
-machinery is in `meshtrain.parallel.tensor_parallel`.
+machinery is in `meshtrain.distributed.tensor_parallel`; which modules are split
+which way is written once in `parameter_names`.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
+    parallelize_module,
 )
 
-from meshtrain.models.parameter_names import (  # noqa: F401  (re-exported)
-    is_kv_projection,
-    is_tensor_parallel_sharded,
-    kv_replication_factor,
-)
+from meshtrain.distributed.tensor_parallel import ParameterSharding, read_sharding
+from meshtrain.models.llama.kv_heads import repeat_kv_heads
+from meshtrain.models.llama.parameter_names import COLUMN_PARALLEL, ROW_PARALLEL
 
 
 def decoder_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -62,16 +63,12 @@ def tensor_parallel_plan(model: nn.Module, *, sequence_parallel: bool) -> dict[s
         plan["model.norm"] = SequenceParallel()
     for index, _ in decoder_layers(model):
         layer = f"model.layers.{index}"
-        for name in ("q_proj", "k_proj", "v_proj"):
-            plan[f"{layer}.self_attn.{name}"] = ColwiseParallel()
-        plan[f"{layer}.self_attn.o_proj"] = RowwiseParallel(
-            output_layouts=residual, use_local_output=not sp
-        )
-        plan[f"{layer}.mlp.gate_proj"] = ColwiseParallel()
-        plan[f"{layer}.mlp.up_proj"] = ColwiseParallel()
-        plan[f"{layer}.mlp.down_proj"] = RowwiseParallel(
-            output_layouts=residual, use_local_output=not sp
-        )
+        for name in COLUMN_PARALLEL:
+            plan[f"{layer}.{name}"] = ColwiseParallel()
+        for name in ROW_PARALLEL:
+            plan[f"{layer}.{name}"] = RowwiseParallel(
+                output_layouts=residual, use_local_output=not sp
+            )
         if sp:
             plan[f"{layer}.input_layernorm"] = SequenceParallel()
             plan[f"{layer}.post_attention_layernorm"] = SequenceParallel()
@@ -99,7 +96,7 @@ def replicate_kv_heads(model: nn.Module, factor: int) -> list[str]:
     Copies of one head sit next to each other, so after column sharding the
     ranks whose query heads share that KV head hold a copy of it. Gradients of
     the copies are summed across those ranks before the update (see
-    `parallel.tensor_parallel`), which keeps the copies identical and equal to
+    `distributed.tensor_parallel`), which keeps the copies identical and equal to
     training the original head.
     """
     if factor == 1:
@@ -119,11 +116,9 @@ def replicate_kv_heads(model: nn.Module, factor: int) -> list[str]:
                 device=proj.weight.device,
             )
             with torch.no_grad():
-                weight = proj.weight.view(heads, 1, head_dim, -1).expand(-1, factor, -1, -1)
-                wider.weight.copy_(weight.reshape(heads * factor * head_dim, -1))
+                wider.weight.copy_(repeat_kv_heads(proj.weight, factor, head_dim))
                 if proj.bias is not None:
-                    bias = proj.bias.view(heads, 1, head_dim).expand(-1, factor, -1)
-                    wider.bias.copy_(bias.reshape(-1))
+                    wider.bias.copy_(repeat_kv_heads(proj.bias, factor, head_dim))
             setattr(attention, proj_name, wider)
             prefix = f"model.layers.{index}.self_attn.{proj_name}"
             names.append(f"{prefix}.weight")
@@ -150,51 +145,25 @@ def head_local_parameters(model: nn.Module) -> dict[str, str]:
     return found
 
 
-class LlamaStage(nn.Module):
-    """One pipeline stage of a Llama-family causal LM, with Hugging Face parameter names.
-
-    The first stage holds the embedding, the last the final norm and LM head;
-    every stage holds the rotary embedding (no parameters) and computes the
-    positions of the whole block itself. Between stages travel plain tensors:
-    with sequence parallelism, this rank's sequence shard, rewrapped as a
-    DTensor on arrival. The last stage returns its vocabulary shard of the
-    logits for `loss_parallel`.
-    """
-
-    def __init__(
-        self, model: nn.Module, layer_ids: range, *, is_first: bool, is_last: bool
-    ) -> None:
-        super().__init__()
-        self.config = model.config
-        self.is_first, self.is_last = is_first, is_last
-        self.model = nn.Module()
-        if is_first:
-            self.model.embed_tokens = model.model.embed_tokens
-        self.model.layers = nn.ModuleDict({str(i): model.model.layers[i] for i in layer_ids})
-        self.model.rotary_emb = model.model.rotary_emb
-        if is_last:
-            self.model.norm = model.model.norm
-            self.lm_head = model.lm_head
-        self.tp_mesh = None
-        self.sequence_parallel = False
-
-    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        if self.is_first:
-            hidden = self.model.embed_tokens(inputs)
-        elif self.sequence_parallel:
-            hidden = DTensor.from_local(inputs, self.tp_mesh, [Shard(1)], run_check=False)
-        else:
-            hidden = inputs
-        positions = torch.arange(hidden.shape[1], device=inputs.device).unsqueeze(0)
-        position_embeddings = self.model.rotary_emb(hidden, positions)
-        for layer in self.model.layers.values():
-            # No mask: sdpa then applies the causal mask itself, as HF does for unpadded blocks.
-            hidden = layer(
-                hidden,
-                attention_mask=None,
-                position_ids=positions,
-                position_embeddings=position_embeddings,
-            )
-        if self.is_last:
-            hidden = self.lm_head(self.model.norm(hidden))
-        return hidden.to_local() if isinstance(hidden, DTensor) else hidden
+def apply_tensor_parallel(
+    model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool, kv_replication: int
+) -> dict[str, ParameterSharding]:
+    """Shard `model` (a whole model or a stage) in place over `tp_mesh`; returns each
+    parameter's sharding by name."""
+    replicated_kv = replicate_kv_heads(model, kv_replication)
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    parallelize_module(
+        model, tp_mesh, tensor_parallel_plan(model, sequence_parallel=sequence_parallel)
+    )
+    if tied and hasattr(model, "lm_head") and hasattr(model.model, "embed_tokens"):
+        # parallelize_module gave each module its own DTensor; both are vocab-sharded
+        # on dim 0, so re-tying keeps one parameter whose gradient sums both uses.
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return read_sharding(
+        model,
+        tp_mesh.size(),
+        kv_replicated=replicated_kv,
+        kv_replication=kv_replication,
+        head_dim=decoder_layers(model)[0][1].self_attn.head_dim,
+        head_local=head_local_parameters(model),
+    )

@@ -1,53 +1,47 @@
-"""What a Llama-family parameter's Hugging Face name says about its sharding.
+"""What a Llama-family parameter's Hugging Face name says about its shape and sharding.
 
 Pure functions with no torch import, so the planner (and `python -m meshtrain
-plan`) can reason about shapes without loading the modelling code.
+plan`) can reason about shapes without loading the modelling code. The
+tensor-parallel split of each module is written here once: the TP plan
+(`sharding.py`) builds its DTensor styles from these tables and the planner's
+memory model counts shards from them.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+# Megatron's split of a decoder layer, by module name relative to the layer. Column
+# parallel: weight and bias split along the outputs. Row parallel: weight split along
+# the inputs; the bias is added once, after the sum, and stays whole.
+COLUMN_PARALLEL = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+)
+ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")
+# Split along the vocabulary (the weight only).
+VOCAB_PARALLEL = ("model.embed_tokens", "lm_head")
+KV_PROJECTIONS = ("self_attn.k_proj", "self_attn.v_proj")
 
-def kv_replication_factor(num_key_value_heads: int, tensor_parallel_size: int) -> int:
-    """How many copies of each KV head tp ranks need so every rank holds whole heads.
 
-    1 when the KV heads divide evenly over the ranks; tp / kv when there are
-    fewer KV heads than ranks (optimum-neuron's `kv_size_multiplier`).
-    Raises ValueError when neither divides the other.
-    """
-    if num_key_value_heads % tensor_parallel_size == 0:
-        return 1
-    if tensor_parallel_size % num_key_value_heads == 0:
-        return tensor_parallel_size // num_key_value_heads
-    raise ValueError(
-        f"num_key_value_heads={num_key_value_heads} and tensor_parallel_size="
-        f"{tensor_parallel_size}: one must divide the other"
-    )
+def _module_is(module: str, names: tuple[str, ...]) -> bool:
+    return any(module == name or module.endswith("." + name) for name in names)
 
 
 def is_tensor_parallel_sharded(name: str) -> bool:
-    """Whether parameter `name` is split over tp ranks (for the memory estimate)."""
-    return name.endswith(
-        (
-            "q_proj.weight",
-            "k_proj.weight",
-            "v_proj.weight",
-            "q_proj.bias",
-            "k_proj.bias",
-            "v_proj.bias",
-            "o_proj.weight",
-            "gate_proj.weight",
-            "up_proj.weight",
-            "down_proj.weight",
-            "embed_tokens.weight",
-            "lm_head.weight",
-        )
-    )
+    """Whether parameter `name` is split over tp ranks (else every tp rank holds it whole)."""
+    module, _, kind = name.rpartition(".")
+    if _module_is(module, COLUMN_PARALLEL):
+        return True
+    return kind == "weight" and _module_is(module, ROW_PARALLEL + VOCAB_PARALLEL)
 
 
 def is_kv_projection(name: str) -> bool:
-    return name.endswith(("k_proj.weight", "v_proj.weight", "k_proj.bias", "v_proj.bias"))
+    """k_proj/v_proj weights and biases: the tensors KV-head replication repeats."""
+    return _module_is(name.rpartition(".")[0], KV_PROJECTIONS)
 
 
 def llama_family_shapes(config: Any) -> dict[str, tuple[int, ...]]:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import TINY_MODEL
-from tests.parallel.reference import (
+from tests.distributed.reference import (
     assert_matches_reference,
     assert_memory_model_holds,
     make_spec,

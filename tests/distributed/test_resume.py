@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from meshtrain.checkpoint import consolidate_checkpoint
 from tests.conftest import TINY_MODEL
-from tests.parallel.reference import (
+from tests.distributed.reference import (
     STEPS,
     assert_matches_reference,
     make_spec,

@@ -1,0 +1,35 @@
+"""The optimizer of a run: AdamW over the flat buffer (ZeRO-1 when the layout says so)."""
+
+from __future__ import annotations
+
+from meshtrain.config import TrainingConfig
+from meshtrain.distributed.flat_buffer import FlatParameters
+from meshtrain.distributed.zero import ShardedAdamW
+from meshtrain.models.parallel_model import ParallelModel
+
+
+def build_optimizer(
+    pm: ParallelModel, *, zero_1: bool, overlap: bool, training: TrainingConfig
+) -> tuple[FlatParameters, ShardedAdamW]:
+    """The flat buffer over this rank's parameters and AdamW on it (ZeRO-1 over dp),
+    with the global gradient norm summed over the tp and pp groups."""
+    dims = pm.dims
+    flat = FlatParameters(pm.parameters.items(), num_shards=dims.dp, sharding=pm.sharding)
+    norm_groups = tuple(
+        dims.mesh.get_group(name) for name in ("tp", "pp") if dims.mesh[name].size() > 1
+    )
+    optimizer = ShardedAdamW(
+        flat,
+        dims.dp_group,
+        zero_1=zero_1,
+        overlap_reduction=overlap,
+        bucket_bytes=int(training.grad_bucket_mb * 2**20),
+        reduce_after_backward=pm.tp_sync.parameter_names if pm.tp_sync else (),
+        norm_groups=norm_groups,
+        lr=training.learning_rate,
+        betas=(training.adam_beta1, training.adam_beta2),
+        eps=training.adam_epsilon,
+        weight_decay=training.weight_decay,
+        max_grad_norm=training.max_grad_norm,
+    )
+    return flat, optimizer

@@ -1,0 +1,51 @@
+"""Validation loss during training, the same number whatever the layout."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from meshtrain.data.blocks import BlockStore
+from meshtrain.models.parallel_model import ParallelModel
+
+
+@torch.no_grad()
+def evaluate_loss(
+    pm: ParallelModel,
+    blocks: BlockStore,
+    eval_batches: int,
+    device: torch.device,
+    per_rank: int,
+    global_batch: int,
+) -> float:
+    """Token-weighted mean loss over the first `eval_batches` global batches of validation.
+
+    Every data-parallel rank scores a contiguous slice and the sums are
+    all-reduced (over the pipeline too: only the last stage has losses), so
+    the number does not depend on the layout. Batches are the per-device
+    training batch, whole ones only under pipeline parallelism (the schedule
+    cuts them into its microbatches). Collective.
+    """
+    dims = pm.dims
+    pm.set_training(False)
+    # `eval_batches` global batches: the same blocks whatever the layout splits them into.
+    count = min(len(blocks), eval_batches * global_batch)
+    share = -(-count // dims.dp)
+    lo, hi = dims.dp_rank * share, min(count, (dims.dp_rank + 1) * share)
+    if pm.runner is not None:
+        share = share // per_rank * per_rank
+        hi = lo + share if lo + share <= len(blocks) else lo
+    totals = torch.zeros(2, dtype=torch.float64, device=device)
+    for start in range(lo, hi, per_rank):
+        input_ids = blocks.batch(list(range(start, min(hi, start + per_rank)))).to(device)
+        tokens = input_ids[:, 1:].numel()
+        totals[0] += pm.eval_batch(input_ids).double() * tokens
+        totals[1] += tokens
+    if dims.pp > 1:
+        # Token counts are known on every stage; losses only on the last.
+        loss = totals[:1].clone()
+        dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=dims.pp_group)
+        totals[0] = loss[0]
+    dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=dims.dp_group)
+    pm.set_training(True)
+    return (totals[0] / totals[1]).item() if totals[1] > 0 else float("nan")

@@ -1,0 +1,1 @@
+"""Starting the job: the run folder, torch elastic on one or several nodes, each rank."""

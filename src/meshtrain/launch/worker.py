@@ -1,0 +1,43 @@
+"""What the launcher starts on every rank: join the process group, train, leave it."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from meshtrain.planner import Plan
+from meshtrain.trainer import WorkerSpec, train
+
+
+@record
+def worker_main(spec: WorkerSpec) -> dict[str, Any] | None:
+    """Entry point of a launched rank: join the group, train, leave the group."""
+    return worker_main_sequence([spec])[0]
+
+
+@record
+def worker_main_sequence(specs: list[WorkerSpec]) -> list[dict[str, Any] | None]:
+    """Train several specs one after the other in one process group.
+
+    Process start-up (importing torch and transformers, the rendezvous) costs
+    more than a small run, so sweeps over options of one world size and the
+    equivalence tests share one group.
+    """
+    plan = Plan.from_dict(specs[0].plan)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if plan.backend == "nccl":
+        torch.cuda.set_device(local_rank)
+    else:
+        # Share the cores between the ranks of this node instead of oversubscribing them.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    dist.init_process_group(plan.backend, timeout=timedelta(minutes=10))
+    try:
+        return [train(spec) for spec in specs]
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,148 @@
+"""Apply a layout to one rank's Llama-family model, in a fixed and documented order.
+
+1. activation checkpointing flags (on the whole model, so every layer has them),
+2. pipeline parallelism: keep only this rank's stages,
+3. tensor / sequence parallelism inside each stage,
+4. torch.compile of each decoder layer, when asked,
+5. (then the trainer lays the parameters into the flat buffer for data
+   parallelism and ZeRO-1: `meshtrain.components.optimizer`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
+from meshtrain.config import Layout
+from meshtrain.distributed.activation_checkpoint import (
+    apply_activation_checkpointing,
+    offload_context,
+)
+from meshtrain.distributed.parallel_dims import ParallelDims
+from meshtrain.distributed.pipeline_parallel import (
+    PipelineRunner,
+    stage_ids_of_rank,
+    stage_layer_ranges,
+)
+from meshtrain.distributed.tensor_parallel import (
+    ParameterSharding,
+    TensorParallelGradSync,
+    unsharded,
+)
+from meshtrain.models.llama.kv_heads import kv_replication_factor
+from meshtrain.models.llama.sharding import apply_tensor_parallel, decoder_layers
+from meshtrain.models.llama.stage import LlamaStage
+from meshtrain.models.parallel_model import ParallelModel, as_local, causal_lm_loss
+
+
+def parallelize(
+    model: nn.Module,
+    dims: ParallelDims,
+    layout: Layout,
+    device: torch.device,
+    autocast: Callable[[], AbstractContextManager],
+    *,
+    compile_layers: bool = False,
+) -> ParallelModel:
+    """Apply the layout to a freshly built (identical on every rank) model.
+
+    `compile_layers`: torch.compile every decoder layer last, in place (parameter
+    names, and so checkpoints, stay those of the Hugging Face model), once its
+    tensor-parallel sharding and checkpointing are set.
+    """
+    apply_activation_checkpointing(model, layout.activation_checkpointing)
+    stage_ids, modules = pipeline_stages(model, dims, layout)
+    kv_replication = (
+        kv_replication_factor(model.config.num_key_value_heads, dims.tp) if dims.tp > 1 else 1
+    )
+    sharding = shard_tensor_parallel(modules, dims, layout, kv_replication)
+    if compile_layers:
+        for module in modules:
+            for _, layer in decoder_layers(module):
+                layer.compile()
+    parameters = {n: p for m in modules for n, p in m.named_parameters()}
+    tp_sync = (
+        TensorParallelGradSync(parameters, sharding, dims.mesh, kv_replication)
+        if dims.tp > 1
+        else None
+    )
+    runner = pipeline_runner(modules, stage_ids, dims, layout, device) if dims.pp > 1 else None
+    return ParallelModel(
+        modules,
+        parameters,
+        sharding,
+        model.config,
+        dims,
+        tp_sync,
+        runner,
+        autocast,
+        layout,
+        offload=offload_context(layout.activation_offloading, device),
+    )
+
+
+def pipeline_stages(
+    model: nn.Module, dims: ParallelDims, layout: Layout
+) -> tuple[list[int], list[nn.Module]]:
+    """This rank's stage ids and modules (the whole model, id-less, without pp)."""
+    if dims.pp == 1:
+        return [], [model]
+    stage_ids = stage_ids_of_rank(dims.pp_rank, dims.pp, layout.pipeline_parallel_virtual_stages)
+    ranges = stage_layer_ranges(layout.pipeline_parallel_layers)
+    last = layout.num_stages - 1
+    modules = [LlamaStage(model, ranges[i], is_first=i == 0, is_last=i == last) for i in stage_ids]
+    return stage_ids, modules
+
+
+def shard_tensor_parallel(
+    modules: list[nn.Module], dims: ParallelDims, layout: Layout, kv_replication: int
+) -> dict[str, ParameterSharding]:
+    """Shard every stage over the tp mesh (in place); each parameter's sharding by name."""
+    if dims.tp == 1:
+        return {name: spec for module in modules for name, spec in unsharded(module).items()}
+    tp_mesh = dims.mesh["tp"]
+    sharding: dict[str, ParameterSharding] = {}
+    for module in modules:
+        sharding.update(
+            apply_tensor_parallel(
+                module,
+                tp_mesh,
+                sequence_parallel=layout.sequence_parallel,
+                kv_replication=kv_replication,
+            )
+        )
+        if isinstance(module, LlamaStage):
+            module.tp_mesh = tp_mesh
+            module.sequence_parallel = layout.sequence_parallel
+    return sharding
+
+
+def pipeline_runner(
+    modules: list[nn.Module],
+    stage_ids: list[int],
+    dims: ParallelDims,
+    layout: Layout,
+    device: torch.device,
+) -> PipelineRunner:
+    """The schedule over this rank's stages; the last stage scores its logits."""
+    tp_mesh = dims.mesh["tp"]
+
+    def last_stage_loss(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        if dims.tp > 1:  # the stage handed over its vocabulary shard of the logits
+            logits = DTensor.from_local(logits, tp_mesh, [Shard(-1)], run_check=False)
+        return as_local(causal_lm_loss(logits, input_ids))
+
+    return PipelineRunner(
+        modules,
+        stage_ids,
+        layout.num_stages,
+        dims.mesh,
+        device,
+        schedule=layout.pipeline_schedule,
+        num_microbatches=layout.pipeline_parallel_num_microbatches,
+        loss_fn=last_stage_loss,
+    )

@@ -1,0 +1,57 @@
+"""A pipeline stage of a Llama-family model, keeping the Hugging Face parameter names."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
+
+class LlamaStage(nn.Module):
+    """One pipeline stage of a Llama-family causal LM, with Hugging Face parameter names.
+
+    The first stage holds the embedding, the last the final norm and LM head;
+    every stage holds the rotary embedding (no parameters) and computes the
+    positions of the whole block itself. Between stages travel plain tensors:
+    with sequence parallelism, this rank's sequence shard, rewrapped as a
+    DTensor on arrival. The last stage returns its vocabulary shard of the
+    logits for `loss_parallel`.
+    """
+
+    def __init__(
+        self, model: nn.Module, layer_ids: range, *, is_first: bool, is_last: bool
+    ) -> None:
+        super().__init__()
+        self.config = model.config
+        self.is_first, self.is_last = is_first, is_last
+        self.model = nn.Module()
+        if is_first:
+            self.model.embed_tokens = model.model.embed_tokens
+        self.model.layers = nn.ModuleDict({str(i): model.model.layers[i] for i in layer_ids})
+        self.model.rotary_emb = model.model.rotary_emb
+        if is_last:
+            self.model.norm = model.model.norm
+            self.lm_head = model.lm_head
+        self.tp_mesh = None
+        self.sequence_parallel = False
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        if self.is_first:
+            hidden = self.model.embed_tokens(inputs)
+        elif self.sequence_parallel:
+            hidden = DTensor.from_local(inputs, self.tp_mesh, [Shard(1)], run_check=False)
+        else:
+            hidden = inputs
+        positions = torch.arange(hidden.shape[1], device=inputs.device).unsqueeze(0)
+        position_embeddings = self.model.rotary_emb(hidden, positions)
+        for layer in self.model.layers.values():
+            # No mask: sdpa then applies the causal mask itself, as HF does for unpadded blocks.
+            hidden = layer(
+                hidden,
+                attention_mask=None,
+                position_ids=positions,
+                position_embeddings=position_embeddings,
+            )
+        if self.is_last:
+            hidden = self.lm_head(self.model.norm(hidden))
+        return hidden.to_local() if isinstance(hidden, DTensor) else hidden

@@ -1,0 +1,99 @@
+"""One rank's share of a parallelised model, as the training loop sees it.
+
+`ParallelModel` hides which parallelisms are on: the loop asks it to run a
+batch forward and backward, or forward only, and gets the loss. How a
+particular architecture is cut up to make one is its own `parallelize.py`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+from transformers import PretrainedConfig
+
+from meshtrain.config import Layout
+from meshtrain.distributed.parallel_dims import ParallelDims
+from meshtrain.distributed.pipeline_parallel import PipelineRunner
+from meshtrain.distributed.tensor_parallel import ParameterSharding, TensorParallelGradSync
+
+
+def causal_lm_loss(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over every position of the batch, in fp32.
+
+    The labels are shifted (the last position ignored) rather than the logits
+    sliced, so vocabulary-sharded DTensor logits go through unchanged.
+    """
+    labels = F.pad(input_ids[:, 1:], (0, 1), value=-100)
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
+
+
+def as_local(value: torch.Tensor) -> torch.Tensor:
+    """A replicated DTensor's value as a plain tensor (plain tensors pass through)."""
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+@dataclass
+class ParallelModel:
+    modules: list[nn.Module]  # this rank's stages (one module without pipeline parallelism)
+    parameters: dict[str, torch.Tensor]  # Hugging Face name -> parameter (maybe a DTensor)
+    sharding: dict[str, ParameterSharding]
+    hf_config: PretrainedConfig
+    dims: ParallelDims
+    tp_sync: TensorParallelGradSync | None
+    runner: PipelineRunner | None
+    autocast: Callable[[], AbstractContextManager]
+    layout: Layout
+    offload: Callable[[], AbstractContextManager] = nullcontext
+
+    def loss_context(self) -> AbstractContextManager:
+        # Cross-entropy on vocabulary-sharded logits: the full logits never exist on one rank.
+        return loss_parallel() if self.dims.tp > 1 else nullcontext()
+
+    def set_training(self, training: bool) -> None:
+        for module in self.modules:
+            module.train(training)
+
+    def train_batch(self, input_ids: torch.Tensor, accumulation_steps: int) -> torch.Tensor:
+        """Forward and backward; returns the batch's mean loss / accumulation steps.
+
+        Under pipeline parallelism only the last stage knows the loss (0 elsewhere).
+        """
+        with self.loss_context(), self.offload():
+            if self.runner is not None:
+                with self.autocast():
+                    return self.runner.train_step(input_ids, accumulation_steps)
+            loss = self._loss(input_ids) / accumulation_steps
+            loss.backward()
+        return as_local(loss.detach())
+
+    def _loss(self, input_ids: torch.Tensor) -> torch.Tensor:
+        # The logits go out of scope here: backward needs only log-softmax's output, so
+        # not holding them saves a (batch x sequence x vocabulary) tensor at the peak.
+        with self.autocast():
+            logits = self.modules[0](input_ids=input_ids).logits
+        return causal_lm_loss(logits, input_ids)
+
+    @torch.no_grad()
+    def eval_batch(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Mean loss of the batch, forward only (0 off the last pipeline stage)."""
+        with self.loss_context(), self.autocast():
+            if self.runner is not None:
+                return self.runner.eval_step(input_ids)
+            logits = self.modules[0](input_ids=input_ids).logits
+            return as_local(causal_lm_loss(logits, input_ids))
+
+    @property
+    def backward_passes_per_batch(self) -> int:
+        """How often one `train_batch` accumulates into each gradient."""
+        return self.layout.pipeline_parallel_num_microbatches if self.runner else 1
+
+    def synchronize_tensor_parallel_gradients(self) -> None:
+        if self.tp_sync is not None:
+            self.tp_sync()

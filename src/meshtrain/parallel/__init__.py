@@ -1,1 +1,0 @@
-"""Parallelism building blocks: the device mesh, data-parallel gradient sync and ZeRO-1."""

@@ -1,0 +1,350 @@
+"""The training loop of one rank: set up, then train step after step.
+
+`Trainer` reads top to bottom as torchtitan's does: `__init__` builds the
+mesh, the parallelised model, the optimizer and the data, and restores a
+checkpoint; `train` loops over `train_step` (one optimizer step, of which
+`forward_backward_step` is the accumulation of microbatches), logging,
+validating and checkpointing on their own cadences; `summary` is what rank 0
+returns to the launcher. The probes that measure one step (peak memory, the
+pipeline timeline) are collaborators wrapped around the step, not branches of
+the loop. Everything here runs inside a process group someone else made (the
+launcher's worker, or a test).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from meshtrain.checkpoint.load import restore_checkpoint
+from meshtrain.checkpoint.save import save_checkpoint
+from meshtrain.components.lr_schedule import build_lr_scheduler
+from meshtrain.components.metrics import Throughput, memory_metrics, progress_line, rss_mb
+from meshtrain.components.optimizer import build_optimizer
+from meshtrain.components.step_probes import MemoryProbe, PipelineTimeline, persistent_tensors
+from meshtrain.components.validation import evaluate_loss
+from meshtrain.config import RunConfig
+from meshtrain.data.blocks import BlockStore
+from meshtrain.data.sampler import GlobalBatchSampler
+from meshtrain.distributed.parallel_dims import ParallelDims
+from meshtrain.models import build_model, config_from_dict
+from meshtrain.models.llama.parallelize import parallelize
+from meshtrain.models.parallel_model import ParallelModel
+from meshtrain.planner import Plan
+from meshtrain.tracking.mlflow_run import MetricsLogger, TrackingTarget
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a rank needs, as plain JSON-able values (it crosses a process spawn)."""
+
+    run: dict[str, Any]
+    plan: dict[str, Any]
+    train_files: list[str]
+    validation_files: list[str]
+    run_dir: str
+    tokenizer_dir: str | None = None
+    tracking_uri: str | None = None
+    mlflow_run_id: str | None = None
+    resume_from: str | None = None  # a complete checkpoint folder
+
+
+@dataclass
+class StepOutcome:
+    """One optimizer step, as the logging needs it (the loss is not synchronised yet)."""
+
+    loss_sum: torch.Tensor  # this rank's microbatch losses, each / accumulation steps
+    grad_norm: torch.Tensor
+    started: float  # perf_counter at the step's start
+
+
+def train(spec: WorkerSpec) -> dict[str, Any] | None:
+    """Train for `training.max_steps` steps; rank 0 returns a summary, other ranks None."""
+    return Trainer(spec).train()
+
+
+class Trainer:
+    def __init__(self, spec: WorkerSpec) -> None:
+        self.spec = spec
+        self.run = RunConfig.from_dict(spec.run)
+        self.plan = Plan.from_dict(spec.plan)
+        self.layout, self.cfg = self.plan.layout, self.run.training
+        # The planner's split of the batch (it differs from the parameter when
+        # training.global_batch_size is set); plans older than that field lack it.
+        self.per_device = (
+            self.plan.per_device_train_batch_size or self.cfg.per_device_train_batch_size
+        )
+        self.rank = dist.get_rank()
+        self.run_dir = Path(spec.run_dir)
+        self.device = torch.device(
+            f"cuda:{torch.cuda.current_device()}" if self.plan.backend == "nccl" else "cpu"
+        )
+        self.dims = ParallelDims.build(
+            self.layout.data_parallel_size,
+            self.layout.tensor_parallel_size,
+            self.layout.pipeline_parallel_size,
+            self.device.type,
+        )
+        self.pm = self._build_model()
+        self.flat, self.optimizer = build_optimizer(
+            self.pm,
+            zero_1=self.layout.zero_1,
+            overlap=self.cfg.overlap_grad_reduce,
+            training=self.cfg,
+        )
+        self.start_step = self._restore()
+        self.lr_scheduler = build_lr_scheduler(
+            self.optimizer.optimizer, self.cfg, start_step=self.start_step
+        )
+        self.train_blocks = BlockStore(spec.train_files)
+        self.validation_blocks = (
+            BlockStore(spec.validation_files) if spec.validation_files else None
+        )
+        self.sampler = GlobalBatchSampler(
+            len(self.train_blocks), self.plan.global_batch_size, self.cfg.seed
+        )
+        self.tracker = MetricsLogger(
+            TrackingTarget(spec.tracking_uri, spec.mlflow_run_id)
+            if self.rank == 0 and spec.mlflow_run_id
+            else None
+        )
+        self._set_up_probes()
+        self.losses: list[tuple[int, float]] = []
+        self.throughput = Throughput()
+        self.last_checkpoint: Path | None = None
+
+    def _build_model(self) -> ParallelModel:
+        """Build the model identically on every rank, then keep this rank's part of it."""
+        model_config = config_from_dict(self.plan.model_config)
+        model = build_model(model_config, seed=self.cfg.seed, init_from=self.run.model.init_from)
+        autocast = partial(
+            torch.autocast,
+            device_type=self.device.type,
+            dtype=torch.bfloat16,
+            enabled=self.cfg.mixed_precision == "bf16",
+        )
+        pm = parallelize(
+            model.to(self.device),
+            self.dims,
+            self.layout,
+            self.device,
+            autocast,
+            compile_layers=self.cfg.compile,
+        )
+        pm.set_training(True)
+        return pm
+
+    def _restore(self) -> int:
+        """Load `spec.resume_from` into this rank's layout; the step to start from."""
+        if not self.spec.resume_from:
+            return 0
+        resumed = restore_checkpoint(
+            Path(self.spec.resume_from),
+            parameters=self.pm.parameters,
+            sharding=self.pm.sharding,
+            flat=self.flat,
+            optimizer=self.optimizer,
+            dims=self.dims,
+        )
+        return resumed["step"]
+
+    def _set_up_probes(self) -> None:
+        # Peak tensor memory is measured on one step once the optimizer's states exist; that
+        # step runs under a tracker and is left out of the throughput.
+        memory_step = self.start_step + 1 if self.cfg.max_steps > self.start_step + 1 else None
+        self.memory_probe = MemoryProbe(
+            memory_step,
+            self.device,
+            predicted_bytes=self.plan.memory_estimate_per_rank["total"],
+            tracker=self.tracker,
+            existing=lambda: persistent_tensors(self.pm, self.flat, self.optimizer),
+        )
+        # The schedule's picture is taken on an early step, once warm-up is over.
+        self.timeline = PipelineTimeline(
+            self.pm,
+            min(self.start_step + 2, self.cfg.max_steps - 1),
+            tracker=self.tracker,
+            run_dir=self.run_dir,
+        )
+
+    # -- the loop ------------------------------------------------------------------------
+
+    def train(self) -> dict[str, Any] | None:
+        """Train to `training.max_steps`; rank 0 returns the summary, other ranks None."""
+        cfg = self.cfg
+        self._report(
+            f"training {self.layout.name}: {self.plan.num_parameters:,} parameters, "
+            f"{self.plan.tokens_per_step:,} tokens per step, {cfg.max_steps} steps -> "
+            f"{self.run_dir}"
+        )
+        if self.start_step:
+            self._report(f"resumed from {self.spec.resume_from} at step {self.start_step}")
+        initial_val_loss = self.validate(self.start_step)
+        self.train_start = time.perf_counter()
+        for step in range(self.start_step, cfg.max_steps):
+            outcome = self.train_step(step)
+            done = step + 1
+            if done % cfg.log_every == 0 or done == cfg.max_steps:
+                self.log_step(done, outcome)
+            if cfg.eval_every and done % cfg.eval_every == 0 and done != cfg.max_steps:
+                self.validate(done)
+            if done % cfg.checkpoint_every == 0 or done == cfg.max_steps:
+                self.last_checkpoint = self.checkpoint(done)
+        train_time = time.perf_counter() - self.train_start
+        final_val_loss = self.validate(cfg.max_steps)
+        self._report(f"done in {train_time:.1f}s; last checkpoint {self.last_checkpoint}")
+        self.tracker.flush()
+        self.flat.check_views()
+        if self.rank != 0:
+            return None
+        return self.summary(initial_val_loss, final_val_loss, train_time)
+
+    def train_step(self, step: int) -> StepOutcome:
+        """One optimizer step (0-based `step`): its microbatches, the reduction, the update."""
+        started = time.perf_counter()
+        microbatches = self.sampler.rank_microbatches(
+            step, self.dims.dp_rank, self.dims.dp, self.per_device
+        )
+        with self.timeline.around(step), self.memory_probe.around(step):
+            loss_sum = self.forward_backward_step(microbatches)
+            grad_norm = self.optimizer.step()
+        self.lr_scheduler.step()
+        self.flat.zero_grad()
+        return StepOutcome(loss_sum, grad_norm, started)
+
+    def forward_backward_step(self, microbatches: list[list[int]]) -> torch.Tensor:
+        """Forward and backward of every microbatch, accumulating into the flat gradients;
+        the gradient averaging starts from the backward as buckets fill."""
+        self.optimizer.reducer.expect(len(microbatches) * self.pm.backward_passes_per_batch)
+        loss_sum = torch.zeros((), device=self.device)
+        for indices in microbatches:
+            input_ids = self.train_blocks.batch(indices).to(self.device, non_blocking=True)
+            loss_sum += self.pm.train_batch(input_ids, len(microbatches))
+        self.pm.synchronize_tensor_parallel_gradients()
+        return loss_sum
+
+    # -- logging, validation, checkpoints --------------------------------------------------
+
+    def log_step(self, done: int, outcome: StepOutcome) -> None:
+        """Log step `done` (1-based) to MLflow, and rank 0's progress line every 5% of the run.
+
+        The loss is the only per-step host sync: from the last pipeline stage, averaged
+        over the data-parallel ranks. Collective."""
+        loss_sum = outcome.loss_sum
+        if self.dims.pp > 1:
+            dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM, group=self.dims.pp_group)
+        dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM, group=self.dims.dp_group)
+        loss = loss_sum.item() / self.dims.dp
+        elapsed = time.perf_counter() - outcome.started
+        tokens_per_s = self.plan.tokens_per_step / elapsed
+        self.losses.append((done, loss))
+        if done > self.start_step + 1 and done - 1 != self.memory_probe.step:
+            self.throughput.add(self.plan.tokens_per_step, elapsed)
+        lr, grad_norm = self.lr_scheduler.get_last_lr()[0], float(outcome.grad_norm)
+        self.tracker.log(
+            {
+                "loss": loss,
+                "learning_rate": lr,
+                "grad_norm": grad_norm,
+                "tokens_per_s": tokens_per_s,
+                "step_time_s": elapsed,
+                "epoch": self.sampler.epoch_of(done),
+                **memory_metrics(self.device, self.model_states_bytes),
+            },
+            step=done,
+        )
+        cfg = self.cfg
+        every = max(cfg.log_every, cfg.max_steps // 20 // cfg.log_every * cfg.log_every)
+        if done % every == 0 or done == cfg.max_steps:
+            spent = time.perf_counter() - self.train_start
+            remaining = spent / (done - self.start_step) * (cfg.max_steps - done)
+            self._report(
+                progress_line(
+                    done,
+                    cfg.max_steps,
+                    spent,
+                    remaining,
+                    loss=loss,
+                    lr=lr,
+                    grad_norm=grad_norm,
+                    tokens_per_s=tokens_per_s,
+                )
+            )
+
+    def validate(self, step: int) -> float | None:
+        """Validation loss after `step` steps, logged; None without validation. Collective."""
+        if self.validation_blocks is None or self.cfg.eval_batches == 0:
+            return None
+        loss = evaluate_loss(
+            self.pm,
+            self.validation_blocks,
+            self.cfg.eval_batches,
+            self.device,
+            self.per_device,
+            self.plan.global_batch_size,
+        )
+        self.tracker.log({"val_loss": loss}, step=step)
+        self._report(f"step {step}: validation loss {loss:.4f}")
+        return loss
+
+    def checkpoint(self, step: int) -> Path:
+        """Save a complete checkpoint of step `step`; returns its folder. Collective."""
+        return save_checkpoint(
+            self.run_dir,
+            step,
+            parameters=self.pm.parameters,
+            sharding=self.pm.sharding,
+            optimizer=self.optimizer,
+            dims=self.dims,
+            trainer_state={
+                "step": step,
+                "layout": self.layout.to_dict(),
+                "layout_name": self.layout.name,
+                "global_batch_size": self.plan.global_batch_size,
+                "seed": self.cfg.seed,
+                "num_train_blocks": self.plan.num_train_blocks,
+            },
+            model_config=self.pm.hf_config,
+            tokenizer_dir=Path(self.spec.tokenizer_dir) if self.spec.tokenizer_dir else None,
+            keep_last=self.cfg.keep_last,
+        )
+
+    @property
+    def model_states_bytes(self) -> int:
+        """Parameters, gradients and this rank's AdamW moments, in bytes."""
+        numel = self.flat.params.numel() + self.flat.grads.numel() + 2 * self.optimizer.owned_numel
+        return numel * self.flat.params.element_size()
+
+    def summary(
+        self, initial_val_loss: float | None, final_val_loss: float | None, train_time: float
+    ) -> dict[str, Any]:
+        """What rank 0 hands back to the launcher (and the Kedro node saves)."""
+        return {
+            "run_dir": str(self.run_dir),
+            "final_checkpoint": str(self.last_checkpoint),
+            "layout_name": self.layout.name,
+            "steps": self.cfg.max_steps,
+            "losses": self.losses,
+            "final_loss": self.losses[-1][1] if self.losses else None,
+            "initial_val_loss": initial_val_loss,
+            "final_val_loss": final_val_loss,
+            "mean_tokens_per_s": self.throughput.tokens_per_s,
+            "train_time_s": train_time,
+            "peak_rss_mb_rank0": rss_mb()[1],
+            "model_states_bytes_rank0": self.model_states_bytes,
+            "measured_peak_memory": self.memory_probe.result,
+            "gradient_buckets": {
+                "count": len(self.optimizer.reducer.buckets),
+                "started_in_backward": self.optimizer.reducer.started_in_backward,
+            },
+        }
+
+    def _report(self, line: str) -> None:
+        if self.rank == 0:
+            print(line, flush=True)
