@@ -38,27 +38,11 @@ from meshtrain.checkpoint.manifest import (
     mark_complete,
 )
 from meshtrain.models import build_model_config, parameter_shapes
-from meshtrain.planner.layout import balanced_split
+from meshtrain.models.llama.parameter_names import tensor_parallel_dim
+from meshtrain.planner.checks import balanced_split
 
-# Which dimension the Llama tensor-parallel plan splits (see models/llama_family.py).
-ROW_PARALLEL = ("o_proj.weight", "down_proj.weight")
-COLUMN_PARALLEL = (
-    "q_proj.weight",
-    "k_proj.weight",
-    "v_proj.weight",
-    "gate_proj.weight",
-    "up_proj.weight",
-    "embed_tokens.weight",
-    "lm_head.weight",
-)
-
-
-def split_dim(name: str) -> int | None:
-    if name.endswith(ROW_PARALLEL):
-        return 1
-    if name.endswith(COLUMN_PARALLEL):
-        return 0
-    return None
+# The dimension the Llama tensor-parallel plan splits each tensor along.
+split_dim = tensor_parallel_dim
 
 
 def stage_of(name: str, layer_stage: list[int], pp: int) -> int:

@@ -62,7 +62,7 @@ from meshtrain.distributed.pipeline_parallel import (  # noqa: E402
 from meshtrain.launch.elastic import run_workers  # noqa: E402
 from meshtrain.models import build_model, build_model_config  # noqa: E402
 from meshtrain.models.llama.parallelize import parallelize  # noqa: E402
-from meshtrain.planner.layout import balanced_split  # noqa: E402
+from meshtrain.planner.checks import balanced_split  # noqa: E402
 
 SEED = 1234
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")

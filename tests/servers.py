@@ -30,6 +30,7 @@ from pathlib import Path
 
 import pytest
 
+from meshtrain.offline import TELEMETRY_OPT_OUT
 from tests.kedro_project import KEDRO, SMALL_RUN, make_project, project_env
 
 MLFLOW = Path(sys.executable).with_name("mlflow")
@@ -211,7 +212,7 @@ def mlflow_server(backend_store_uri: str, root: Path) -> Iterator[MlflowServer]:
     """`mlflow server` on 127.0.0.1, serving artifacts from a folder under `root`."""
     server = MlflowServer(port=free_port(), artifacts=root / "mlartifacts")
     log = root / "mlflow-server.log"
-    env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "true"}
+    env = {**os.environ, **TELEMETRY_OPT_OUT}
     # The server's job runner (8 worker processes, for GenAI scorers) is not needed for
     # tracking; without it the server starts lighter and stops in seconds, not ~15 s.
     env["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] = "false"

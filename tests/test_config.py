@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
+import yaml
 
 from meshtrain.config import (
     AUTO,
     ConfigError,
+    ConsolidationConfig,
     DataConfig,
+    EvaluationConfig,
     LaunchConfig,
     ParallelConfig,
     RunConfig,
@@ -185,6 +189,32 @@ def test_parse_builds_a_single_group() -> None:
 def test_parse_uses_the_given_group_name_in_errors() -> None:
     with pytest.raises(ConfigError, match=r"`custom\.max_steps` got"):
         parse(TrainingConfig, {"max_steps": "x"}, "custom")
+
+
+@pytest.mark.parametrize(
+    ("cls", "group", "typo", "meant"),
+    [
+        (ConsolidationConfig, "consolidation", "max_shard_sise", "max_shard_size"),
+        (EvaluationConfig, "evaluation", "max_new_token", "max_new_tokens"),
+    ],
+)
+def test_consolidation_and_evaluation_typos_are_refused(cls, group, typo, meant) -> None:
+    with pytest.raises(ConfigError, match=rf"`{group}\.{typo}`.*did you mean `{group}\.{meant}`"):
+        parse(cls, {typo: "1"}, group)
+
+
+def test_evaluation_sizes_below_one_are_refused() -> None:
+    with pytest.raises(ConfigError, match=r"`evaluation\.batch_size` must be at least 1"):
+        parse(EvaluationConfig, {"batch_size": 0}, "evaluation")
+
+
+def test_the_shipped_consolidation_and_evaluation_parameters_parse() -> None:
+    """conf/base's values are the dataclasses' defaults: one meaning, written twice only
+    because Kedro users read their parameters in conf/."""
+    conf = Path(__file__).resolve().parents[1] / "conf" / "base"
+    for cls, group in ((ConsolidationConfig, "consolidation"), (EvaluationConfig, "evaluation")):
+        values = yaml.safe_load((conf / f"parameters_{group}.yml").read_text())[group]
+        assert parse(cls, values, group) == cls()
 
 
 def test_config_error_is_a_value_error() -> None:

@@ -16,14 +16,9 @@ import pytest
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from meshtrain.config import LaunchConfig
-from meshtrain.launch.elastic import (
-    WorkerFailedError,
-    free_port,
-    is_loopback,
-    run_workers,
-    split_endpoint,
-)
+from meshtrain.config import LaunchConfig, split_endpoint
+from meshtrain.launch.elastic import WorkerFailedError, run_workers
+from meshtrain.launch.rendezvous import free_port, is_loopback
 from tests.conftest import child_processes
 
 

@@ -22,10 +22,10 @@ from typing import Any
 import datasets
 import pytest
 
-from meshtrain.config import ConfigError, LaunchConfig, RunConfig
+from meshtrain.config import ConfigError, LaunchConfig, RunConfig, check_launch
 from meshtrain.data.blocks import arrow_files
-from meshtrain.launch.elastic import check_launch, free_port
 from meshtrain.launch.job import make_worker_spec, run_training
+from meshtrain.launch.rendezvous import free_port
 from meshtrain.models import build_model_config
 from meshtrain.planner import Plan, plan_run
 from tests.conftest import TINY_BLOCK, TINY_MODEL, TINY_VOCAB, child_processes

@@ -1,4 +1,4 @@
-"""`kedro sweep`: layout strings, the fixed global batch, and one real sweep end to end.
+"""`kedro sweep`: layout shorthands, the fixed global batch, and one real sweep end to end.
 
 The end-to-end sweep trains "dp2 tp3 tp2 pp2" with the small test run in a scratch
 project: tp3 is refused by the planner (3 divides neither the heads nor the world
@@ -19,17 +19,17 @@ from safetensors.torch import load_file
 
 from meshtrain.config import ConfigError
 from meshtrain.tracking.sweep import (
-    LayoutStringError,
+    ShorthandError,
     comparison_table,
     layout_error,
-    parse_layout,
-    parse_layouts,
+    parse_shorthand,
+    parse_shorthands,
     plan_sweep,
     to_params_arg,
 )
 from tests.kedro_project import KEDRO, SMALL_RUN, mlflow_client, project_env
 
-# ---------------------------------------------------------------- layout strings
+# ---------------------------------------------------------------- layout shorthands
 
 
 @pytest.mark.parametrize(
@@ -86,7 +86,7 @@ from tests.kedro_project import KEDRO, SMALL_RUN, mlflow_client, project_env
     ],
 )
 def test_layout_strings_name_the_parallel_parameters(text: str, expected: dict):
-    spec = parse_layout(text)
+    spec = parse_shorthand(text)
     assert spec.params == {f"parallel.{k}": v for k, v in expected.items()}
 
 
@@ -103,19 +103,19 @@ def test_layout_strings_name_the_parallel_parameters(text: str, expected: dict):
     ],
 )
 def test_bad_layout_strings_say_which_token_why_and_what_works(text: str, says: list[str]):
-    with pytest.raises(LayoutStringError) as error:
-        parse_layout(text)
+    with pytest.raises(ShorthandError) as error:
+        parse_shorthand(text)
     assert f"layout {text!r}" in str(error.value)
     for part in says:
         assert part in str(error.value)
 
 
 def test_layout_lists_split_on_spaces_or_commas_and_refuse_repeats():
-    assert [s.text for s in parse_layouts(" dp2  tp2,pp2\n")] == ["dp2", "tp2", "pp2"]
-    with pytest.raises(LayoutStringError, match="'tp2' and 'tp2xpp1' are the same layout"):
-        parse_layouts("tp2 tp2xpp1")
-    with pytest.raises(LayoutStringError, match="--layouts is empty"):
-        parse_layouts("  ")
+    assert [s.text for s in parse_shorthands(" dp2  tp2,pp2\n")] == ["dp2", "tp2", "pp2"]
+    with pytest.raises(ShorthandError, match="'tp2' and 'tp2xpp1' are the same layout"):
+        parse_shorthands("tp2 tp2xpp1")
+    with pytest.raises(ShorthandError, match="--layouts is empty"):
+        parse_shorthands("  ")
 
 
 # ---------------------------------------------------------------- one global batch
@@ -128,7 +128,7 @@ PARAMS = {
 
 
 def test_every_layout_gets_the_same_global_batch_and_explicit_dp_fixes_the_world():
-    batch, entries = plan_sweep(parse_layouts("dp2 tp2 pp2 dp4 dp2xtp2"), PARAMS)
+    batch, entries = plan_sweep(parse_shorthands("dp2 tp2 pp2 dp4 dp2xtp2"), PARAMS)
     assert batch == 4 * 4  # per-device batch x the largest dp
     overrides = {e.layout: e.overrides for e in entries}
     assert all(e.error is None for e in entries)
@@ -141,15 +141,15 @@ def test_every_layout_gets_the_same_global_batch_and_explicit_dp_fixes_the_world
 
 def test_the_global_batch_comes_from_the_option_or_the_parameters():
     configured = {**PARAMS, "training": {**PARAMS["training"], "global_batch_size": 24}}
-    assert plan_sweep(parse_layouts("dp2"), configured)[0] == 24
-    assert plan_sweep(parse_layouts("dp2"), PARAMS, global_batch_size=12)[0] == 12
-    assert plan_sweep(parse_layouts("dp2"), configured, global_batch_size=24)[0] == 24
+    assert plan_sweep(parse_shorthands("dp2"), configured)[0] == 24
+    assert plan_sweep(parse_shorthands("dp2"), PARAMS, global_batch_size=12)[0] == 12
+    assert plan_sweep(parse_shorthands("dp2"), configured, global_batch_size=24)[0] == 24
     with pytest.raises(ValueError, match="--global-batch-size=12 and training.global_batch_size"):
-        plan_sweep(parse_layouts("dp2"), configured, global_batch_size=12)
+        plan_sweep(parse_shorthands("dp2"), configured, global_batch_size=12)
 
 
 def test_a_layout_the_world_cannot_hold_is_left_for_the_planner_to_refuse():
-    batch, (tp3, dp2) = plan_sweep(parse_layouts("tp3 dp2"), PARAMS)
+    batch, (tp3, dp2) = plan_sweep(parse_shorthands("tp3 dp2"), PARAMS)
     assert batch == 8  # tp3 has no dp in a world of 2; dp2's decides
     assert tp3.error is None
     assert "training.global_batch_size" not in tp3.overrides
@@ -158,10 +158,10 @@ def test_a_layout_the_world_cannot_hold_is_left_for_the_planner_to_refuse():
 
 def test_layouts_that_nodes_cannot_share_and_parameter_typos_are_refused():
     two_nodes = {**PARAMS, "launch": {"nproc_per_node": 2, "nnodes": 2}}
-    _, (dp3,) = plan_sweep(parse_layouts("dp3"), two_nodes, global_batch_size=12)
+    _, (dp3,) = plan_sweep(parse_shorthands("dp3"), two_nodes, global_batch_size=12)
     assert "needs 3 processes" in dp3.error and "launch.nnodes=2" in dp3.error
     with pytest.raises(ConfigError, match="per_device_train_batch"):
-        plan_sweep(parse_layouts("dp2"), {"training": {"per_device_batch": 4}})
+        plan_sweep(parse_shorthands("dp2"), {"training": {"per_device_batch": 4}})
 
 
 def test_overrides_are_written_in_kedro_params_form():
@@ -370,7 +370,7 @@ def test_params_that_a_layout_also_sets_are_refused():
 
     from meshtrain.cli import _refuse_conflicts
 
-    specs = parse_layouts("dp2 tp2-nosp")
+    specs = parse_shorthands("dp2 tp2-nosp")
     _refuse_conflicts(specs, {"parallel": {"zero_1": False}, "training": {"max_steps": 8}})
     with pytest.raises(click.BadParameter, match="sets parallel.sequence_parallel, which layout"):
         _refuse_conflicts(specs, {"parallel": {"sequence_parallel": True}})

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from mlflow.tracking import MlflowClient
 
-from meshtrain import plots, tracking
+from meshtrain.tracking import mlflow_run as tracking
+from meshtrain.tracking import plots
 from meshtrain.tracking.mlflow_run import MetricsLogger, TrackingTarget
 
 

@@ -100,41 +100,70 @@ def sweep(
     raw_params, user_params = params
     project_path = Path(metadata.project_path)
     try:
-        specs = sweeps.parse_layouts(layouts)
-    except sweeps.LayoutStringError as error:
+        specs = sweeps.parse_shorthands(layouts)
+    except sweeps.ShorthandError as error:
         raise click.BadParameter(str(error), param_hint="--layouts") from None
     _refuse_conflicts(specs, user_params)
-
-    with KedroSession.create(
-        project_path=project_path, env=env, runtime_params=user_params, save_on_close=False
-    ) as session:
-        context = session.load_context()
-        project_params = context.params
-        mlflow_settings = project_mlflow_settings(context.config_loader, env)
-        # The same store the hook of each layout's `kedro run` writes to (credentials too).
-        server = (
-            project_tracking_server(context.config_loader, env, project_path, mlflow_settings)
-            if mlflow_settings["enabled"]
-            else None
-        )
+    project = _load_project(project_path, env, user_params)
     try:
-        batch, entries = sweeps.plan_sweep(specs, project_params, global_batch_size)
+        batch, entries = sweeps.plan_sweep(specs, project.params, global_batch_size)
     except (ConfigError, ValueError) as error:
         raise click.UsageError(str(error)) from None
 
     sweep_id = sweeps.new_sweep_id()
-    tracking_uri = server.uri if server else ""
-    if server:
-        use_tracking_server(server)
-    experiment = mlflow_settings["experiment_name"]
-    models_root = (
-        PurePosixPath(project_params["consolidation"]["output_dir"]).parent / "sweeps" / sweep_id
-    )
+    if project.server:
+        use_tracking_server(project.server)
     click.secho(f"sweep {sweep_id}: {len(entries)} layouts, global batch {batch}", bold=True)
     for entry in entries:
         click.echo(f"  {entry.layout:<16} {entry.error or entry.params_arg()}")
 
     base = [sys.executable, "-m", "kedro", "run", *(["--env", env] if env else [])]
+    _process_data_once(base, raw_params, project_path, sweep_id)
+    outcomes = [_train_layout(entry, base, raw_params, project, sweep_id) for entry in entries]
+    _report(sweep_id, outcomes, project.tracking_uri, project.experiment, project.tracked)
+    if any(o.status != "finished" for o in outcomes):
+        sys.exit(1)
+
+
+@dataclass
+class _Project:
+    """What the sweep needs of the Kedro project: its parameters and MLflow store."""
+
+    path: Path
+    params: dict[str, Any]
+    mlflow: dict[str, Any]
+    server: Any  # TrackingServer, or None with MLflow disabled
+
+    @property
+    def tracked(self) -> bool:
+        return bool(self.mlflow["enabled"])
+
+    @property
+    def tracking_uri(self) -> str:
+        return self.server.uri if self.server else ""
+
+    @property
+    def experiment(self) -> str:
+        return self.mlflow["experiment_name"]
+
+
+def _load_project(project_path: Path, env: str | None, user_params: dict[str, Any]) -> _Project:
+    with KedroSession.create(
+        project_path=project_path, env=env, runtime_params=user_params, save_on_close=False
+    ) as session:
+        context = session.load_context()
+        settings = project_mlflow_settings(context.config_loader, env)
+        # The same store the hook of each layout's `kedro run` writes to (credentials too).
+        server = (
+            project_tracking_server(context.config_loader, env, project_path, settings)
+            if settings["enabled"]
+            else None
+        )
+        return _Project(project_path, context.params, settings, server)
+
+
+def _process_data_once(base: list[str], raw_params: str, project_path: Path, sweep_id: str):
+    """The data_processing pipeline, once for every layout; exits the sweep if it fails."""
     click.secho("\n== data_processing (once for every layout)", bold=True)
     data = _run_child(
         [*base, "--pipeline", "data_processing", *(["--params", raw_params] if raw_params else [])],
@@ -150,34 +179,36 @@ def sweep(
         )
         sys.exit(1)
 
-    client = MlflowClient(tracking_uri=tracking_uri) if mlflow_settings["enabled"] else None
-    outcomes = []
-    for entry in entries:
-        if entry.error:
-            outcomes.append(Outcome(entry.layout, "refused", entry.error))
-            click.secho(f"\n== {entry.layout}: not run: {entry.error}", fg="red", bold=True)
-            continue
-        overrides = entry.params_arg(
-            {"consolidation.output_dir": str(models_root / _folder_name(entry.layout))}
+
+def _train_layout(
+    entry: sweeps.SweepEntry, base: list[str], raw_params: str, project: _Project, sweep_id: str
+) -> Outcome:
+    """`kedro run --from-nodes plan_layout` for one layout, its model in its own folder."""
+    if entry.error:
+        click.secho(f"\n== {entry.layout}: not run: {entry.error}", fg="red", bold=True)
+        return Outcome(entry.layout, "refused", entry.error)
+    models_root = (
+        PurePosixPath(project.params["consolidation"]["output_dir"]).parent / "sweeps" / sweep_id
+    )
+    overrides = entry.params_arg(
+        {"consolidation.output_dir": str(models_root / _folder_name(entry.layout))}
+    )
+    run_params = f"{raw_params},{overrides}" if raw_params else overrides
+    click.secho(f"\n== {entry.layout}: kedro run --params {overrides}", bold=True)
+    result = _run_child(
+        [*base, "--from-nodes", "plan_layout", "--params", run_params],
+        project.path,
+        {sweeps.SWEEP_TAG: sweep_id, sweeps.SWEEP_LAYOUT_TAG: entry.layout},
+    )
+    outcome = _outcome(entry.layout, result)
+    if project.tracked:
+        _record(
+            MlflowClient(tracking_uri=project.tracking_uri), project.experiment, sweep_id, outcome
         )
-        run_params = f"{raw_params},{overrides}" if raw_params else overrides
-        click.secho(f"\n== {entry.layout}: kedro run --params {overrides}", bold=True)
-        result = _run_child(
-            [*base, "--from-nodes", "plan_layout", "--params", run_params],
-            project_path,
-            {sweeps.SWEEP_TAG: sweep_id, sweeps.SWEEP_LAYOUT_TAG: entry.layout},
-        )
-        outcome = _outcome(entry.layout, result)
-        outcomes.append(outcome)
-        if client is not None:
-            _record(client, experiment, sweep_id, outcome)
-
-    _report(sweep_id, outcomes, tracking_uri, experiment, client is not None)
-    if any(o.status != "finished" for o in outcomes):
-        sys.exit(1)
+    return outcome
 
 
-def _refuse_conflicts(specs: list[sweeps.LayoutSpec], user_params: dict[str, Any]) -> None:
+def _refuse_conflicts(specs: list[sweeps.LayoutShorthand], user_params: dict[str, Any]) -> None:
     """A `parallel.*` value in --params that a layout also names would be silently
     overridden for that layout; refuse it and say where it belongs."""
     for spec in specs:

@@ -18,6 +18,7 @@ from typing import Any
 
 from meshtrain.checkpoint import CheckpointError, consolidate_checkpoint, resolve_checkpoint
 from meshtrain.checkpoint.consolidate import parse_size
+from meshtrain.config import ConsolidationConfig
 
 DEFAULT_OUTPUT = "consolidated"
 
@@ -49,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     consolidate.add_argument(
         "--max-shard-size",
-        default="5GB",
+        default=ConsolidationConfig.max_shard_size,
         metavar="SIZE",
         help="largest weight file, in bytes or with a unit: 500MB, 5GB (decimal) or 2GiB "
         "(binary); past it the weights are split into model-0000i-of-0000N.safetensors "

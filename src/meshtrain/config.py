@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 AUTO = "auto"
+# c10d's own default port, used when launch.rdzv_endpoint names no port (as torchrun does).
+DEFAULT_RDZV_PORT = 29400
 
 
 class ConfigError(ValueError):
@@ -159,6 +161,69 @@ class LaunchConfig:
         return self.nproc_per_node * self.nnodes
 
 
+def split_endpoint(endpoint: str) -> tuple[str, int]:
+    """`host:port` (or `[v6]:port`, or a bare host meaning c10d's port 29400) -> (host, port)."""
+    text = endpoint.strip()
+    if text.startswith("["):  # [IPv6]:port
+        host, _, rest = text[1:].partition("]")
+        port = rest.removeprefix(":")
+    elif text.count(":") == 1:
+        host, port = text.split(":")
+    else:
+        host, port = text, ""  # a bare host name, or a bare IPv6 address
+    if not port:
+        return host, DEFAULT_RDZV_PORT
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(
+            f"`launch.rdzv_endpoint` got {endpoint!r}: the port must be a number from 1 to "
+            "65535, as in `node001:29500`."
+        )
+    return host, int(port)
+
+
+def check_launch(launch: LaunchConfig) -> None:
+    """Refuse a launch that cannot rendezvous, naming every problem, before anything starts
+    (`launch.job.run_training` asks first; planning for another cluster does not need it).
+
+    On several nodes a wrong value would otherwise surface as a rendezvous that
+    waits ten minutes for a node that never comes, or as two nodes that both
+    think they are node 1.
+    """
+    problems = []
+    if not 0 <= launch.node_rank < launch.nnodes:
+        problems.append(
+            f"`launch.node_rank={launch.node_rank}` is outside 0 .. launch.nnodes - 1 = "
+            f"{launch.nnodes - 1}: each node passes its own number, 0 on the node named by "
+            "launch.rdzv_endpoint (on SLURM: launch.node_rank=$SLURM_NODEID)."
+        )
+    if launch.nnodes > 1 and not launch.rdzv_endpoint:
+        problems.append(
+            f"`launch.nnodes={launch.nnodes}` needs `launch.rdzv_endpoint=HOST:PORT`, the same "
+            "on every node: HOST is node 0's host name or address (on SLURM the first of "
+            "`scontrol show hostnames $SLURM_JOB_NODELIST`), PORT a free port there, e.g. 29500."
+        )
+    if launch.rdzv_endpoint:
+        try:
+            host, _ = split_endpoint(launch.rdzv_endpoint)
+            if not host:
+                problems.append(
+                    f"`launch.rdzv_endpoint={launch.rdzv_endpoint}` names no host; "
+                    "write HOST:PORT, e.g. node001:29500."
+                )
+        except ConfigError as error:
+            problems.append(str(error))
+    if launch.nnodes > 1 and not launch.rdzv_id.strip():
+        problems.append(
+            "`launch.rdzv_id` is empty: with several nodes it must be the same on every "
+            "node and new for each job, e.g. launch.rdzv_id=$SLURM_JOB_ID."
+        )
+    if problems:
+        raise ConfigError(
+            "meshtrain refused the launch before starting any worker:\n  - "
+            + "\n  - ".join(problems)
+        )
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """What to train (`model.*`): a Hugging Face architecture and its config fields."""
@@ -187,6 +252,27 @@ class DataConfig:
     num_proc: int | None = 2
 
 
+@dataclass(frozen=True)
+class ConsolidationConfig:
+    """The Hugging Face folder made from a checkpoint (`consolidation.*`)."""
+
+    # null: the final checkpoint of this run's training; or any checkpoint folder.
+    checkpoint: str | None = None
+    output_dir: str = "data/06_models/consolidated"
+    # Weight files are split at this size (bytes, or 500MB, 5GB, 2GiB).
+    max_shard_size: str = "5GB"
+
+
+@dataclass(frozen=True)
+class EvaluationConfig:
+    """Scoring the consolidated model with plain transformers (`evaluation.*`)."""
+
+    batch_size: int = 16
+    max_batches: int | None = None  # null: the whole validation split
+    prompt: str = "The"
+    max_new_tokens: int = 40
+
+
 _POSITIVE_INTS = {
     "data_parallel_size",
     "tensor_parallel_size",
@@ -204,6 +290,9 @@ _POSITIVE_INTS = {
     "nnodes",
     "vocab_size",
     "block_size",
+    "batch_size",
+    "max_batches",
+    "max_new_tokens",
 }
 
 

@@ -23,10 +23,10 @@ def evaluate_model(
     model_dir: str | Path,
     validation: datasets.Dataset,
     *,
-    batch_size: int = 16,
-    max_batches: int | None = None,
-    prompt: str = "The",
-    max_new_tokens: int = 40,
+    batch_size: int,
+    max_batches: int | None,
+    prompt: str,
+    max_new_tokens: int,
 ) -> dict[str, Any]:
     """Validation loss and perplexity over packed blocks, and a greedy sample from `prompt`."""
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)

@@ -1,10 +1,8 @@
 """Kedro project settings for meshtrain."""
 
-import os
+from meshtrain.offline import disable_telemetry
 
-# Keep kedro and mlflow from phoning home; set before either is used.
-for _key in ("KEDRO_DISABLE_TELEMETRY", "DO_NOT_TRACK", "MLFLOW_DISABLE_TELEMETRY"):
-    os.environ.setdefault(_key, "true")
+disable_telemetry()  # before kedro's hooks or mlflow are used
 
 from meshtrain.hooks import MlflowRunHook  # noqa: E402
 

@@ -16,13 +16,13 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
-import meshtrain.checkpoint.consolidate as consolidate_module
+import meshtrain.checkpoint.consolidate.rebuild as consolidate_module
 from meshtrain.checkpoint import CheckpointError, consolidate_checkpoint
-from meshtrain.checkpoint.consolidate import (
+from meshtrain.checkpoint.consolidate import parse_size
+from meshtrain.checkpoint.consolidate.plan import undo_kv_replication as drop_kv_copies
+from meshtrain.checkpoint.consolidate.safetensors_format import (
     SafetensorsWriter,
     TensorSpec,
-    drop_kv_copies,
-    parse_size,
     read_safetensors_header,
     save_safetensors,
 )

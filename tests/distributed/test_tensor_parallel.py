@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from meshtrain.checkpoint.manifest import read_manifest
+from meshtrain.models.llama.parameter_names import tensor_parallel_dim
 from tests.conftest import TINY_MODEL
 from tests.distributed.reference import (
     assert_matches_reference,
@@ -100,10 +102,19 @@ def _run_group(cases: dict, world: int, blocks, out: Path) -> None:
         losses, weights = references[key]
         assert_matches_reference(name, summary, losses, weights, out / f"{name}-hf")
         assert_memory_model_holds(name, summary)
+        assert_planner_counts_the_real_shards(name, summary)
         if name.endswith("small-buckets"):
             buckets = summary["gradient_buckets"]
             # The per-head norms' buckets wait for the tp sum; the rest overlap the backward.
             assert 0 < buckets["started_in_backward"] < buckets["count"], buckets
+
+
+def assert_planner_counts_the_real_shards(name: str, summary: dict) -> None:
+    """The split table the planner counts shards by says what DTensor really split: every
+    tensor's split dimension as the checkpoint manifest recorded it from the placements."""
+    manifest = read_manifest(Path(summary["final_checkpoint"]), verify=False)
+    for tensor, entry in manifest["tensors"].items():
+        assert entry["tp_dim"] == tensor_parallel_dim(tensor), (name, tensor, entry["tp_dim"])
 
 
 @pytest.mark.slow

@@ -45,9 +45,5 @@ class ParallelDims:
         return self.mesh.get_group("dp")
 
     @property
-    def tp_group(self) -> dist.ProcessGroup:
-        return self.mesh.get_group("tp")
-
-    @property
     def pp_group(self) -> dist.ProcessGroup:
         return self.mesh.get_group("pp")

@@ -1,6 +1,6 @@
 """Tensor (and sequence) parallelism on DTensor: what is generic to every model.
 
-A model's own module (e.g. `meshtrain.models.llama.sharding`) applies its
+A model's own module (e.g. `meshtrain.models.llama.tensor_parallel`) applies its
 plan with `parallelize_module`; this module then records, for every
 trainable parameter, what the optimizer and the checkpoint need to know
 (`ParameterSharding`): along which dimension it is split, how many tp ranks

@@ -7,20 +7,14 @@ rank that raises makes the launcher stop the other ranks and raise
 no worker is left behind.
 
 Several nodes: every node calls `run_workers` with the same `launch.nnodes`,
-`launch.rdzv_endpoint` and `launch.rdzv_id` and its own `launch.node_rank`.
-Node 0 hosts the rendezvous store at the endpoint, and node n holds global
-ranks `n * nproc_per_node ... (n + 1) * nproc_per_node - 1` (torchrun's
-`--node-rank` meaning; plain c10d would order nodes by host name and pid), so
-tensor-parallel groups stay inside a node and rank 0, which logs and writes
-manifests, is on node 0.
+`launch.rdzv_endpoint` and `launch.rdzv_id` and its own `launch.node_rank`
+(`rendezvous` numbers the nodes by it).
 """
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import os
-import socket
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -29,27 +23,13 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
-from torch.distributed.elastic.rendezvous import (
-    RendezvousError,
-    RendezvousHandler,
-    RendezvousInfo,
-    RendezvousParameters,
-    RendezvousTimeoutError,
-    rendezvous_handler_registry,
-)
-from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
-    create_backend as create_c10d_backend,
-)
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
-    create_handler as create_dynamic_handler,
-)
+from torch.distributed.elastic.rendezvous import RendezvousTimeoutError
 from torch.distributed.launcher.api import LaunchConfig as ElasticLaunchConfig
 from torch.distributed.launcher.api import elastic_launch
 
-from meshtrain.config import ConfigError, LaunchConfig
+from meshtrain.config import LaunchConfig, split_endpoint
+from meshtrain.launch.rendezvous import NodeRankRendezvous, free_port, is_loopback
 
-# c10d's own default port, used when launch.rdzv_endpoint names no port (as torchrun does).
-DEFAULT_RDZV_PORT = 29400
 # How long the launchers wait for every node to join: nodes of one job may start minutes
 # apart (container pulls, a slow shared filesystem), but a missing node must not hang forever.
 JOIN_TIMEOUT_S = 600
@@ -61,147 +41,6 @@ class WorkerFailedError(RuntimeError):
     def __init__(self, rank: int, message: str) -> None:
         self.rank = rank
         super().__init__(f"training worker rank {rank} failed: {message}")
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def split_endpoint(endpoint: str) -> tuple[str, int]:
-    """`host:port` (or `[v6]:port`, or a bare host meaning c10d's port 29400) -> (host, port)."""
-    text = endpoint.strip()
-    if text.startswith("["):  # [IPv6]:port
-        host, _, rest = text[1:].partition("]")
-        port = rest.removeprefix(":")
-    elif text.count(":") == 1:
-        host, port = text.split(":")
-    else:
-        host, port = text, ""  # a bare host name, or a bare IPv6 address
-    if not port:
-        return host, DEFAULT_RDZV_PORT
-    if not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(
-            f"`launch.rdzv_endpoint` got {endpoint!r}: the port must be a number from 1 to "
-            "65535, as in `node001:29500`."
-        )
-    return host, int(port)
-
-
-def is_loopback(host: str) -> bool:
-    """True for `localhost` and 127.x / ::1: every node of the job is on this machine."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def check_launch(launch: LaunchConfig) -> None:
-    """Refuse a launch that cannot rendezvous, before anything starts, naming every problem.
-
-    On several nodes a wrong value would otherwise surface as a rendezvous that
-    waits ten minutes for a node that never comes, or as two nodes that both
-    think they are node 1.
-    """
-    problems = []
-    if not 0 <= launch.node_rank < launch.nnodes:
-        problems.append(
-            f"`launch.node_rank={launch.node_rank}` is outside 0 .. launch.nnodes - 1 = "
-            f"{launch.nnodes - 1}: each node passes its own number, 0 on the node named by "
-            "launch.rdzv_endpoint (on SLURM: launch.node_rank=$SLURM_NODEID)."
-        )
-    if launch.nnodes > 1 and not launch.rdzv_endpoint:
-        problems.append(
-            f"`launch.nnodes={launch.nnodes}` needs `launch.rdzv_endpoint=HOST:PORT`, the same "
-            "on every node: HOST is node 0's host name or address (on SLURM the first of "
-            "`scontrol show hostnames $SLURM_JOB_NODELIST`), PORT a free port there, e.g. 29500."
-        )
-    if launch.rdzv_endpoint:
-        try:
-            host, _ = split_endpoint(launch.rdzv_endpoint)
-            if not host:
-                problems.append(
-                    f"`launch.rdzv_endpoint={launch.rdzv_endpoint}` names no host; "
-                    "write HOST:PORT, e.g. node001:29500."
-                )
-        except ConfigError as error:
-            problems.append(str(error))
-    if launch.nnodes > 1 and not launch.rdzv_id.strip():
-        problems.append(
-            "`launch.rdzv_id` is empty: with several nodes it must be the same on every "
-            "node and new for each job, e.g. launch.rdzv_id=$SLURM_JOB_ID."
-        )
-    if problems:
-        raise ConfigError(
-            "meshtrain refused the launch before starting any worker:\n  - "
-            + "\n  - ".join(problems)
-        )
-
-
-class NodeRankRendezvous(RendezvousHandler):
-    """c10d dynamic rendezvous whose node (group) ranks are the nodes' `launch.node_rank`.
-
-    c10d numbers nodes by sorting (host name, pid), so on two machines node
-    `b` may get rank 0 and on one machine the order is whichever launcher
-    started first. After the c10d round completes, every node publishes its
-    node rank in the round's store; the set must be 0 .. nnodes-1 exactly
-    (two launchers with the same node rank are refused on every node), and
-    the agent is then given the node's own rank. Everything else (the store,
-    the workers' bootstrap address, keep-alives, shutdown) is c10d's.
-    """
-
-    BACKEND = "meshtrain-c10d"
-
-    def __init__(self, inner: RendezvousHandler, node_rank: int) -> None:
-        self._inner = inner
-        self._node_rank = node_rank
-
-    def get_backend(self) -> str:
-        return self.BACKEND
-
-    @property
-    def use_agent_store(self) -> bool:
-        return self._inner.use_agent_store
-
-    def next_rendezvous(self) -> RendezvousInfo:
-        info = self._inner.next_rendezvous()
-        store, nodes = info.store, info.world_size
-        store.set(f"meshtrain/node_rank/{info.rank}", str(self._node_rank))
-        claimed = [int(store.get(f"meshtrain/node_rank/{rank}").decode()) for rank in range(nodes)]
-        if sorted(claimed) != list(range(nodes)):
-            raise RendezvousError(
-                f"the {nodes} launchers that joined rendezvous '{self.get_run_id()}' have "
-                f"launch.node_rank values {sorted(claimed)}; each node must pass a different "
-                f"one of 0 .. {nodes - 1} (on SLURM: launch.node_rank=$SLURM_NODEID)."
-            )
-        return RendezvousInfo(store, self._node_rank, nodes, info.bootstrap_store_info)
-
-    def is_closed(self) -> bool:
-        return self._inner.is_closed()
-
-    def set_closed(self) -> None:
-        self._inner.set_closed()
-
-    def num_nodes_waiting(self) -> int:
-        return self._inner.num_nodes_waiting()
-
-    def get_run_id(self) -> str:
-        return self._inner.get_run_id()
-
-    def shutdown(self) -> bool:
-        return self._inner.shutdown()
-
-
-def _create_node_rank_handler(params: RendezvousParameters) -> RendezvousHandler:
-    backend, store = create_c10d_backend(params)
-    inner = create_dynamic_handler(store, backend, params)
-    return NodeRankRendezvous(inner, int(params.get_as_int("node_rank", 0)))
-
-
-rendezvous_handler_registry.register(NodeRankRendezvous.BACKEND, _create_node_rank_handler)
 
 
 def run_workers(
@@ -222,9 +61,34 @@ def run_workers(
     own ranks plus rank 0's result under key 0 (sent through the rendezvous
     store, so it must be JSON-able): every node can report the run.
     """
-    check_launch(launch)
     log_dir.mkdir(parents=True, exist_ok=True)
-    common = {
+    if launch.nnodes == 1:
+        try:
+            return elastic_launch(_one_node_config(launch, log_dir, run_id), entrypoint)(*args)
+        except ChildFailedError as error:
+            raise WorkerFailedError(*_root_failure(_all_failures(error))) from None
+    try:
+        config = _multi_node_config(launch, log_dir, run_id)
+        returned = elastic_launch(config, _run_and_share)(entrypoint, args)
+    except ChildFailedError as error:
+        raise _node_failure(error, launch, log_dir) from None
+    except RendezvousTimeoutError as error:
+        raise RendezvousTimeoutError(
+            f"not all launch.nnodes={launch.nnodes} nodes joined rendezvous '{run_id}' at "
+            f"{launch.rdzv_endpoint} within {JOIN_TIMEOUT_S} s: start the training on every "
+            "node with the same launch.nnodes, launch.rdzv_endpoint and launch.rdzv_id, and "
+            f"a different launch.node_rank. ({error})"
+        ) from None
+    results = {rank: own for rank, (own, _) in returned.items()}
+    for _, rank0 in returned.values():
+        if rank0 is not None:
+            results.setdefault(0, rank0)
+    return results
+
+
+def _common_settings(launch: LaunchConfig, log_dir: Path, run_id: str) -> dict[str, Any]:
+    """torchrun's settings shared by one and several nodes: spawn, per-rank log files."""
+    return {
         "min_nodes": launch.nnodes,
         "max_nodes": launch.nnodes,
         "nproc_per_node": launch.nproc_per_node,
@@ -235,23 +99,22 @@ def run_workers(
         "logs_specs": DefaultLogsSpecs(log_dir=str(log_dir), tee=Std.ALL),
         "log_line_prefix_template": "[rank${rank}] ",
     }
-    if launch.nnodes == 1:
-        config = ElasticLaunchConfig(
-            **common,
-            rdzv_backend="c10d",
-            rdzv_endpoint=launch.rdzv_endpoint or f"127.0.0.1:{free_port()}",
-            rdzv_configs={"join_timeout": JOIN_TIMEOUT_S},
-            local_addr="127.0.0.1",
-        )
-        try:
-            return elastic_launch(config, entrypoint)(*args)
-        except ChildFailedError as error:
-            rank, message = _root_failure(_all_failures(error))
-            raise WorkerFailedError(rank, message) from None
 
+
+def _one_node_config(launch: LaunchConfig, log_dir: Path, run_id: str) -> ElasticLaunchConfig:
+    return ElasticLaunchConfig(
+        **_common_settings(launch, log_dir, run_id),
+        rdzv_backend="c10d",
+        rdzv_endpoint=launch.rdzv_endpoint or f"127.0.0.1:{free_port()}",
+        rdzv_configs={"join_timeout": JOIN_TIMEOUT_S},
+        local_addr="127.0.0.1",
+    )
+
+
+def _multi_node_config(launch: LaunchConfig, log_dir: Path, run_id: str) -> ElasticLaunchConfig:
     host, port = split_endpoint(launch.rdzv_endpoint or "")
-    config = ElasticLaunchConfig(
-        **common,
+    return ElasticLaunchConfig(
+        **_common_settings(launch, log_dir, run_id),
         rdzv_backend=NodeRankRendezvous.BACKEND,
         rdzv_endpoint=f"[{host}]:{port}" if ":" in host else f"{host}:{port}",
         rdzv_configs={
@@ -266,30 +129,21 @@ def run_workers(
         # host's fully qualified name, as torchrun does.
         local_addr="127.0.0.1" if is_loopback(host) else None,
     )
-    try:
-        returned = elastic_launch(config, _run_and_share)(entrypoint, args)
-    except ChildFailedError as error:
-        failures = _all_failures(error)
-        rank, message = _root_failure(failures)
-        if all(_is_peer_symptom(text) for _, text in failures.values()):
-            message = (
-                f"every rank on this node (launch.node_rank={launch.node_rank}) lost a peer, "
-                "so the cause is most likely on another node: look at that node's launcher "
-                f"output and its logs under {log_dir.parent}. This node's first error: {message}"
-            )
-        raise WorkerFailedError(rank, message) from None
-    except RendezvousTimeoutError as error:
-        raise RendezvousTimeoutError(
-            f"not all launch.nnodes={launch.nnodes} nodes joined rendezvous '{run_id}' at "
-            f"{launch.rdzv_endpoint} within {JOIN_TIMEOUT_S} s: start the training on every "
-            "node with the same launch.nnodes, launch.rdzv_endpoint and launch.rdzv_id, and "
-            f"a different launch.node_rank. ({error})"
-        ) from None
-    results = {rank: own for rank, (own, _) in returned.items()}
-    for _, rank0 in returned.values():
-        if rank0 is not None:
-            results.setdefault(0, rank0)
-    return results
+
+
+def _node_failure(
+    error: ChildFailedError, launch: LaunchConfig, log_dir: Path
+) -> WorkerFailedError:
+    """This node's failure; when every rank here only lost a peer, say to look elsewhere."""
+    failures = _all_failures(error)
+    rank, message = _root_failure(failures)
+    if all(_is_peer_symptom(text) for _, text in failures.values()):
+        message = (
+            f"every rank on this node (launch.node_rank={launch.node_rank}) lost a peer, "
+            "so the cause is most likely on another node: look at that node's launcher "
+            f"output and its logs under {log_dir.parent}. This node's first error: {message}"
+        )
+    return WorkerFailedError(rank, message)
 
 
 @record

@@ -16,8 +16,8 @@ from typing import Any
 
 from meshtrain.checkpoint.load import check_resumable
 from meshtrain.checkpoint.manifest import find_resume_checkpoint
-from meshtrain.config import ConfigError, RunConfig
-from meshtrain.launch.elastic import check_launch, run_workers
+from meshtrain.config import ConfigError, RunConfig, check_launch
+from meshtrain.launch.elastic import run_workers
 from meshtrain.launch.worker import worker_main
 from meshtrain.planner import Plan
 from meshtrain.tracking.mlflow_run import TrackingTarget
@@ -44,7 +44,6 @@ def make_worker_spec(
     with several nodes `training.output_dir` must be on a filesystem they
     share.
     """
-    check_launch(run.launch)
     cfg = run.training
     resume_from = None
     if cfg.resume_from:
@@ -114,6 +113,7 @@ def run_training(
     checkpoint carries a copy, so any checkpoint consolidates into a complete
     model.
     """
+    check_launch(run.launch)  # a wrong node rank or endpoint costs nothing yet
     spec = make_worker_spec(
         run,
         plan,

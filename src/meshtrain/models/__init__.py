@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
-    "SUPPORTED_ARCHITECTURES",
     "build_model",
     "build_model_config",
     "config_from_dict",

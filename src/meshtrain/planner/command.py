@@ -17,7 +17,8 @@ from pathlib import Path
 
 from meshtrain.config import AUTO, ConfigError, RunConfig
 from meshtrain.planner.devices import BUILTIN_PROFILES, GIB
-from meshtrain.planner.layout import LayoutError, Plan, plan_run
+from meshtrain.planner.search import plan_run
+from meshtrain.planner.types import LayoutError, Plan
 
 
 def run_plan(args: argparse.Namespace) -> int:

@@ -15,6 +15,11 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
+from meshtrain.config import AUTO
+from meshtrain.planner.types import LayoutError, Refusal
+
 GIB = 2**30
 
 
@@ -140,3 +145,17 @@ def device_profile(name: str, overrides: dict[str, dict[str, Any]] | None = None
     raise ValueError(
         f"planner.device={name!r} is not a known device; use one of {', '.join(known)}."
     )
+
+
+def resolve_device(name: str, overrides: dict[str, dict[str, Any]], cuda: bool) -> DeviceProfile:
+    """`auto`: the visible GPU's profile (h100/h200 by name, else h100) or `cpu`."""
+    if name == AUTO:
+        if not cuda:
+            name = "cpu"
+        else:
+            gpu = torch.cuda.get_device_name(0).lower() if torch.cuda.is_available() else ""
+            name = "h200" if "h200" in gpu else "h100"
+    try:
+        return device_profile(name, overrides)
+    except ValueError as error:
+        raise LayoutError([Refusal("planner.device", name, str(error), "")]) from None

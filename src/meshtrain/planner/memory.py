@@ -46,6 +46,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from meshtrain.models.llama.kv_heads import kv_replication_factor
 from meshtrain.models.llama.parameter_names import is_kv_projection, is_tensor_parallel_sharded
 
 if TYPE_CHECKING:
@@ -245,7 +246,7 @@ def estimate_memory(
     shapes: dict[str, tuple[int, ...]], m: ModelShape, step: StepShape
 ) -> MemoryEstimate:
     """Peak bytes of live tensors on the most loaded rank, with its breakdown."""
-    kv_replication = max(1, step.tp // m.kv_heads) if step.tp > m.kv_heads else 1
+    kv_replication = kv_replication_factor(m.kv_heads, step.tp)
     stages = len(step.stage_layers)
     counts = stage_parameter_counts(
         shapes, step.stage_layers, tp=step.tp, kv_replication=kv_replication

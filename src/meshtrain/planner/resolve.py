@@ -7,7 +7,8 @@ from typing import Any
 
 from meshtrain.config import RunConfig
 from meshtrain.models import build_model_config
-from meshtrain.planner.layout import Plan, plan_run
+from meshtrain.planner.search import plan_run
+from meshtrain.planner.types import Plan
 
 
 def plan_for_run(

@@ -9,15 +9,15 @@ Nothing here imports Kedro.
 from __future__ import annotations
 
 import json
-import os
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-os.environ.setdefault("DO_NOT_TRACK", "true")
+from meshtrain.offline import disable_telemetry
+
+disable_telemetry()  # before mlflow is imported
 
 import mlflow  # noqa: E402
 from mlflow.entities import Metric  # noqa: E402

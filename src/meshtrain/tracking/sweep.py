@@ -1,6 +1,6 @@
 """Layout sweeps: the same data and model trained under several layouts, compared side by side.
 
-A layout string names a whole layout in a few letters, the way people say it:
+A layout shorthand names a whole layout in a few letters, the way people say it:
 `dp2`, `tp2`, `pp2`, `dp2xtp2`, `tp2xpp2-gpipe-mb8`, `dp4-nozero1`. This module
 turns such strings into `--params` overrides, holds the global batch fixed
 across the layouts (the layout-independence contract compares runs at the
@@ -62,12 +62,12 @@ GRAMMAR = (
 )
 
 
-class LayoutStringError(ValueError):
-    """A layout string cannot be read; the message names the token, why, and what works."""
+class ShorthandError(ValueError):
+    """A layout shorthand cannot be read; the message names the token, why, and what works."""
 
 
 @dataclass(frozen=True)
-class LayoutSpec:
+class LayoutShorthand:
     """One layout of a sweep: the string as given and the parameters it sets."""
 
     text: str
@@ -86,22 +86,22 @@ class LayoutSpec:
         return self.params["parallel.pipeline_parallel_size"]
 
 
-def parse_layout(text: str) -> LayoutSpec:
+def parse_shorthand(text: str) -> LayoutShorthand:
     """`"dp2xtp2-zero1"` -> the `parallel.*` parameters it names.
 
-    tp and pp not named are 1 (a layout string describes the whole layout); dp not
+    tp and pp not named are 1 (a layout shorthand describes the whole layout); dp not
     named stays `auto` (the world size over tp x pp, as in `kedro run`). Anything
     else not named keeps the project's configured value.
     """
     original = text
     text = text.strip().lower().replace("ac-full", "ac")
     if not text:
-        raise LayoutStringError(f"layout {original!r} is empty: {GRAMMAR}")
+        raise ShorthandError(f"layout {original!r} is empty: {GRAMMAR}")
     params: dict[str, Any] = {}
     given_by: dict[str, str] = {}
     for token in re.split(r"[x\-]", text):
         if not token:
-            raise LayoutStringError(
+            raise ShorthandError(
                 f"layout {original!r} has an empty token (two separators in a row, or one "
                 f"at an end): {GRAMMAR}"
             )
@@ -109,7 +109,7 @@ def parse_layout(text: str) -> LayoutSpec:
         if size:
             prefix, number = size.group(1), int(size.group(2))
             if number < 1:
-                raise LayoutStringError(
+                raise ShorthandError(
                     f"layout {original!r}: token {token!r} asks for {prefix}={number}, but "
                     f"sizes start at 1: {GRAMMAR}"
                 )
@@ -120,11 +120,11 @@ def parse_layout(text: str) -> LayoutSpec:
             hint = ""
             if re.fullmatch(r"(dp|tp|pp|mb|v)", token):
                 hint = f" (it needs a number, e.g. {token}2)"
-            raise LayoutStringError(
+            raise ShorthandError(
                 f"layout {original!r}: token {token!r} is not understood{hint}; {GRAMMAR}"
             )
         if name in params:
-            raise LayoutStringError(
+            raise ShorthandError(
                 f"layout {original!r}: tokens {given_by[name]!r} and {token!r} both set "
                 f"{name}; give it once"
             )
@@ -132,20 +132,20 @@ def parse_layout(text: str) -> LayoutSpec:
         given_by[name] = token
     params.setdefault("parallel.tensor_parallel_size", 1)
     params.setdefault("parallel.pipeline_parallel_size", 1)
-    return LayoutSpec(text=original.strip(), params=params)
+    return LayoutShorthand(text=original.strip(), params=params)
 
 
-def parse_layouts(text: str) -> list[LayoutSpec]:
+def parse_shorthands(text: str) -> list[LayoutShorthand]:
     """`"dp2 tp2 pp2"` (spaces or commas between layouts) -> one spec each, in order."""
     items = [item for item in re.split(r"[\s,]+", text.strip()) if item]
     if not items:
-        raise LayoutStringError(f"--layouts is empty; give one or more layouts: {GRAMMAR}")
-    specs = [parse_layout(item) for item in items]
+        raise ShorthandError(f"--layouts is empty; give one or more layouts: {GRAMMAR}")
+    specs = [parse_shorthand(item) for item in items]
     seen: dict[tuple, str] = {}
     for spec in specs:
         key = tuple(sorted(spec.params.items()))
         if key in seen:
-            raise LayoutStringError(
+            raise ShorthandError(
                 f"layouts {seen[key]!r} and {spec.text!r} are the same layout; list it once"
             )
         seen[key] = spec.text
@@ -156,7 +156,7 @@ def parse_layouts(text: str) -> list[LayoutSpec]:
 class SweepEntry:
     """One layout as the sweep will run it, or why it cannot be set up."""
 
-    spec: LayoutSpec
+    spec: LayoutShorthand
     overrides: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
 
@@ -182,7 +182,7 @@ def to_params_arg(values: dict[str, Any]) -> str:
 
 
 def plan_sweep(
-    specs: list[LayoutSpec],
+    specs: list[LayoutShorthand],
     params: dict[str, Any],
     global_batch_size: int | None = None,
 ) -> tuple[int, list[SweepEntry]]:

@@ -34,8 +34,8 @@ from meshtrain.distributed.tensor_parallel import (
     unsharded,
 )
 from meshtrain.models.llama.kv_heads import kv_replication_factor
-from meshtrain.models.llama.sharding import apply_tensor_parallel, decoder_layers
 from meshtrain.models.llama.stage import LlamaStage
+from meshtrain.models.llama.tensor_parallel import apply_tensor_parallel, decoder_layers
 from meshtrain.models.parallel_model import ParallelModel, as_local, causal_lm_loss
 
 

@@ -3,7 +3,7 @@
 Pure functions with no torch import, so the planner (and `python -m meshtrain
 plan`) can reason about shapes without loading the modelling code. The
 tensor-parallel split of each module is written here once: the TP plan
-(`sharding.py`) builds its DTensor styles from these tables and the planner's
+(`tensor_parallel.py`) builds its DTensor styles from these tables and the planner's
 memory model counts shards from them.
 """
 
@@ -31,12 +31,23 @@ def _module_is(module: str, names: tuple[str, ...]) -> bool:
     return any(module == name or module.endswith("." + name) for name in names)
 
 
-def is_tensor_parallel_sharded(name: str) -> bool:
-    """Whether parameter `name` is split over tp ranks (else every tp rank holds it whole)."""
+def tensor_parallel_dim(name: str) -> int | None:
+    """The dimension tensor parallelism splits parameter `name` along, None if it keeps it
+    whole: outputs (0) of column-parallel modules and the vocabulary (0) of the embedding
+    and LM head, inputs (1) of row-parallel weights."""
     module, _, kind = name.rpartition(".")
     if _module_is(module, COLUMN_PARALLEL):
-        return True
-    return kind == "weight" and _module_is(module, ROW_PARALLEL + VOCAB_PARALLEL)
+        return 0
+    if kind != "weight":
+        return None
+    if _module_is(module, ROW_PARALLEL):
+        return 1
+    return 0 if _module_is(module, VOCAB_PARALLEL) else None
+
+
+def is_tensor_parallel_sharded(name: str) -> bool:
+    """Whether parameter `name` is split over tp ranks (else every tp rank holds it whole)."""
+    return tensor_parallel_dim(name) is not None
 
 
 def is_kv_projection(name: str) -> bool:

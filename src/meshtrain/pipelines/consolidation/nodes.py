@@ -5,13 +5,14 @@ from __future__ import annotations
 from typing import Any
 
 from meshtrain.checkpoint import consolidate_checkpoint
+from meshtrain.config import ConsolidationConfig, parse
 
 
 def consolidate(training_summary: dict[str, Any], consolidation: dict[str, Any]) -> dict[str, Any]:
     """Args: the training summary and `params:consolidation`. Returns: what was written where."""
-    checkpoint = consolidation.get("checkpoint") or training_summary["final_checkpoint"]
+    cfg = parse(ConsolidationConfig, consolidation, "consolidation")
     return consolidate_checkpoint(
-        checkpoint,
-        consolidation["output_dir"],
-        max_shard_size=consolidation.get("max_shard_size", "5GB"),
+        cfg.checkpoint or training_summary["final_checkpoint"],
+        cfg.output_dir,
+        max_shard_size=cfg.max_shard_size,
     )

@@ -7,6 +7,7 @@ from typing import Any
 
 import datasets
 
+from meshtrain.config import EvaluationConfig, parse
 from meshtrain.evaluation import evaluate_model
 from meshtrain.tracking import mlflow_run as tracking
 
@@ -22,13 +23,14 @@ def evaluate(
     Returns: `metrics.json`: validation loss and perplexity before and after
     training, the throughput of the run, and a greedy sample.
     """
+    cfg = parse(EvaluationConfig, evaluation, "evaluation")
     metrics = evaluate_model(
         consolidation_summary["output_dir"],
         packed_blocks["validation"],
-        batch_size=evaluation.get("batch_size", 16),
-        max_batches=evaluation.get("max_batches"),
-        prompt=evaluation.get("prompt", "The"),
-        max_new_tokens=evaluation.get("max_new_tokens", 40),
+        batch_size=cfg.batch_size,
+        max_batches=cfg.max_batches,
+        prompt=cfg.prompt,
+        max_new_tokens=cfg.max_new_tokens,
     )
     initial = training_summary.get("initial_val_loss")
     metrics.update(

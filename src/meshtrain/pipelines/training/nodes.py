@@ -14,7 +14,6 @@ import datasets
 from meshtrain.config import RunConfig
 from meshtrain.data.blocks import arrow_files
 from meshtrain.launch.backends import check_backend_available
-from meshtrain.launch.elastic import check_launch
 from meshtrain.launch.job import run_training
 from meshtrain.planner import Plan
 from meshtrain.planner.resolve import check_plan_is_current, plan_for_run
@@ -36,7 +35,6 @@ def train_model(
     run = RunConfig.from_params(
         parallel=parallel, training=training, launch=launch, model=model, data=data, planner=planner
     )
-    check_launch(run.launch)  # before the replanning below: a wrong node rank costs nothing
     resolved = Plan.from_dict(plan)
     replanned = plan_for_run(
         run,

@@ -1,0 +1,212 @@
+"""The whole checkpoint: check the output folder, plan, write the weights and the model
+files into `<output_dir>.partial`, and swap that into place only once all is written
+(and, with `verify`, every checkpoint file matched its sha256)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Mapping
+from decimal import Decimal, InvalidOperation
+from pathlib import Path
+from typing import Any
+
+from meshtrain.checkpoint import files
+from meshtrain.checkpoint.consolidate.plan import (
+    SAFE_WEIGHTS_INDEX,
+    TensorPlan,
+    file_names,
+    plan_tensors,
+    split_into_files,
+)
+from meshtrain.checkpoint.consolidate.progress import Bar, NoBar, Progress
+from meshtrain.checkpoint.consolidate.rebuild import TensorWriter
+from meshtrain.checkpoint.consolidate.safetensors_format import SafetensorsWriter
+from meshtrain.checkpoint.consolidate.verify import Verifier
+from meshtrain.checkpoint.manifest import CheckpointError, read_manifest, resolve_checkpoint
+from meshtrain.config import ConsolidationConfig
+
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_SIZE_RE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*", re.IGNORECASE)
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes in `size`: an int, or a string like "5GB", "500MB", "1.5GB", "2GiB", "1000".
+
+    Units are case-insensitive; KB/MB/GB/TB are decimal (1GB = 10**9 bytes, as in
+    Hugging Face's `max_shard_size`), KiB/MiB/GiB/TiB binary. Raises ValueError."""
+    if isinstance(size, bool) or not isinstance(size, int | str):
+        raise ValueError(f"a size is an int or a string like '5GB', not {size!r}")
+    if isinstance(size, int):
+        number = size
+    else:
+        match = _SIZE_RE.fullmatch(size)
+        unit = match.group(2).lower() if match else None
+        if unit not in _SIZE_UNITS:
+            raise ValueError(
+                f"cannot read {size!r} as a size: use bytes or a number with a unit "
+                "(KB, MB, GB, TB or KiB, MiB, GiB, TiB), like '5GB'"
+            )
+        try:
+            number = int(Decimal(match.group(1)) * _SIZE_UNITS[unit])
+        except InvalidOperation as error:  # pragma: no cover - the regex admits only numbers
+            raise ValueError(f"cannot read {size!r} as a size") from error
+    if number < 1:
+        raise ValueError(f"a size must be at least 1 byte, not {size!r}")
+    return number
+
+
+def _check_output_dir(root: Path, manifest: Mapping[str, Any], output_dir: Path) -> None:
+    """Refuse an output folder whose replacement would delete part of the checkpoint."""
+    out = output_dir.resolve()
+    checkpoint = root.resolve()
+    listed = [(root / rel).resolve() for rel in manifest["files"]]
+    if out == checkpoint or out in checkpoint.parents or any(out in p.parents for p in listed):
+        raise CheckpointError(
+            f"output folder {output_dir} would replace files of the checkpoint {root}"
+        )
+    if output_dir.exists() and not output_dir.is_dir():
+        raise CheckpointError(f"output {output_dir} exists and is not a folder")
+
+
+def _copy_model_files(root: Path, dest: Path) -> None:
+    """The config, generation config and tokenizer files a Hugging Face folder needs."""
+    shutil.copy2(root / files.MODEL_CONFIG, dest / files.MODEL_CONFIG)
+    if (root / files.GENERATION_CONFIG).is_file():
+        shutil.copy2(root / files.GENERATION_CONFIG, dest / files.GENERATION_CONFIG)
+    tokenizer = root / files.TOKENIZER
+    if tokenizer.is_dir():
+        for item in tokenizer.iterdir():
+            if item.is_dir():
+                shutil.copytree(item, dest / item.name)
+            else:
+                shutil.copy2(item, dest / item.name)
+
+
+def _write_weights(
+    partial: Path, plans: list[TensorPlan], limit: int, bar: Bar, verifier: Verifier | None
+) -> list[str]:
+    """Write the weight files (and the index, past one file) into `partial`."""
+    groups = split_into_files(plans, limit)
+    names = file_names(len(groups))
+    tensors = TensorWriter()
+    done = 0
+    try:
+        for file_name, group in zip(names, groups, strict=True):
+            by_name = {plan.spec.name: plan for plan in group}
+            with SafetensorsWriter(
+                partial / file_name, [p.spec for p in group], metadata={"format": "pt"}
+            ) as writer:
+                for name in writer.names:
+                    tensors.write(by_name[name], writer.fileno(), writer.data_offset(name), bar)
+                    writer.mark_written(name)
+                    done += 1
+                    bar.set_postfix_str(f"{done}/{len(plans)} tensors, {file_name}")
+                    if verifier is not None and (failure := verifier.failure(wait=False)):
+                        raise failure
+    finally:
+        tensors.close()
+    if len(groups) > 1:
+        index = {
+            "metadata": {"total_size": sum(plan.spec.nbytes for plan in plans)},
+            "weight_map": {
+                plan.spec.name: file_name
+                for file_name, group in zip(names, groups, strict=True)
+                for plan in group
+            },
+        }
+        (partial / SAFE_WEIGHTS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    return names
+
+
+def _swap_into_place(partial: Path, output_dir: Path) -> None:
+    """Replace `output_dir` with `partial`; an old output stays whole, moved aside, until
+    the new one is in place."""
+    if output_dir.exists():
+        aside = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.old-", dir=output_dir.parent))
+        os.replace(output_dir, aside / output_dir.name)
+        os.replace(partial, output_dir)
+        shutil.rmtree(aside, ignore_errors=True)
+    else:
+        os.replace(partial, output_dir)
+
+
+def consolidate_checkpoint(
+    checkpoint: str | Path,
+    output_dir: str | Path,
+    *,
+    verify: bool = True,
+    max_shard_size: int | str = ConsolidationConfig.max_shard_size,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Write the full model of `checkpoint` to `output_dir`, streaming; returns a summary.
+
+    `checkpoint` is a checkpoint folder, its `shards/` folder or a run folder (its
+    latest complete checkpoint). `verify` checks every file's sha256 (while the
+    weights are written; the output is kept only if all match; sizes are always
+    checked first). Weight files hold at most `max_shard_size` bytes of tensor data
+    (an int, or "5GB", "500MB", "2GiB"; a tensor larger than that gets a file of its
+    own). `progress` shows a bar on stderr. The folder is written as
+    `<output_dir>.partial` and swapped into place at the end, replacing an old one.
+    The summary names the weight `files` and their `total_size` (bytes of tensor data).
+    Raises CheckpointError (checkpoint problems) or ValueError (`max_shard_size`)."""
+    limit = parse_size(max_shard_size)
+    root = resolve_checkpoint(Path(checkpoint))
+    manifest = read_manifest(root, verify=False)  # sizes; the hashes are checked below
+    output_dir = Path(output_dir)
+    _check_output_dir(root, manifest, output_dir)
+    verifier = Verifier(root, manifest["files"]) if verify else None
+    partial = output_dir.with_name(output_dir.name + ".partial")
+    try:
+        plans = plan_tensors(root, manifest)
+        total_size = sum(plan.spec.nbytes for plan in plans)
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+        try:
+            desc = f"consolidating step {manifest['step']}"
+            with Progress(total_size, desc) if progress else NoBar() as bar:
+                names = _write_weights(partial, plans, limit, bar, verifier)
+            _copy_model_files(root, partial)
+            if verifier is not None and (failure := verifier.failure(wait=True)):
+                raise failure
+        except BaseException:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
+    except Exception as error:
+        # A corrupted file may show first as a malformed header: name the real cause.
+        if verifier is not None:
+            failure = verifier.failure(wait=True)
+            if isinstance(failure, CheckpointError) and failure is not error:
+                raise failure from error
+        raise
+    except BaseException:  # KeyboardInterrupt: stop hashing now
+        if verifier is not None:
+            verifier.cancel()
+        raise
+
+    _swap_into_place(partial, output_dir)
+    return {
+        "checkpoint": str(root),
+        "step": manifest["step"],
+        "output_dir": str(output_dir),
+        "num_tensors": len(plans),
+        "num_parameters": sum(math.prod(plan.spec.shape) for plan in plans),
+        "layout": manifest["layout"],
+        "files": names,
+        "total_size": total_size,
+    }

@@ -1,0 +1,273 @@
+"""Search the layouts `auto` allows, keep those that fit the device, and pick the fastest.
+
+`plan_run` is the planner's entry point: with no knob at `auto` it plans (or
+refuses) the one layout asked for; otherwise it plans every combination, and
+keeps the losers in `Plan.candidates` with the reason each lost.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from transformers import PretrainedConfig
+
+from meshtrain.config import AUTO, RunConfig
+from meshtrain.models.llama.parameter_names import llama_family_shapes
+from meshtrain.planner.checks import (
+    IMPLEMENTED_ACTIVATION_CHECKPOINTING,
+    pipeline_parallel_degrees,
+    tensor_parallel_degrees,
+)
+from meshtrain.planner.devices import GIB, DeviceProfile, resolve_device
+from meshtrain.planner.layout import plan_one_layout
+from meshtrain.planner.types import LayoutError, Plan, Refusal, divisors
+
+# Preference among layouts whose estimated step times are within this factor of the best.
+TIE = 1.02
+# Less recomputation first, among layouts as fast.
+_AC_ORDER = {"none": 0, "selective": 1, "full": 2}
+
+
+def plan_run(
+    run: RunConfig,
+    model_config: PretrainedConfig,
+    *,
+    num_train_blocks: int,
+    num_validation_blocks: int,
+    tokenizer_size: int | None = None,
+    cuda_available: bool | None = None,
+) -> Plan:
+    """Resolve `auto`, validate the layout against model, world, data and device memory.
+
+    With `tensor_parallel_size`, `pipeline_parallel_size` or
+    `activation_checkpointing` at `auto`, every layout the fixed values allow is
+    planned; those refused or over the device's memory (less
+    `planner.memory_margin`) drop out, and the fastest estimated step wins,
+    preferring (within 2% of the best estimated tokens/s) smaller tp, then smaller
+    pp, then less recomputation.
+    The others are kept in `Plan.candidates` with the reason each lost.
+    """
+    cuda = torch.cuda.is_available() if cuda_available is None else cuda_available
+    device = resolve_device(run.planner.device, run.planner.device_profiles, cuda)
+    budget = device.memory_bytes * (1 - run.planner.memory_margin)
+    plan = functools.partial(
+        plan_one_layout,
+        model_config=model_config,
+        shapes=llama_family_shapes(model_config),
+        num_train_blocks=num_train_blocks,
+        num_validation_blocks=num_validation_blocks,
+        tokenizer_size=tokenizer_size,
+        cuda=cuda,
+        cuda_devices=torch.cuda.device_count() if cuda else 0,
+        device=device,
+    )
+    variants = _search_space(run, model_config)
+    if len(variants) == 1:
+        only = plan(_fit_global_batch(variants[0]))
+        if only.memory_estimate_per_rank["total"] > budget:
+            raise LayoutError([_over_memory(only, device, run)])
+        return only
+
+    planned, rejected = _plan_each(variants, plan)
+    fitting = [p for p in planned if p.memory_estimate_per_rank["total"] <= budget]
+    if not fitting:
+        if planned:
+            smallest = min(planned, key=lambda p: p.memory_estimate_per_rank["total"])
+            raise LayoutError([_over_memory(smallest, device, run)])
+        raise LayoutError(
+            [
+                Refusal(
+                    "parallel",
+                    "auto",
+                    "no layout of this world size can run this model: "
+                    + " | ".join(f"{r['layout']}: {r['rejected']}" for r in rejected[:4]),
+                    "Change launch.nproc_per_node or the model's head/layer counts.",
+                )
+            ]
+        )
+    chosen = _choose(fitting)
+    return dataclasses.replace(
+        chosen,
+        candidates=[*_candidates(planned, chosen, budget), *rejected],
+        notes=[*chosen.notes, f"chosen among {len(planned)} valid layouts on {device.name}"],
+    )
+
+
+def _plan_each(
+    variants: list[RunConfig], plan: Callable[[RunConfig], Plan]
+) -> tuple[list[Plan], list[dict[str, Any]]]:
+    """The plans of the variants that pass every check, and why each of the others did not."""
+    planned: list[Plan] = []
+    rejected: list[dict[str, Any]] = []
+    for variant in variants:
+        try:
+            planned.append(plan(_fit_global_batch(variant)))
+        except LayoutError as error:
+            rejected.append(
+                {
+                    "layout": _variant_name(variant),
+                    "rejected": "; ".join(str(r) for r in error.refusals),
+                }
+            )
+    return planned, rejected
+
+
+def _speed(plan: Plan) -> float:
+    # Throughput, not step time: without training.global_batch_size the global batch
+    # grows with dp, so steps of different layouts hold different numbers of tokens.
+    return plan.time_estimate["tokens_per_s"]
+
+
+def _choose(fitting: list[Plan]) -> Plan:
+    """The fastest; among those within `TIE` of it, the least parallel and recomputed."""
+    best = max(_speed(p) for p in fitting)
+
+    def preference(p: Plan) -> tuple:
+        lay = p.layout
+        tied = _speed(p) * TIE >= best
+        return (
+            not tied,
+            0.0 if tied else -_speed(p),
+            lay.tensor_parallel_size,
+            lay.pipeline_parallel_size,
+            _AC_ORDER[lay.activation_checkpointing],
+        )
+
+    return sorted(fitting, key=preference)[0]
+
+
+def _candidates(planned: list[Plan], chosen: Plan, budget: float) -> list[dict[str, Any]]:
+    """Every other planned layout, fastest first, with why it lost to `chosen`."""
+    candidates: list[dict[str, Any]] = []
+    for p in sorted(planned, key=_speed, reverse=True):
+        if p is chosen:
+            continue
+        ratio = _speed(chosen) / _speed(p)
+        if p.memory_estimate_per_rank["total"] > budget:
+            why = (
+                f"does not fit: {p.memory_estimate_per_rank['total'] / GIB:.2f} GiB per rank "
+                f"over the {budget / GIB:.2f} GiB budget"
+            )
+        elif ratio > TIE:
+            why = f"slower: the chosen layout's estimated tokens/s is {ratio:.2f}x"
+        else:
+            why = "as fast within 2%; the chosen one needs less parallelism or recomputation"
+        candidates.append(_summary(p) | {"lost_because": why})
+    return candidates
+
+
+def _summary(plan: Plan) -> dict[str, Any]:
+    return {
+        "layout": plan.layout.name,
+        "memory_per_rank_bytes": plan.memory_estimate_per_rank["total"],
+        "step_s": plan.time_estimate["step_s"],
+        "tokens_per_s": plan.time_estimate["tokens_per_s"],
+    }
+
+
+def _over_memory(plan: Plan, device: DeviceProfile, run: RunConfig) -> Refusal:
+    need = plan.memory_estimate_per_rank["total"] / GIB
+    budget = device.memory_bytes * (1 - run.planner.memory_margin) / GIB
+    return Refusal(
+        "parallel",
+        plan.layout.name,
+        f"the estimated peak is {need:.2f} GiB per rank and a {device.name} device offers "
+        f"{budget:.2f} GiB after planner.memory_margin={run.planner.memory_margin}",
+        "Use more tensor or pipeline parallelism (or `auto`), ZeRO-1, "
+        "parallel.activation_checkpointing=selective or full, a smaller "
+        "training.per_device_train_batch_size with more gradient_accumulation_steps, "
+        "or more devices.",
+    )
+
+
+def _search_space(run: RunConfig, model_config: PretrainedConfig) -> list[RunConfig]:
+    """Every combination of the `auto` knobs the fixed values allow (one if none is auto)."""
+    par, world = run.parallel, run.launch.world_size
+    tp_options = (
+        tensor_parallel_degrees(world, model_config)
+        if par.tensor_parallel_size == AUTO
+        else [par.tensor_parallel_size]
+    )
+    pp_options = (
+        pipeline_parallel_degrees(world, model_config)
+        if par.pipeline_parallel_size == AUTO
+        else [par.pipeline_parallel_size]
+    )
+    ac_options = (
+        list(IMPLEMENTED_ACTIVATION_CHECKPOINTING)
+        if par.activation_checkpointing == AUTO
+        else [par.activation_checkpointing]
+    )
+    if len(tp_options) == len(pp_options) == len(ac_options) == 1:
+        return [run]
+    variants = []
+    for tp in tp_options:
+        for pp in pp_options:
+            if world % (tp * pp):
+                continue
+            if par.data_parallel_size != AUTO and par.data_parallel_size * tp * pp != world:
+                continue
+            for ac in ac_options:
+                parallel = dataclasses.replace(
+                    par,
+                    tensor_parallel_size=tp,
+                    pipeline_parallel_size=pp,
+                    activation_checkpointing=ac,
+                )
+                variants.append(dataclasses.replace(run, parallel=parallel))
+    return variants or [run]
+
+
+def _fit_global_batch(run: RunConfig) -> RunConfig:
+    """With `training.global_batch_size`, split it for this layout's dp and pp.
+
+    The per-device batch is the largest that divides the rank's share and is at most
+    `per_device_train_batch_size` per forward (times the pipeline microbatches, at most
+    2 x pp of them); the rest is gradient accumulation.
+    """
+    train, par = run.training, run.parallel
+    target = train.global_batch_size
+    if target is None:
+        return run
+    tp = 1 if par.tensor_parallel_size == AUTO else par.tensor_parallel_size
+    pp = 1 if par.pipeline_parallel_size == AUTO else par.pipeline_parallel_size
+    world = run.launch.world_size
+    if par.data_parallel_size == AUTO:
+        if world % (tp * pp):
+            return run  # the planner refuses the sizes themselves, with the reason
+        dp = world // (tp * pp)
+    else:
+        dp = par.data_parallel_size
+    if target % dp:
+        raise LayoutError(
+            [
+                Refusal(
+                    "training.global_batch_size",
+                    target,
+                    f"it does not split evenly over data_parallel_size={dp}",
+                    f"Use a multiple of {max(dp, 1)}.",
+                )
+            ]
+        )
+    share = target // dp
+    forwards = 2 * pp if pp > 1 else 1
+    limit = train.per_device_train_batch_size * forwards
+    per_device = max(d for d in divisors(share) if d <= limit)
+    training = dataclasses.replace(
+        train,
+        per_device_train_batch_size=per_device,
+        gradient_accumulation_steps=share // per_device,
+    )
+    return dataclasses.replace(run, training=training)
+
+
+def _variant_name(run: RunConfig) -> str:
+    par = run.parallel
+    return (
+        f"tp{par.tensor_parallel_size}-pp{par.pipeline_parallel_size}"
+        f"-ac-{par.activation_checkpointing}"
+    )

@@ -1,0 +1,74 @@
+"""What the planner hands out: the `Plan`, and the `Refusal`s when a layout cannot run."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from meshtrain.config import Layout
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the planner decided, as written to `plan.json` and handed to the workers."""
+
+    layout: Layout
+    world_size: int
+    backend: str
+    global_batch_size: int
+    tokens_per_step: int
+    num_parameters: int
+    memory_estimate_per_rank: dict[str, int]
+    model_config: dict[str, Any]
+    num_train_blocks: int
+    num_validation_blocks: int
+    notes: list[str] = field(default_factory=list)
+    device: str = "cpu"
+    # Resolved batch split (they differ from the parameters when global_batch_size is set).
+    per_device_train_batch_size: int = 0
+    gradient_accumulation_steps: int = 1
+    time_estimate: dict[str, float] = field(default_factory=dict)
+    # The other layouts the planner weighed: name, estimates, and why each lost.
+    candidates: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        values = dataclasses.asdict(self)
+        values["layout_name"] = self.layout.name
+        return values
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> Plan:
+        values = {k: v for k, v in values.items() if k != "layout_name"}
+        return cls(**{**values, "layout": Layout(**values["layout"])})
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """One parameter that cannot run as given: why, and a value that would."""
+
+    parameter: str
+    value: Any
+    reason: str
+    fix: str
+
+    def __str__(self) -> str:
+        return f"{self.parameter}={self.value}: {self.reason}. {self.fix}"
+
+
+class LayoutError(ValueError):
+    """The requested layout cannot run; `refusals` says why, one line per parameter."""
+
+    def __init__(self, refusals: list[Refusal]) -> None:
+        self.refusals = refusals
+        lines = "\n".join(f"  - {r}" for r in refusals)
+        super().__init__(f"meshtrain refused the layout before starting any worker:\n{lines}")
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def format_values(values: list[int]) -> str:
+    """Values for a refusal's fix, or `none` when nothing would work."""
+    return ", ".join(str(v) for v in values) if values else "none"
