@@ -224,7 +224,7 @@ def measure(job: dict[str, Any], sequence_parallel: bool) -> dict[str, Any]:
     kv_replication = kv_replication_factor(config.num_key_value_heads, tp) if tp > 1 else 1
 
     def update() -> None:
-        pm.synchronize_tensor_parallel_gradients()
+        pm.finish_gradients()
         optimizer.step()
         flat.zero_grad()
 

@@ -321,6 +321,10 @@ def team_tracking(tmp_path_factory: pytest.TempPathFactory) -> TeamTracking:
             "data_processing,planning,training",
             "--params",
             SMALL_RUN,
+            # MLflow publishes system metrics only once a sampling interval has passed
+            # with the run open; 10 s (the project's default) can outlast a short run
+            # on a fast machine, half a second cannot (the launch alone takes longer).
+            MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL="0.5",
         )
         credentials.unlink()
         tp2 = run_kedro(

@@ -46,7 +46,8 @@ def test_environment_parameters_parse_and_keep_the_base_values(env: str) -> None
         assert run.model.config["rms_norm_eps"] == base["model"]["config"]["rms_norm_eps"]
     if env == "trn1":
         assert run.launch.backend == "neuron"
-        assert (run.parallel.tensor_parallel_size, run.parallel.pipeline_parallel_size) == (8, 4)
+        assert (run.parallel.tensor_parallel_size, run.parallel.pipeline_parallel_size) == (4, 2)
+        assert run.model.config["tie_word_embeddings"] is True  # Llama-3.2-3B's own
 
 
 @pytest.mark.slow
@@ -66,15 +67,16 @@ def test_trn1_plans_for_a_trn1_32xlarge_and_stops_at_the_launch(tmp_path: Path) 
     assert "[rank0]" not in output  # no worker started
 
     plan = json.loads((project / "data/05_model_input/plan.json").read_text())
-    assert plan["layout_name"] == "dp1-tp8-pp4-sp-1f1b-mb8"
+    # optimum-neuron's Llama-3.2-3B example, tied embeddings across the two stages.
+    assert plan["layout_name"] == "dp4-tp4-pp2-zero1-sp-1f1b-mb8"
     assert plan["device"] == "trn1"
     assert plan["backend"] == "neuron"
     memory = plan["memory_estimate_per_rank"]
     assert 0 < memory["total"] < 16 * 2**30 * 0.9  # fits a 16 GiB NeuronCore
-    assert len(memory["total_per_pipeline_rank"]) == 4
+    assert len(memory["total_per_pipeline_rank"]) == 2
 
     client = mlflow_client(project)
     (run,) = client.search_runs([client.get_experiment_by_name("meshtrain").experiment_id])
-    assert run.data.params["parallel.tensor_parallel_size"] == "8"
-    assert run.data.params["parallel.pipeline_parallel_size"] == "4"
+    assert run.data.params["parallel.tensor_parallel_size"] == "4"
+    assert run.data.params["parallel.pipeline_parallel_size"] == "2"
     assert run.data.tags["kedro.env"] == "trn1"

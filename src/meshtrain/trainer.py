@@ -151,6 +151,7 @@ class Trainer:
             flat=self.flat,
             optimizer=self.optimizer,
             dims=self.dims,
+            tied_copies=self.pm.tied_copies,
         )
         return resumed["step"]
 
@@ -226,7 +227,7 @@ class Trainer:
         for indices in microbatches:
             input_ids = self.train_blocks.batch(indices).to(self.device, non_blocking=True)
             loss_sum += self.pm.train_batch(input_ids, len(microbatches))
-        self.pm.synchronize_tensor_parallel_gradients()
+        self.pm.finish_gradients()
         return loss_sum
 
     # -- logging, validation, checkpoints --------------------------------------------------
@@ -313,6 +314,7 @@ class Trainer:
             model_config=self.pm.hf_config,
             tokenizer_dir=Path(self.spec.tokenizer_dir) if self.spec.tokenizer_dir else None,
             keep_last=self.cfg.keep_last,
+            tied_copies=self.pm.tied_copies,
         )
 
     @property

@@ -1,11 +1,15 @@
 """Pipeline parallelism, alone and composed with tensor and data parallelism,
-reproduces one process (fp32, same data and seed), for every schedule."""
+reproduces one process (fp32, same data and seed), for every schedule; with tied
+embeddings too (the first and the last stage each hold a copy)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
 
 from tests.conftest import TINY_MODEL
 from tests.distributed.reference import (
@@ -17,6 +21,7 @@ from tests.distributed.reference import (
 )
 
 FOUR_LAYERS = {**TINY_MODEL, "num_hidden_layers": 4}
+TIED = {**FOUR_LAYERS, "tie_word_embeddings": True}
 BATCH_8 = {"per_device_train_batch_size": 8}
 
 
@@ -29,7 +34,7 @@ def _pp(size: int, schedule: str, microbatches: int, **extra) -> dict:
     }
 
 
-# name: (parallel, training)
+# name: (parallel, training[, architecture, model fields]): llama, FOUR_LAYERS unless given
 WORLD_2 = {
     "pp2-gpipe": (_pp(2, "gpipe", 2), BATCH_8),
     "pp2-1f1b": (_pp(2, "1f1b", 4), BATCH_8),
@@ -38,6 +43,10 @@ WORLD_2 = {
         _pp(2, "1f1b", 2, activation_checkpointing="full"),
         {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 2},
     ),
+    "tied-pp2-1f1b": (_pp(2, "1f1b", 4), BATCH_8, "llama", TIED),
+    "tied-pp2-interleaved": (_pp(2, "interleaved_1f1b", 4), BATCH_8, "llama", TIED),
+    # Qwen2: q/k/v biases.
+    "qwen2-tied-pp2-1f1b": (_pp(2, "1f1b", 4), BATCH_8, "qwen2", TIED),
 }
 WORLD_4 = {
     "pp4-gpipe": (_pp(4, "gpipe", 4), BATCH_8),
@@ -48,6 +57,13 @@ WORLD_4 = {
     ),
     "pp2-tp2-sp": (_pp(2, "1f1b", 2, tensor_parallel_size=2), BATCH_8),
     "pp2-tp2-no-sp": (_pp(2, "1f1b", 2, tensor_parallel_size=2, sequence_parallel=False), BATCH_8),
+    "tied-pp2-tp2-sp": (_pp(2, "1f1b", 2, tensor_parallel_size=2), BATCH_8, "llama", TIED),
+    "tied-dp2-pp2-zero1": (
+        _pp(2, "1f1b", 2, data_parallel_size=2, zero_1=True),
+        {"per_device_train_batch_size": 4, "grad_bucket_mb": 0.01},
+        "llama",
+        TIED,
+    ),
 }
 WORLD_8 = {
     "dp2-pp2-tp2-zero1-sp": (
@@ -57,30 +73,56 @@ WORLD_8 = {
 }
 
 
+def _model(case: tuple) -> tuple[str, dict]:
+    return (case[2], case[3]) if len(case) > 2 else ("llama", FOUR_LAYERS)
+
+
 def _run(cases: dict, world: int, blocks, out: Path) -> None:
-    specs = [
-        make_spec(
-            blocks,
-            out,
-            name,
-            world=world,
-            parallel=parallel,
-            training=training,
-            architecture="llama",
-            fields=FOUR_LAYERS,
+    specs = []
+    for name, case in cases.items():
+        architecture, fields = _model(case)
+        specs.append(
+            make_spec(
+                blocks,
+                out,
+                name,
+                world=world,
+                parallel=case[0],
+                training=case[1],
+                architecture=architecture,
+                fields=fields,
+            )
         )
-        for name, (parallel, training) in cases.items()
-    ]
     results = run_group(specs, world, out, f"t-pp{world}")
-    losses, weights = reference_run(blocks, "llama", FOUR_LAYERS)
-    for (name, (parallel, _)), summary in zip(cases.items(), results, strict=True):
+    references = {}
+    for (name, case), summary in zip(cases.items(), results, strict=True):
+        architecture, fields = _model(case)
+        key = (architecture, tuple(sorted(fields.items())))
+        if key not in references:
+            references[key] = reference_run(blocks, architecture, fields)
+        losses, weights = references[key]
         assert_matches_reference(name, summary, losses, weights, out / f"{name}-hf")
         assert_memory_model_holds(name, summary)
-        if parallel.get("data_parallel_size", 1) > 1:
+        if fields.get("tie_word_embeddings"):
+            assert_one_tied_tensor(name, out / f"{name}-hf")
+        if case[0].get("data_parallel_size", 1) > 1:
             # The schedule's last backward of each microbatch finishes the gradients: the
-            # data-parallel reductions overlap the pipeline's backward.
+            # data-parallel reductions overlap the pipeline's backward (the tied copies'
+            # bucket waits for their sum over the two stages).
             buckets = summary["gradient_buckets"]
-            assert buckets["started_in_backward"] == buckets["count"] > 2, buckets
+            if fields.get("tie_word_embeddings"):
+                assert 0 < buckets["started_in_backward"] < buckets["count"], buckets
+            else:
+                assert buckets["started_in_backward"] == buckets["count"] > 2, buckets
+
+
+def assert_one_tied_tensor(name: str, consolidated: Path) -> None:
+    """The consolidated folder ties its embeddings: one tensor, shared when loaded."""
+    config = json.loads((consolidated / "config.json").read_text())
+    assert config["tie_word_embeddings"] is True, name
+    assert "lm_head.weight" not in load_file(consolidated / "model.safetensors"), name
+    model = AutoModelForCausalLM.from_pretrained(consolidated)
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr(), name
 
 
 @pytest.mark.slow

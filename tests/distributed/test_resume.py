@@ -1,5 +1,6 @@
 """Resuming: bitwise exact on the same layout, and equal to one process on another layout
-(tp 2 -> 1, dp 2 -> 4 with ZeRO-1 re-partitioned, pp 2 -> 1), all in one 4-rank group."""
+(tp 2 -> 1, dp 2 -> 4 with ZeRO-1 re-partitioned, pp 2 -> 1; with tied embeddings
+pp 2 -> 1 and pp 1 -> 2), all in one 4-rank group."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from tests.distributed.reference import (
 )
 
 FOUR_LAYERS = {**TINY_MODEL, "num_hidden_layers": 4}
+TIED = {**FOUR_LAYERS, "tie_word_embeddings": True}
 SAVE_AT = 3
 DP2_TP2 = {"data_parallel_size": 2, "tensor_parallel_size": 2, "zero_1": True}
 DP2_PP2 = {
@@ -36,7 +38,7 @@ BATCH_DP4 = {"per_device_train_batch_size": 2}  # x dp4 = 8
 
 @pytest.mark.slow
 def test_resume_same_and_other_layouts(tiny_blocks, tmp_path: Path):
-    def spec(name, parallel, training, resume_from=None):
+    def spec(name, parallel, training, resume_from=None, fields=FOUR_LAYERS):
         made = make_spec(
             tiny_blocks,
             tmp_path,
@@ -45,19 +47,26 @@ def test_resume_same_and_other_layouts(tiny_blocks, tmp_path: Path):
             parallel=parallel,
             training={**training, "checkpoint_every": SAVE_AT, "keep_last": 0},
             architecture="llama",
-            fields=FOUR_LAYERS,
+            fields=fields,
         )
         # The checkpoints to resume from are written by earlier runs of the same group.
         return dataclasses.replace(made, resume_from=resume_from)
 
     saved_tp = str(tmp_path / "dp2-tp2" / f"checkpoint-{SAVE_AT}")
     saved_pp = str(tmp_path / "dp2-pp2" / f"checkpoint-{SAVE_AT}")
+    saved_tied_pp = str(tmp_path / "tied-dp2-pp2" / f"checkpoint-{SAVE_AT}")
+    saved_tied_dp = str(tmp_path / "tied-dp4" / f"checkpoint-{SAVE_AT}")
     specs = [
         spec("dp2-tp2", DP2_TP2, BATCH),
         spec("dp2-tp2-resumed", DP2_TP2, BATCH, saved_tp),
         spec("dp4-from-tp2", DP4, BATCH_DP4, saved_tp),
         spec("dp2-pp2", DP2_PP2, BATCH),
         spec("dp4-from-pp2", DP4, BATCH_DP4, saved_pp),
+        # Tied embeddings: the checkpoint holds the one weight, whichever stages held copies.
+        spec("tied-dp2-pp2", DP2_PP2, BATCH, fields=TIED),
+        spec("tied-dp4-from-pp2", DP4, BATCH_DP4, saved_tied_pp, fields=TIED),
+        spec("tied-dp4", DP4, BATCH_DP4, fields=TIED),
+        spec("tied-dp2-pp2-from-dp4", DP2_PP2, BATCH, saved_tied_dp, fields=TIED),
     ]
     results = dict(
         zip(
@@ -81,8 +90,15 @@ def test_resume_same_and_other_layouts(tiny_blocks, tmp_path: Path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
     # Another layout: the remaining steps and final weights match one process.
-    for name in ("dp4-from-tp2", "dp4-from-pp2"):
+    tied_losses, tied_weights = reference_run(tiny_blocks, "llama", TIED)
+    for name in ("tied-dp2-pp2", "tied-dp4"):
+        hf = tmp_path / f"{name}-hf"
+        assert_matches_reference(name, results[name], tied_losses, tied_weights, hf)
+    reference = {False: (losses, weights), True: (tied_losses, tied_weights)}
+    for name in ("dp4-from-tp2", "dp4-from-pp2", "tied-dp4-from-pp2", "tied-dp2-pp2-from-dp4"):
+        want_losses, want_weights = reference[name.startswith("tied")]
         summary = results[name]
         assert [step for step, _ in summary["losses"]] == list(range(SAVE_AT + 1, STEPS + 1))
-        padded = {**summary, "losses": [(0, x) for x in losses[:SAVE_AT]] + summary["losses"]}
-        assert_matches_reference(name, padded, losses, weights, tmp_path / f"{name}-hf")
+        earlier = [(0, x) for x in want_losses[:SAVE_AT]]
+        padded = {**summary, "losses": earlier + summary["losses"]}
+        assert_matches_reference(name, padded, want_losses, want_weights, tmp_path / f"{name}-hf")

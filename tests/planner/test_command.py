@@ -48,13 +48,30 @@ def test_8b_on_eight_h100_fits_and_explains_the_others(capsys) -> None:
     assert all(c.get("lost_because") or c.get("rejected") for c in plan["candidates"])
 
 
-def test_3b_on_a_trn1_32xlarge_keeps_pipeline_off_for_tied_embeddings(capsys) -> None:
+def test_3b_on_a_trn1_32xlarge_weighs_pipelines_despite_tied_embeddings(capsys) -> None:
     plan = _plan_example(capsys, "llama-3.2-3b", 32, "trn1")
     assert plan["backend"] == "neuron"
-    assert plan["layout"]["pipeline_parallel_size"] == 1
+    assert plan["model_config"]["tie_word_embeddings"] is True
     assert plan["memory_estimate_per_rank"]["total"] <= 16 * GIB * 0.9
+    weighed = [c["layout"] for c in plan["candidates"] if "lost_because" in c]
+    assert any("-pp2-" in name for name in weighed), weighed
     rejected = [c["rejected"] for c in plan["candidates"] if "rejected" in c]
-    assert any("ties its input and output embeddings" in r for r in rejected)
+    assert not any("embeddings" in r for r in rejected)
+
+
+def test_3b_on_a_trn1_32xlarge_plans_the_optimum_neuron_example(capsys) -> None:
+    """Llama-3.2-3B, ZeRO-1, tp 4 with SP, pp 2 over the 32 NeuronCores: dp4 x tp4 x pp2."""
+    plan = _plan(
+        capsys,
+        "--model", str(EXAMPLES / "llama-3.2-3b.json"),
+        "--devices", "32", "--device", "trn1", "--tp", "4", "--pp", "2",
+        "--seq-len", "1024", "--global-batch", "256", "--bf16",
+    )  # fmt: skip
+    layout = plan["layout"]
+    assert (layout["data_parallel_size"], layout["tensor_parallel_size"]) == (4, 4)
+    assert layout["pipeline_parallel_size"] == 2
+    assert layout["zero_1"] and layout["sequence_parallel"]
+    assert plan["memory_estimate_per_rank"]["total"] <= 16 * GIB * 0.9
 
 
 def test_the_human_readable_table_names_the_choice_and_the_runners_up(capsys) -> None:

@@ -699,10 +699,21 @@ def test_pinned_layer_split_is_checked(model_config) -> None:
     assert "[2, 2]" in _refusal(error, "parallel.pipeline_parallel_layers").fix
 
 
-def test_tied_embeddings_with_pipeline_are_refused() -> None:
-    config = build_model_config("llama", {**SHAPE, "tie_word_embeddings": True}, vocab_size=VOCAB)
-    error = _refusals(config, parallel={"pipeline_parallel_size": 2})
-    assert "tie" in _refusal(error, "parallel.pipeline_parallel_size").reason
+def test_tied_embeddings_with_pipeline_count_the_last_stages_copy() -> None:
+    """The last stage holds a copy of the tied weight as its LM head: its parameters,
+    gradients and moments are what an untied head would cost; the first stage's are not
+    changed; and the copies' gradient sum is on the pipeline's time."""
+    pipeline = {"launch": {"nproc_per_node": 2}, "parallel": {"pipeline_parallel_size": 2}}
+    tied = _plan(
+        build_model_config("llama", {**SHAPE, "tie_word_embeddings": True}, vocab_size=VOCAB),
+        **pipeline,
+    )
+    untied = _plan(build_model_config("llama", dict(SHAPE), vocab_size=VOCAB), **pipeline)
+    assert tied.layout.pipeline_parallel_size == 2
+    per_rank = "total_per_pipeline_rank"
+    assert tied.memory_estimate_per_rank[per_rank] == untied.memory_estimate_per_rank[per_rank]
+    assert tied.num_parameters == untied.num_parameters - VOCAB * SHAPE["hidden_size"]
+    assert tied.time_estimate["pipeline_s"] > untied.time_estimate["pipeline_s"]
 
 
 def test_microbatch_count_from_params_strings() -> None:

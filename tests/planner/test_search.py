@@ -93,3 +93,15 @@ def test_device_profile_overrides_are_checked() -> None:
         device_profile("h100", {"h100": {"tflops_bf17": 1.0}})
     with pytest.raises(ValueError, match="needs every field"):
         device_profile("mi300", {"mi300": {"memory_gib": 192}})
+
+
+def test_a_refusal_every_candidate_shares_is_said_once(model_config) -> None:
+    """Blocks longer than the model's positions refuse every checkpointing choice alike:
+    the reason is printed once, with the layouts it refused."""
+    with pytest.raises(LayoutError) as info:
+        _plan(
+            model_config, parallel={"activation_checkpointing": "auto"}, data={"block_size": 1024}
+        )
+    message = str(info.value)
+    assert message.count("max_position_embeddings=512") == 1, message
+    assert "ac-none" in message and "ac-full" in message

@@ -121,13 +121,15 @@ def check_compatible(
     manifest: dict[str, Any],
     parameters: dict[str, torch.Tensor],
     sharding: dict[str, ParameterSharding],
+    tied_copies: dict[str, str] | None = None,
 ) -> None:
     """Refuse a checkpoint of another model, naming the first tensor that differs."""
     saved = manifest["tensors"]
-    for name, parameter in parameters.items():
+    for copy, parameter in parameters.items():
+        name = (tied_copies or {}).get(copy, copy)
         if name not in saved:
             raise CheckpointError(f"the checkpoint has no tensor {name}: it is of another model")
-        shape = sharding[name].hf_shape(parameter.shape)
+        shape = sharding[copy].hf_shape(parameter.shape)
         if saved[name]["shape"] != shape:
             raise CheckpointError(
                 f"tensor {name} is {saved[name]['shape']} in the checkpoint but {shape} in the "
@@ -143,29 +145,32 @@ def restore_checkpoint(
     flat: FlatParameters,
     optimizer: ShardedAdamW,
     dims: ParallelDims,
+    tied_copies: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Load parameters and optimizer state into this rank's (possibly new) layout.
 
-    Returns the saved trainer state (step, layout, sample stream). Collective-free:
-    each rank reads what it needs.
+    `tied_copies`: parameters stored under another name (a tied LM head's copy on the
+    last pipeline stage -> the embedding). Returns the saved trainer state (step,
+    layout, sample stream). Collective-free: each rank reads what it needs.
     """
     manifest = read_manifest(root, verify=True)
-    check_compatible(manifest, parameters, sharding)
+    stored_as = tied_copies or {}
+    check_compatible(manifest, parameters, sharding, stored_as)
     start, end = optimizer.start, optimizer.end
     exp_avg = torch.zeros(end - start, dtype=flat.params.dtype)
     exp_avg_sq = torch.zeros_like(exp_avg)
     with ExitStack() as stack:
         reader = CheckpointReader(root, manifest, stack)
         for slot in flat.slots:
-            spec = sharding[slot.name]
-            full = reader.parameter(slot.name)
+            spec, name = sharding[slot.name], stored_as.get(slot.name, slot.name)
+            full = reader.parameter(name)
             local = local_piece(full, spec, dims.tp_rank, dims.tp).reshape(-1)
             flat.params[slot.offset : slot.offset + slot.numel].copy_(local)
             lo, hi = max(slot.offset, start), min(slot.offset + slot.numel, end)
             if lo >= hi:
                 continue
             for key, target in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
-                moment = local_piece(reader.moment(slot.name, key), spec, dims.tp_rank, dims.tp)
+                moment = local_piece(reader.moment(name, key), spec, dims.tp_rank, dims.tp)
                 flat_moment = moment.reshape(-1)
                 target[lo - start : hi - start] = flat_moment[lo - slot.offset : hi - slot.offset]
         step = reader.step()

@@ -38,9 +38,15 @@ def save_checkpoint(
     model_config: PretrainedConfig,
     tokenizer_dir: Path | None,
     keep_last: int,
+    tied_copies: dict[str, str] | None = None,
 ) -> Path:
-    """Collective: every rank calls it. Returns the checkpoint folder."""
+    """Collective: every rank calls it. Returns the checkpoint folder.
+
+    `tied_copies`: parameters that are a copy of another one (the last pipeline stage's
+    LM head with tied embeddings -> the embedding); stored once, under the other name.
+    """
     root = Path(run_dir) / files.checkpoint_name(step)
+    parameters = {n: p for n, p in parameters.items() if n not in (tied_copies or {})}
     rank = dist.get_rank()
     if rank == 0 and root.exists():
         shutil.rmtree(root)  # a leftover from a run that died mid-save

@@ -24,7 +24,7 @@ def build_optimizer(
         zero_1=zero_1,
         overlap_reduction=overlap,
         bucket_bytes=int(training.grad_bucket_mb * 2**20),
-        reduce_after_backward=pm.tp_sync.parameter_names if pm.tp_sync else (),
+        reduce_after_backward=pm.gradients_finished_after_backward,
         norm_groups=norm_groups,
         lr=training.learning_rate,
         betas=(training.adam_beta1, training.adam_beta2),

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import (
@@ -28,6 +29,8 @@ from torch.distributed.pipelining import (
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
 )
+
+from meshtrain.distributed.tensor_parallel import local_tensor
 
 SCHEDULES = {
     "gpipe": ScheduleGPipe,
@@ -48,6 +51,39 @@ def stage_layer_ranges(layers_per_stage: list[int]) -> list[range]:
         ranges.append(range(start, start + count))
         start += count
     return ranges
+
+
+class SharedWeightSync:
+    """Sums the gradient of a weight the first and the last pipeline stage both hold.
+
+    Tied input and output embeddings: pipeline parallelism puts the embedding
+    on the first stage and the LM head on the last, so each of those ranks
+    keeps a copy (initialised identically, since every rank builds the model
+    from the same seed or checkpoint). Each copy's gradient covers one use;
+    summing them over a group of exactly those two ranks (one group per
+    (dp, tp) coordinate: Megatron's embedding group) gives both the tied
+    gradient, so identical updates keep the copies equal. Every rank must
+    construct it (creating the groups is collective); ranks of the middle
+    stages hold no copy and only take part in that.
+    """
+
+    def __init__(self, copies: dict[str, torch.Tensor], mesh: DeviceMesh) -> None:
+        """`copies`: this rank's copies by name (none on the middle stages)."""
+        self.copies = list(copies.values())
+        # Their gradients are final only after this sum (data parallelism waits for it).
+        self.parameter_names = frozenset(copies)
+        self.group = None
+        grid = mesh.mesh  # global ranks, (pp, dp, tp)
+        me = dist.get_rank()
+        pairs = zip(grid[0].flatten().tolist(), grid[-1].flatten().tolist(), strict=True)
+        for first, last in pairs:
+            group = dist.new_group([first, last])
+            if me in (first, last):
+                self.group = group
+
+    def __call__(self) -> None:
+        for weight in self.copies:
+            dist.all_reduce(local_tensor(weight.grad), op=dist.ReduceOp.SUM, group=self.group)
 
 
 @dataclass(frozen=True)

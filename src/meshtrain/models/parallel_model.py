@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +20,7 @@ from transformers import PretrainedConfig
 
 from meshtrain.config import Layout
 from meshtrain.distributed.parallel_dims import ParallelDims
-from meshtrain.distributed.pipeline_parallel import PipelineRunner
+from meshtrain.distributed.pipeline_parallel import PipelineRunner, SharedWeightSync
 from meshtrain.distributed.tensor_parallel import ParameterSharding, TensorParallelGradSync
 
 
@@ -51,6 +51,10 @@ class ParallelModel:
     autocast: Callable[[], AbstractContextManager]
     layout: Layout
     offload: Callable[[], AbstractContextManager] = nullcontext
+    # Tied embeddings over pipeline stages: the copies' gradient sum, and on the last stage
+    # the name of its copy -> the name the checkpoint stores the one weight under.
+    shared_sync: SharedWeightSync | None = None
+    tied_copies: dict[str, str] = field(default_factory=dict)
 
     def loss_context(self) -> AbstractContextManager:
         # Cross-entropy on vocabulary-sharded logits: the full logits never exist on one rank.
@@ -94,6 +98,20 @@ class ParallelModel:
         """How often one `train_batch` accumulates into each gradient."""
         return self.layout.pipeline_parallel_num_microbatches if self.runner else 1
 
-    def synchronize_tensor_parallel_gradients(self) -> None:
+    @property
+    def gradients_finished_after_backward(self) -> frozenset[str]:
+        """Parameters whose gradients `finish_gradients` completes (data parallelism waits
+        for those before reducing them)."""
+        names = frozenset()
+        for sync in (self.tp_sync, self.shared_sync):
+            if sync is not None:
+                names |= sync.parameter_names
+        return names
+
+    def finish_gradients(self) -> None:
+        """The sums the backward leaves to do: tensor parallelism's partial gradients, then
+        the tied embedding's two copies."""
         if self.tp_sync is not None:
             self.tp_sync()
+        if self.shared_sync is not None:
+            self.shared_sync()

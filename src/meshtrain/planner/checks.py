@@ -160,11 +160,7 @@ def resolve_pipeline(
     stage_layers, layer_refusals = check_stage_layers(
         par.pipeline_parallel_layers, pp, virtual, model_config.num_hidden_layers
     )
-    refusals = [
-        *check_microbatches(microbatches, schedule, pp, batch),
-        *layer_refusals,
-        *check_tied_embeddings(pp, model_config),
-    ]
+    refusals = [*check_microbatches(microbatches, schedule, pp, batch), *layer_refusals]
     return PipelineSplit(microbatches, virtual, stage_layers, refusals, [])
 
 
@@ -241,22 +237,6 @@ def check_stage_layers(
         f"Use at most {layers // pp} virtual stages per rank.",
     )
     return None, [refusal]
-
-
-def check_tied_embeddings(pp: int, model_config: PretrainedConfig) -> list[Refusal]:
-    """Tied embeddings end up on the first and last stages, which nothing keeps in sync."""
-    if pp == 1 or not getattr(model_config, "tie_word_embeddings", False):
-        return []
-    return [
-        Refusal(
-            "parallel.pipeline_parallel_size",
-            pp,
-            "the model ties its input and output embeddings, which pipeline parallelism "
-            "puts on different stages; meshtrain does not synchronise them across stages yet",
-            "Use pipeline_parallel_size=1 (tensor parallelism keeps tied embeddings), "
-            "or model.config.tie_word_embeddings=false.",
-        )
-    ]
 
 
 def resolve_sequence_parallel(

@@ -136,6 +136,10 @@ def estimate_step_time(
         per_microbatch_time = (compute + tensor_parallel) / microbatches
         bubble = (step.pp - 1) / step.virtual_stages * per_microbatch_time * accumulation
         pipeline = bubble + 2 * send * microbatches
+        if m.tied_embeddings:
+            # The first and last stages sum their copies' gradients once per step.
+            tied_grad = m.vocab * m.hidden / step.tp * BYTES_FP32
+            pipeline += _ring(tied_grad, 2, pp_link, device.latency_us, 2.0)
 
     data_parallel = 0.0
     if step.dp > 1:

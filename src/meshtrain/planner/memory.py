@@ -29,6 +29,9 @@ the model can be checked one to one against the measured peak of live tensors
 - the loss: log-softmax over the vocabulary (sharded by tp) is kept, and its
   backward needs two more such tensors (one under tensor parallelism, whose
   fused vocabulary-parallel loss writes the gradient once);
+- tied embeddings over pipeline stages: the last stage's LM head is a copy of
+  the embedding, with its own gradient and (under ZeRO-1, its share of) AdamW
+  moments;
 - pipeline schedules: GPipe keeps every microbatch's activations, 1F1B at
   most `pp - stage` on a stage, interleaved 1F1B its warm-up depth in model
   chunks (torch's schedule); the last stage keeps the logits of each
@@ -47,7 +50,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from meshtrain.models.llama.kv_heads import kv_replication_factor
-from meshtrain.models.llama.parameter_names import is_kv_projection, is_tensor_parallel_sharded
+from meshtrain.models.llama.parameter_names import (
+    EMBEDDING,
+    is_kv_projection,
+    is_tensor_parallel_sharded,
+)
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -162,8 +169,12 @@ def stage_parameter_counts(
     *,
     tp: int,
     kv_replication: int,
+    tied_embeddings: bool = False,
 ) -> list[int]:
-    """Local parameter elements of each pipeline stage (embeddings first, head last)."""
+    """Local parameter elements of each pipeline stage (embeddings first, head last).
+
+    Tied embeddings over several stages: the last stage holds a copy of the embedding
+    as its LM head (the shapes list the tied weight once)."""
     first_layer = [sum(stage_layers[:i]) for i in range(len(stage_layers))]
     counts = [0] * len(stage_layers)
     for name, shape in shapes.items():
@@ -171,8 +182,10 @@ def stage_parameter_counts(
         if ".layers." in name:
             layer = int(name.split(".layers.")[1].split(".")[0])
             stage = max(i for i, start in enumerate(first_layer) if start <= layer)
-        elif "embed_tokens" in name:
+        elif name == EMBEDDING:
             stage = 0
+            if tied_embeddings and len(stage_layers) > 1:
+                counts[-1] += numel
         else:  # final norm, lm_head
             stage = len(stage_layers) - 1
         counts[stage] += numel
@@ -249,7 +262,11 @@ def estimate_memory(
     kv_replication = kv_replication_factor(m.kv_heads, step.tp)
     stages = len(step.stage_layers)
     counts = stage_parameter_counts(
-        shapes, step.stage_layers, tp=step.tp, kv_replication=kv_replication
+        shapes,
+        step.stage_layers,
+        tp=step.tp,
+        kv_replication=kv_replication,
+        tied_embeddings=m.tied_embeddings,
     )
     # Rank r holds stages r, r + pp, ... (interleaved) or just stage r.
     per_rank: list[MemoryEstimate] = []

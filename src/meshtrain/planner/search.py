@@ -83,8 +83,7 @@ def plan_run(
                 Refusal(
                     "parallel",
                     "auto",
-                    "no layout of this world size can run this model: "
-                    + " | ".join(f"{r['layout']}: {r['rejected']}" for r in rejected[:4]),
+                    "no layout of this world size can run this model: " + _reasons(rejected),
                     "Change launch.nproc_per_node or the model's head/layer counts.",
                 )
             ]
@@ -114,6 +113,17 @@ def _plan_each(
                 }
             )
     return planned, rejected
+
+
+def _reasons(rejected: list[dict[str, Any]], most: int = 4) -> str:
+    """Each distinct refusal once, with the layouts it refused (they often share one)."""
+    layouts_by_reason: dict[str, list[str]] = {}
+    for entry in rejected:
+        layouts_by_reason.setdefault(entry["rejected"], []).append(entry["layout"])
+    return " | ".join(
+        f"{', '.join(layouts)}: {reason}"
+        for reason, layouts in list(layouts_by_reason.items())[:most]
+    )
 
 
 def _speed(plan: Plan) -> float:

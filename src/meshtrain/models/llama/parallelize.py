@@ -4,18 +4,22 @@
 2. pipeline parallelism: keep only this rank's stages,
 3. tensor / sequence parallelism inside each stage,
 4. torch.compile of each decoder layer, when asked,
+   (tied embeddings over stages: the first and last stage each keep a copy, whose
+   gradients `SharedWeightSync` sums after the backward),
 5. (then the trainer lays the parameters into the flat buffer for data
    parallelism and ZeRO-1: `meshtrain.components.optimizer`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
+from transformers import PretrainedConfig
 
 from meshtrain.config import Layout
 from meshtrain.distributed.activation_checkpoint import (
@@ -25,6 +29,7 @@ from meshtrain.distributed.activation_checkpoint import (
 from meshtrain.distributed.parallel_dims import ParallelDims
 from meshtrain.distributed.pipeline_parallel import (
     PipelineRunner,
+    SharedWeightSync,
     stage_ids_of_rank,
     stage_layer_ranges,
 )
@@ -34,6 +39,7 @@ from meshtrain.distributed.tensor_parallel import (
     unsharded,
 )
 from meshtrain.models.llama.kv_heads import kv_replication_factor
+from meshtrain.models.llama.parameter_names import EMBEDDING, LM_HEAD
 from meshtrain.models.llama.stage import LlamaStage
 from meshtrain.models.llama.tensor_parallel import apply_tensor_parallel, decoder_layers
 from meshtrain.models.parallel_model import ParallelModel, as_local, causal_lm_loss
@@ -65,6 +71,10 @@ def parallelize(
             for _, layer in decoder_layers(module):
                 layer.compile()
     parameters = {n: p for m in modules for n, p in m.named_parameters()}
+    tied = tied_embedding_copies(model.config, parameters, dims)
+    for name in tied or {}:
+        # Each copy counts half in the gradient norm: the weight counts once.
+        sharding[name] = dataclasses.replace(sharding[name], copies=sharding[name].copies * 2)
     tp_sync = (
         TensorParallelGradSync(parameters, sharding, dims.mesh, kv_replication)
         if dims.tp > 1
@@ -82,7 +92,20 @@ def parallelize(
         autocast,
         layout,
         offload=offload_context(layout.activation_offloading, device),
+        shared_sync=SharedWeightSync(tied, dims.mesh) if tied is not None else None,
+        tied_copies={LM_HEAD: EMBEDDING} if tied and LM_HEAD in tied else {},
     )
+
+
+def tied_embedding_copies(
+    config: PretrainedConfig, parameters: dict[str, torch.Tensor], dims: ParallelDims
+) -> dict[str, torch.Tensor] | None:
+    """With tied embeddings cut over pipeline stages, this rank's copies of the one weight:
+    the embedding on the first stage, the LM head on the last, none in between. None when
+    nothing is shared across stages (no pipeline, or untied embeddings)."""
+    if dims.pp == 1 or not getattr(config, "tie_word_embeddings", False):
+        return None
+    return {name: parameters[name] for name in (EMBEDDING, LM_HEAD) if name in parameters}
 
 
 def pipeline_stages(

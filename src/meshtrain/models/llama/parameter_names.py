@@ -25,6 +25,9 @@ ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")
 # Split along the vocabulary (the weight only).
 VOCAB_PARALLEL = ("model.embed_tokens", "lm_head")
 KV_PROJECTIONS = ("self_attn.k_proj", "self_attn.v_proj")
+# The input embedding and the LM head: one tensor when the config ties them.
+EMBEDDING = "model.embed_tokens.weight"
+LM_HEAD = "lm_head.weight"
 
 
 def _module_is(module: str, names: tuple[str, ...]) -> bool:
