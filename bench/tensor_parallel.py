@@ -52,11 +52,11 @@ from meshtrain.config import (  # noqa: E402
     Layout,  # noqa: E402
     TrainingConfig,
 )
+from meshtrain.distributed.kv_heads import kv_replication_factor  # noqa: E402
 from meshtrain.distributed.parallel_dims import ParallelDims  # noqa: E402
 from meshtrain.launch.elastic import run_workers  # noqa: E402
 from meshtrain.models import build_model, config_from_dict  # noqa: E402
 from meshtrain.models.builder import build_model_config, parameter_shapes  # noqa: E402
-from meshtrain.models.llama.kv_heads import kv_replication_factor  # noqa: E402
 from meshtrain.models.llama.parallelize import parallelize  # noqa: E402
 from meshtrain.models.parallel_model import causal_lm_loss  # noqa: E402
 from meshtrain.planner.memory import estimate_model_states  # noqa: E402

@@ -14,6 +14,7 @@ launcher's worker, or a test).
 from __future__ import annotations
 
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -25,7 +26,13 @@ import torch.distributed as dist
 from meshtrain.checkpoint.load import restore_checkpoint
 from meshtrain.checkpoint.save import save_checkpoint
 from meshtrain.components.lr_schedule import build_lr_scheduler
-from meshtrain.components.metrics import Throughput, memory_metrics, progress_line, rss_mb
+from meshtrain.components.metrics import (
+    Throughput,
+    cuda_peak_mb,
+    memory_metrics,
+    progress_line,
+    rss_mb,
+)
 from meshtrain.components.optimizer import build_optimizer
 from meshtrain.components.step_probes import MemoryProbe, PipelineTimeline, persistent_tensors
 from meshtrain.components.validation import evaluate_loss
@@ -33,7 +40,7 @@ from meshtrain.config import RunConfig
 from meshtrain.data.blocks import BlockStore
 from meshtrain.data.sampler import GlobalBatchSampler
 from meshtrain.distributed.parallel_dims import ParallelDims
-from meshtrain.models import build_model, config_from_dict
+from meshtrain.models.builder import build_meta_model, config_from_dict, weight_source
 from meshtrain.models.llama.parallelize import parallelize
 from meshtrain.models.parallel_model import ParallelModel
 from meshtrain.planner import Plan
@@ -115,28 +122,36 @@ class Trainer:
             else None
         )
         self._set_up_probes()
+        # The process's own peak after building the model and optimizer (the kernel's
+        # high-water mark: what the machine feels, not a count of tensors).
+        self.startup_peak_rss_mb = rss_mb()[1]
         self.losses: list[tuple[int, float]] = []
         self.throughput = Throughput()
         self.last_checkpoint: Path | None = None
 
     def _build_model(self) -> ParallelModel:
-        """Build the model identically on every rank, then keep this rank's part of it."""
+        """Build the model on the meta device, identically on every rank; allocate and fill
+        only this rank's part of it (random init from the seed, or `model.init_from`)."""
         model_config = config_from_dict(self.plan.model_config)
-        model = build_model(model_config, seed=self.cfg.seed, init_from=self.run.model.init_from)
         autocast = partial(
             torch.autocast,
             device_type=self.device.type,
             dtype=torch.bfloat16,
             enabled=self.cfg.mixed_precision == "bf16",
         )
-        pm = parallelize(
-            model.to(self.device),
-            self.dims,
-            self.layout,
-            self.device,
-            autocast,
-            compile_layers=self.cfg.compile,
-        )
+        with ExitStack() as stack:
+            weights = weight_source(
+                model_config, seed=self.cfg.seed, init_from=self.run.model.init_from, stack=stack
+            )
+            pm = parallelize(
+                build_meta_model(model_config),
+                self.dims,
+                self.layout,
+                self.device,
+                autocast,
+                weights=weights,
+                compile_layers=self.cfg.compile,
+            )
         pm.set_training(True)
         return pm
 
@@ -200,11 +215,12 @@ class Trainer:
         train_time = time.perf_counter() - self.train_start
         final_val_loss = self.validate(cfg.max_steps)
         self._report(f"done in {train_time:.1f}s; last checkpoint {self.last_checkpoint}")
-        self.tracker.flush()
         self.flat.check_views()
+        peaks = self.gather_peak_memory()
+        self.tracker.flush()
         if self.rank != 0:
             return None
-        return self.summary(initial_val_loss, final_val_loss, train_time)
+        return {**self.summary(initial_val_loss, final_val_loss, train_time), **peaks}
 
     def train_step(self, step: int) -> StepOutcome:
         """One optimizer step (0-based `step`): its microbatches, the reduction, the update."""
@@ -316,6 +332,25 @@ class Trainer:
             keep_last=self.cfg.keep_last,
             tied_copies=self.pm.tied_copies,
         )
+
+    def gather_peak_memory(self) -> dict[str, list[float]]:
+        """Every rank's peak resident memory at start-up and over the run (and the CUDA
+        allocator's peak), logged per rank by rank 0. Collective."""
+        mine = (self.startup_peak_rss_mb, rss_mb()[1], cuda_peak_mb(self.device))
+        gathered: list[tuple[float, float, float]] = [mine] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+        startup, run, cuda = (list(values) for values in zip(*gathered, strict=True))
+        metrics = {}
+        for rank in range(len(gathered)):
+            metrics[f"memory/startup_peak_rss_mb_rank{rank}"] = startup[rank]
+            metrics[f"memory/peak_rss_mb_rank{rank}"] = run[rank]
+            if self.device.type == "cuda":
+                metrics[f"memory/cuda_peak_allocated_mb_rank{rank}"] = cuda[rank]
+        self.tracker.log(metrics, step=self.cfg.max_steps)
+        peaks = {"startup_peak_rss_mb_per_rank": startup, "peak_rss_mb_per_rank": run}
+        if self.device.type == "cuda":
+            peaks["cuda_peak_allocated_mb_per_rank"] = cuda
+        return peaks
 
     @property
     def model_states_bytes(self) -> int:

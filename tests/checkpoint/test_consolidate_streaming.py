@@ -20,12 +20,6 @@ import meshtrain.checkpoint.consolidate.rebuild as consolidate_module
 from meshtrain.checkpoint import CheckpointError, consolidate_checkpoint
 from meshtrain.checkpoint.consolidate import parse_size
 from meshtrain.checkpoint.consolidate.plan import undo_kv_replication as drop_kv_copies
-from meshtrain.checkpoint.consolidate.safetensors_format import (
-    SafetensorsWriter,
-    TensorSpec,
-    read_safetensors_header,
-    save_safetensors,
-)
 from meshtrain.checkpoint.files import shard_dir_name
 from meshtrain.checkpoint.manifest import (
     FORMAT,
@@ -34,6 +28,12 @@ from meshtrain.checkpoint.manifest import (
     mark_complete,
     read_manifest,
     write_json_atomic,
+)
+from meshtrain.checkpoint.safetensors_format import (
+    SafetensorsWriter,
+    TensorSpec,
+    read_safetensors_header,
+    save_safetensors,
 )
 from meshtrain.commands import main
 from meshtrain.models import build_model, build_model_config

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from meshtrain.checkpoint.load import check_compatible, check_resumable, local_piece
+from meshtrain.checkpoint.load import check_compatible, check_resumable
 from meshtrain.checkpoint.manifest import CheckpointError, find_resume_checkpoint
 from meshtrain.distributed.tensor_parallel import ParameterSharding
 
@@ -48,5 +48,5 @@ def test_kv_heads_are_copied_again_for_the_new_tp() -> None:
     # 2 KV heads of 3 rows; tp=4 needs each head twice, ranks 0,1 get head 0.
     full = torch.arange(12.0).reshape(6, 2)
     layout = ParameterSharding("k", 0, 2, kv_replication=2, head_dim=3)
-    assert torch.equal(local_piece(full, layout, 1, 4), full[:3])
-    assert torch.equal(local_piece(full, layout, 2, 4), full[3:])
+    assert torch.equal(layout.local_piece(full, 1, 4), full[:3])
+    assert torch.equal(layout.local_piece(full, 2, 4), full[3:])

@@ -508,9 +508,13 @@ def test_memory_estimate_pads_the_zero_1_shard() -> None:
         "activations": 0,
         "loss": 0,
         "total": 88,
+        "runtime": 0,
+        "process_total": 88,
         "peak_pipeline_rank": 0,
         "total_per_pipeline_rank": [],
     }
+    # What the process holds besides: its runtime.
+    assert dataclasses.replace(estimate, runtime=100).process_total == 100 + 88
     norm = {"model.norm.weight": (7,)}
     assert estimate_model_states(norm, dp=2, tp=1, pp=1, zero_1=False).optimizer_states == 56
     # A sharded matrix halves over tp; a replicated norm does not.

@@ -23,27 +23,20 @@ from safetensors.torch import load_file
 from meshtrain.checkpoint import files
 from meshtrain.checkpoint.manifest import CheckpointError, read_manifest
 from meshtrain.distributed.flat_buffer import FlatParameters
+from meshtrain.distributed.kv_heads import drop_kv_copies
 from meshtrain.distributed.parallel_dims import ParallelDims
 from meshtrain.distributed.tensor_parallel import ParameterSharding
 from meshtrain.distributed.zero import ShardedAdamW
-from meshtrain.models.llama.kv_heads import drop_kv_copies, repeat_kv_heads
 
 
 def assemble_full(meta: dict[str, Any], tp: int, piece) -> torch.Tensor:
-    """The full tensor from its tp pieces (`piece(tp_rank)`), KV copies removed."""
+    """The full tensor from its tp pieces (`piece(tp_rank)`), KV copies removed (the inverse
+    of `ParameterSharding.local_piece`)."""
     if meta["tp_dim"] is None:
         full = piece(0)
     else:
         full = torch.cat([piece(r) for r in range(tp)], dim=meta["tp_dim"])
     return drop_kv_copies(full, meta.get("kv_replication", 1), meta.get("kv_head_dim", 0))
-
-
-def local_piece(full: torch.Tensor, spec: ParameterSharding, tp_rank: int, tp: int):
-    """This tp rank's part of a full tensor under the new layout (inverse of assemble_full)."""
-    if spec.tp_dim is None:
-        return full
-    full = repeat_kv_heads(full, spec.kv_replication, spec.head_dim or 0)
-    return torch.chunk(full, tp, dim=spec.tp_dim)[tp_rank]
 
 
 class CheckpointReader:
@@ -164,13 +157,13 @@ def restore_checkpoint(
         for slot in flat.slots:
             spec, name = sharding[slot.name], stored_as.get(slot.name, slot.name)
             full = reader.parameter(name)
-            local = local_piece(full, spec, dims.tp_rank, dims.tp).reshape(-1)
+            local = spec.local_piece(full, dims.tp_rank, dims.tp).reshape(-1)
             flat.params[slot.offset : slot.offset + slot.numel].copy_(local)
             lo, hi = max(slot.offset, start), min(slot.offset + slot.numel, end)
             if lo >= hi:
                 continue
             for key, target in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
-                moment = local_piece(reader.moment(name, key), spec, dims.tp_rank, dims.tp)
+                moment = spec.local_piece(reader.moment(name, key), dims.tp_rank, dims.tp)
                 flat_moment = moment.reshape(-1)
                 target[lo - start : hi - start] = flat_moment[lo - slot.offset : hi - slot.offset]
         step = reader.step()

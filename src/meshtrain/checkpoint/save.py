@@ -9,7 +9,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import save_file
 from transformers import PretrainedConfig
 
 from meshtrain.checkpoint import files
@@ -20,6 +19,11 @@ from meshtrain.checkpoint.manifest import (
     list_checkpoints,
     mark_complete,
     write_json_atomic,
+)
+from meshtrain.checkpoint.safetensors_format import (
+    SafetensorsWriter,
+    TensorSpec,
+    save_safetensors,
 )
 from meshtrain.distributed.parallel_dims import ParallelDims
 from meshtrain.distributed.tensor_parallel import ParameterSharding, local_tensor
@@ -55,8 +59,9 @@ def save_checkpoint(
     if dims.dp_rank == 0:
         weights = files.shard_weights(root, dims.tp_rank, dims.pp_rank)
         weights.parent.mkdir(parents=True, exist_ok=True)
-        tensors = {n: local_tensor(p).detach().contiguous() for n, p in parameters.items()}
-        save_file(tensors, weights, metadata={"format": "pt"})
+        tensors = {n: local_tensor(p).detach() for n, p in parameters.items()}
+        # Streamed tensor by tensor from the parameters' own memory: no serialised copy.
+        save_safetensors(tensors, weights, metadata={"format": "pt"})
         # Where each parameter sits in this coordinate's flat buffer, so optimizer moments
         # (saved as flat ranges) can be resharded onto another layout.
         write_json_atomic(
@@ -65,14 +70,12 @@ def save_checkpoint(
     if optimizer.zero_1 or dims.dp_rank == 0:
         opt_dir = root / files.OPTIMIZER
         opt_dir.mkdir(parents=True, exist_ok=True)
-        save_file(
-            optimizer.state_tensors(),
-            opt_dir / files.optimizer_file_name(dims.dp_rank, dims.tp_rank, dims.pp_rank),
-            metadata={"range": json.dumps([optimizer.start, optimizer.end])},
+        write_moments(
+            optimizer, opt_dir / files.optimizer_file_name(dims.dp_rank, dims.tp_rank, dims.pp_rank)
         )
     rng = files.rng_file(root, rank)
     rng.parent.mkdir(parents=True, exist_ok=True)
-    save_file({"cpu": torch.get_rng_state()}, rng)
+    save_safetensors({"cpu": torch.get_rng_state()}, rng)
     if rank == 0:
         model_config.save_pretrained(root)
         write_json_atomic(root / files.TRAINER_STATE, trainer_state)
@@ -102,6 +105,25 @@ def save_checkpoint(
         prune_checkpoints(Path(run_dir), keep_last)
     dist.barrier()
     return root
+
+
+def write_moments(optimizer: ShardedAdamW, path: Path) -> None:
+    """This rank's AdamW moments over its owned range, and the step count, streamed from
+    the optimizer's state pieces (no copy of the optimizer is made to save it)."""
+    numel = optimizer.owned_numel
+    dtype = optimizer.flat.params.dtype
+    specs = [
+        TensorSpec("exp_avg", dtype, (numel,)),
+        TensorSpec("exp_avg_sq", dtype, (numel,)),
+        TensorSpec("step", torch.float32, (1,)),
+    ]
+    metadata = {"range": json.dumps([optimizer.start, optimizer.end])}
+    with SafetensorsWriter(path, specs, metadata=metadata) as writer:
+        for name in writer.names:
+            if name == "step":
+                writer.write(name, torch.tensor([optimizer.step_count()], dtype=torch.float32))
+            else:
+                writer.write(name, optimizer.moment_pieces(name))
 
 
 def _hf_order(name: str) -> tuple:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import resource
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,12 +9,24 @@ import torch
 
 
 def rss_mb() -> tuple[float, float]:
-    """(current, peak) resident memory of this process in MiB."""
-    with open("/proc/self/statm") as handle:
-        resident_pages = int(handle.read().split()[1])
-    current = resident_pages * os.sysconf("SC_PAGE_SIZE") / 2**20
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return current, peak
+    """(current, peak) resident memory of this process in MiB, as the kernel counts them.
+
+    The peak is VmHWM, the high-water mark of this process's own address space, not
+    `getrusage`'s ru_maxrss: that one survives exec, so a worker spawned by a large
+    parent (the Kedro session, a benchmark holding a model) would report the parent's.
+    """
+    fields = {}
+    with open("/proc/self/status") as handle:
+        for line in handle:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                fields[key] = int(value.split()[0]) / 1024  # kB
+    return fields["VmRSS"], fields["VmHWM"]
+
+
+def cuda_peak_mb(device: torch.device) -> float:
+    """The CUDA allocator's peak since the start (0 off CUDA)."""
+    return torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else 0.0
 
 
 def memory_metrics(device: torch.device, model_states_bytes: int) -> dict[str, float]:

@@ -21,6 +21,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from meshtrain.distributed.kv_heads import repeat_kv_heads
+
 
 @dataclass(frozen=True)
 class ParameterSharding:
@@ -36,6 +38,13 @@ class ParameterSharding:
     def hf_shape(self, global_shape: Sequence[int]) -> list[int]:
         """The Hugging Face tensor's shape, from the (DTensor's) global one: each KV head once."""
         return [global_shape[0] // self.kv_replication, *global_shape[1:]]
+
+    def local_piece(self, full: torch.Tensor, tp_rank: int, tp: int) -> torch.Tensor:
+        """This tp rank's part of the full Hugging Face tensor (KV heads repeated first)."""
+        if self.tp_dim is None:
+            return full
+        full = repeat_kv_heads(full, self.kv_replication, self.head_dim or 0)
+        return torch.chunk(full, tp, dim=self.tp_dim)[tp_rank]
 
 
 def local_tensor(parameter: torch.Tensor) -> torch.Tensor:

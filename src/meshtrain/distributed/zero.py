@@ -124,25 +124,36 @@ class ShardedAdamW:
             dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=group)
         return squares.sqrt()
 
-    def state_tensors(self) -> dict[str, torch.Tensor]:
-        """AdamW's moments over the whole owned range (zeros in padding) and its step count."""
-        tensors = {
-            "exp_avg": self.grad_shard.new_zeros(self.owned_numel),
-            "exp_avg_sq": self.grad_shard.new_zeros(self.owned_numel),
-            "step": torch.zeros(1),
-        }
+    def moment_pieces(self, key: str) -> list[torch.Tensor]:
+        """AdamW's moment `key` ("exp_avg" or "exp_avg_sq") over the whole owned range, as
+        pieces in order: the optimizer's own state tensors (no copy), zeros where it holds
+        none (padding, or before the first step). Written one after the other they are
+        the owned range's moment, so a checkpoint needs no copy of the optimizer."""
+        pieces, position = [], self.start
+        for group in self.optimizer.param_groups:
+            lo, hi = group["range"]
+            if lo > position:
+                pieces.append(self.grad_shard.new_zeros(lo - position))
+            state = self.optimizer.state.get(group["params"][0], {})
+            moment = state.get(key)
+            pieces.append(
+                moment.detach() if moment is not None else self.grad_shard.new_zeros(hi - lo)
+            )
+            position = hi
+        if self.end > position:
+            pieces.append(self.grad_shard.new_zeros(self.end - position))
+        return pieces
+
+    def step_count(self) -> float:
+        """How many updates AdamW has made (0 before the first)."""
         for group in self.optimizer.param_groups:
             state = self.optimizer.state.get(group["params"][0], {})
-            lo, hi = (x - self.start for x in group["range"])
-            for key in ("exp_avg", "exp_avg_sq"):
-                if key in state:
-                    tensors[key][lo:hi] = state[key].detach()
             if "step" in state:
-                tensors["step"][0] = state["step"]
-        return tensors
+                return float(state["step"])
+        return 0.0
 
     def load_state_tensors(self, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, step: float):
-        """Install moments for the owned range (as `state_tensors` returns them)."""
+        """Install moments for the owned range (as `moment_pieces` lays them out)."""
         if exp_avg.numel() != self.owned_numel or exp_avg_sq.numel() != self.owned_numel:
             raise ValueError("optimizer moments do not cover the owned range")
         for group in self.optimizer.param_groups:

@@ -19,6 +19,7 @@ from meshtrain.checkpoint.manifest import find_resume_checkpoint
 from meshtrain.config import ConfigError, RunConfig, check_launch
 from meshtrain.launch.elastic import run_workers
 from meshtrain.launch.worker import worker_main
+from meshtrain.models.builder import resolve_init_from
 from meshtrain.planner import Plan
 from meshtrain.tracking.mlflow_run import TrackingTarget
 from meshtrain.trainer import WorkerSpec
@@ -65,6 +66,10 @@ def make_worker_spec(
         name = cfg.run_name or f"{plan.layout.name}-{time.strftime('%Y%m%d-%H%M%S')}"
         run_dir = Path(cfg.output_dir) / name
     run_dir.mkdir(parents=True, exist_ok=True)
+    if run.model.init_from:
+        # A hub id becomes its downloaded folder once, here: the ranks read local files.
+        local = str(Path(resolve_init_from(run.model.init_from)).resolve())
+        run = dataclasses.replace(run, model=dataclasses.replace(run.model, init_from=local))
     return WorkerSpec(
         run=run.to_dict(),
         plan=plan.to_dict(),

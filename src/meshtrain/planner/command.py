@@ -90,6 +90,7 @@ def describe(plan: Plan, args: argparse.Namespace) -> str:
         f"chosen: {plan.layout.name}  (per-device batch {plan.per_device_train_batch_size}, "
         f"accumulation {plan.gradient_accumulation_steps})",
         f"  memory per rank (peak, pipeline rank {memory['peak_pipeline_rank']}): "
+        f"{memory['process_total'] / GIB:.2f} GiB, of which the step's tensors "
         f"{memory['total'] / GIB:.2f} GiB",
     ]
     for part in (
@@ -98,8 +99,9 @@ def describe(plan: Plan, args: argparse.Namespace) -> str:
         "optimizer_states",
         "activations",
         "loss",
+        "runtime",
     ):
-        lines.append(f"    {part:22} {memory[part] / GIB:8.2f} GiB")
+        lines.append(f"    {part:22} {memory.get(part, 0) / GIB:8.2f} GiB")
     lines.append(
         f"  step {time['step_s']:.2f} s, {time['tokens_per_s']:,.0f} tokens/s: "
         + ", ".join(

@@ -6,6 +6,7 @@ before any refusal is raised, so one run of the planner reports every problem.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from transformers import PretrainedConfig
@@ -55,7 +56,7 @@ def plan_one_layout(
     train, block_size = run.training, run.data.block_size
     shape = ModelShape.from_config(model_config)
     step = _step_shape(run, layout, model_config.num_hidden_layers, device)
-    memory = estimate_memory(shapes, shape, step)
+    memory = dataclasses.replace(estimate_memory(shapes, shape, step), runtime=device.runtime_bytes)
     time_estimate = estimate_step_time(
         shape,
         step,

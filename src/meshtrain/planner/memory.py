@@ -37,6 +37,11 @@ the model can be checked one to one against the measured peak of live tensors
   chunks (torch's schedule); the last stage keeps the logits of each
   microbatch in flight until its backward.
 
+Outside the step the estimate adds what the process holds before the model
+(`process_total`, the figure the planner fits into the device): the device
+profile's `runtime_gib` (libraries and interpreter on cpu, the accelerator
+runtime's context elsewhere).
+
 Parameters are fp32 in both precisions (bf16 runs under autocast, so the
 fp32 parameters are the master weights); under bf16 the matmul outputs are
 counted at 2 bytes.
@@ -49,7 +54,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from meshtrain.models.llama.kv_heads import kv_replication_factor
+from meshtrain.distributed.kv_heads import kv_replication_factor
 from meshtrain.models.llama.parameter_names import (
     EMBEDDING,
     is_kv_projection,
@@ -105,6 +110,8 @@ class MemoryEstimate:
     loss: int
     pipeline_rank: int = 0
     per_pipeline_rank: tuple[int, ...] = ()
+    # Outside the step: what the process holds before the model (libraries, runtime).
+    runtime: int = 0
 
     @property
     def model_states(self) -> int:
@@ -112,7 +119,16 @@ class MemoryEstimate:
 
     @property
     def total(self) -> int:
+        """The step's peak of live tensors (what the memory probe measures)."""
         return self.model_states + self.activations + self.loss
+
+    @property
+    def process_total(self) -> int:
+        """What the rank's process (or device) holds at its peak over the run: the runtime
+        and the step's peak (start-up allocates only the rank's shards, one full tensor
+        at a time, and checkpoints stream from the tensors' own memory, so neither
+        adds a peak of its own)."""
+        return self.runtime + self.total
 
     def to_dict(self) -> dict[str, int | list[int]]:
         return {
@@ -122,6 +138,8 @@ class MemoryEstimate:
             "activations": self.activations,
             "loss": self.loss,
             "total": self.total,
+            "runtime": self.runtime,
+            "process_total": self.process_total,
             "peak_pipeline_rank": self.pipeline_rank,
             "total_per_pipeline_rank": list(self.per_pipeline_rank),
         }

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
 from meshtrain.config import RunConfig
 from meshtrain.models import build_model_config
+from meshtrain.models.builder import resolve_init_from
+from meshtrain.models.llama.pretrained import check_pretrained
 from meshtrain.planner.search import plan_run
 from meshtrain.planner.types import Plan
 
@@ -14,7 +17,11 @@ from meshtrain.planner.types import Plan
 def plan_for_run(
     run: RunConfig, tokenizer: Any, *, num_train_blocks: int, num_validation_blocks: int
 ) -> Plan:
-    """Resolve the model config against the tokenizer, then plan the layout."""
+    """Resolve the model config against the tokenizer, then plan the layout.
+
+    With `model.init_from` the folder's config is the model's, and its weights are
+    checked against it (names and shapes, from the file headers) before anything starts.
+    """
     model_config = build_model_config(
         run.model.architecture,
         run.model.config,
@@ -26,13 +33,22 @@ def plan_for_run(
             "pad_token_id": tokenizer.pad_token_id,
         },
     )
-    return plan_run(
+    if run.model.init_from:
+        check_pretrained(resolve_init_from(run.model.init_from), model_config)
+    plan = plan_run(
         run,
         model_config,
         num_train_blocks=num_train_blocks,
         num_validation_blocks=num_validation_blocks,
         tokenizer_size=len(tokenizer),
     )
+    if run.model.init_from and run.model.config:
+        note = (
+            f"model.config is not applied: the model is model.init_from={run.model.init_from}"
+            " with its own config.json."
+        )
+        plan = dataclasses.replace(plan, notes=[*plan.notes, note])
+    return plan
 
 
 def check_plan_is_current(plan: Plan, replanned: Plan) -> None:

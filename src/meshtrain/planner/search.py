@@ -68,15 +68,15 @@ def plan_run(
     variants = _search_space(run, model_config)
     if len(variants) == 1:
         only = plan(_fit_global_batch(variants[0]))
-        if only.memory_estimate_per_rank["total"] > budget:
+        if only.memory_estimate_per_rank["process_total"] > budget:
             raise LayoutError([_over_memory(only, device, run)])
         return only
 
     planned, rejected = _plan_each(variants, plan)
-    fitting = [p for p in planned if p.memory_estimate_per_rank["total"] <= budget]
+    fitting = [p for p in planned if p.memory_estimate_per_rank["process_total"] <= budget]
     if not fitting:
         if planned:
-            smallest = min(planned, key=lambda p: p.memory_estimate_per_rank["total"])
+            smallest = min(planned, key=lambda p: p.memory_estimate_per_rank["process_total"])
             raise LayoutError([_over_memory(smallest, device, run)])
         raise LayoutError(
             [
@@ -157,7 +157,7 @@ def _candidates(planned: list[Plan], chosen: Plan, budget: float) -> list[dict[s
         if p is chosen:
             continue
         ratio = _speed(chosen) / _speed(p)
-        if p.memory_estimate_per_rank["total"] > budget:
+        if p.memory_estimate_per_rank["process_total"] > budget:
             why = (
                 f"does not fit: {p.memory_estimate_per_rank['total'] / GIB:.2f} GiB per rank "
                 f"over the {budget / GIB:.2f} GiB budget"
@@ -173,14 +173,14 @@ def _candidates(planned: list[Plan], chosen: Plan, budget: float) -> list[dict[s
 def _summary(plan: Plan) -> dict[str, Any]:
     return {
         "layout": plan.layout.name,
-        "memory_per_rank_bytes": plan.memory_estimate_per_rank["total"],
+        "memory_per_rank_bytes": plan.memory_estimate_per_rank["process_total"],
         "step_s": plan.time_estimate["step_s"],
         "tokens_per_s": plan.time_estimate["tokens_per_s"],
     }
 
 
 def _over_memory(plan: Plan, device: DeviceProfile, run: RunConfig) -> Refusal:
-    need = plan.memory_estimate_per_rank["total"] / GIB
+    need = plan.memory_estimate_per_rank["process_total"] / GIB
     budget = device.memory_bytes * (1 - run.planner.memory_margin) / GIB
     return Refusal(
         "parallel",

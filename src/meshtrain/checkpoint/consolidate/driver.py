@@ -25,9 +25,9 @@ from meshtrain.checkpoint.consolidate.plan import (
 )
 from meshtrain.checkpoint.consolidate.progress import Bar, NoBar, Progress
 from meshtrain.checkpoint.consolidate.rebuild import TensorWriter
-from meshtrain.checkpoint.consolidate.safetensors_format import SafetensorsWriter
 from meshtrain.checkpoint.consolidate.verify import Verifier
 from meshtrain.checkpoint.manifest import CheckpointError, read_manifest, resolve_checkpoint
+from meshtrain.checkpoint.safetensors_format import SafetensorsWriter
 from meshtrain.config import ConsolidationConfig
 
 _SIZE_UNITS = {

@@ -13,15 +13,15 @@ from pathlib import Path
 from typing import Any
 
 from meshtrain.checkpoint import files
-from meshtrain.checkpoint.consolidate.safetensors_format import (
+from meshtrain.checkpoint.manifest import CheckpointError
+from meshtrain.checkpoint.safetensors_format import (
     SAFETENSORS_DTYPES,
     StoredTensor,
     TensorSpec,
     dtype_name,
     read_safetensors_header,
 )
-from meshtrain.checkpoint.manifest import CheckpointError
-from meshtrain.models.llama import kv_heads
+from meshtrain.distributed import kv_heads
 
 # Hugging Face's names for the weights of a model folder (not the checkpoint's own).
 SAFE_WEIGHTS = "model.safetensors"

@@ -25,13 +25,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from meshtrain.checkpoint.consolidate.fileio import (
+from meshtrain.checkpoint.consolidate.plan import TensorPlan, byte_ranges, kept_rows
+from meshtrain.checkpoint.fileio import (
     pread_some,
     preadv_all,
     read_into,
     write_all,
 )
-from meshtrain.checkpoint.consolidate.plan import TensorPlan, byte_ranges, kept_rows
 from meshtrain.checkpoint.manifest import CheckpointError
 
 if TYPE_CHECKING:  # pragma: no cover

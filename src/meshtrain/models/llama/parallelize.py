@@ -2,7 +2,8 @@
 
 1. activation checkpointing flags (on the whole model, so every layer has them),
 2. pipeline parallelism: keep only this rank's stages,
-3. tensor / sequence parallelism inside each stage,
+3. tensor / sequence parallelism inside each stage (all of it on the meta device),
+   then only this rank's shards are allocated and filled (`weights.materialize`),
 4. torch.compile of each decoder layer, when asked,
    (tied embeddings over stages: the first and last stage each keep a copy, whose
    gradients `SharedWeightSync` sums after the backward),
@@ -26,6 +27,7 @@ from meshtrain.distributed.activation_checkpoint import (
     apply_activation_checkpointing,
     offload_context,
 )
+from meshtrain.distributed.kv_heads import kv_replication_factor
 from meshtrain.distributed.parallel_dims import ParallelDims
 from meshtrain.distributed.pipeline_parallel import (
     PipelineRunner,
@@ -38,10 +40,10 @@ from meshtrain.distributed.tensor_parallel import (
     TensorParallelGradSync,
     unsharded,
 )
-from meshtrain.models.llama.kv_heads import kv_replication_factor
 from meshtrain.models.llama.parameter_names import EMBEDDING, LM_HEAD
 from meshtrain.models.llama.stage import LlamaStage
 from meshtrain.models.llama.tensor_parallel import apply_tensor_parallel, decoder_layers
+from meshtrain.models.llama.weights import WeightSource, materialize
 from meshtrain.models.parallel_model import ParallelModel, as_local, causal_lm_loss
 
 
@@ -52,10 +54,14 @@ def parallelize(
     device: torch.device,
     autocast: Callable[[], AbstractContextManager],
     *,
+    weights: WeightSource | None = None,
     compile_layers: bool = False,
 ) -> ParallelModel:
-    """Apply the layout to a freshly built (identical on every rank) model.
+    """Apply the layout to a model built identically on every rank.
 
+    `weights`: the model is on the meta device; once it is cut into this rank's stages
+    and tensor-parallel shards, only those are allocated on `device` and filled from
+    `weights` (without, the model already holds its weights, on `device`).
     `compile_layers`: torch.compile every decoder layer last, in place (parameter
     names, and so checkpoints, stay those of the Hugging Face model), once its
     tensor-parallel sharding and checkpointing are set.
@@ -66,6 +72,8 @@ def parallelize(
         kv_replication_factor(model.config.num_key_value_heads, dims.tp) if dims.tp > 1 else 1
     )
     sharding = shard_tensor_parallel(modules, dims, layout, kv_replication)
+    if weights is not None:
+        materialize(modules, sharding, weights, device, tp_rank=dims.tp_rank, tp=dims.tp)
     if compile_layers:
         for module in modules:
             for _, layer in decoder_layers(module):

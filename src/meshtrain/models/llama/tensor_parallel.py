@@ -29,8 +29,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from meshtrain.distributed.kv_heads import repeat_kv_heads
 from meshtrain.distributed.tensor_parallel import ParameterSharding, read_sharding
-from meshtrain.models.llama.kv_heads import repeat_kv_heads
 from meshtrain.models.llama.parameter_names import COLUMN_PARALLEL, ROW_PARALLEL
 
 
@@ -152,8 +152,12 @@ def apply_tensor_parallel(
     parameter's sharding by name."""
     replicated_kv = replicate_kv_heads(model, kv_replication)
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    # Every rank holds the same full (or meta) tensors: each keeps its shard, nothing is sent.
     parallelize_module(
-        model, tp_mesh, tensor_parallel_plan(model, sequence_parallel=sequence_parallel)
+        model,
+        tp_mesh,
+        tensor_parallel_plan(model, sequence_parallel=sequence_parallel),
+        src_data_rank=None,
     )
     if tied and hasattr(model, "lm_head") and hasattr(model.model, "embed_tokens"):
         # parallelize_module gave each module its own DTensor; both are vocab-sharded

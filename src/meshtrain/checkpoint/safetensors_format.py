@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from meshtrain.checkpoint.consolidate.fileio import write_all
+from meshtrain.checkpoint.fileio import write_all
 from meshtrain.checkpoint.manifest import CheckpointError
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -1,0 +1,72 @@
+"""A Hugging Face checkpoint folder for `model.init_from`: where each tensor is, and whether
+the weights are those of the folder's own config. Torch-free (headers only), so the
+planner refuses a bad folder before any worker starts, naming the tensor.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from meshtrain.checkpoint.safetensors_format import read_safetensors_header
+from meshtrain.models.llama.parameter_names import llama_family_shapes
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class PretrainedError(ValueError):
+    """`model.init_from` names a folder meshtrain cannot start from; the message says why."""
+
+
+def weight_files(folder: str | Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file holding it (one file, or the index's map)."""
+    folder = Path(folder)
+    index = folder / INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: folder / file for name, file in weight_map.items()}
+    single = folder / SINGLE_FILE
+    if single.is_file():
+        return dict.fromkeys(read_safetensors_header(single), single)
+    raise PretrainedError(
+        f"`model.init_from` {str(folder)!r} holds neither {SINGLE_FILE} nor {INDEX_FILE}: "
+        "meshtrain starts from Hugging Face safetensors weights (save_pretrained writes them)."
+    )
+
+
+def check_pretrained(folder: str | Path, config: Any) -> None:
+    """Refuse a folder whose tensors are not exactly those of its config: every name the
+    model has, of the config's shape (the tied LM head stored once), and nothing else."""
+    expected = llama_family_shapes(config)
+    stored = {}
+    for path in sorted(set(weight_files(folder).values())):
+        if not path.is_file():
+            raise PretrainedError(
+                f"`model.init_from` {str(folder)!r}: its index names {path.name}, which is "
+                "not there: the download or copy is incomplete."
+            )
+        for name, tensor in read_safetensors_header(path).items():
+            stored[name] = tuple(tensor.shape)
+    if getattr(config, "tie_word_embeddings", False):
+        stored.pop("lm_head.weight", None)  # some writers keep the tied copy; it is the same
+    for name, shape in expected.items():
+        if name not in stored:
+            raise PretrainedError(
+                f"`model.init_from` {str(folder)!r} has no tensor {name}, which its config "
+                f"({config.model_type}, {config.num_hidden_layers} layers) needs: it is not a "
+                "complete checkpoint of that config."
+            )
+        if stored[name] != shape:
+            raise PretrainedError(
+                f"`model.init_from` {str(folder)!r}: tensor {name} is {list(stored[name])} but "
+                f"its config.json makes it {list(shape)}: the weights and the config disagree."
+            )
+    extra = sorted(set(stored) - set(expected))
+    if extra:
+        raise PretrainedError(
+            f"`model.init_from` {str(folder)!r} holds tensors a {config.model_type} model of "
+            f"its config does not have, e.g. {extra[0]}: it is not a Llama-family checkpoint "
+            "meshtrain can start from."
+        )
