@@ -56,23 +56,7 @@ def save_checkpoint(
         shutil.rmtree(root)  # a leftover from a run that died mid-save
     dist.barrier()
 
-    if dims.dp_rank == 0:
-        weights = files.shard_weights(root, dims.tp_rank, dims.pp_rank)
-        weights.parent.mkdir(parents=True, exist_ok=True)
-        tensors = {n: local_tensor(p).detach() for n, p in parameters.items()}
-        # Streamed tensor by tensor from the parameters' own memory: no serialised copy.
-        save_safetensors(tensors, weights, metadata={"format": "pt"})
-        # Where each parameter sits in this coordinate's flat buffer, so optimizer moments
-        # (saved as flat ranges) can be resharded onto another layout.
-        write_json_atomic(
-            files.flat_index(root, dims.tp_rank, dims.pp_rank), optimizer.flat.index()
-        )
-    if optimizer.zero_1 or dims.dp_rank == 0:
-        opt_dir = root / files.OPTIMIZER
-        opt_dir.mkdir(parents=True, exist_ok=True)
-        write_moments(
-            optimizer, opt_dir / files.optimizer_file_name(dims.dp_rank, dims.tp_rank, dims.pp_rank)
-        )
+    write_rank_tensors(root, parameters, optimizer, dims)
     rng = files.rng_file(root, rank)
     rng.parent.mkdir(parents=True, exist_ok=True)
     save_safetensors({"cpu": torch.get_rng_state()}, rng)
@@ -92,19 +76,50 @@ def save_checkpoint(
 
     if rank == 0:
         entries = {name: entry for part in gathered for name, entry in part.items()}
-        manifest = {
-            "format": FORMAT,
-            "version": FORMAT_VERSION,
-            "step": step,
-            "layout": trainer_state["layout"],
-            "world_size": dist.get_world_size(),
-            "tensors": dict(sorted(entries.items(), key=lambda item: _hf_order(item[0]))),
-            "files": describe_files(root),
-        }
-        mark_complete(root, manifest)
+        mark_complete(root, _manifest(root, step, trainer_state, entries))
         prune_checkpoints(Path(run_dir), keep_last)
     dist.barrier()
     return root
+
+
+def write_rank_tensors(
+    root: Path, parameters: dict[str, torch.Tensor], optimizer: ShardedAdamW, dims: ParallelDims
+) -> None:
+    """This rank's share of the checkpoint: its (tp, pp) coordinate's parameter shard and
+    flat index (dp rank 0 only), and its range of the optimizer's moments (every ZeRO-1
+    owner; dp rank 0 without ZeRO-1)."""
+    if dims.dp_rank == 0:
+        weights = files.shard_weights(root, dims.tp_rank, dims.pp_rank)
+        weights.parent.mkdir(parents=True, exist_ok=True)
+        tensors = {n: local_tensor(p).detach() for n, p in parameters.items()}
+        # Streamed tensor by tensor from the parameters' own memory: no serialised copy.
+        save_safetensors(tensors, weights, metadata={"format": "pt"})
+        # Where each parameter sits in this coordinate's flat buffer, so optimizer moments
+        # (saved as flat ranges) can be resharded onto another layout.
+        write_json_atomic(
+            files.flat_index(root, dims.tp_rank, dims.pp_rank), optimizer.flat.index()
+        )
+    if optimizer.zero_1 or dims.dp_rank == 0:
+        opt_dir = root / files.OPTIMIZER
+        opt_dir.mkdir(parents=True, exist_ok=True)
+        write_moments(
+            optimizer, opt_dir / files.optimizer_file_name(dims.dp_rank, dims.tp_rank, dims.pp_rank)
+        )
+
+
+def _manifest(
+    root: Path, step: int, trainer_state: dict[str, Any], entries: dict[str, dict]
+) -> dict[str, Any]:
+    """Every stage's tensors in Hugging Face order, and every file's size and sha256."""
+    return {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "step": step,
+        "layout": trainer_state["layout"],
+        "world_size": dist.get_world_size(),
+        "tensors": dict(sorted(entries.items(), key=lambda item: _hf_order(item[0]))),
+        "files": describe_files(root),
+    }
 
 
 def write_moments(optimizer: ShardedAdamW, path: Path) -> None:
