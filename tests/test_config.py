@@ -217,6 +217,26 @@ def test_the_shipped_consolidation_and_evaluation_parameters_parse() -> None:
         assert parse(cls, values, group) == cls()
 
 
+@pytest.mark.parametrize(
+    ("values", "named"),
+    [
+        ({"learning_rate": -1}, "training.learning_rate"),
+        ({"max_grad_norm": -1}, "training.max_grad_norm"),
+        ({"run_name": "../../../escaped"}, "training.run_name"),
+        ({"run_name": "runs/a"}, "training.run_name"),
+        ({"run_name": ".."}, "training.run_name"),
+    ],
+)
+def test_training_values_that_mean_nothing_are_refused(values: dict, named: str) -> None:
+    with pytest.raises(ConfigError, match=rf"`{named}` is"):
+        RunConfig.from_params(training=values)
+
+
+def test_zero_learning_rate_and_no_clipping_are_meaningful() -> None:
+    run = RunConfig.from_params(training={"learning_rate": 0, "max_grad_norm": 0})
+    assert (run.training.learning_rate, run.training.max_grad_norm) == (0.0, 0.0)
+
+
 def test_config_error_is_a_value_error() -> None:
     assert issubclass(ConfigError, ValueError)
 

@@ -393,6 +393,36 @@ def _describe(hint: Any) -> str:
     return " or ".join(words)
 
 
+def check_training(training: TrainingConfig) -> None:
+    """Refuse the `training.*` values whose kinds are right but which cannot mean anything."""
+    if not training.grad_bucket_mb > 0:
+        raise ConfigError(
+            f"`training.grad_bucket_mb` is {training.grad_bucket_mb}; use a size in "
+            "MiB above 0, e.g. 25 (DDP's default) or 1-4 for models of a few million "
+            "parameters."
+        )
+    if training.learning_rate < 0:
+        raise ConfigError(
+            f"`training.learning_rate` is {training.learning_rate}; use a rate of 0 or more, "
+            "e.g. 3e-4 (0 trains nothing, which can check a start from model.init_from)."
+        )
+    if training.max_grad_norm < 0:
+        raise ConfigError(
+            f"`training.max_grad_norm` is {training.max_grad_norm}; use a norm above 0 to "
+            "clip gradients to it, e.g. 1.0, or 0 for no clipping."
+        )
+    name = training.run_name
+    if name is not None and (
+        not name.strip()
+        or name in (".", "..")
+        or any(separator in name for separator in ("/", "\\"))
+    ):
+        raise ConfigError(
+            f"`training.run_name` is {name!r}; use one folder name (no '/', not '.' or '..'), "
+            "e.g. llama-dp2-tp2: the run's checkpoints go to training.output_dir/<run_name>."
+        )
+
+
 @dataclass(frozen=True)
 class RunConfig:
     """All parameter groups together, as the planner and workers see them."""
@@ -422,12 +452,7 @@ class RunConfig:
                 "in [0, 1), e.g. 0.1 to keep 10% of device memory free."
             )
         training_config = parse(TrainingConfig, training, "training")
-        if not training_config.grad_bucket_mb > 0:
-            raise ConfigError(
-                f"`training.grad_bucket_mb` is {training_config.grad_bucket_mb}; use a size in "
-                "MiB above 0, e.g. 25 (DDP's default) or 1-4 for models of a few million "
-                "parameters."
-            )
+        check_training(training_config)
         return cls(
             parallel=parse(ParallelConfig, parallel, "parallel"),
             training=training_config,
