@@ -21,7 +21,15 @@ AUTO = "auto"
 DEFAULT_RDZV_PORT = 29400
 
 
-class ConfigError(ValueError):
+class Refused(Exception):
+    """meshtrain refused an input on purpose; the message names it, why, and what works.
+
+    The base of every deliberate refusal (configuration, layout, data, checkpoints,
+    launch), so `kedro run` can end with the message alone (`hooks.show_refusals_plainly`)
+    while unexpected errors keep their tracebacks."""
+
+
+class ConfigError(Refused, ValueError):
     """A parameter has a value meshtrain cannot use; the message names it."""
 
 

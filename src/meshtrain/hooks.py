@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import subprocess
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,8 @@ from urllib.parse import urlsplit, urlunsplit
 import mlflow
 from kedro.config import MissingConfigException, OmegaConfigLoader
 from kedro.framework.hooks import hook_impl
+
+from meshtrain.config import Refused
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +53,45 @@ PASSWORD_VARIABLE = "MLFLOW_TRACKING_PASSWORD"
 SAMPLING_VARIABLE = "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL"
 
 
-class TrackingConfigError(ValueError):
+# Set to 1 for the full traceback of a refusal.
+TRACEBACK_VARIABLE = "MESHTRAIN_TRACEBACK"
+
+
+def refusal_in(error: BaseException | None) -> Refused | None:
+    """The deliberate refusal behind `error` (itself, or what it was raised from)."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, Refused):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def show_refusals_plainly() -> None:
+    """End a `kedro run` that meshtrain refused with the refusal's message alone, instead
+    of a traceback through Kedro's and meshtrain's frames; unexpected errors, and every
+    error with MESHTRAIN_TRACEBACK=1, keep the traceback. Wraps the exception hook in
+    place when the project starts (after Kedro installed rich's), once."""
+    previous = sys.excepthook
+    if getattr(previous, "meshtrain_refusals", False):
+        return
+
+    def hook(kind: type[BaseException], error: BaseException, traceback: Any) -> None:
+        refusal = refusal_in(error)
+        if refusal is None or os.environ.get(TRACEBACK_VARIABLE, "") not in ("", "0"):
+            previous(kind, error, traceback)
+            return
+        sys.stderr.write(
+            f"{type(refusal).__name__}: {refusal}\n\n"
+            f"(meshtrain refused the run; {TRACEBACK_VARIABLE}=1 shows the traceback)\n"
+        )
+
+    hook.meshtrain_refusals = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
+
+
+class TrackingConfigError(Refused, ValueError):
     """The MLflow tracking settings of a Kedro environment are incomplete or wrong."""
 
 
@@ -249,6 +290,7 @@ class MlflowRunHook:
 
     @hook_impl
     def after_context_created(self, context) -> None:
+        show_refusals_plainly()
         self.settings = mlflow_settings(context.config_loader, context.env)
         self.project_path = Path(context.project_path)
         self.env = context.env

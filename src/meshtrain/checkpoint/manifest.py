@@ -14,12 +14,13 @@ from pathlib import Path
 from typing import Any
 
 from meshtrain.checkpoint.files import CHECKPOINT_RE, MANIFEST, MARKER
+from meshtrain.config import Refused
 
 FORMAT = "meshtrain-checkpoint"
 FORMAT_VERSION = 1
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(Refused, RuntimeError):
     """A checkpoint is incomplete, corrupted or not a meshtrain checkpoint."""
 
 

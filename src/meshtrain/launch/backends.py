@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import importlib.util
 
+from meshtrain.config import Refused
+
 NEURON_PACKAGES = ("torch_neuronx", "neuronx_distributed")
 
 
-class BackendUnavailableError(RuntimeError):
+class BackendUnavailableError(Refused, RuntimeError):
     """The configured `launch.backend` cannot run on this machine; the message says why."""
 
 

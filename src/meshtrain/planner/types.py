@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from meshtrain.config import Layout
+from meshtrain.config import Layout, Refused
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ class Refusal:
         return f"{self.parameter}={self.value}: {self.reason}. {self.fix}"
 
 
-class LayoutError(ValueError):
+class LayoutError(Refused, ValueError):
     """The requested layout cannot run; `refusals` says why, one line per parameter."""
 
     def __init__(self, refusals: list[Refusal]) -> None:

@@ -10,13 +10,14 @@ from pathlib import Path
 from typing import Any
 
 from meshtrain.checkpoint.safetensors_format import read_safetensors_header
+from meshtrain.config import Refused
 from meshtrain.models.llama.parameter_names import llama_family_shapes
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
 
-class PretrainedError(ValueError):
+class PretrainedError(Refused, ValueError):
     """`model.init_from` names a folder meshtrain cannot start from; the message says why."""
 
 
