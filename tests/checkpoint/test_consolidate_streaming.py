@@ -19,7 +19,6 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 import meshtrain.checkpoint.consolidate.rebuild as consolidate_module
 from meshtrain.checkpoint import CheckpointError, consolidate_checkpoint
 from meshtrain.checkpoint.consolidate import parse_size
-from meshtrain.checkpoint.consolidate.plan import undo_kv_replication as drop_kv_copies
 from meshtrain.checkpoint.files import shard_dir_name
 from meshtrain.checkpoint.manifest import (
     FORMAT,
@@ -36,6 +35,7 @@ from meshtrain.checkpoint.safetensors_format import (
     save_safetensors,
 )
 from meshtrain.commands import main
+from meshtrain.distributed import kv_heads
 from meshtrain.models import build_model, build_model_config
 from tests.conftest import TINY_MODEL, TINY_VOCAB
 
@@ -337,6 +337,11 @@ def test_a_model_that_fits_is_one_file_without_index(tmp_path: Path, tiny_llama)
     assert (
         AutoModelForCausalLM.from_pretrained(output).num_parameters() == summary["num_parameters"]
     )
+
+
+def drop_kv_copies(full: torch.Tensor, copies: int, head_dim: int, shape) -> torch.Tensor:
+    """The in-memory undoing of KV-head replication, to compare the streamed one with."""
+    return kv_heads.drop_kv_copies(full, copies, head_dim).reshape(shape)
 
 
 def _reference(pieces: list[torch.Tensor], dim: int | None, kv: tuple[int, int] | None, shape):

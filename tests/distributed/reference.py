@@ -86,6 +86,22 @@ def reference_run(
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
+class References:
+    """`reference_run` once per (architecture, model fields) for the cases of one test."""
+
+    def __init__(self, blocks: datasets.DatasetDict) -> None:
+        self.blocks = blocks
+        self._runs: dict[tuple, tuple[list[float], dict[str, torch.Tensor]]] = {}
+
+    def __call__(
+        self, architecture: str, fields: dict[str, Any]
+    ) -> tuple[list[float], dict[str, torch.Tensor]]:
+        key = (architecture, tuple(sorted(fields.items())))
+        if key not in self._runs:
+            self._runs[key] = reference_run(self.blocks, architecture, fields)
+        return self._runs[key]
+
+
 def make_spec(
     blocks: datasets.DatasetDict,
     out: Path,

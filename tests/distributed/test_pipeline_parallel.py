@@ -13,10 +13,10 @@ from transformers import AutoModelForCausalLM
 
 from tests.conftest import TINY_MODEL
 from tests.distributed.reference import (
+    References,
     assert_matches_reference,
     assert_memory_model_holds,
     make_spec,
-    reference_run,
     run_group,
 )
 
@@ -94,13 +94,10 @@ def _run(cases: dict, world: int, blocks, out: Path) -> None:
             )
         )
     results = run_group(specs, world, out, f"t-pp{world}")
-    references = {}
+    references = References(blocks)
     for (name, case), summary in zip(cases.items(), results, strict=True):
         architecture, fields = _model(case)
-        key = (architecture, tuple(sorted(fields.items())))
-        if key not in references:
-            references[key] = reference_run(blocks, architecture, fields)
-        losses, weights = references[key]
+        losses, weights = references(architecture, fields)
         assert_matches_reference(name, summary, losses, weights, out / f"{name}-hf")
         assert_memory_model_holds(name, summary)
         if fields.get("tie_word_embeddings"):

@@ -17,10 +17,10 @@ from meshtrain.checkpoint.manifest import read_manifest
 from meshtrain.models.llama.parameter_names import tensor_parallel_dim
 from tests.conftest import TINY_MODEL
 from tests.distributed.reference import (
+    References,
     assert_matches_reference,
     assert_memory_model_holds,
     make_spec,
-    reference_run,
     run_group,
 )
 
@@ -93,13 +93,10 @@ def _run_group(cases: dict, world: int, blocks, out: Path) -> None:
         for name, (parallel, training, architecture, fields) in cases.items()
     ]
     results = run_group(specs, world, out, f"t-tp{world}")
-    references = {}
+    references = References(blocks)
     for name, summary in zip(cases, results, strict=True):
         _, _, architecture, fields = cases[name]
-        key = (architecture, tuple(sorted(fields.items())))
-        if key not in references:
-            references[key] = reference_run(blocks, architecture, fields)
-        losses, weights = references[key]
+        losses, weights = references(architecture, fields)
         assert_matches_reference(name, summary, losses, weights, out / f"{name}-hf")
         assert_memory_model_holds(name, summary)
         assert_planner_counts_the_real_shards(name, summary)

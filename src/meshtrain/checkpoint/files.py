@@ -31,6 +31,10 @@ SHARD_WEIGHTS = "model.safetensors"
 # The flat-buffer index of one shard (name kept from format version 1).
 FLAT_INDEX = "flat_layout.json"
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+# A Hugging Face model folder's weights (what consolidation writes, init_from reads):
+# one file, or several listed in the index.
+HF_WEIGHTS = "model.safetensors"
+HF_WEIGHTS_INDEX = "model.safetensors.index.json"
 
 
 def checkpoint_name(step: int) -> str:

@@ -167,7 +167,7 @@ def restore_checkpoint(
                 flat_moment = moment.reshape(-1)
                 target[lo - start : hi - start] = flat_moment[lo - slot.offset : hi - slot.offset]
         step = reader.step()
-    optimizer.load_state_tensors(exp_avg, exp_avg_sq, step)
+    optimizer.load_moments(exp_avg, exp_avg_sq, step)
     state = json.loads((root / files.TRAINER_STATE).read_text())
     rng = files.rng_file(root, torch.distributed.get_rank())
     if manifest["world_size"] == torch.distributed.get_world_size() and rng.is_file():

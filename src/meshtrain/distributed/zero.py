@@ -152,7 +152,7 @@ class ShardedAdamW:
                 return float(state["step"])
         return 0.0
 
-    def load_state_tensors(self, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, step: float):
+    def load_moments(self, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, step: float):
         """Install moments for the owned range (as `moment_pieces` lays them out)."""
         if exp_avg.numel() != self.owned_numel or exp_avg_sq.numel() != self.owned_numel:
             raise ValueError("optimizer moments do not cover the owned range")

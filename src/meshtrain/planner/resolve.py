@@ -22,19 +22,20 @@ def plan_for_run(
     With `model.init_from` the folder's config is the model's, and its weights are
     checked against it (names and shapes, from the file headers) before anything starts.
     """
+    init_from = resolve_init_from(run.model.init_from) if run.model.init_from else None
     model_config = build_model_config(
         run.model.architecture,
         run.model.config,
         vocab_size=len(tokenizer),
-        init_from=run.model.init_from,
+        init_from=init_from,
         special_token_ids={
             "bos_token_id": tokenizer.bos_token_id,
             "eos_token_id": tokenizer.eos_token_id,
             "pad_token_id": tokenizer.pad_token_id,
         },
     )
-    if run.model.init_from:
-        check_pretrained(resolve_init_from(run.model.init_from), model_config)
+    if init_from:
+        check_pretrained(init_from, model_config)
     plan = plan_run(
         run,
         model_config,

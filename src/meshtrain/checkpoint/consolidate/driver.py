@@ -17,7 +17,6 @@ from typing import Any
 
 from meshtrain.checkpoint import files
 from meshtrain.checkpoint.consolidate.plan import (
-    SAFE_WEIGHTS_INDEX,
     TensorPlan,
     file_names,
     plan_tensors,
@@ -130,7 +129,7 @@ def _write_weights(
                 for plan in group
             },
         }
-        (partial / SAFE_WEIGHTS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        (partial / files.HF_WEIGHTS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
     return names
 
 

@@ -7,7 +7,7 @@ read), so every shape, dtype and missing piece is reported before any output exi
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,10 +22,6 @@ from meshtrain.checkpoint.safetensors_format import (
     read_safetensors_header,
 )
 from meshtrain.distributed import kv_heads
-
-# Hugging Face's names for the weights of a model folder (not the checkpoint's own).
-SAFE_WEIGHTS = "model.safetensors"
-SAFE_WEIGHTS_INDEX = "model.safetensors.index.json"
 
 
 @dataclass(frozen=True)
@@ -129,13 +125,6 @@ def _rebuilt_shape(name: str, shapes: list[list[int]], tp_dim: int | None) -> li
     return first[:tp_dim] + [sum(s[tp_dim] for s in shapes)] + first[tp_dim + 1 :]
 
 
-def undo_kv_replication(full: Any, copies: int, head_dim: int, shape: Sequence[int]) -> Any:
-    """An in-memory full tensor (all pieces concatenated) without its KV-head copies."""
-    if full.shape[0] % (copies * head_dim):
-        raise CheckpointError(f"cannot undo KV replication of a {list(full.shape)} tensor")
-    return kv_heads.drop_kv_copies(full, copies, head_dim).reshape(shape)
-
-
 def kept_rows(plan: TensorPlan, rows: int) -> list[tuple[int, int]]:
     """Dim-0 row ranges of the concatenated pieces that the full tensor keeps."""
     return kv_heads.first_copy_rows(rows, plan.kv_copies, plan.kv_head_dim or 0)
@@ -183,5 +172,5 @@ def split_into_files(plans: list[TensorPlan], limit: int) -> list[list[TensorPla
 def file_names(count: int) -> list[str]:
     """Hugging Face's weight file names for `count` files."""
     if count == 1:
-        return [SAFE_WEIGHTS]
+        return [files.HF_WEIGHTS]
     return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]

@@ -40,7 +40,7 @@ from meshtrain.distributed.tensor_parallel import (
     TensorParallelGradSync,
     unsharded,
 )
-from meshtrain.models.llama.parameter_names import EMBEDDING, LM_HEAD
+from meshtrain.models.llama.parameter_names import EMBEDDING, LM_HEAD, stored_name
 from meshtrain.models.llama.stage import LlamaStage
 from meshtrain.models.llama.tensor_parallel import apply_tensor_parallel, decoder_layers
 from meshtrain.models.llama.weights import WeightSource, materialize
@@ -101,8 +101,17 @@ def parallelize(
         layout,
         offload=offload_context(layout.activation_offloading, device),
         shared_sync=SharedWeightSync(tied, dims.mesh) if tied is not None else None,
-        tied_copies={LM_HEAD: EMBEDDING} if tied and LM_HEAD in tied else {},
+        tied_copies=stored_elsewhere(parameters, model.config),
     )
+
+
+def stored_elsewhere(
+    parameters: dict[str, torch.Tensor], config: PretrainedConfig
+) -> dict[str, str]:
+    """This rank's parameters that checkpoints store under another name (the last stage's
+    copy of a tied embedding) -> that name."""
+    names = {name: stored_name(name, config) for name in parameters}
+    return {name: stored for name, stored in names.items() if stored != name}
 
 
 def tied_embedding_copies(

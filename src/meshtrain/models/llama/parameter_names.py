@@ -30,6 +30,13 @@ EMBEDDING = "model.embed_tokens.weight"
 LM_HEAD = "lm_head.weight"
 
 
+def stored_name(name: str, config: Any) -> str:
+    """The name a parameter's weights are stored and drawn under: a tied LM head (the
+    last pipeline stage's copy) is the embedding."""
+    tied = getattr(config, "tie_word_embeddings", False)
+    return EMBEDDING if tied and name == LM_HEAD else name
+
+
 def _module_is(module: str, names: tuple[str, ...]) -> bool:
     return any(module == name or module.endswith("." + name) for name in names)
 

@@ -9,12 +9,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+from meshtrain.checkpoint import files
 from meshtrain.checkpoint.safetensors_format import read_safetensors_header
 from meshtrain.config import Refused
 from meshtrain.models.llama.parameter_names import llama_family_shapes
-
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 
 
 class PretrainedError(Refused, ValueError):
@@ -24,16 +22,17 @@ class PretrainedError(Refused, ValueError):
 def weight_files(folder: str | Path) -> dict[str, Path]:
     """Tensor name -> the safetensors file holding it (one file, or the index's map)."""
     folder = Path(folder)
-    index = folder / INDEX_FILE
+    index = folder / files.HF_WEIGHTS_INDEX
     if index.is_file():
         weight_map = json.loads(index.read_text())["weight_map"]
         return {name: folder / file for name, file in weight_map.items()}
-    single = folder / SINGLE_FILE
+    single = folder / files.HF_WEIGHTS
     if single.is_file():
         return dict.fromkeys(read_safetensors_header(single), single)
     raise PretrainedError(
-        f"`model.init_from` {str(folder)!r} holds neither {SINGLE_FILE} nor {INDEX_FILE}: "
-        "meshtrain starts from Hugging Face safetensors weights (save_pretrained writes them)."
+        f"`model.init_from` {str(folder)!r} holds neither {files.HF_WEIGHTS} nor "
+        f"{files.HF_WEIGHTS_INDEX}: meshtrain starts from Hugging Face safetensors "
+        "weights (save_pretrained writes them)."
     )
 
 

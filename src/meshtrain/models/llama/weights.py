@@ -27,7 +27,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from meshtrain.distributed.tensor_parallel import ParameterSharding, local_tensor
-from meshtrain.models.llama.parameter_names import EMBEDDING, LM_HEAD, llama_family_shapes
+from meshtrain.models.llama.parameter_names import EMBEDDING, llama_family_shapes, stored_name
 from meshtrain.models.llama.pretrained import weight_files
 
 
@@ -37,23 +37,18 @@ class WeightSource(Protocol):
         ...
 
 
-def _stored_name(name: str, shapes: dict[str, Any]) -> str:
-    # Tied embeddings: the last pipeline stage's LM head is a copy of the embedding.
-    return EMBEDDING if name == LM_HEAD and LM_HEAD not in shapes else name
-
-
 class RandomInit:
     """Hugging Face's Llama-family init, drawn per parameter from (seed, name)."""
 
     def __init__(self, config: PretrainedConfig, seed: int) -> None:
-        self.shapes = llama_family_shapes(config)
+        self.config, self.shapes = config, llama_family_shapes(config)
         self.std = getattr(config, "initializer_range", None) or 0.02
         self.padding_idx = getattr(config, "pad_token_id", None)
         self.seed = seed
 
     def full(self, name: str) -> torch.Tensor:
         """The whole Hugging Face tensor `name`, as every layout draws it."""
-        name = _stored_name(name, self.shapes)
+        name = stored_name(name, self.config)
         shape = self.shapes[name]
         if name.endswith("norm.weight"):
             return torch.ones(shape)
@@ -75,7 +70,7 @@ class PretrainedWeights:
 
     def __init__(self, folder: str | Path, config: PretrainedConfig, stack: ExitStack) -> None:
         self.files = weight_files(folder)
-        self.shapes = llama_family_shapes(config)
+        self.config = config
         self._stack = stack
         self._handles: dict[Path, Any] = {}
 
@@ -86,7 +81,7 @@ class PretrainedWeights:
         return self._handles[path].get_slice(name)
 
     def local(self, name: str, spec: ParameterSharding, tp_rank: int, tp: int) -> torch.Tensor:
-        stored = self._slice(_stored_name(name, self.shapes))
+        stored = self._slice(stored_name(name, self.config))
         if spec.tp_dim is None or spec.kv_replication > 1:
             # Whole, or KV heads repeated before the split (small: a few KV heads).
             return spec.local_piece(stored[:], tp_rank, tp)
