@@ -220,6 +220,16 @@ def check_launch(launch: LaunchConfig) -> None:
                 )
         except ConfigError as error:
             problems.append(str(error))
+    if launch.max_restarts < 0:
+        problems.append(
+            f"`launch.max_restarts={launch.max_restarts}`: use 0 (a failed worker ends the "
+            "job) or more (torch elastic restarts the workers that many times)."
+        )
+    if not launch.monitor_interval > 0:
+        problems.append(
+            f"`launch.monitor_interval={launch.monitor_interval}`: torch elastic polls the "
+            "workers every this many seconds; use a value above 0, e.g. 0.5."
+        )
     if launch.nnodes > 1 and not launch.rdzv_id.strip():
         problems.append(
             "`launch.rdzv_id` is empty: with several nodes it must be the same on every "
@@ -258,6 +268,53 @@ class DataConfig:
     validation_fraction: float = 0.05
     seed: int = 1234
     num_proc: int | None = 2
+
+
+def check_data(data: DataConfig) -> None:
+    """Refuse the `data.*` values whose kinds are right but which cannot make a corpus or
+    blocks, before any data is read or written."""
+    if data.source == "text_files" and not data.text_files:
+        raise ConfigError(
+            "`data.source=text_files` needs `data.text_files`, the paths or glob patterns of "
+            "the text files, e.g. data.text_files=/corpus/*.txt."
+        )
+    if data.source == "hub" and not data.hub_dataset:
+        raise ConfigError(
+            "`data.source=hub` needs `data.hub_dataset`, a Hugging Face dataset id, e.g. "
+            "data.hub_dataset=Salesforce/wikitext with data.hub_config=wikitext-103-raw-v1."
+        )
+    if data.block_size < 2:
+        raise ConfigError(
+            f"`data.block_size` is {data.block_size}; a block needs at least an input and its "
+            "next-token target: use 2 or more, e.g. 128."
+        )
+    if not 0 < data.validation_fraction < 1:
+        raise ConfigError(
+            f"`data.validation_fraction` is {data.validation_fraction}; use a fraction strictly "
+            "between 0 and 1, e.g. 0.05 (both splits need documents)."
+        )
+    if data.num_proc is not None and data.num_proc < 1:
+        raise ConfigError(
+            f"`data.num_proc` is {data.num_proc}; use 1 or more worker processes, or null "
+            "(tokenize in this process)."
+        )
+    if data.builtin_max_chars is not None and data.builtin_max_chars < 1:
+        raise ConfigError(
+            f"`data.builtin_max_chars` is {data.builtin_max_chars}; use a number of characters "
+            "above 0, e.g. 300000, or null for the whole built-in corpus."
+        )
+    if not data.text_column.strip():
+        raise ConfigError("`data.text_column` is empty; name the corpus column, e.g. text.")
+    if data.tokenizer is None:
+        from meshtrain.data.tokenizer import BYTE_ALPHABET_SIZE, SPECIAL_TOKENS  # noqa: PLC0415
+
+        minimum = BYTE_ALPHABET_SIZE + len(SPECIAL_TOKENS) + 1
+        if data.vocab_size < minimum:
+            raise ConfigError(
+                f"`data.vocab_size` is {data.vocab_size}; the byte-level tokenizer trained here "
+                f"needs at least {minimum} (256 byte tokens, {len(SPECIAL_TOKENS)} special, one "
+                "merge), e.g. 4096."
+            )
 
 
 @dataclass(frozen=True)
@@ -335,7 +392,13 @@ def _coerce(value: Any, hint: Any, dotted: str) -> Any:
         ok, converted = _try(value, option)
         if ok:
             return converted
-    raise ConfigError(f"`{dotted}` got {value!r}; expected {_describe(hint)}.")
+    example = ""
+    if list[int] in options:
+        example = (
+            f' From --params, separate the numbers with spaces: "{dotted}=3 5"'
+            " (Kedro splits --params on commas, and YAML reads 3:5 as the number 185)."
+        )
+    raise ConfigError(f"`{dotted}` got {value!r}; expected {_describe(hint)}.{example}")
 
 
 def _is_union(hint: Any) -> bool:
@@ -376,9 +439,17 @@ def _try(value: Any, option: Any) -> tuple[bool, Any]:
     if origin is list:
         (item,) = typing.get_args(option)
         if isinstance(value, str):
-            value = [v.strip() for v in value.strip("[]").split(",")] if item is int else [value]
+            value = [value]
         if not isinstance(value, list | tuple):
             return False, None
+        if item is int:
+            # `--params` cannot hold a comma (Kedro splits on it): "3 5" or "[3 5]" is [3, 5].
+            value = [
+                part
+                for v in value
+                for part in (_number_words(v) if isinstance(v, str) else [v])
+                if part != ""
+            ]
         items = [_try(v, item) for v in value]
         if all(ok for ok, _ in items):
             return True, [converted for _, converted in items]
@@ -386,6 +457,11 @@ def _try(value: Any, option: Any) -> tuple[bool, Any]:
     if origin is dict:
         return isinstance(value, dict), dict(value) if isinstance(value, dict) else None
     return False, None
+
+
+def _number_words(text: str) -> list[str]:
+    """`"3 5"`, `"[3 5]"` or `"3,5"` -> ["3", "5"]."""
+    return re.split(r"[\s,]+", text.strip().strip("[]").strip())
 
 
 def _describe(hint: Any) -> str:
@@ -418,6 +494,42 @@ def check_training(training: TrainingConfig) -> None:
         raise ConfigError(
             f"`training.max_grad_norm` is {training.max_grad_norm}; use a norm above 0 to "
             "clip gradients to it, e.g. 1.0, or 0 for no clipping."
+        )
+    if training.keep_last < 0:
+        raise ConfigError(
+            f"`training.keep_last` is {training.keep_last}; use the number of complete "
+            "checkpoints to keep, e.g. 2, or 0 to keep them all."
+        )
+    if training.warmup_steps < 0:
+        raise ConfigError(
+            f"`training.warmup_steps` is {training.warmup_steps}; use 0 (no warm-up) or more, "
+            "e.g. 20."
+        )
+    if training.weight_decay < 0:
+        raise ConfigError(
+            f"`training.weight_decay` is {training.weight_decay}; use 0 (none) or more, e.g. 0.1."
+        )
+    for beta in ("adam_beta1", "adam_beta2"):
+        value = getattr(training, beta)
+        if not 0 <= value < 1:
+            raise ConfigError(
+                f"`training.{beta}` is {value}; AdamW needs a decay in [0, 1), e.g. 0.9 for "
+                "adam_beta1 and 0.95 for adam_beta2."
+            )
+    if not training.adam_epsilon > 0:
+        raise ConfigError(
+            f"`training.adam_epsilon` is {training.adam_epsilon}; use a small number above 0, "
+            "e.g. 1e-8 (AdamW divides by sqrt(v) + epsilon)."
+        )
+    if not 0 <= training.min_learning_rate_ratio <= 1:
+        raise ConfigError(
+            f"`training.min_learning_rate_ratio` is {training.min_learning_rate_ratio}; the "
+            "cosine decay ends at this fraction of training.learning_rate, in [0, 1], e.g. 0.1."
+        )
+    if training.eval_batches < 0:
+        raise ConfigError(
+            f"`training.eval_batches` is {training.eval_batches}; use 0 (no validation) or "
+            "more, e.g. 8."
         )
     name = training.run_name
     if name is not None and (
@@ -461,12 +573,14 @@ class RunConfig:
             )
         training_config = parse(TrainingConfig, training, "training")
         check_training(training_config)
+        data_config = parse(DataConfig, data, "data")
+        check_data(data_config)
         return cls(
             parallel=parse(ParallelConfig, parallel, "parallel"),
             training=training_config,
             launch=parse(LaunchConfig, launch, "launch"),
             model=parse(ModelConfig, model, "model"),
-            data=parse(DataConfig, data, "data"),
+            data=data_config,
             planner=planner_config,
         )
 

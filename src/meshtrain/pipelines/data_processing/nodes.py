@@ -6,15 +6,21 @@ from typing import Any
 
 import datasets
 
-from meshtrain.config import DataConfig, parse
+from meshtrain.config import DataConfig, check_data, parse
 from meshtrain.data.corpus import load_corpus
 from meshtrain.data.packing import tokenize_and_pack
 from meshtrain.data.tokenizer import load_tokenizer, train_tokenizer
 
 
+def _data_config(data: dict[str, Any]) -> DataConfig:
+    cfg = parse(DataConfig, data, "data")
+    check_data(cfg)
+    return cfg
+
+
 def build_corpus(data: dict[str, Any]) -> datasets.Dataset:
     """Args: `params:data`. Returns: one document per row, column `text`."""
-    cfg = parse(DataConfig, data, "data")
+    cfg = _data_config(data)
     return load_corpus(
         cfg.source,
         text_files=cfg.text_files,
@@ -28,7 +34,7 @@ def build_corpus(data: dict[str, Any]) -> datasets.Dataset:
 
 def build_tokenizer(corpus: datasets.Dataset, data: dict[str, Any]) -> Any:
     """Args: corpus, `params:data`. Returns: a tokenizer trained here, or `data.tokenizer`."""
-    cfg = parse(DataConfig, data, "data")
+    cfg = _data_config(data)
     if cfg.tokenizer:
         return load_tokenizer(cfg.tokenizer)
     return train_tokenizer(corpus, cfg.vocab_size)
@@ -36,7 +42,7 @@ def build_tokenizer(corpus: datasets.Dataset, data: dict[str, Any]) -> Any:
 
 def pack_blocks(corpus: datasets.Dataset, tokenizer: Any, data: dict[str, Any]):
     """Args: corpus, tokenizer, `params:data`. Returns: `train`/`validation` token blocks."""
-    cfg = parse(DataConfig, data, "data")
+    cfg = _data_config(data)
     return tokenize_and_pack(
         corpus,
         tokenizer,
