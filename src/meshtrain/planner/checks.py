@@ -147,7 +147,21 @@ def resolve_pipeline(
                 f"parallel.pipeline_parallel_num_microbatches={requested} has no effect without "
                 "pipeline parallelism; using 1."
             )
-        return PipelineSplit(1, 1, None, [], notes)
+        refusals: list[Refusal] = []
+        pinned = par.pipeline_parallel_layers
+        if pinned is not None and len(pinned) != 1:
+            # Pinned stages without a pipeline would be ignored without a word.
+            refusals.append(
+                Refusal(
+                    "parallel.pipeline_parallel_layers",
+                    list(pinned),
+                    f"it pins {len(pinned)} stages and parallel.pipeline_parallel_size is 1 "
+                    "(no pipeline)",
+                    "Set parallel.pipeline_parallel_size to the number of stages (or auto), "
+                    "or pipeline_parallel_layers=null.",
+                )
+            )
+        return PipelineSplit(1, 1, None, refusals, notes)
 
     schedule = par.pipeline_schedule
     virtual = par.pipeline_parallel_virtual_stages if schedule == "interleaved_1f1b" else 1
@@ -249,13 +263,17 @@ def resolve_sequence_parallel(
     else:
         sequence_parallel = par.sequence_parallel
         if sequence_parallel and tp == 1:
+            chosen = (
+                " (the only size auto can choose here)" if par.tensor_parallel_size == AUTO else ""
+            )
             refusals.append(
                 Refusal(
                     "parallel.sequence_parallel",
                     True,
-                    "sequence parallelism shards activations over the tensor-parallel ranks, "
-                    "and tensor_parallel_size is 1",
-                    "Use sequence_parallel=auto (or false), or tensor_parallel_size > 1.",
+                    f"it needs parallel.tensor_parallel_size > 1, and that is 1{chosen}: "
+                    "sequence parallelism shards activations over the tensor-parallel ranks",
+                    "Use sequence_parallel=auto (on whenever tp > 1) or false, or "
+                    "parallel.tensor_parallel_size=2 or more.",
                 )
             )
     if sequence_parallel and block_size % tp:

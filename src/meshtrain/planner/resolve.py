@@ -6,7 +6,7 @@ import dataclasses
 import json
 from typing import Any
 
-from meshtrain.config import RunConfig
+from meshtrain.config import Refused, RunConfig
 from meshtrain.models import build_model_config
 from meshtrain.models.builder import resolve_init_from
 from meshtrain.models.llama.pretrained import check_pretrained
@@ -52,6 +52,10 @@ def plan_for_run(
     return plan
 
 
+class StalePlanError(Refused, ValueError):
+    """plan.json was made from other parameters or data than this run's."""
+
+
 def check_plan_is_current(plan: Plan, replanned: Plan) -> None:
     """Refuse to train on a plan.json made from other parameters or data than today's."""
 
@@ -70,7 +74,7 @@ def check_plan_is_current(plan: Plan, replanned: Plan) -> None:
     )
     stale = [key for key in keys if old[key] != new[key]]
     if stale:
-        raise ValueError(
+        raise StalePlanError(
             f"plan.json no longer matches the parameters or data ({', '.join(stale)} differ): "
             "run the planning pipeline again, e.g. `kedro run --pipeline planning` "
             "with the same --params, or run the whole default pipeline."

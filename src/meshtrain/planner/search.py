@@ -121,7 +121,7 @@ def _reasons(rejected: list[dict[str, Any]], most: int = 4) -> str:
     for entry in rejected:
         layouts_by_reason.setdefault(entry["rejected"], []).append(entry["layout"])
     return " | ".join(
-        f"{', '.join(layouts)}: {reason}"
+        f"{', '.join(layouts)}: {reason.rstrip('.')}"
         for reason, layouts in list(layouts_by_reason.items())[:most]
     )
 
