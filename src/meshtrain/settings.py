@@ -4,9 +4,10 @@ from meshtrain.offline import disable_telemetry
 
 disable_telemetry()  # before kedro's hooks or mlflow are used
 
-from meshtrain.hooks import MlflowRunHook  # noqa: E402
+from meshtrain.hooks import MlflowRunHook, RunChecksHook  # noqa: E402
 
-HOOKS = (MlflowRunHook(),)
+# RunChecksHook refuses bad parameters and missing inputs before MlflowRunHook opens a run.
+HOOKS = (MlflowRunHook(), RunChecksHook())
 
 CONFIG_LOADER_ARGS = {
     "base_env": "base",
