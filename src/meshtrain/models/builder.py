@@ -194,6 +194,12 @@ def resolve_init_from(init_from: str) -> str:
     the Hugging Face cache, whose folder is then used the same way."""
     if Path(init_from).is_dir():
         return init_from
+    if init_from.startswith(("/", "./", "../", "~")) or Path(init_from).exists():
+        raise PretrainedError(
+            f"`model.init_from` {init_from!r} is not a folder: pass a local folder written by "
+            "save_pretrained (config.json and *.safetensors), or a hub id such as "
+            "Qwen/Qwen2.5-0.5B."
+        )
     from huggingface_hub import snapshot_download  # noqa: PLC0415
 
     try:

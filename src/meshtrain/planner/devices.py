@@ -172,4 +172,6 @@ def resolve_device(name: str, overrides: dict[str, dict[str, Any]], cuda: bool) 
     try:
         return device_profile(name, overrides)
     except ValueError as error:
-        raise LayoutError([Refusal("planner.device", name, str(error), "")]) from None
+        reason = str(error).rstrip(".")
+        fix = "Or define it in planner.device_profiles (docs/planner.md)."
+        raise LayoutError([Refusal("planner.device", name, reason, fix)]) from None

@@ -72,19 +72,26 @@ def plan_run(
             raise LayoutError([_over_memory(only, device, run)])
         return only
 
-    planned, rejected = _plan_each(variants, plan)
+    planned, rejected, errors = _plan_each(variants, plan)
     fitting = [p for p in planned if p.memory_estimate_per_rank["process_total"] <= budget]
     if not fitting:
         if planned:
             smallest = min(planned, key=lambda p: p.memory_estimate_per_rank["process_total"])
             raise LayoutError([_over_memory(smallest, device, run)])
+        # One value that refuses every layout (e.g. launch.backend) has its own fix.
+        shared = _shared_refusals(errors)
+        fix = (
+            " ".join(r.fix for r in shared)
+            if shared
+            else "Change launch.nproc_per_node or the model's head/layer counts."
+        )
         raise LayoutError(
             [
                 Refusal(
                     "parallel",
                     "auto",
                     "no layout of this world size can run this model: " + _reasons(rejected),
-                    "Change launch.nproc_per_node or the model's head/layer counts.",
+                    fix,
                 )
             ]
         )
@@ -98,21 +105,32 @@ def plan_run(
 
 def _plan_each(
     variants: list[RunConfig], plan: Callable[[RunConfig], Plan]
-) -> tuple[list[Plan], list[dict[str, Any]]]:
-    """The plans of the variants that pass every check, and why each of the others did not."""
+) -> tuple[list[Plan], list[dict[str, Any]], list[LayoutError]]:
+    """The plans of the variants that pass every check, why each of the others did not,
+    and their errors."""
     planned: list[Plan] = []
     rejected: list[dict[str, Any]] = []
+    errors: list[LayoutError] = []
     for variant in variants:
         try:
             planned.append(plan(_fit_global_batch(variant)))
         except LayoutError as error:
+            errors.append(error)
             rejected.append(
                 {
                     "layout": _variant_name(variant),
                     "rejected": "; ".join(str(r) for r in error.refusals),
                 }
             )
-    return planned, rejected
+    return planned, rejected, errors
+
+
+def _shared_refusals(errors: list[LayoutError]) -> list[Refusal]:
+    """The refusals every variant met, word for word (in the first one's order)."""
+    if not errors:
+        return []
+    common = set.intersection(*({str(r) for r in error.refusals} for error in errors))
+    return [r for r in errors[0].refusals if str(r) in common]
 
 
 def _reasons(rejected: list[dict[str, Any]], most: int = 4) -> str:
