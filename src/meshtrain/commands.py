@@ -3,7 +3,7 @@
 (Not named `cli.py`: Kedro would load that module as the project's own `kedro` commands.)
 
     python -m meshtrain consolidate CHECKPOINT_DIR [OUTPUT_DIR] [--max-shard-size 5GB]
-        [--no-verify]
+        [--dtype bf16] [--no-verify]
     python -m meshtrain plan --model CONFIG_JSON --devices N --device trn1 [--seq-len 4096]
         [--global-batch 256] [--tp/--pp/--dp SIZE] [--json]
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from meshtrain.checkpoint import CheckpointError, consolidate_checkpoint, resolve_checkpoint
-from meshtrain.checkpoint.consolidate import parse_size
+from meshtrain.checkpoint.consolidate import check_dtype, parse_size
 from meshtrain.config import ConsolidationConfig
 
 DEFAULT_OUTPUT = "consolidated"
@@ -55,6 +55,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="largest weight file, in bytes or with a unit: 500MB, 5GB (decimal) or 2GiB "
         "(binary); past it the weights are split into model-0000i-of-0000N.safetensors "
         "files with an index (default: %(default)s)",
+    )
+    consolidate.add_argument(
+        "--dtype",
+        default=None,
+        metavar="DTYPE",
+        help="write the weights as float32 (fp32), bfloat16 (bf16) or float16 (fp16), cast "
+        "while streaming (default: as the checkpoint holds them; a bf16_master run holds "
+        "its fp32 master weights)",
     )
     consolidate.add_argument(
         "--no-verify",
@@ -96,7 +104,16 @@ def add_plan_parser(commands: Any) -> None:
         "--activation-checkpointing", default="auto", choices=("auto", "none", "selective", "full")
     )
     plan.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved_1f1b"))
-    plan.add_argument("--bf16", action="store_true", help="bf16 autocast (fp32 master weights)")
+    plan.add_argument(
+        "--precision",
+        default="no",
+        choices=("no", "bf16", "bf16_master"),
+        help="training.mixed_precision: fp32; bf16 autocast over fp32 parameters; bf16 "
+        "parameters with fp32 master weights in the optimizer (default: %(default)s)",
+    )
+    plan.add_argument(
+        "--bf16", action="store_const", const="bf16", dest="precision", help="--precision bf16"
+    )
     plan.add_argument("--memory-margin", type=float, default=0.1)
     plan.add_argument("--json", action="store_true", help="print plan.json's content instead")
 
@@ -114,6 +131,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: --max-shard-size: {error}", file=sys.stderr)
             return 1
         try:
+            dtype = check_dtype(args.dtype)
+        except ValueError as error:
+            print(f"error: --dtype: {error}", file=sys.stderr)
+            return 1
+        try:
             output_dir = args.output_dir
             if output_dir is None:
                 output_dir = resolve_checkpoint(Path(args.checkpoint)) / DEFAULT_OUTPUT
@@ -122,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
                 output_dir,
                 verify=not args.no_verify,
                 max_shard_size=max_shard_size,
+                dtype=dtype,
             )
         except (CheckpointError, OSError) as error:
             print(f"error: {error}", file=sys.stderr)

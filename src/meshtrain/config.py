@@ -140,7 +140,13 @@ class TrainingConfig:
     compile: bool = False
     max_steps: int = 200
     seed: int = 42
-    mixed_precision: Literal["no", "bf16"] = "no"
+    # no: fp32 throughout. bf16: autocast over fp32 parameters (matmuls in bf16).
+    # bf16_master: bf16 parameters and activations; fp32 gradients, and an fp32 master
+    # copy of the weights with AdamW's moments in the optimizer (sharded under ZeRO-1).
+    mixed_precision: Literal["no", "bf16", "bf16_master"] = "no"
+    # Under bf16_master, the dtype gradients are accumulated and averaged over dp in:
+    # fp32 (exact accumulation) or bf16 (half the reduction bytes, as some users want).
+    grad_reduce_dtype: Literal["fp32", "bf16"] = "fp32"
     checkpoint_every: int = 100
     keep_last: int = 2
     resume_from: str | None = None
@@ -326,6 +332,9 @@ class ConsolidationConfig:
     output_dir: str = "data/06_models/consolidated"
     # Weight files are split at this size (bytes, or 500MB, 5GB, 2GiB).
     max_shard_size: str = "5GB"
+    # null: the dtype the checkpoint holds (fp32, also the master weights of a
+    # bf16_master run); or float32 / bfloat16 / float16.
+    dtype: str | None = None
 
 
 @dataclass(frozen=True)
@@ -494,6 +503,12 @@ def check_training(training: TrainingConfig) -> None:
         raise ConfigError(
             f"`training.max_grad_norm` is {training.max_grad_norm}; use a norm above 0 to "
             "clip gradients to it, e.g. 1.0, or 0 for no clipping."
+        )
+    if training.grad_reduce_dtype == "bf16" and training.mixed_precision != "bf16_master":
+        raise ConfigError(
+            f"`training.grad_reduce_dtype=bf16` needs `training.mixed_precision=bf16_master` "
+            f"(it is {training.mixed_precision!r}): with fp32 parameters the gradients are "
+            "fp32. Use grad_reduce_dtype=fp32, or mixed_precision=bf16_master."
         )
     if training.keep_last < 0:
         raise ConfigError(

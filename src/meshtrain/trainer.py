@@ -139,12 +139,15 @@ class Trainer:
             dtype=torch.bfloat16,
             enabled=self.cfg.mixed_precision == "bf16",
         )
+        meta_model = build_meta_model(model_config)
+        if self.cfg.mixed_precision == "bf16_master":
+            meta_model.to(torch.bfloat16)  # on the meta device: allocates nothing
         with ExitStack() as stack:
             weights = weight_source(
                 model_config, seed=self.cfg.seed, init_from=self.run.model.init_from, stack=stack
             )
             pm = parallelize(
-                build_meta_model(model_config),
+                meta_model,
                 self.dims,
                 self.layout,
                 self.device,
@@ -354,9 +357,8 @@ class Trainer:
 
     @property
     def model_states_bytes(self) -> int:
-        """Parameters, gradients and this rank's AdamW moments, in bytes."""
-        numel = self.flat.params.numel() + self.flat.grads.numel() + 2 * self.optimizer.owned_numel
-        return numel * self.flat.params.element_size()
+        """Parameters, gradients and this rank's optimizer states, in bytes."""
+        return self.flat.params.nbytes + self.flat.grads.nbytes + self.optimizer.state_bytes
 
     def summary(
         self, initial_val_loss: float | None, final_val_loss: float | None, train_time: float

@@ -884,3 +884,52 @@ def test_the_command_imports_no_torch(tmp_path: Path, tiny_llama) -> None:
         assert report["code"] == 0, result.stderr
         assert set(report["imported"]) <= allowed, report
         assert (tmp_path / "out" / "model.safetensors").is_file()
+
+
+def test_cli_dtype_casts_while_streaming_and_the_model_loads(
+    run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """--dtype bf16 (several files, so both the copied and the interleaved tensors are
+    cast): every tensor is the fp32 one rounded as torch rounds, config.json says bf16."""
+    fp32_dir, bf16_dir = tmp_path / "fp32", tmp_path / "bf16"
+    assert main(["consolidate", str(run_dir), str(fp32_dir)]) == 0
+    capsys.readouterr()
+    args = ["consolidate", str(run_dir), str(bf16_dir), "--dtype", "bf16"]
+    assert main([*args, "--max-shard-size", "0.1MB"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["dtype"] == ["bfloat16"] and len(summary["files"]) > 1
+    want = load_file(fp32_dir / "model.safetensors")
+    model = AutoModelForCausalLM.from_pretrained(bf16_dir)
+    assert model.dtype == torch.bfloat16
+    got = dict(model.named_parameters())
+    for name, tensor in want.items():
+        if name in got:
+            assert torch.equal(got[name].detach(), tensor.to(torch.bfloat16)), name
+    assert json.loads((bf16_dir / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+def test_cli_refuses_a_dtype_it_cannot_cast_to(run_dir: Path, tmp_path: Path, capsys) -> None:
+    assert main(["consolidate", str(run_dir), str(tmp_path / "out"), "--dtype", "int8"]) == 1
+    error = capsys.readouterr().err
+    assert "--dtype" in error and "bfloat16 (bf16)" in error
+    assert not (tmp_path / "out").exists()
+
+
+def test_casts_match_torch_bitwise_ties_and_specials_included() -> None:
+    from meshtrain.checkpoint.consolidate.convert import caster  # noqa: PLC0415
+
+    generator = torch.Generator().manual_seed(0)
+    values = torch.randn(10_000, generator=generator) * 10.0 ** torch.randint(-30, 30, (10_000,))
+    # Exact ties between two bf16 values (round to even), extremes, zeros, infinities.
+    ties = torch.tensor([1.00390625, 1.01171875, -1.00390625, 3.3895314e38, 1e-45, -0.0, 0.0])
+    specials = torch.tensor([float("inf"), -float("inf"), torch.finfo(torch.float32).max])
+    values = torch.cat([values, ties, specials])
+    to_bf16 = caster("float32", "bfloat16")
+    raw = to_bf16(memoryview(values.numpy().tobytes()))
+    got = torch.frombuffer(bytearray(raw), dtype=torch.bfloat16)
+    assert torch.equal(got.view(torch.int16), values.to(torch.bfloat16).view(torch.int16))
+    back = caster("bfloat16", "float32")(memoryview(bytes(raw)))
+    assert torch.equal(torch.frombuffer(bytearray(back), dtype=torch.float32), got.float())
+    nan = caster("float32", "bfloat16")(memoryview(torch.tensor([float("nan")]).numpy().tobytes()))
+    assert torch.frombuffer(bytearray(nan), dtype=torch.bfloat16).isnan().all()
+    assert caster("float32", "float32") is None

@@ -527,6 +527,29 @@ def test_memory_estimate_pads_the_zero_1_shard() -> None:
     )
 
 
+def test_bf16_master_counts_2_plus_4_plus_12_over_dp_bytes(model_config: PretrainedConfig) -> None:
+    """bf16 parameters, fp32 gradients, and the fp32 master with both moments under ZeRO-1;
+    with bf16 gradient reduction the optimizer keeps an fp32 copy of its gradient range."""
+    launch = {"nproc_per_node": 4}
+    fp32 = _plan(model_config, launch=launch).memory_estimate_per_rank
+    plan = _plan(model_config, launch=launch, training={"mixed_precision": "bf16_master"})
+    n, memory = plan.num_parameters, plan.memory_estimate_per_rank
+    padded = 4 * math.ceil(n / 4)
+    assert plan.layout.zero_1
+    assert memory["parameters"] == 2 * padded
+    assert memory["gradients"] == 4 * padded
+    assert memory["optimizer_states"] == 12 * padded // 4
+    # The activations are bf16: less than the fp32 run's.
+    assert memory["activations"] < fp32["activations"]
+    bf16_reduce = _plan(
+        model_config,
+        launch=launch,
+        training={"mixed_precision": "bf16_master", "grad_reduce_dtype": "bf16"},
+    ).memory_estimate_per_rank
+    assert bf16_reduce["gradients"] == 2 * padded
+    assert bf16_reduce["optimizer_states"] == 16 * padded // 4
+
+
 # --- plan.json ------------------------------------------------------------------------------
 
 

@@ -150,7 +150,7 @@ def restore_checkpoint(
     stored_as = tied_copies or {}
     check_compatible(manifest, parameters, sharding, stored_as)
     start, end = optimizer.start, optimizer.end
-    exp_avg = torch.zeros(end - start, dtype=flat.params.dtype)
+    exp_avg = torch.zeros(end - start, dtype=optimizer.state_dtype)
     exp_avg_sq = torch.zeros_like(exp_avg)
     with ExitStack() as stack:
         reader = CheckpointReader(root, manifest, stack)
@@ -162,6 +162,10 @@ def restore_checkpoint(
             lo, hi = max(slot.offset, start), min(slot.offset + slot.numel, end)
             if lo >= hi:
                 continue
+            if optimizer.master is not None:
+                # At the precision stored: fp32 masters (or an fp32 run's weights) stay exact.
+                kept = local[lo - slot.offset : hi - slot.offset]
+                optimizer.master[lo - start : hi - start] = kept
             for key, target in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
                 moment = spec.local_piece(reader.moment(name, key), dims.tp_rank, dims.tp)
                 flat_moment = moment.reshape(-1)

@@ -66,8 +66,9 @@ def save_checkpoint(
         if tokenizer_dir is not None:
             shutil.copytree(tokenizer_dir, root / files.TOKENIZER, dirs_exist_ok=True)
     # Every stage's tensors go in the one manifest: gather their entries (JSON-able dicts).
+    stored_dtype = optimizer.state_dtype  # the master weights' under bf16_master
     mine = (
-        {n: tensor_entry(p, sharding[n], dims.pp_rank) for n, p in parameters.items()}
+        {n: tensor_entry(p, sharding[n], dims.pp_rank, stored_dtype) for n, p in parameters.items()}
         if dims.dp_rank == 0 and dims.tp_rank == 0
         else {}
     )
@@ -88,12 +89,16 @@ def write_rank_tensors(
     """This rank's share of the checkpoint: its (tp, pp) coordinate's parameter shard and
     flat index (dp rank 0 only), and its range of the optimizer's moments (every ZeRO-1
     owner; dp rank 0 without ZeRO-1)."""
+    weights = files.shard_weights(root, dims.tp_rank, dims.pp_rank)
     if dims.dp_rank == 0:
-        weights = files.shard_weights(root, dims.tp_rank, dims.pp_rank)
         weights.parent.mkdir(parents=True, exist_ok=True)
+    if optimizer.master is not None:
+        write_master_weights(weights, parameters, optimizer, dims)
+    elif dims.dp_rank == 0:
         tensors = {n: local_tensor(p).detach() for n, p in parameters.items()}
         # Streamed tensor by tensor from the parameters' own memory: no serialised copy.
         save_safetensors(tensors, weights, metadata={"format": "pt"})
+    if dims.dp_rank == 0:
         # Where each parameter sits in this coordinate's flat buffer, so optimizer moments
         # (saved as flat ranges) can be resharded onto another layout.
         write_json_atomic(
@@ -105,6 +110,23 @@ def write_rank_tensors(
         write_moments(
             optimizer, opt_dir / files.optimizer_file_name(dims.dp_rank, dims.tp_rank, dims.pp_rank)
         )
+
+
+def write_master_weights(
+    path: Path, parameters: dict[str, torch.Tensor], optimizer: ShardedAdamW, dims: ParallelDims
+) -> None:
+    """Under bf16 parameters the checkpoint holds the fp32 master weights (so resume is
+    exact and consolidation loses nothing). Under ZeRO-1 they are spread over the dp
+    ranks: each tensor is gathered to dp rank 0 as it is written, one at a time."""
+    slots = [slot for slot in optimizer.flat.slots if slot.name in parameters]
+    if dims.dp_rank != 0:
+        for slot in slots:
+            optimizer.full_master(slot)  # the sends of this rank's elements
+        return
+    specs = [TensorSpec(slot.name, optimizer.state_dtype, slot.shape) for slot in slots]
+    with SafetensorsWriter(path, specs, metadata={"format": "pt"}) as writer:
+        for slot in slots:
+            writer.write(slot.name, optimizer.full_master(slot))
 
 
 def _manifest(
@@ -126,7 +148,7 @@ def write_moments(optimizer: ShardedAdamW, path: Path) -> None:
     """This rank's AdamW moments over its owned range, and the step count, streamed from
     the optimizer's state pieces (no copy of the optimizer is made to save it)."""
     numel = optimizer.owned_numel
-    dtype = optimizer.flat.params.dtype
+    dtype = optimizer.state_dtype
     specs = [
         TensorSpec("exp_avg", dtype, (numel,)),
         TensorSpec("exp_avg_sq", dtype, (numel,)),
@@ -149,11 +171,14 @@ def _hf_order(name: str) -> tuple:
     return (0 if "embed" in name else 2 if "norm" in name else 3, 0, name)
 
 
-def tensor_entry(parameter: torch.Tensor, spec: ParameterSharding, pp_rank: int) -> dict:
-    """How consolidation rebuilds one tensor: its full shape, split and KV copies."""
+def tensor_entry(
+    parameter: torch.Tensor, spec: ParameterSharding, pp_rank: int, dtype: torch.dtype
+) -> dict:
+    """How consolidation rebuilds one tensor: its full shape, stored dtype, split and KV
+    copies."""
     entry = {
         "shape": spec.hf_shape(parameter.shape),
-        "dtype": str(parameter.dtype).removeprefix("torch."),
+        "dtype": str(dtype).removeprefix("torch."),
         "tp_dim": spec.tp_dim,
         "pp_rank": pp_rank,
     }

@@ -1,6 +1,9 @@
-"""The optimizer of a run: AdamW over the flat buffer (ZeRO-1 when the layout says so)."""
+"""The optimizer of a run: AdamW over the flat buffer (ZeRO-1 when the layout says so;
+fp32 master weights and gradients under bf16 parameters)."""
 
 from __future__ import annotations
+
+import torch
 
 from meshtrain.config import TrainingConfig
 from meshtrain.distributed.flat_buffer import FlatParameters
@@ -14,7 +17,11 @@ def build_optimizer(
     """The flat buffer over this rank's parameters and AdamW on it (ZeRO-1 over dp),
     with the global gradient norm summed over the tp and pp groups."""
     dims = pm.dims
-    flat = FlatParameters(pm.parameters.items(), num_shards=dims.dp, sharding=pm.sharding)
+    master_weights = training.mixed_precision == "bf16_master"
+    grad_dtype = torch.float32 if master_weights and training.grad_reduce_dtype == "fp32" else None
+    flat = FlatParameters(
+        pm.parameters.items(), num_shards=dims.dp, sharding=pm.sharding, grad_dtype=grad_dtype
+    )
     norm_groups = tuple(
         dims.mesh.get_group(name) for name in ("tp", "pp") if dims.mesh[name].size() > 1
     )
@@ -31,5 +38,6 @@ def build_optimizer(
         eps=training.adam_epsilon,
         weight_decay=training.weight_decay,
         max_grad_norm=training.max_grad_norm,
+        master_weights=master_weights,
     )
     return flat, optimizer

@@ -29,8 +29,13 @@ def persistent_tensors(
     pm: ParallelModel, flat: FlatParameters, optimizer: ShardedAdamW
 ) -> list[torch.Tensor]:
     """What lives through a step: parameters and buffers of this rank's stages, the flat
-    gradient buffer (the optimizer's gradient shard is a view of it) and AdamW's states."""
+    gradient buffer (the optimizer's gradient shard is a view of it), the fp32 master
+    weights and gradients where the parameters are bf16, and AdamW's states."""
     tensors = [flat.params, flat.grads]
+    if optimizer.master is not None:
+        tensors.append(optimizer.master)
+    if optimizer.master_grad is not optimizer.grad_shard:
+        tensors.append(optimizer.master_grad)
     for module in pm.modules:
         tensors.extend(module.parameters())
         tensors.extend(module.buffers())

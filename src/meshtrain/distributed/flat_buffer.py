@@ -8,6 +8,13 @@ work on plain slices. Parameters are ordered into runs that share a weight
 decay setting and a copy count (how many tp ranks hold each element, which
 the global gradient norm must divide out). The buffer is padded to a
 multiple of `num_shards` so ZeRO-1 cuts it into equal pieces.
+
+With bf16 parameters the gradients can be kept in fp32 (`grad_dtype`), as
+Megatron's `main_grad` does: autograd cannot accumulate a bf16 parameter's
+gradient into an fp32 tensor, so each parameter's bf16 `.grad` is added into
+its fp32 view (`parameter.main_grad`) by a post-accumulate hook as soon as the
+backward produces it, and dropped. Either way `main_grad` is where a
+parameter's accumulated gradient lives (`tensor_parallel.accumulated_grad`).
 """
 
 from __future__ import annotations
@@ -47,8 +54,10 @@ class FlatParameters:
         parameters: nn.Module | Iterable[tuple[str, torch.Tensor]],
         num_shards: int = 1,
         sharding: dict[str, ParameterSharding] | None = None,
+        grad_dtype: torch.dtype | None = None,
     ) -> None:
-        """`parameters`: a module, or (name, parameter) pairs (e.g. of several stages)."""
+        """`parameters`: a module, or (name, parameter) pairs (e.g. of several stages);
+        `grad_dtype`: the gradient buffer's dtype (default: the parameters')."""
         if isinstance(parameters, nn.Module):
             sharding = sharding or unsharded(parameters)
             parameters = parameters.named_parameters()
@@ -83,13 +92,21 @@ class FlatParameters:
         self.padded_numel = -(-offset // num_shards) * num_shards
         first = local_tensor(self.parameters[0])
         self.params = torch.zeros(self.padded_numel, dtype=first.dtype, device=first.device)
-        self.grads = torch.zeros_like(self.params)
+        self.grads = torch.zeros_like(self.params, dtype=grad_dtype or first.dtype)
+        # Gradients of another dtype than the parameters are accumulated by a hook.
+        self.separate_grads = self.grads.dtype != self.params.dtype
+        self._hooks = []
         for slot, p in zip(self.slots, self.parameters, strict=True):
             local = local_tensor(p)
             view = self.params[slot.offset : slot.offset + slot.numel].view(slot.shape)
             view.copy_(local.detach())
             local.data = view
             grad = self.grads[slot.offset : slot.offset + slot.numel].view(slot.shape)
+            p.main_grad = grad
+            if self.separate_grads:
+                p.grad = None
+                self._hooks.append(p.register_post_accumulate_grad_hook(_add_to_main_grad))
+                continue
             if isinstance(p, DTensor):
                 grad = DTensor.from_local(grad, p.device_mesh, p.placements, run_check=False)
             p.grad = grad
@@ -112,6 +129,20 @@ class FlatParameters:
         for slot, p in zip(self.slots, self.parameters, strict=True):
             base = self.params.data_ptr() + slot.offset * self.params.element_size()
             gbase = self.grads.data_ptr() + slot.offset * self.grads.element_size()
-            grad = None if p.grad is None else local_tensor(p.grad)
+            if self.separate_grads:
+                grad = p.main_grad if p.grad is None else None
+            else:
+                grad = None if p.grad is None else local_tensor(p.grad)
             if local_tensor(p).data_ptr() != base or grad is None or grad.data_ptr() != gbase:
                 raise RuntimeError(f"parameter {slot.name} no longer lives in the flat buffer")
+
+
+def _add_to_main_grad(parameter: torch.Tensor) -> None:
+    """Post-accumulate hook: move this backward's gradient into the fp32 buffer view."""
+    grad = parameter.grad
+    if isinstance(grad, DTensor) and grad.placements != parameter.placements:
+        # Autograd may hand a DTensor parameter its gradient in another placement (a
+        # replicated value of a sharded weight): bring it to the parameter's.
+        grad = grad.redistribute(parameter.device_mesh, parameter.placements)
+    parameter.main_grad.add_(local_tensor(grad))
+    parameter.grad = None

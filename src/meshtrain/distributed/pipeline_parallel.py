@@ -30,7 +30,7 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
 )
 
-from meshtrain.distributed.tensor_parallel import local_tensor
+from meshtrain.distributed.tensor_parallel import accumulated_grad
 
 SCHEDULES = {
     "gpipe": ScheduleGPipe,
@@ -83,7 +83,7 @@ class SharedWeightSync:
 
     def __call__(self) -> None:
         for weight in self.copies:
-            dist.all_reduce(local_tensor(weight.grad), op=dist.ReduceOp.SUM, group=self.group)
+            dist.all_reduce(accumulated_grad(weight), op=dist.ReduceOp.SUM, group=self.group)
 
 
 @dataclass(frozen=True)

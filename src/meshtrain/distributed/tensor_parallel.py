@@ -52,6 +52,13 @@ def local_tensor(parameter: torch.Tensor) -> torch.Tensor:
     return parameter._local_tensor if isinstance(parameter, DTensor) else parameter
 
 
+def accumulated_grad(parameter: torch.Tensor) -> torch.Tensor:
+    """The gradient the backward accumulated for `parameter`, as a local tensor: its view of
+    the flat gradient buffer (`main_grad`, fp32 under bf16 parameters), else its `.grad`."""
+    main = getattr(parameter, "main_grad", None)
+    return main if main is not None else local_tensor(parameter.grad)
+
+
 def read_sharding(
     model: nn.Module,
     tp: int,
@@ -127,9 +134,9 @@ class TensorParallelGradSync:
 
     def __call__(self) -> None:
         for parameter, scale in self.head_local:
-            grad = local_tensor(parameter.grad)
+            grad = accumulated_grad(parameter)
             dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=self.tp_group)
             if scale != 1.0:
                 grad.mul_(scale)
         for parameter in self.kv_copies:
-            dist.all_reduce(local_tensor(parameter.grad), op=dist.ReduceOp.SUM, group=self.kv_group)
+            dist.all_reduce(accumulated_grad(parameter), op=dist.ReduceOp.SUM, group=self.kv_group)

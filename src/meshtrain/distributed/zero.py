@@ -13,6 +13,14 @@ with ZeRO-1 each data-parallel rank
 Without ZeRO-1 the range is the whole buffer and step 1 is an all-reduce.
 AdamW is elementwise, so updating a slice is the same arithmetic as updating
 the parameters one by one, which is why ZeRO-1 reproduces one process.
+
+With `master_weights` (bf16 parameters) the optimizer keeps an fp32 copy of
+its owned range: AdamW updates that copy with the fp32 gradients (copied up
+from bf16 ones if the reduction ran in bf16), the bf16 parameters are the
+copy rounded, and only those bf16 values are all-gathered. That is the
+Megatron / optimum-neuron "master weights" recipe: 2 bytes of parameter and
+4 of gradient per element on every rank, 12 (master, two moments) split over
+dp by ZeRO-1.
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from meshtrain.distributed.data_parallel import GradientReducer
-from meshtrain.distributed.flat_buffer import FlatParameters
+from meshtrain.distributed.flat_buffer import FlatParameters, Slot
 
 
 class ShardedAdamW:
@@ -42,9 +50,11 @@ class ShardedAdamW:
         overlap_reduction: bool,
         bucket_bytes: int,
         reduce_after_backward: Collection[str] = (),
+        master_weights: bool = False,
     ) -> None:
         """`reduce_after_backward`: names of parameters whose gradients are completed
-        after the backward (tensor parallelism's sums) and so reduced after it."""
+        after the backward (tensor parallelism's sums) and so reduced after it;
+        `master_weights`: keep and update an fp32 copy of the owned range (bf16 parameters)."""
         self.flat = flat
         self.group = group
         self.zero_1 = zero_1
@@ -70,6 +80,18 @@ class ShardedAdamW:
             deferred_names=reduce_after_backward,
         )
 
+        # What AdamW updates: the owned range of the parameters themselves, or its fp32
+        # master copy; and the fp32 gradients it reads (a copy when they were reduced in
+        # bf16, else the reduced range itself).
+        owned = flat.params[self.start : self.end]
+        self.master = owned.float() if master_weights else None
+        self.state_dtype = torch.float32 if master_weights else flat.params.dtype
+        updated = owned if self.master is None else self.master
+        self.master_grad = (
+            self.grad_shard
+            if self.grad_shard.dtype == self.state_dtype
+            else torch.zeros_like(self.grad_shard, dtype=self.state_dtype)
+        )
         # The owned range, cut where the runs change; padding is never updated.
         groups = []
         self._norm_pieces: list[tuple[int, int, float]] = []
@@ -77,8 +99,8 @@ class ShardedAdamW:
             lo, hi = max(self.start, run.start), min(self.end, run.end)
             if hi <= lo:
                 continue
-            master = flat.params[lo:hi]
-            master.grad = self.grad_shard[lo - self.start : hi - self.start]
+            master = updated[lo - self.start : hi - self.start]
+            master.grad = self.master_grad[lo - self.start : hi - self.start]
             decay = weight_decay if run.weight_decay else 0.0
             groups.append({"params": [master], "weight_decay": decay, "range": (lo, hi)})
             self._norm_pieces.append((lo - self.start, hi - self.start, 1.0 / run.copies))
@@ -89,20 +111,63 @@ class ShardedAdamW:
     def owned_numel(self) -> int:
         return self.end - self.start
 
+    @property
+    def state_bytes(self) -> int:
+        """What this optimizer holds beyond the flat buffers: AdamW's two moments of the
+        owned range, and the fp32 master weights (and gradient copy) where there are any."""
+        held = 2 * self.owned_numel * self.state_dtype.itemsize
+        if self.master is not None:
+            held += self.master.nbytes
+        if self.master_grad is not self.grad_shard:
+            held += self.master_grad.nbytes
+        return held
+
     def step(self) -> torch.Tensor:
         """Finish averaging the gradients, clip to the global norm, update; returns the
         pre-clip norm."""
         self.reducer.finish(self.grad_shard)
+        if self.master_grad is not self.grad_shard:
+            self.master_grad.copy_(self.grad_shard)
         norm = self.global_grad_norm()
         if self.max_grad_norm > 0:
             coef = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
-            self.grad_shard.mul_(coef)
+            self.master_grad.mul_(coef)
         self.optimizer.step()
+        if self.master is not None:
+            self.flat.params[self.start : self.end].copy_(self.master)
         if self.zero_1 and self.reducer.size > 1:
             # The owned range is its own chunk of the output: gathered in place.
             owned = self.flat.params[self.start : self.end]
             dist.all_gather_single(self.flat.params, owned, group=self.group)
         return norm
+
+    def full_master(self, slot: Slot) -> torch.Tensor | None:
+        """The fp32 master values of one parameter (`slot` of the flat buffer), whole, on dp
+        rank 0 and None elsewhere. Collective over the dp group under ZeRO-1 (the owners of
+        its elements send them to rank 0, one tensor at a time); otherwise every rank holds
+        them and this is a view."""
+        if self.master is None:
+            raise ValueError("no master weights: the parameters are their own (not bf16_master)")
+        a, b = slot.offset, slot.offset + slot.numel
+        if not (self.zero_1 and self.reducer.size > 1):
+            return self.master[a - self.start : b - self.start].view(slot.shape)
+        rank, per_rank = dist.get_rank(self.group), self.owned_numel
+        owners = range(a // per_rank, (b - 1) // per_rank + 1)
+        if rank == 0:
+            full = self.master.new_empty(slot.numel)
+            for owner in owners:
+                lo, hi = max(a, owner * per_rank), min(b, (owner + 1) * per_rank)
+                if owner == 0:
+                    full[lo - a : hi - a] = self.master[lo:hi]
+                else:
+                    source = dist.get_global_rank(self.group, owner)
+                    dist.recv(full[lo - a : hi - a], src=source, group=self.group)
+            return full.view(slot.shape)
+        if rank in owners:
+            lo, hi = max(a, self.start), min(b, self.end)
+            part = self.master[lo - self.start : hi - self.start]
+            dist.send(part, dst=dist.get_global_rank(self.group, 0), group=self.group)
+        return None
 
     def global_grad_norm(self) -> torch.Tensor:
         """L2 norm of the whole model's averaged gradient.
@@ -112,11 +177,11 @@ class ShardedAdamW:
         heads), then the sums are added over the data-parallel ranks (when
         ZeRO-1 split the range) and the `norm_groups` (tp, pp).
         """
-        squares = self.grad_shard.new_zeros((), dtype=torch.float32)
+        squares = self.master_grad.new_zeros((), dtype=torch.float32)
         for lo, hi, weight in self._norm_pieces:
             # vector_norm reduces without materialising the squares (no buffer-sized temporary).
             squares += (
-                torch.linalg.vector_norm(self.grad_shard[lo:hi], dtype=torch.float32) ** 2 * weight
+                torch.linalg.vector_norm(self.master_grad[lo:hi], dtype=torch.float32) ** 2 * weight
             )
         if self.zero_1 and self.group is not None:
             dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=self.group)
@@ -133,15 +198,15 @@ class ShardedAdamW:
         for group in self.optimizer.param_groups:
             lo, hi = group["range"]
             if lo > position:
-                pieces.append(self.grad_shard.new_zeros(lo - position))
+                pieces.append(self.master_grad.new_zeros(lo - position))
             state = self.optimizer.state.get(group["params"][0], {})
             moment = state.get(key)
             pieces.append(
-                moment.detach() if moment is not None else self.grad_shard.new_zeros(hi - lo)
+                moment.detach() if moment is not None else self.master_grad.new_zeros(hi - lo)
             )
             position = hi
         if self.end > position:
-            pieces.append(self.grad_shard.new_zeros(self.end - position))
+            pieces.append(self.master_grad.new_zeros(self.end - position))
         return pieces
 
     def step_count(self) -> float:
@@ -160,6 +225,6 @@ class ShardedAdamW:
             lo, hi = (x - self.start for x in group["range"])
             self.optimizer.state[group["params"][0]] = {
                 "step": torch.tensor(float(step)),
-                "exp_avg": exp_avg[lo:hi].clone(),
-                "exp_avg_sq": exp_avg_sq[lo:hi].clone(),
+                "exp_avg": exp_avg[lo:hi].to(self.master_grad.device, copy=True),
+                "exp_avg_sq": exp_avg_sq[lo:hi].to(self.master_grad.device, copy=True),
             }

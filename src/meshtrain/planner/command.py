@@ -46,7 +46,7 @@ def run_plan(args: argparse.Namespace) -> int:
             training={
                 "per_device_train_batch_size": args.micro_batch_size,
                 "global_batch_size": args.global_batch,
-                "mixed_precision": "bf16" if args.bf16 else "no",
+                "mixed_precision": args.precision,
             },
             launch={
                 "nproc_per_node": per_node,
@@ -81,6 +81,15 @@ def _per_node(device: str) -> int:
     return profile.devices_per_node if profile else 8
 
 
+PRECISION_BYTES = {
+    "no": "per parameter 4 B fp32 weight + 4 B gradient + 8 B moments (/dp with ZeRO-1)",
+    "bf16": "per parameter 4 B fp32 weight + 4 B gradient + 8 B moments (/dp with ZeRO-1); "
+    "bf16 matmuls",
+    "bf16_master": "per parameter 2 B bf16 weight + 4 B fp32 gradient + 12 B fp32 master "
+    "and moments (/dp with ZeRO-1); bf16 activations",
+}
+
+
 def describe(plan: Plan, args: argparse.Namespace) -> str:
     """The choice, its breakdown and the runners-up, as a person reads them."""
     memory, time = plan.memory_estimate_per_rank, plan.time_estimate
@@ -89,6 +98,7 @@ def describe(plan: Plan, args: argparse.Namespace) -> str:
         f"sequence {args.seq_len}, global batch {plan.global_batch_size}",
         f"chosen: {plan.layout.name}  (per-device batch {plan.per_device_train_batch_size}, "
         f"accumulation {plan.gradient_accumulation_steps})",
+        f"  precision {args.precision}: {PRECISION_BYTES[args.precision]}",
         f"  memory per rank (peak, pipeline rank {memory['peak_pipeline_rank']}): "
         f"{memory['process_total'] / GIB:.2f} GiB, of which the step's tensors "
         f"{memory['total'] / GIB:.2f} GiB",

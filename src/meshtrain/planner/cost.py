@@ -26,7 +26,6 @@ from dataclasses import dataclass
 
 from meshtrain.planner.devices import DeviceProfile
 from meshtrain.planner.memory import (
-    ADAM_MOMENTS,
     BYTES_BF16,
     BYTES_FP32,
     MemoryEstimate,
@@ -138,7 +137,7 @@ def estimate_step_time(
         pipeline = bubble + 2 * send * microbatches
         if m.tied_embeddings:
             # The first and last stages sum their copies' gradients once per step.
-            tied_grad = m.vocab * m.hidden / step.tp * BYTES_FP32
+            tied_grad = m.vocab * m.hidden / step.tp * step.gradient_bytes
             pipeline += _ring(tied_grad, 2, pp_link, device.latency_us, 2.0)
 
     data_parallel = 0.0
@@ -156,6 +155,6 @@ def estimate_step_time(
         data_parallel = averaging + (gather if step.zero_1 else 0.0)
 
     # AdamW reads parameter, gradient and two moments and writes three: ~28 bytes each.
-    owned = memory.optimizer_states / (BYTES_FP32 * ADAM_MOMENTS)
+    owned = memory.optimizer_states / step.optimizer_bytes
     optimizer = owned * 28 / (device.memory_gbps * 1e9)
     return TimeEstimate(compute, tensor_parallel, pipeline, data_parallel, optimizer)

@@ -166,6 +166,8 @@ def _step_shape(run: RunConfig, layout: Layout, layers: int, device: DeviceProfi
         virtual_stages=layout.pipeline_parallel_virtual_stages,
         stage_layers=tuple(layout.pipeline_parallel_layers or [layers]),
         seq_len=run.data.block_size,
-        bf16=run.training.mixed_precision == "bf16",
+        bf16=run.training.mixed_precision in ("bf16", "bf16_master"),
+        master_weights=run.training.mixed_precision == "bf16_master",
+        grad_reduce_bf16=run.training.grad_reduce_dtype == "bf16",
         offload_effective=layout.activation_offloading and device.name != "cpu",
     )

@@ -42,9 +42,16 @@ Outside the step the estimate adds what the process holds before the model
 profile's `runtime_gib` (libraries and interpreter on cpu, the accelerator
 runtime's context elsewhere).
 
-Parameters are fp32 in both precisions (bf16 runs under autocast, so the
-fp32 parameters are the master weights); under bf16 the matmul outputs are
-counted at 2 bytes.
+Precisions (`training.mixed_precision`): under `no` and `bf16` (autocast) the
+parameters and gradients are fp32 (the parameters are their own master
+weights: 4 + 4 + 8/dp bytes per parameter under ZeRO-1); under bf16 autocast
+the matmul outputs are counted at 2 bytes. Under `bf16_master` the
+parameters and activations are bf16, the gradients fp32 (bf16 with
+`grad_reduce_dtype=bf16`, plus the optimizer's fp32 copy of its range), and
+the optimizer holds an fp32 master copy beside the moments: 2 + 4 + 12/dp
+bytes per parameter. Its norms keep an fp32 upcast of their input beside the
+bf16 normed value (Hugging Face's RMSNorm computes in fp32), so the layer's
+"kept" elements average 3 bytes.
 """
 
 from __future__ import annotations
@@ -162,8 +169,25 @@ class StepShape:
     virtual_stages: int
     stage_layers: tuple[int, ...]  # decoder layers of each stage, in order
     seq_len: int
-    bf16: bool = False
+    bf16: bool = False  # matmuls in bf16 (autocast, or bf16 parameters)
     offload_effective: bool = False  # activations really leave the device (accelerators)
+    master_weights: bool = False  # bf16 parameters and activations, fp32 master in AdamW
+    grad_reduce_bf16: bool = False  # bf16 gradients (only with master_weights)
+
+    @property
+    def parameter_bytes(self) -> int:
+        return BYTES_BF16 if self.master_weights else BYTES_FP32
+
+    @property
+    def gradient_bytes(self) -> int:
+        return BYTES_BF16 if self.grad_reduce_bf16 else BYTES_FP32
+
+    @property
+    def optimizer_bytes(self) -> int:
+        """Per owned element: AdamW's moments, the fp32 master, its fp32 gradient copy."""
+        master = BYTES_FP32 if self.master_weights else 0
+        gradient_copy = BYTES_FP32 if self.grad_reduce_bf16 else 0
+        return BYTES_FP32 * ADAM_MOMENTS + master + gradient_copy
 
 
 def local_parameter_count(
@@ -218,22 +242,24 @@ def estimate_model_states(
     pp: int,
     zero_1: bool,
     kv_replication: int = 1,
+    precision: StepShape | None = None,
 ) -> MemoryEstimate:
-    """Bytes per rank of fp32 parameters, gradients and AdamW moments, stages averaged."""
+    """Bytes per rank of parameters, gradients and optimizer states, stages averaged
+    (`precision`: a step shape whose precision fields apply; default fp32)."""
     local = math.ceil(local_parameter_count(shapes, tp=tp, kv_replication=kv_replication) / pp)
     owned = math.ceil(local / dp) if zero_1 else local
-    return _with_model_states(local, owned)
+    return _with_model_states(local, owned, precision or FP32)
 
 
 def _with_model_states(
-    held: int, owned: int, *, activations: int = 0, loss: int = 0
+    held: int, owned: int, step: StepShape, *, activations: int = 0, loss: int = 0
 ) -> MemoryEstimate:
-    """fp32 parameters and gradients of `held` elements, AdamW's moments of the `owned`
-    ones."""
+    """Parameters and gradients of `held` elements, optimizer states of the `owned` ones,
+    at the step's precision."""
     return MemoryEstimate(
-        parameters=held * BYTES_FP32,
-        gradients=held * BYTES_FP32,
-        optimizer_states=owned * BYTES_FP32 * ADAM_MOMENTS,
+        parameters=held * step.parameter_bytes,
+        gradients=held * step.gradient_bytes,
+        optimizer_states=owned * step.optimizer_bytes,
         activations=activations,
         loss=loss,
     )
@@ -294,7 +320,7 @@ def estimate_memory(
         padded = math.ceil(local / step.dp) * step.dp if step.zero_1 else local
         owned = padded // step.dp if step.zero_1 else local
         activations, loss = _activations_on_rank(m, step, rank, mine)  # saved, at the peak
-        per_rank.append(_with_model_states(padded, owned, activations=activations, loss=loss))
+        per_rank.append(_with_model_states(padded, owned, step, activations=activations, loss=loss))
     worst = max(range(step.pp), key=lambda r: per_rank[r].total)
     return dataclasses.replace(
         per_rank[worst], pipeline_rank=worst, per_pipeline_rank=tuple(e.total for e in per_rank)
@@ -319,8 +345,14 @@ def _activations_on_rank(
     t, h = step.tp, m.hidden
     tokens = step.microbatch_size * step.seq_len  # per microbatch
     matmul_bytes = BYTES_BF16 if step.bf16 else BYTES_FP32
+    # The residual stream's dtype: bf16 with bf16 parameters, else fp32.
+    stream = step.parameter_bytes
     kept, matmul = layer_activation_elements(m, step)
-    layer_bytes = tokens * (kept * BYTES_FP32 + matmul * matmul_bytes)
+    # bf16 parameters: each norm keeps its fp32 upcast input and its bf16 normed value.
+    kept_bytes = (BYTES_FP32 + BYTES_BF16) / 2 if step.master_weights else BYTES_FP32
+    if step.master_weights and step.activation_checkpointing == "selective":
+        kept_bytes = BYTES_BF16  # only the layer's input is kept
+    layer_bytes = tokens * (kept * kept_bytes + matmul * matmul_bytes)
     shard = t if step.sequence_parallel else 1
     holds_first = 0 in stages
     holds_last = len(step.stage_layers) - 1 in stages
@@ -328,7 +360,7 @@ def _activations_on_rank(
     chunks = len(stages)
 
     if step.activation_checkpointing == "full":
-        saved_per_layer = tokens * h / shard * BYTES_FP32  # the layer's input
+        saved_per_layer = tokens * h / shard * stream  # the layer's input
         recomputed = layer_bytes  # backward re-runs one layer at a time
     else:
         saved_per_layer = layer_bytes
@@ -338,15 +370,20 @@ def _activations_on_rank(
 
     per_microbatch = saved_per_layer * layers / chunks
     # Rotary cos/sin for the microbatch, shared by the layers.
-    per_microbatch += 2 * step.seq_len * m.head_dim * BYTES_FP32
+    per_microbatch += 2 * step.seq_len * m.head_dim * stream
     if holds_first:
-        per_microbatch += tokens * (INT64 + h / shard * BYTES_FP32 / chunks)
+        per_microbatch += tokens * (INT64 + h / shard * stream / chunks)
     if step.pp > 1:
         # The stage output kept by the schedule until its backward (a copy of the residual).
-        per_microbatch += tokens * h / shard * BYTES_FP32
+        per_microbatch += tokens * h / shard * stream
     if holds_last:
         # Final norm: its input and normed input (sharded under SP), its output whole.
-        per_microbatch += tokens * (2 * h / shard + h) * BYTES_FP32 / chunks
+        norm_bytes = (
+            (2 * kept_bytes * h / shard + stream * h)
+            if step.master_weights
+            else ((2 * h / shard + h) * BYTES_FP32)
+        )
+        per_microbatch += tokens * norm_bytes / chunks
     activations = int(per_microbatch * in_flight_microbatches(step, rank))
 
     # Two moments of the backward, whichever is higher: its start at the loss (log-softmax
@@ -381,4 +418,21 @@ def _last_stage_in_flight(step: StepShape) -> int:
 def _backward_working_set(m: ModelShape, step: StepShape, tokens: int) -> int:
     """Gradients of a layer's activations alive at once during its backward."""
     t = step.tp
-    return int(tokens * (2 * m.hidden + 2 * m.intermediate / t) * BYTES_FP32)
+    return int(tokens * (2 * m.hidden + 2 * m.intermediate / t) * step.parameter_bytes)
+
+
+FP32 = StepShape(
+    dp=1,
+    tp=1,
+    pp=1,
+    zero_1=False,
+    sequence_parallel=False,
+    activation_checkpointing="none",
+    activation_offloading=False,
+    microbatch_size=1,
+    microbatches=1,
+    schedule="none",
+    virtual_stages=1,
+    stage_layers=(1,),
+    seq_len=1,
+)

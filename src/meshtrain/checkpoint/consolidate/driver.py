@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from meshtrain.checkpoint import files
+from meshtrain.checkpoint.consolidate.convert import FLOATING
 from meshtrain.checkpoint.consolidate.plan import (
     TensorPlan,
     file_names,
@@ -42,6 +43,9 @@ _SIZE_UNITS = {
     "tib": 2**40,
 }
 _SIZE_RE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*", re.IGNORECASE)
+
+
+DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 
 
 def parse_size(size: int | str) -> int:
@@ -83,9 +87,16 @@ def _check_output_dir(root: Path, manifest: Mapping[str, Any], output_dir: Path)
         raise CheckpointError(f"output {output_dir} exists and is not a folder")
 
 
-def _copy_model_files(root: Path, dest: Path) -> None:
-    """The config, generation config and tokenizer files a Hugging Face folder needs."""
-    shutil.copy2(root / files.MODEL_CONFIG, dest / files.MODEL_CONFIG)
+def _copy_model_files(root: Path, dest: Path, dtype: str | None) -> None:
+    """The config, generation config and tokenizer files a Hugging Face folder needs; the
+    config says the weights' dtype when `dtype` cast them."""
+    if dtype is None:
+        shutil.copy2(root / files.MODEL_CONFIG, dest / files.MODEL_CONFIG)
+    else:
+        config = json.loads((root / files.MODEL_CONFIG).read_text())
+        config["dtype"] = dtype
+        config.pop("torch_dtype", None)  # transformers < 4.56 spelled it so
+        (dest / files.MODEL_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     if (root / files.GENERATION_CONFIG).is_file():
         shutil.copy2(root / files.GENERATION_CONFIG, dest / files.GENERATION_CONFIG)
     tokenizer = root / files.TOKENIZER
@@ -109,7 +120,7 @@ def _write_weights(
         for file_name, group in zip(names, groups, strict=True):
             by_name = {plan.spec.name: plan for plan in group}
             with SafetensorsWriter(
-                partial / file_name, [p.spec for p in group], metadata={"format": "pt"}
+                partial / file_name, [p.written for p in group], metadata={"format": "pt"}
             ) as writer:
                 for name in writer.names:
                     tensors.write(by_name[name], writer.fileno(), writer.data_offset(name), bar)
@@ -122,7 +133,7 @@ def _write_weights(
         tensors.close()
     if len(groups) > 1:
         index = {
-            "metadata": {"total_size": sum(plan.spec.nbytes for plan in plans)},
+            "metadata": {"total_size": sum(plan.written.nbytes for plan in plans)},
             "weight_map": {
                 plan.spec.name: file_name
                 for file_name, group in zip(names, groups, strict=True)
@@ -152,6 +163,7 @@ def consolidate_checkpoint(
     verify: bool = True,
     max_shard_size: int | str = ConsolidationConfig.max_shard_size,
     progress: bool = True,
+    dtype: str | None = None,
 ) -> dict[str, Any]:
     """Write the full model of `checkpoint` to `output_dir`, streaming; returns a summary.
 
@@ -162,9 +174,12 @@ def consolidate_checkpoint(
     (an int, or "5GB", "500MB", "2GiB"; a tensor larger than that gets a file of its
     own). `progress` shows a bar on stderr. The folder is written as
     `<output_dir>.partial` and swapped into place at the end, replacing an old one.
+    `dtype` ("float32", "bfloat16", "float16"): write the floating-point tensors in it
+    (default: as stored; a bf16_master run stores its fp32 master weights).
     The summary names the weight `files` and their `total_size` (bytes of tensor data).
-    Raises CheckpointError (checkpoint problems) or ValueError (`max_shard_size`)."""
+    Raises CheckpointError (checkpoint problems) or ValueError (`max_shard_size`, `dtype`)."""
     limit = parse_size(max_shard_size)
+    dtype = check_dtype(dtype)
     root = resolve_checkpoint(Path(checkpoint))
     manifest = read_manifest(root, verify=False)  # sizes; the hashes are checked below
     output_dir = Path(output_dir)
@@ -172,15 +187,16 @@ def consolidate_checkpoint(
     verifier = Verifier(root, manifest["files"]) if verify else None
     partial = output_dir.with_name(output_dir.name + ".partial")
     try:
-        plans = plan_tensors(root, manifest)
-        total_size = sum(plan.spec.nbytes for plan in plans)
+        plans = plan_tensors(root, manifest, dtype)
+        total_size = sum(plan.written.nbytes for plan in plans)
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
         try:
             desc = f"consolidating step {manifest['step']}"
-            with Progress(total_size, desc) if progress else NoBar() as bar:
+            read_size = sum(plan.spec.nbytes for plan in plans)
+            with Progress(read_size, desc) if progress else NoBar() as bar:
                 names = _write_weights(partial, plans, limit, bar, verifier)
-            _copy_model_files(root, partial)
+            _copy_model_files(root, partial, dtype)
             if verifier is not None and (failure := verifier.failure(wait=True)):
                 raise failure
         except BaseException:
@@ -208,4 +224,18 @@ def consolidate_checkpoint(
         "layout": manifest["layout"],
         "files": names,
         "total_size": total_size,
+        "dtype": sorted({plan.written.dtype_name for plan in plans}),
     }
+
+
+def check_dtype(dtype: str | None) -> str | None:
+    """The canonical name of a `--dtype` (fp32 / bf16 / fp16 spelled any usual way)."""
+    if dtype is None:
+        return None
+    name = DTYPE_ALIASES.get(str(dtype).lower().removeprefix("torch."), str(dtype))
+    if name not in FLOATING:
+        raise ValueError(
+            f"cannot write the model as {dtype!r}: use float32 (fp32), bfloat16 (bf16) or "
+            "float16 (fp16)"
+        )
+    return name

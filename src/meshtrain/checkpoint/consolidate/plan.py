@@ -6,6 +6,7 @@ read), so every shape, dtype and missing piece is reported before any output exi
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from meshtrain.checkpoint import files
+from meshtrain.checkpoint.consolidate.convert import FLOATING
 from meshtrain.checkpoint.manifest import CheckpointError
 from meshtrain.checkpoint.safetensors_format import (
     SAFETENSORS_DTYPES,
@@ -42,6 +44,12 @@ class TensorPlan:
     tp_dim: int | None
     kv_copies: int
     kv_head_dim: int | None
+    # What is written (another dtype than the shards' when consolidating with --dtype).
+    output: TensorSpec | None = None
+
+    @property
+    def written(self) -> TensorSpec:
+        return self.output or self.spec
 
 
 class _ShardHeaders:
@@ -61,11 +69,22 @@ class _ShardHeaders:
         return self._headers[key]
 
 
-def plan_tensors(root: Path, manifest: Mapping[str, Any]) -> list[TensorPlan]:
-    """Check every tensor against the shard headers (no data is read), in manifest order."""
+def plan_tensors(
+    root: Path, manifest: Mapping[str, Any], dtype: str | None = None
+) -> list[TensorPlan]:
+    """Check every tensor against the shard headers (no data is read), in manifest order;
+    `dtype`: write floating-point tensors in that dtype (default: as stored)."""
     tp = manifest["layout"]["tensor_parallel_size"]
     headers = _ShardHeaders(root)
-    return [_plan_tensor(name, meta, tp, headers) for name, meta in manifest["tensors"].items()]
+    plans = [_plan_tensor(name, meta, tp, headers) for name, meta in manifest["tensors"].items()]
+    if dtype is None:
+        return plans
+    return [
+        dataclasses.replace(p, output=TensorSpec(p.spec.name, dtype, p.spec.shape))
+        if p.spec.dtype_name in FLOATING
+        else p
+        for p in plans
+    ]
 
 
 def _plan_tensor(name: str, meta: Mapping[str, Any], tp: int, headers: _ShardHeaders) -> TensorPlan:
@@ -161,11 +180,11 @@ def split_into_files(plans: list[TensorPlan], limit: int) -> list[list[TensorPla
     groups: list[list[TensorPlan]] = [[]]
     size = 0
     for plan in plans:
-        if groups[-1] and size + plan.spec.nbytes > limit:
+        if groups[-1] and size + plan.written.nbytes > limit:
             groups.append([])
             size = 0
         groups[-1].append(plan)
-        size += plan.spec.nbytes
+        size += plan.written.nbytes
     return groups
 
 

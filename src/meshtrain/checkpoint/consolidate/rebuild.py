@@ -25,7 +25,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from meshtrain.checkpoint.consolidate.plan import TensorPlan, byte_ranges, kept_rows
+from meshtrain.checkpoint.consolidate.convert import Cast, caster
+from meshtrain.checkpoint.consolidate.plan import Piece, TensorPlan, byte_ranges, kept_rows
 from meshtrain.checkpoint.fileio import (
     pread_some,
     preadv_all,
@@ -151,7 +152,13 @@ class _Scratch:
 
 
 def _interleave(
-    plan: TensorPlan, shards: _ShardFiles, scratch: _Scratch, fd: int, offset: int, bar: Bar
+    plan: TensorPlan,
+    shards: _ShardFiles,
+    scratch: _Scratch,
+    fd: int,
+    offset: int,
+    bar: Bar,
+    cast: Cast | None = None,
 ) -> None:
     """Write a tensor split along dim d >= 1 at `offset` of `fd`.
 
@@ -160,7 +167,8 @@ def _interleave(
     CHUNK_BYTES are assembled in `scratch` and written. Each piece's part of a block
     is read straight into place, one `preadv` segment per row; pieces whose rows are
     narrower than `SCATTER_MIN_BYTES` (too many segments) are read whole and
-    interleaved with numpy instead."""
+    interleaved with numpy instead. `cast` converts each block's bytes to the output
+    dtype before it is written."""
     dim = plan.tp_dim
     shape = plan.pieces[0].shape
     widths = [math.prod(piece.shape[dim:]) * plan.spec.itemsize for piece in plan.pieces]
@@ -191,8 +199,9 @@ def _interleave(
                     part_matrix = numpy.frombuffer(part, numpy.uint8).reshape(count, -1)
                     matrix[:, column : column + piece_width] = part_matrix
                 column += piece_width
-            write_all(fd, block, offset)
-            offset += count * width
+            data = block if cast is None else cast(block)
+            write_all(fd, data, offset)
+            offset += len(data)
             bar.update(count * width)
 
 
@@ -206,14 +215,42 @@ class TensorWriter:
         self._scratch = _Scratch()
 
     def write(self, plan: TensorPlan, fd: int, offset: int, bar: Bar) -> None:
-        """Write the tensor's bytes at `offset` of `fd`."""
+        """Write the tensor's bytes at `offset` of `fd` (cast to `plan.written`'s dtype)."""
+        cast = caster(plan.spec.dtype_name, plan.written.dtype_name)
         if plan.tp_dim not in (None, 0):
-            _interleave(plan, self._shards, self._scratch, fd, offset, bar)
+            _interleave(plan, self._shards, self._scratch, fd, offset, bar, cast)
             return
         for piece, start, length in byte_ranges(plan):
             (source,) = self._shards.fds([piece.path])
-            self._copier.copy(source, piece.start + start, fd, offset, length, bar)
-            offset += length
+            if cast is None:
+                self._copier.copy(source, piece.start + start, fd, offset, length, bar)
+                offset += length
+            else:
+                offset = self._cast_range(source, piece, start, length, fd, offset, cast, bar)
+
+    def _cast_range(
+        self,
+        source: int,
+        piece: Piece,
+        start: int,
+        length: int,
+        fd: int,
+        offset: int,
+        cast: Cast,
+        bar: Bar,
+    ) -> int:
+        """Read `length` bytes of a piece in element-aligned blocks, cast, write at `offset`;
+        returns the offset after them."""
+        step = CHUNK_BYTES - CHUNK_BYTES % 8
+        for low in range(0, length, step):
+            count = min(step, length - low)
+            block = self._scratch.get(0, count)
+            read_into(source, block, piece.start + start + low, piece.path)
+            data = cast(block)
+            write_all(fd, data, offset)
+            offset += len(data)
+            bar.update(count)
+        return offset
 
     def close(self) -> None:
         self._shards.close()

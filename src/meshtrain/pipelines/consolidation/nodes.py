@@ -15,4 +15,5 @@ def consolidate(training_summary: dict[str, Any], consolidation: dict[str, Any])
         cfg.checkpoint or training_summary["final_checkpoint"],
         cfg.output_dir,
         max_shard_size=cfg.max_shard_size,
+        dtype=cfg.dtype,
     )
