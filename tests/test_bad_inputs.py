@@ -174,6 +174,10 @@ CASES = [
     case("launch.rdzv_endpoint=node001:99999", id="port-out-of-range"),
     case("launch.max_restarts=-1", id="negative-restarts"),
     case("launch.monitor_interval=0", id="monitor-interval-zero"),
+    case("launch.shutdown_grace_s=0", id="shutdown-grace-zero"),
+    case("launch.collective_timeout_s=-1", id="negative-collective-timeout"),
+    case("training.mixed_precision=fp16", id="unknown-precision"),
+    case("training.grad_reduce_dtype=bf16", id="bf16-reduction-without-bf16-parameters"),
     # model.*
     case("model.architecture=gpt2", id="unsupported-architecture"),
     case("model.config.hiden_size=256", "model.config.hidden_size", id="model-field-typo"),

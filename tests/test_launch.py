@@ -8,16 +8,18 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from meshtrain.config import LaunchConfig, split_endpoint
-from meshtrain.launch.elastic import WorkerFailedError, run_workers
+from meshtrain.launch.elastic import StuckRankError, WorkerFailedError, run_workers
 from meshtrain.launch.rendezvous import free_port, is_loopback
 from tests.conftest import child_processes
 
@@ -30,6 +32,18 @@ def fail_on_rank_one(message: str) -> int:
         raise RuntimeError(message)
     dist.barrier()
     return 0
+
+
+@record
+def all_reduce_forever(pid_file: str, timeout_s: float) -> int:
+    """Rank 1 writes its pid (for the test to SIGSTOP it); both all-reduce until it fails."""
+    dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+    if dist.get_rank() == 1:
+        Path(pid_file).write_text(str(os.getpid()))
+    value = torch.ones(4)
+    while True:
+        dist.all_reduce(value)
+        time.sleep(0.01)
 
 
 def _children_of(pid: int) -> list[tuple[int, str]]:
@@ -124,3 +138,38 @@ def test_two_launchers_with_one_node_rank_are_refused_on_every_node(tmp_path: Pa
         assert process.returncode != 0
         assert "launch.node_rank values [0, 1, 1]" in output, output[-2000:]
     assert not list(tmp_path.rglob("error.json"))  # no worker ever started
+
+
+@pytest.mark.slow
+def test_a_stopped_rank_fails_the_job_within_the_timeout_naming_it(tmp_path: Path):
+    """SIGSTOP one worker: its peer times out in a collective after
+    launch.collective_timeout_s, the job fails naming the stopped rank (not the one
+    that timed out), and no process stays behind."""
+    pid_file = tmp_path / "rank1.pid"
+
+    def stop_rank_one() -> None:
+        while not pid_file.is_file() or not pid_file.read_text():
+            time.sleep(0.05)
+        time.sleep(0.5)
+        os.kill(int(pid_file.read_text()), signal.SIGSTOP)
+
+    stopper = threading.Thread(target=stop_rank_one, daemon=True)
+    stopper.start()
+    launch = LaunchConfig(nproc_per_node=2, collective_timeout_s=5, shutdown_grace_s=5)
+    started = time.monotonic()
+    with pytest.raises(StuckRankError) as caught:
+        run_workers(
+            all_reduce_forever,
+            (str(pid_file), launch.collective_timeout_s),
+            launch,
+            log_dir=tmp_path / "logs",
+            run_id="stuck-test",
+        )
+    assert caught.value.rank == 1
+    assert str(caught.value).startswith("training worker rank 1 failed: rank 1 made no progress")
+    assert "launch.collective_timeout_s=5 s" in str(caught.value)
+    assert time.monotonic() - started < 90
+    deadline = time.monotonic() + 15
+    while _children_of(os.getpid()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _children_of(os.getpid()) == []

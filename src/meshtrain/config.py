@@ -169,6 +169,11 @@ class LaunchConfig:
     rdzv_id: str = "meshtrain"
     max_restarts: int = 0
     monitor_interval: float = 0.5
+    # On SIGTERM / SIGUSR1 (preemption, a SLURM time limit) the workers finish the step
+    # and write a checkpoint; after this many seconds the launcher kills them anyway.
+    shutdown_grace_s: float = 120.0
+    # How long a collective waits for a rank that makes no progress before the job fails.
+    collective_timeout_s: float = 600.0
 
     @property
     def world_size(self) -> int:
@@ -236,6 +241,12 @@ def check_launch(launch: LaunchConfig) -> None:
             f"`launch.monitor_interval={launch.monitor_interval}`: torch elastic polls the "
             "workers every this many seconds; use a value above 0, e.g. 0.5."
         )
+    for name in ("shutdown_grace_s", "collective_timeout_s"):
+        if not getattr(launch, name) > 0:
+            problems.append(
+                f"`launch.{name}={getattr(launch, name)}`: use a number of seconds above 0 "
+                f"(default {getattr(LaunchConfig, name):g})."
+            )
     if launch.nnodes > 1 and not launch.rdzv_id.strip():
         problems.append(
             "`launch.rdzv_id` is empty: with several nodes it must be the same on every "

@@ -34,6 +34,12 @@ from meshtrain.components.metrics import (
     rss_mb,
 )
 from meshtrain.components.optimizer import build_optimizer
+from meshtrain.components.step_guard import (
+    StopRequested,
+    StopSignals,
+    agree_on_step,
+    signal_name,
+)
 from meshtrain.components.step_probes import MemoryProbe, PipelineTimeline, persistent_tensors
 from meshtrain.components.validation import evaluate_loss
 from meshtrain.config import RunConfig
@@ -69,6 +75,7 @@ class StepOutcome:
     loss_sum: torch.Tensor  # this rank's microbatch losses, each / accumulation steps
     grad_norm: torch.Tensor
     started: float  # perf_counter at the step's start
+    stop_signal: int = 0  # a stop signal some rank received during the step (0: none)
 
 
 def train(spec: WorkerSpec) -> dict[str, Any] | None:
@@ -128,6 +135,7 @@ class Trainer:
         self.losses: list[tuple[int, float]] = []
         self.throughput = Throughput()
         self.last_checkpoint: Path | None = None
+        self.stop = StopSignals()
 
     def _build_model(self) -> ParallelModel:
         """Build the model on the meta device, identically on every rank; allocate and fill
@@ -206,16 +214,14 @@ class Trainer:
             self._report(f"resumed from {self.spec.resume_from} at step {self.start_step}")
         initial_val_loss = self.validate(self.start_step)
         self.train_start = time.perf_counter()
-        for step in range(self.start_step, cfg.max_steps):
-            outcome = self.train_step(step)
-            done = step + 1
-            if done % cfg.log_every == 0 or done == cfg.max_steps:
-                self.log_step(done, outcome)
-            if cfg.eval_every and done % cfg.eval_every == 0 and done != cfg.max_steps:
-                self.validate(done)
-            if done % cfg.checkpoint_every == 0 or done == cfg.max_steps:
-                self.last_checkpoint = self.checkpoint(done)
+        with self.stop:  # SIGTERM / SIGUSR1 from here on: finish the step, checkpoint, stop
+            stopped = self.train_steps()
         train_time = time.perf_counter() - self.train_start
+        if stopped:
+            self.tracker.flush()
+            # Raised, not returned: the launcher is already shutting the workers down, and
+            # a returning worker would wait for it to collect its result.
+            raise StopRequested(f"{signal_name(stopped[0])} after step {stopped[1]}")
         final_val_loss = self.validate(cfg.max_steps)
         self._report(f"done in {train_time:.1f}s; last checkpoint {self.last_checkpoint}")
         self.flat.check_views()
@@ -225,6 +231,29 @@ class Trainer:
             return None
         return {**self.summary(initial_val_loss, final_val_loss, train_time), **peaks}
 
+    def train_steps(self) -> tuple[int, int] | None:
+        """The steps from `start_step` on, with their logging, validation and checkpoints.
+        A stop signal ends them after the step it arrived in, with a checkpoint of that
+        step: returns (the signal, the step), or None when every step ran."""
+        cfg = self.cfg
+        for step in range(self.start_step, cfg.max_steps):
+            outcome = self.train_step(step)
+            done = step + 1
+            if done % cfg.log_every == 0 or done == cfg.max_steps:
+                self.log_step(done, outcome)
+            if outcome.stop_signal:
+                self.last_checkpoint = self.checkpoint(done)
+                self._report(
+                    f"stopped by {signal_name(outcome.stop_signal)} after step {done}: "
+                    f"checkpoint {self.last_checkpoint}"
+                )
+                return outcome.stop_signal, done
+            if cfg.eval_every and done % cfg.eval_every == 0 and done != cfg.max_steps:
+                self.validate(done)
+            if done % cfg.checkpoint_every == 0 or done == cfg.max_steps:
+                self.last_checkpoint = self.checkpoint(done)
+        return None
+
     def train_step(self, step: int) -> StepOutcome:
         """One optimizer step (0-based `step`): its microbatches, the reduction, the update."""
         started = time.perf_counter()
@@ -233,10 +262,14 @@ class Trainer:
         )
         with self.timeline.around(step), self.memory_probe.around(step):
             loss_sum = self.forward_backward_step(microbatches)
-            grad_norm = self.optimizer.step()
+            grad_norm = self.optimizer.reduce_gradients()
+            # Every rank agrees on a stop signal, and refuses a non-finite step, before
+            # the update.
+            stop_signal = agree_on_step(loss_sum, grad_norm, self.stop, step=step + 1)
+            self.optimizer.apply(grad_norm)
         self.lr_scheduler.step()
         self.flat.zero_grad()
-        return StepOutcome(loss_sum, grad_norm, started)
+        return StepOutcome(loss_sum, grad_norm, started, stop_signal)
 
     def forward_backward_step(self, microbatches: list[list[int]]) -> torch.Tensor:
         """Forward and backward of every microbatch, accumulating into the flat gradients;

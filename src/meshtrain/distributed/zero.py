@@ -125,10 +125,22 @@ class ShardedAdamW:
     def step(self) -> torch.Tensor:
         """Finish averaging the gradients, clip to the global norm, update; returns the
         pre-clip norm."""
+        norm = self.reduce_gradients()
+        self.apply(norm)
+        return norm
+
+    def reduce_gradients(self) -> torch.Tensor:
+        """The first half of `step`: finish averaging the gradients (into the fp32 copy
+        where they were reduced in bf16); returns their global norm. Nothing is updated
+        yet, so a caller can still refuse the step (a non-finite norm)."""
         self.reducer.finish(self.grad_shard)
         if self.master_grad is not self.grad_shard:
             self.master_grad.copy_(self.grad_shard)
-        norm = self.global_grad_norm()
+        return self.global_grad_norm()
+
+    def apply(self, norm: torch.Tensor) -> None:
+        """The second half of `step`: clip to `norm`'s budget, update the owned range, and
+        all-gather it under ZeRO-1."""
         if self.max_grad_norm > 0:
             coef = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
             self.master_grad.mul_(coef)
@@ -139,7 +151,6 @@ class ShardedAdamW:
             # The owned range is its own chunk of the output: gathered in place.
             owned = self.flat.params[self.start : self.end]
             dist.all_gather_single(self.flat.params, owned, group=self.group)
-        return norm
 
     def full_master(self, slot: Slot) -> torch.Tensor | None:
         """The fp32 master values of one parameter (`slot` of the flat buffer), whole, on dp

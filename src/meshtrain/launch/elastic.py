@@ -14,25 +14,40 @@ Several nodes: every node calls `run_workers` with the same `launch.nnodes`,
 from __future__ import annotations
 
 import json
+import math
 import os
+import signal
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
-from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 from torch.distributed.elastic.rendezvous import RendezvousTimeoutError
 from torch.distributed.launcher.api import LaunchConfig as ElasticLaunchConfig
 from torch.distributed.launcher.api import elastic_launch
 
-from meshtrain.config import LaunchConfig, split_endpoint
+from meshtrain.config import LaunchConfig, Refused, split_endpoint
 from meshtrain.launch.rendezvous import NodeRankRendezvous, free_port, is_loopback
 
 # How long the launchers wait for every node to join: nodes of one job may start minutes
 # apart (container pulls, a slow shared filesystem), but a missing node must not hang forever.
 JOIN_TIMEOUT_S = 600
+
+
+# The launcher's signals that stop the workers: torch elastic's, and SIGUSR1, which SLURM
+# sends ahead of a time limit (`sbatch --signal=USR1@120`). It forwards the one it got.
+STOP_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+
+
+class Interrupted(Exception):
+    """The launcher received a stop signal and stopped the workers (after their grace)."""
+
+    def __init__(self, signal_name: str) -> None:
+        self.signal_name = signal_name
+        super().__init__(f"the launcher received {signal_name} and stopped the workers")
 
 
 class WorkerFailedError(RuntimeError):
@@ -62,11 +77,28 @@ def run_workers(
     store, so it must be JSON-able): every node can report the run.
     """
     log_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        return _launch(entrypoint, args, launch, log_dir=log_dir, run_id=run_id)
+    except SignalException as error:
+        raise Interrupted(signal.Signals(error.sigval).name) from None
+
+
+def _launch(
+    entrypoint: Callable[..., Any],
+    args: tuple[Any, ...],
+    launch: LaunchConfig,
+    *,
+    log_dir: Path,
+    run_id: str,
+) -> dict[int, Any]:
     if launch.nnodes == 1:
         try:
             return elastic_launch(_one_node_config(launch, log_dir, run_id), entrypoint)(*args)
         except ChildFailedError as error:
-            raise WorkerFailedError(*_root_failure(_all_failures(error))) from None
+            failures = _all_failures(error)
+            raise _stuck_ranks(failures, launch) or _failure_error(
+                *_root_failure(failures)
+            ) from None
     try:
         config = _multi_node_config(launch, log_dir, run_id)
         returned = elastic_launch(config, _run_and_share)(entrypoint, args)
@@ -95,6 +127,9 @@ def _common_settings(launch: LaunchConfig, log_dir: Path, run_id: str) -> dict[s
         "run_id": run_id,
         "max_restarts": launch.max_restarts,
         "monitor_interval": launch.monitor_interval,
+        # A stop signal is forwarded to the workers, which checkpoint within this grace.
+        "shutdown_timeout": math.ceil(launch.shutdown_grace_s),
+        "signals_to_handle": STOP_SIGNALS,
         "start_method": "spawn",
         "logs_specs": DefaultLogsSpecs(log_dir=str(log_dir), tee=Std.ALL),
         "log_line_prefix_template": "[rank${rank}] ",
@@ -136,6 +171,9 @@ def _node_failure(
 ) -> WorkerFailedError:
     """This node's failure; when every rank here only lost a peer, say to look elsewhere."""
     failures = _all_failures(error)
+    stuck = _stuck_ranks(failures, launch)
+    if stuck is not None:
+        return stuck
     rank, message = _root_failure(failures)
     if all(_is_peer_symptom(text) for _, text in failures.values()):
         message = (
@@ -143,7 +181,65 @@ def _node_failure(
             "so the cause is most likely on another node: look at that node's launcher "
             f"output and its logs under {log_dir.parent}. This node's first error: {message}"
         )
+    return _failure_error(rank, message)
+
+
+class WorkerRefusedError(Refused, WorkerFailedError):
+    """A worker stopped the run on purpose (a refusal it raised, such as a non-finite
+    loss): the message is that refusal's own line, without the rank's traceback."""
+
+    def __init__(self, rank: int, kind: str, text: str) -> None:
+        self.kind, self.text = kind, text
+        super().__init__(rank, f"{kind}: {text}")
+
+
+def _failure_error(rank: int, message: str) -> WorkerFailedError:
+    """The error for rank `rank`'s failure: a refusal's line alone, else its traceback."""
+    last = message.strip().splitlines()[-1] if message.strip() else ""
+    kind, separator, text = last.partition(": ")
+    short = kind.rsplit(".", 1)[-1]
+    if separator and short in _refusal_kinds():
+        return WorkerRefusedError(rank, short, text)
     return WorkerFailedError(rank, message)
+
+
+class StuckRankError(Refused, WorkerFailedError):
+    """A rank made no progress: its peers timed out waiting for it in a collective."""
+
+
+def _stuck_ranks(
+    failures: dict[int, tuple[int, str]], launch: LaunchConfig
+) -> WorkerFailedError | None:
+    """When every rank that failed timed out in a collective, the ranks that did not fail
+    are the ones they waited for (stopped, hung, or on a dead link): name those."""
+    if not failures or not all(_is_timeout(text) for _, text in failures.values()):
+        return None
+    offset = launch.node_rank * launch.nproc_per_node
+    silent = [r for r in range(offset, offset + launch.nproc_per_node) if r not in failures]
+    if not silent:
+        return None
+    waiting = ", ".join(str(r) for r in sorted(failures))
+    return StuckRankError(
+        silent[0],
+        f"rank {', '.join(map(str, silent))} made no progress for "
+        f"launch.collective_timeout_s={launch.collective_timeout_s:g} s: rank {waiting} timed "
+        "out waiting for it in a collective (a hung or stopped process, a dead GPU or "
+        "network link). Its log is in the run's logs/ folder; it was stopped with the job.",
+    )
+
+
+def _is_timeout(text: str) -> bool:
+    return "timed out" in text.lower() or "timeout" in text.lower()
+
+
+def _refusal_kinds() -> set[str]:
+    """The names of every deliberate refusal class meshtrain has loaded."""
+    kinds, pending = set(), [Refused]
+    while pending:
+        kind = pending.pop()
+        kinds.add(kind.__name__)
+        pending.extend(kind.__subclasses__())
+    return kinds
 
 
 @record

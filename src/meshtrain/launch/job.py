@@ -15,9 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from meshtrain.checkpoint.load import check_resumable
-from meshtrain.checkpoint.manifest import find_resume_checkpoint
-from meshtrain.config import ConfigError, RunConfig, check_launch
-from meshtrain.launch.elastic import run_workers
+from meshtrain.checkpoint.manifest import find_resume_checkpoint, list_checkpoints
+from meshtrain.components.step_guard import StopRequested
+from meshtrain.config import ConfigError, Refused, RunConfig, check_launch
+from meshtrain.launch.elastic import Interrupted, WorkerRefusedError, run_workers
 from meshtrain.launch.worker import worker_main
 from meshtrain.models.builder import resolve_init_from
 from meshtrain.planner import Plan
@@ -103,6 +104,27 @@ def _refuse_earlier_run(run_dir: Path, run: RunConfig) -> None:
         )
 
 
+class TrainingStopped(Refused):
+    """A stop signal (preemption, a time limit, Ctrl-C) ended the training on purpose."""
+
+    @classmethod
+    def describe(cls, signal_name: str, run_dir: Path) -> TrainingStopped:
+        """One line: where the run stopped and how to go on (the newest complete
+        checkpoint: the one written on the signal, unless the grace ran out first)."""
+        complete = list_checkpoints(run_dir)
+        if not complete:
+            return cls(
+                f"training stopped by {signal_name} before its first checkpoint: nothing to "
+                f"resume in {run_dir}; run it again."
+            )
+        step, newest = complete[-1]
+        return cls(
+            f"training stopped by {signal_name}; {newest} (step {step}) is complete. Resume "
+            "with the same command and --params training.resume_from=latest (or "
+            f"training.resume_from={newest})."
+        )
+
+
 def run_training(
     run: RunConfig,
     plan: Plan,
@@ -140,7 +162,15 @@ def run_training(
     else:
         # Every node must name the same rendezvous; torchrun's --rdzv-id is exactly that.
         log_dir, run_id = run_dir / "logs" / f"node{launch.node_rank}", launch.rdzv_id
-    results = run_workers(worker_main, (spec,), launch, log_dir=log_dir, run_id=run_id)
+    try:
+        results = run_workers(worker_main, (spec,), launch, log_dir=log_dir, run_id=run_id)
+    except Interrupted as stop:
+        raise TrainingStopped.describe(stop.signal_name, run_dir) from None
+    except WorkerRefusedError as refusal:
+        if refusal.kind != StopRequested.__name__:
+            raise
+        # The signal reached the workers (or another node's), not this launcher.
+        raise TrainingStopped.describe(refusal.text.split()[0], run_dir) from None
     summary = results.get(0)
     if summary is None:
         raise RuntimeError(

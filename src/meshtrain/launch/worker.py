@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from meshtrain.config import RunConfig
 from meshtrain.planner import Plan
 from meshtrain.trainer import WorkerSpec, train
 
@@ -36,7 +37,8 @@ def worker_main_sequence(specs: list[WorkerSpec]) -> list[dict[str, Any] | None]
     else:
         # Share the cores between the ranks of this node instead of oversubscribing them.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
-    dist.init_process_group(plan.backend, timeout=timedelta(minutes=10))
+    timeout = RunConfig.from_dict(specs[0].run).launch.collective_timeout_s
+    dist.init_process_group(plan.backend, timeout=timedelta(seconds=timeout))
     try:
         return [train(spec) for spec in specs]
     finally:

@@ -1,0 +1,144 @@
+"""A run stops on purpose and loses nothing: a stop signal (SIGUSR1 to the launcher, as
+SLURM sends before a time limit; SIGTERM to one worker only, as a node's preemption)
+finishes the step, writes a complete checkpoint and ends the job with one line saying
+how to resume, and the resumed run is bitwise the uninterrupted one; a diverging run
+stops before applying a non-finite step, and every checkpoint it leaves is finite."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from meshtrain.checkpoint import consolidate_checkpoint
+from meshtrain.checkpoint.manifest import list_checkpoints
+from meshtrain.config import Refused
+from meshtrain.data.blocks import arrow_files
+from meshtrain.launch.job import make_worker_spec, run_training
+from tests.conftest import child_processes
+from tests.distributed.reference import run_group
+from tests.distributed.stop_run import plan_for, stop_run_config
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 2000  # far more than run before the signal lands
+SIGNAL_AT = f"/{STEPS} ("  # rank 0's first progress line (every 5% of the steps)
+
+
+def _workers(pid: int) -> list[int]:
+    return [c for c, cmd in child_processes(pid) if "resource_tracker" not in cmd]
+
+
+def _run_until_signalled(blocks: Path, out: Path, send) -> tuple[int, str, float]:
+    """Start a long run, call `send(process)` once rank 0 logs its first progress line;
+    (exit code, output, seconds from the signal to the exit)."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tests.distributed.stop_run", str(blocks), str(out), str(STEPS)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    lines, sent = [], None
+    for line in process.stdout:
+        lines.append(line)
+        if sent is None and line.startswith("[rank0] step ") and SIGNAL_AT in line:
+            send(process)
+            sent = time.monotonic()
+    process.wait(timeout=120)
+    assert sent is not None, "".join(lines[-30:])
+    return process.returncode, "".join(lines), time.monotonic() - sent
+
+
+def _stopped_step(out: Path) -> int:
+    (step, _), *_ = reversed(list_checkpoints(out / "stopped"))
+    return step
+
+
+def _give_up(*_):
+    raise TimeoutError("a stopped run did not end")
+
+
+@pytest.mark.slow
+def test_stop_signals_checkpoint_and_resume_bitwise(tiny_blocks, tmp_path: Path):
+    blocks = tmp_path / "blocks"
+    tiny_blocks.save_to_disk(str(blocks))
+    previous = signal.signal(signal.SIGALRM, _give_up)
+    signal.alarm(400)
+    try:
+        # SIGUSR1 to the launcher: it forwards it to every worker.
+        code, output, seconds = _run_until_signalled(
+            blocks, tmp_path / "usr1", lambda p: p.send_signal(signal.SIGUSR1)
+        )
+        assert code == 3, output[-3000:]
+        stopped = _stopped_step(tmp_path / "usr1")
+        stop_line = next(line for line in output.splitlines() if line.startswith("STOPPED: "))
+        assert "training stopped by SIGUSR1" in stop_line
+        assert f"checkpoint-{stopped}" in stop_line and "resume_from=latest" in stop_line
+        assert stopped >= STEPS // 20 and seconds < 60
+        # SIGTERM to one worker only: the ranks agree on it at the end of the step.
+        code, output, seconds = _run_until_signalled(
+            blocks, tmp_path / "term", lambda p: os.kill(max(_workers(p.pid)), signal.SIGTERM)
+        )
+        assert code == 3, output[-3000:]
+        assert "STOPPED: training stopped by SIGTERM" in output and seconds < 60
+        assert _stopped_step(tmp_path / "term") >= STEPS // 20
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+    # Resuming the SIGUSR1 run's checkpoint is bitwise the run that was never stopped.
+    end = stopped + 2
+    straight = stop_run_config(tmp_path / "again", end, run_name="straight")
+    resumed = stop_run_config(
+        tmp_path / "usr1", end, resume_from=str(tmp_path / "usr1" / "stopped")
+    )
+    specs = [
+        make_worker_spec(
+            run,
+            plan_for(run, tiny_blocks),
+            train_files=arrow_files(tiny_blocks["train"]),
+            validation_files=[],
+            tokenizer_dir=None,
+        )
+        for run in (straight, resumed)
+    ]
+    first, second = run_group(specs, 2, tmp_path, "t-stops")
+    assert second["losses"] == first["losses"][stopped:]
+    for name, summary in (("straight", first), ("resumed", second)):
+        consolidate_checkpoint(summary["final_checkpoint"], tmp_path / name, progress=False)
+    a = load_file(tmp_path / "straight" / "model.safetensors")
+    b = load_file(tmp_path / "resumed" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+def test_a_diverging_run_stops_before_a_non_finite_update(tiny_blocks, tmp_path: Path):
+    run = stop_run_config(
+        tmp_path, 60, learning_rate=1e4, max_grad_norm=0.0, checkpoint_every=2, keep_last=2
+    )
+    with pytest.raises(Refused) as caught:
+        run_training(
+            run,
+            plan_for(run, tiny_blocks),
+            train_files=arrow_files(tiny_blocks["train"]),
+            validation_files=[],
+            tokenizer=None,
+        )
+    message = str(caught.value)
+    assert "NonFiniteError: step " in message and "stopped before the optimizer" in message
+    assert "Traceback" not in message
+    failed_step = int(message.split("NonFiniteError: step ")[1].split(":")[0])
+    kept = list_checkpoints(tmp_path / "stopped")
+    assert kept and all(step < failed_step for step, _ in kept)
+    for _, checkpoint in kept:
+        for path in checkpoint.rglob("*.safetensors"):
+            for name, tensor in load_file(path).items():
+                assert torch.isfinite(tensor).all(), f"{path} {name}"
