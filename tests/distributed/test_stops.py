@@ -2,7 +2,8 @@
 SLURM sends before a time limit; SIGTERM to one worker only, as a node's preemption)
 finishes the step, writes a complete checkpoint and ends the job with one line saying
 how to resume, and the resumed run is bitwise the uninterrupted one; a diverging run
-stops before applying a non-finite step, and every checkpoint it leaves is finite."""
+stops before applying a non-finite step, and every checkpoint it leaves is finite; a
+checkpoint with no room on disk is refused before its first byte, the last one kept."""
 
 from __future__ import annotations
 
@@ -18,7 +19,9 @@ import torch
 from safetensors.torch import load_file
 
 from meshtrain.checkpoint import consolidate_checkpoint
-from meshtrain.checkpoint.manifest import list_checkpoints
+from meshtrain.checkpoint.manifest import find_resume_checkpoint, list_checkpoints, read_manifest
+from meshtrain.checkpoint.safetensors_format import save_safetensors
+from meshtrain.checkpoint.space import CheckpointSpaceError, named_write_errors
 from meshtrain.config import Refused
 from meshtrain.data.blocks import arrow_files
 from meshtrain.launch.job import make_worker_spec, run_training
@@ -142,3 +145,60 @@ def test_a_diverging_run_stops_before_a_non_finite_update(tiny_blocks, tmp_path:
         for path in checkpoint.rglob("*.safetensors"):
             for name, tensor in load_file(path).items():
                 assert torch.isfinite(tensor).all(), f"{path} {name}"
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path):
+    """A 4 MB tmpfs: room for two checkpoints of the tiny model, not three."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+@pytest.mark.slow
+def test_a_full_disk_refuses_the_checkpoint_and_keeps_the_last_one(tiny_blocks, small_disk):
+    run = stop_run_config(small_disk, 20, checkpoint_every=2)
+    with pytest.raises(Refused) as caught:
+        run_training(
+            run,
+            plan_for(run, tiny_blocks),
+            train_files=arrow_files(tiny_blocks["train"]),
+            validation_files=[],
+            tokenizer=None,
+        )
+    message = str(caught.value)
+    assert "CheckpointSpaceError: not enough room for checkpoint-" in message, message
+    assert "MB free" in message and "Traceback" not in message
+    run_dir = small_disk / "stopped"
+    kept = list_checkpoints(run_dir)
+    assert kept, "the checkpoints that fitted are gone"
+    step, latest = kept[-1]
+    assert f"{latest.name} is untouched and still the latest" in message
+    read_manifest(latest, verify=True)  # every file as written
+    assert find_resume_checkpoint(small_disk, "latest", "stopped") == latest
+    # The refused checkpoint left no folder at all.
+    assert not (run_dir / f"checkpoint-{step + 2}").exists()
+
+
+def test_a_write_that_runs_out_of_room_names_the_file_and_the_free_space(small_disk):
+    """The check before writing cannot see other writers: a write that still fails for
+    room is named, with what is kept, instead of a bare OSError."""
+    (small_disk / "run" / "checkpoint-2").mkdir(parents=True)
+    target = small_disk / "run" / "checkpoint-2" / "weights.safetensors"
+    with (
+        pytest.raises(CheckpointSpaceError) as caught,
+        named_write_errors(small_disk / "run", target.parent),
+    ):
+        save_safetensors({"weights": torch.zeros(2_000_000)}, target)  # 8 MB on 4 MB
+    message = str(caught.value)
+    assert message.startswith(f"could not write {target}: No space left on device")
+    assert "MB free there" in message and "no marker: `latest` never takes it" in message
+    assert "the run has no earlier complete checkpoint" in message

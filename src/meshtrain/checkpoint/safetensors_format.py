@@ -260,7 +260,10 @@ class SafetensorsWriter:
             if size:
                 flat = piece.detach().reshape(-1).contiguous()
                 raw = flat.view(sys.modules["torch"].uint8).cpu().numpy()
-                write_all(self._fd, raw, start + written)
+                try:
+                    write_all(self._fd, raw, start + written)
+                except OSError as error:  # pwrite names no file: say which
+                    raise OSError(error.errno, error.strerror, str(self.path)) from error
             written += size
         if written != spec.nbytes:
             raise ValueError(f"tensor {name!r} got {written} of its {spec.nbytes} bytes")

@@ -25,6 +25,13 @@ from meshtrain.checkpoint.safetensors_format import (
     TensorSpec,
     save_safetensors,
 )
+from meshtrain.checkpoint.space import (
+    CheckpointSpaceError,
+    folder_bytes,
+    named_write_errors,
+    rank_checkpoint_bytes,
+    room_problem,
+)
 from meshtrain.distributed.parallel_dims import ParallelDims
 from meshtrain.distributed.tensor_parallel import ParameterSharding, local_tensor
 from meshtrain.distributed.zero import ShardedAdamW
@@ -52,19 +59,21 @@ def save_checkpoint(
     root = Path(run_dir) / files.checkpoint_name(step)
     parameters = {n: p for n, p in parameters.items() if n not in (tied_copies or {})}
     rank = dist.get_rank()
+    check_room(run_dir, root, rank_checkpoint_bytes(parameters, optimizer, dims), tokenizer_dir)
     if rank == 0 and root.exists():
         shutil.rmtree(root)  # a leftover from a run that died mid-save
     dist.barrier()
 
-    write_rank_tensors(root, parameters, optimizer, dims)
-    rng = files.rng_file(root, rank)
-    rng.parent.mkdir(parents=True, exist_ok=True)
-    save_safetensors({"cpu": torch.get_rng_state()}, rng)
-    if rank == 0:
-        model_config.save_pretrained(root)
-        write_json_atomic(root / files.TRAINER_STATE, trainer_state)
-        if tokenizer_dir is not None:
-            shutil.copytree(tokenizer_dir, root / files.TOKENIZER, dirs_exist_ok=True)
+    with named_write_errors(Path(run_dir), root):
+        write_rank_tensors(root, parameters, optimizer, dims)
+        rng = files.rng_file(root, rank)
+        rng.parent.mkdir(parents=True, exist_ok=True)
+        save_safetensors({"cpu": torch.get_rng_state()}, rng)
+        if rank == 0:
+            model_config.save_pretrained(root)
+            write_json_atomic(root / files.TRAINER_STATE, trainer_state)
+            if tokenizer_dir is not None:
+                shutil.copytree(tokenizer_dir, root / files.TOKENIZER, dirs_exist_ok=True)
     # Every stage's tensors go in the one manifest: gather their entries (JSON-able dicts).
     stored_dtype = optimizer.state_dtype  # the master weights' under bf16_master
     mine = (
@@ -81,6 +90,19 @@ def save_checkpoint(
         prune_checkpoints(Path(run_dir), keep_last)
     dist.barrier()
     return root
+
+
+def check_room(run_dir: Path, root: Path, mine: int, tokenizer_dir: Path | None) -> None:
+    """Collective: refuse on every rank, before any byte is written, a checkpoint that
+    the filesystem has no room for (rank 0 sums what every rank will write)."""
+    sizes: list[int] = [0] * dist.get_world_size()
+    dist.all_gather_object(sizes, mine)
+    verdict: list[str | None] = [None]
+    if dist.get_rank() == 0:
+        verdict[0] = room_problem(Path(run_dir), root, sum(sizes) + folder_bytes(tokenizer_dir))
+    dist.broadcast_object_list(verdict, src=0)
+    if verdict[0]:
+        raise CheckpointSpaceError(verdict[0])
 
 
 def write_rank_tensors(
