@@ -65,6 +65,17 @@ def _stopped_step(out: Path) -> int:
     return step
 
 
+def _train(run, blocks) -> dict:
+    """`run` through the launcher, as the training node runs it."""
+    return run_training(
+        run,
+        plan_for(run, blocks),
+        train_files=arrow_files(blocks["train"]),
+        validation_files=[],
+        tokenizer=None,
+    )
+
+
 def _give_up(*_):
     raise TimeoutError("a stopped run did not end")
 
@@ -128,13 +139,7 @@ def test_a_diverging_run_stops_before_a_non_finite_update(tiny_blocks, tmp_path:
         tmp_path, 60, learning_rate=1e4, max_grad_norm=0.0, checkpoint_every=2, keep_last=2
     )
     with pytest.raises(Refused) as caught:
-        run_training(
-            run,
-            plan_for(run, tiny_blocks),
-            train_files=arrow_files(tiny_blocks["train"]),
-            validation_files=[],
-            tokenizer=None,
-        )
+        _train(run, tiny_blocks)
     message = str(caught.value)
     assert "NonFiniteError: step " in message and "stopped before the optimizer" in message
     assert "Traceback" not in message
@@ -167,13 +172,7 @@ def small_disk(tmp_path: Path):
 def test_a_full_disk_refuses_the_checkpoint_and_keeps_the_last_one(tiny_blocks, small_disk):
     run = stop_run_config(small_disk, 20, checkpoint_every=2)
     with pytest.raises(Refused) as caught:
-        run_training(
-            run,
-            plan_for(run, tiny_blocks),
-            train_files=arrow_files(tiny_blocks["train"]),
-            validation_files=[],
-            tokenizer=None,
-        )
+        _train(run, tiny_blocks)
     message = str(caught.value)
     assert "CheckpointSpaceError: not enough room for checkpoint-" in message, message
     assert "MB free" in message and "Traceback" not in message
