@@ -1,5 +1,7 @@
-"""Real servers for the tracking tests: PostgreSQL, an MLflow tracking server on it, and a
-scratch project with two short `kedro run --env team` runs logged there.
+"""Real servers for the tracking tests: PostgreSQL, an MLflow tracking server on it with
+MLflow's basic-auth app (its users in a second PostgreSQL database), and a scratch project
+with two short `kedro run --env team` runs logged there by a team member, and two refused
+ones (no credentials, a wrong password).
 
 Everything listens on 127.0.0.1 only, on free ports, with its files in a temporary folder.
 Starting these costs about a minute and a half (mostly the two training runs), so the
@@ -114,15 +116,16 @@ class Postgres:
     user: str
     password: str
     database: str = "mlflow"
+    auth_database: str = "mlflow_auth"  # the basic-auth app's users and permissions
+
+    def uri_of(self, database: str) -> str:
+        """SQLAlchemy URI; `+psycopg2` because SQLAlchemy 2.1 takes plain `postgresql://`
+        to mean psycopg 3, and the test extra installs psycopg2-binary."""
+        return f"postgresql+psycopg2://{self.user}:{self.password}@127.0.0.1:{self.port}/{database}"
 
     @property
     def uri(self) -> str:
-        """SQLAlchemy URI; `+psycopg2` because SQLAlchemy 2.1 takes plain `postgresql://`
-        to mean psycopg 3, and the test extra installs psycopg2-binary."""
-        return (
-            f"postgresql+psycopg2://{self.user}:{self.password}"
-            f"@127.0.0.1:{self.port}/{self.database}"
-        )
+        return self.uri_of(self.database)
 
     def connect(self, database: str | None = None):
         import psycopg2
@@ -189,6 +192,7 @@ def postgres_server() -> Iterator[Postgres]:
         admin.autocommit = True
         with admin.cursor() as cursor:
             cursor.execute(f"CREATE DATABASE {server.database}")
+            cursor.execute(f"CREATE DATABASE {server.auth_database}")
         admin.close()
         yield server
     finally:
@@ -197,29 +201,117 @@ def postgres_server() -> Iterator[Postgres]:
         shutil.rmtree(root, ignore_errors=True)
 
 
+# The recipe's auth config (docs/tracking.md), with the auth database filled in. No
+# password here: the admin's comes from MLFLOW_AUTH_ADMIN_PASSWORD at the first start.
+BASIC_AUTH_INI = """\
+[mlflow]
+default_permission = EDIT
+database_uri = {database_uri}
+authorization_function = mlflow.server.auth:authenticate_request_basic_auth
+"""
+
+
+@dataclass(frozen=True)
+class User:
+    username: str
+    password: str = field(repr=False)
+
+
+def new_user(username: str) -> User:
+    return User(username, secrets.token_urlsafe(18))  # MLflow wants at least 12 characters
+
+
+@contextlib.contextmanager
+def mlflow_credentials(user: User | None) -> Iterator[None]:
+    """MLflow's REST client reads the basic-auth credentials from the environment at each
+    request: set them (or, for None, remove them) for the calls inside, then restore."""
+    names = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")
+    saved = {name: os.environ.pop(name, None) for name in names}
+    if user is not None:
+        os.environ.update(dict(zip(names, (user.username, user.password), strict=True)))
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            os.environ.pop(name, None)
+            if value is not None:
+                os.environ[name] = value
+
+
+class ClientAs:
+    """An MlflowClient whose every call is made as `user` (None: with no credentials)."""
+
+    def __init__(self, tracking_uri: str, user: User | None) -> None:
+        from mlflow.tracking import MlflowClient
+
+        self._client = MlflowClient(tracking_uri=tracking_uri)
+        self._user = user
+
+    def __getattr__(self, name: str):
+        attribute = getattr(self._client, name)
+        if not callable(attribute):
+            return attribute
+
+        def call(*args, **kwargs):
+            with mlflow_credentials(self._user):
+                return attribute(*args, **kwargs)
+
+        return call
+
+
 @dataclass
 class MlflowServer:
     port: int
     artifacts: Path
+    log: Path
+    admin: User
 
     @property
     def uri(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    def create_user(self, username: str) -> User:
+        """A team member (not an admin), created by the admin through the auth app's API."""
+        from mlflow.server import get_app_client
+
+        user = new_user(username)
+        with mlflow_credentials(self.admin):
+            get_app_client("basic-auth", tracking_uri=self.uri).create_user(
+                user.username, user.password
+            )
+        return user
+
 
 @contextlib.contextmanager
-def mlflow_server(backend_store_uri: str, root: Path) -> Iterator[MlflowServer]:
-    """`mlflow server` on 127.0.0.1, serving artifacts from a folder under `root`."""
-    server = MlflowServer(port=free_port(), artifacts=root / "mlartifacts")
-    log = root / "mlflow-server.log"
+def mlflow_server(postgres: Postgres, root: Path) -> Iterator[MlflowServer]:
+    """`mlflow server --app-name basic-auth` on 127.0.0.1, runs in `postgres`'s database,
+    users in its auth database, artifacts in a folder under `root`; as in the recipe of
+    docs/tracking.md, every secret comes through the environment, none on the command line."""
+    server = MlflowServer(
+        port=free_port(),
+        artifacts=root / "mlartifacts",
+        log=root / "mlflow-server.log",
+        admin=new_user("admin"),
+    )
+    auth_config = root / "basic_auth.ini"
+    auth_config.write_text(
+        BASIC_AUTH_INI.format(database_uri=postgres.uri_of(postgres.auth_database))
+    )
+    auth_config.chmod(0o600)
     env = {**os.environ, **TELEMETRY_OPT_OUT}
     # The server's job runner (8 worker processes, for GenAI scorers) is not needed for
     # tracking; without it the server starts lighter and stops in seconds, not ~15 s.
     env["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] = "false"
-    env.pop("MLFLOW_TRACKING_URI", None)
-    with log.open("w") as out:
+    env["MLFLOW_BACKEND_STORE_URI"] = postgres.uri
+    env["MLFLOW_AUTH_CONFIG_PATH"] = str(auth_config)
+    env["MLFLOW_AUTH_ADMIN_USERNAME"] = server.admin.username
+    env["MLFLOW_AUTH_ADMIN_PASSWORD"] = server.admin.password
+    env["MLFLOW_FLASK_SERVER_SECRET_KEY"] = secrets.token_hex(16)
+    for name in ("MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
+        env.pop(name, None)
+    with server.log.open("w") as out:
         process = subprocess.Popen(
-            [str(MLFLOW), "server", "--backend-store-uri", backend_store_uri]
+            [str(MLFLOW), "server", "--app-name", "basic-auth"]
             + ["--artifacts-destination", str(server.artifacts)]
             + ["--host", "127.0.0.1", "--port", str(server.port), "--workers", "1"],
             cwd=root,
@@ -230,24 +322,29 @@ def mlflow_server(backend_store_uri: str, root: Path) -> Iterator[MlflowServer]:
         )
     try:
 
-        def healthy() -> bool:
+        def healthy() -> bool:  # /health answers without credentials
             try:
                 with urllib.request.urlopen(f"{server.uri}/health", timeout=2) as response:
                     return response.status == 200
             except OSError:
                 return False
 
-        _wait_until(healthy, process, log, "mlflow server", timeout=180)
+        _wait_until(healthy, process, server.log, "mlflow server", timeout=180)
         yield server
     finally:
         _stop(process)
 
 
 def run_kedro(project: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
+    """`kedro run` in `project`; MLflow credentials only those given in `env`."""
+    environ = project_env(**env)
+    for name in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
+        if name not in env:
+            environ.pop(name, None)
     return subprocess.run(
         [str(KEDRO), "run", *args],
         cwd=project,
-        env=project_env(**env),
+        env=environ,
         capture_output=True,
         text=True,
         timeout=600,
@@ -265,21 +362,46 @@ TP2_LAYOUT = "dp1-tp2-pp1-sp"
 
 @dataclass
 class TeamTracking:
-    """PostgreSQL, an MLflow server on it, and a scratch project with two runs logged there:
-    `dp2` found the server through conf/local/credentials.yml, `tp2` through
-    MLFLOW_TRACKING_URI."""
+    """PostgreSQL, an MLflow server with basic auth on it, and a scratch project whose
+    runs went there as the team member `member`: `dp2` found the server and the member's
+    credentials through conf/local/credentials.yml (the password read from the environment
+    by `oc.env`), `tp2` through MLFLOW_TRACKING_URI / _USERNAME / _PASSWORD. In between,
+    `refused` holds two runs the server turned away: `wrong_password` (the credentials file
+    with another password) and `anonymous` (MLFLOW_TRACKING_URI alone), with what the admin
+    saw on the server (`seen_before_refused`, `seen_after_refused`) and the local plan.json
+    (`plan_before_refused`, `plan_after_refused`) just before and after them."""
 
     postgres: Postgres
     server: MlflowServer
     project: Path
+    member: User
     dp2: subprocess.CompletedProcess
     tp2: subprocess.CompletedProcess
+    refused: dict[str, subprocess.CompletedProcess]
+    wrong_password: str = field(repr=False)
+    seen_before_refused: tuple = ()
+    seen_after_refused: tuple = ()
+    plan_before_refused: tuple = ()
+    plan_after_refused: tuple = ()
     started_s: float = 0.0
 
-    def client(self):
-        from mlflow.tracking import MlflowClient
+    def client(self, user: User | None | str = "admin") -> ClientAs:
+        """A client of the server as the admin (default), another user, or None: nobody."""
+        return ClientAs(self.server.uri, self.server.admin if user == "admin" else user)
 
-        return MlflowClient(tracking_uri=self.server.uri)
+
+def seen_by(client: ClientAs) -> tuple[list[str], list[str]]:
+    """Every experiment and run on the server, deleted ones included."""
+    from mlflow.entities import ViewType
+
+    experiments = client.search_experiments(view_type=ViewType.ALL)
+    ids = [e.experiment_id for e in experiments]
+    runs = client.search_runs(ids, run_view_type=ViewType.ALL) if ids else []
+    return sorted(e.name for e in experiments), sorted(r.info.run_id for r in runs)
+
+
+def file_state(path: Path) -> tuple:
+    return (path.read_bytes(), path.stat().st_mtime_ns) if path.exists() else ()
 
 
 @dataclass
@@ -309,10 +431,16 @@ def team_tracking(tmp_path_factory: pytest.TempPathFactory) -> TeamTracking:
     root = tmp_path_factory.mktemp("team-tracking")
     try:
         postgres = _SHARED.stack.enter_context(postgres_server())
-        server = _SHARED.stack.enter_context(mlflow_server(postgres.uri, root))
+        server = _SHARED.stack.enter_context(mlflow_server(postgres, root))
+        member = server.create_user("alice")
         project = make_project(root / "project")
         credentials = project / "conf" / "local" / "credentials.yml"
-        credentials.write_text(f"mlflow:\n  tracking_uri: {server.uri}\n")
+        # As docs/tracking.md suggests: the file names the variables, not the secrets.
+        credentials.write_text(
+            f"mlflow:\n  tracking_uri: {server.uri}\n"
+            "  username: ${oc.env:TEAM_MLFLOW_USER}\n"
+            "  password: ${oc.env:TEAM_MLFLOW_PASSWORD}\n"
+        )
         dp2 = run_kedro(
             project,
             "--env",
@@ -321,12 +449,42 @@ def team_tracking(tmp_path_factory: pytest.TempPathFactory) -> TeamTracking:
             "data_processing,planning,training",
             "--params",
             SMALL_RUN,
+            TEAM_MLFLOW_USER=member.username,
+            TEAM_MLFLOW_PASSWORD=member.password,
             # MLflow publishes system metrics only once a sampling interval has passed
             # with the run open; 10 s (the project's default) can outlast a short run
             # on a fast machine, half a second cannot (the launch alone takes longer).
             MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL="0.5",
         )
+        # Two who do not get in; each would rewrite plan.json if it got past the hook.
+        plan = project / "data" / "05_model_input" / "plan.json"
+        seen_before, plan_before = seen_by(ClientAs(server.uri, server.admin)), file_state(plan)
+        wrong_password = new_user(member.username).password
+        refused = {
+            "wrong_password": run_kedro(
+                project,
+                "--env",
+                "team",
+                "--pipeline",
+                "planning",
+                "--params",
+                SMALL_RUN,
+                TEAM_MLFLOW_USER=member.username,
+                TEAM_MLFLOW_PASSWORD=wrong_password,
+            )
+        }
         credentials.unlink()
+        refused["anonymous"] = run_kedro(
+            project,
+            "--env",
+            "team",
+            "--pipeline",
+            "planning",
+            "--params",
+            SMALL_RUN,
+            MLFLOW_TRACKING_URI=server.uri,
+        )
+        seen_after, plan_after = seen_by(ClientAs(server.uri, server.admin)), file_state(plan)
         tp2 = run_kedro(
             project,
             "--env",
@@ -336,13 +494,27 @@ def team_tracking(tmp_path_factory: pytest.TempPathFactory) -> TeamTracking:
             "--params",
             SMALL_RUN + ",parallel.tensor_parallel_size=2",
             MLFLOW_TRACKING_URI=server.uri,
+            MLFLOW_TRACKING_USERNAME=member.username,
+            MLFLOW_TRACKING_PASSWORD=member.password,
         )
     except Exception as error:
         _SHARED.error = error
         stop_team_tracking()
         raise
     _SHARED.value = TeamTracking(
-        postgres, server, project, dp2, tp2, started_s=time.monotonic() - started
+        postgres,
+        server,
+        project,
+        member,
+        dp2,
+        tp2,
+        refused,
+        wrong_password=wrong_password,
+        seen_before_refused=seen_before,
+        seen_after_refused=seen_after,
+        plan_before_refused=plan_before,
+        plan_after_refused=plan_after,
+        started_s=time.monotonic() - started,
     )
     return _SHARED.value
 

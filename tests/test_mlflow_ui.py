@@ -64,7 +64,12 @@ def test_compare_page_shows_the_layouts_of_both_runs(chromium, team, tmp_path: P
         # Debian's Chromium, never a downloaded one; Playwright gives it a fresh profile.
         browser = playwright.chromium.launch(executable_path=chromium, args=servers.CHROMIUM_FLAGS)
         try:
-            page = browser.new_page(viewport={"width": 1280, "height": 1200})
+            # The server asks for basic auth (tests/servers.py); the browser answers as admin.
+            admin = team.server.admin
+            page = browser.new_page(
+                viewport={"width": 1280, "height": 1200},
+                http_credentials={"username": admin.username, "password": admin.password},
+            )
             page.goto(url)
             page.locator("th", has_text="parallel.tensor_parallel_size").first.wait_for(
                 timeout=90_000

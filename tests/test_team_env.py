@@ -1,16 +1,26 @@
 """`kedro run --env team` logs into a shared MLflow tracking server whose backend store is
-PostgreSQL, with the server's address taken from credentials, never from git.
+PostgreSQL and which lets in only its users (MLflow's basic-auth app), with the server's
+address and the user's credentials taken from credentials, never from git.
 
-The servers are real (PostgreSQL from Debian's package, `mlflow server` on it, both on
-127.0.0.1); see tests/servers.py. Two runs go there: the dp=2 default finds the server
-through conf/local/credentials.yml, the tp=2 run through MLFLOW_TRACKING_URI.
+The servers are real (PostgreSQL from Debian's package, `mlflow server --app-name
+basic-auth` on it, both on 127.0.0.1); see tests/servers.py. The admin (created by the
+server from environment variables) adds a team member; the member's two runs go there:
+the dp=2 default through conf/local/credentials.yml, the tp=2 run through MLFLOW_TRACKING_*.
+A wrong password and no credentials at all are refused and write nothing; no password
+appears in any output, param, tag, plan.json or file.
 """
 
 from __future__ import annotations
 
+import json
+import urllib.error
+import urllib.request
+from base64 import b64encode
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+from mlflow.exceptions import MlflowException
 
 from meshtrain.hooks import TrackingConfigError, TrackingServer, choose_tracking_server
 from tests import servers
@@ -84,11 +94,104 @@ def test_runs_are_rows_of_the_postgresql_backend_store(team):
     ]
 
 
+def _http_status(uri: str, authorization: str | None) -> int:
+    request = urllib.request.Request(f"{uri}/api/2.0/mlflow/experiments/search?max_results=10")
+    if authorization:
+        request.add_header("Authorization", authorization)
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status
+    except urllib.error.HTTPError as error:
+        return error.code
+
+
+@pytest.mark.slow
+def test_the_server_refuses_clients_without_the_right_credentials_and_they_write_nothing(team):
+    assert team.dp2.returncode == 0, servers.output(team.dp2)
+    # What the admin saw before the two refused runs: the member's first run, nothing else.
+    experiments, runs = team.seen_before_refused
+    assert experiments == ["Default", "meshtrain"] and len(runs) == 1
+    for how, result in team.refused.items():
+        output = result.stdout + result.stderr
+        assert result.returncode != 0, (how, servers.output(result))
+        assert "TrackingConfigError" in output, (how, servers.output(result))
+        assert "(HTTP 401, not authenticated); nothing was logged" in output, how
+        assert "Traceback" not in output, how
+    wrong, anonymous = team.refused["wrong_password"], team.refused["anonymous"]
+    assert f"refused user '{team.member.username}'" in wrong.stdout + wrong.stderr
+    assert "credentials entry 'mlflow'" in wrong.stdout + wrong.stderr
+    assert "refused a client without credentials" in anonymous.stdout + anonymous.stderr
+    # Nothing reached the server, and the hook stopped them before the planning node.
+    assert team.seen_after_refused == team.seen_before_refused
+    assert team.plan_before_refused and team.plan_after_refused == team.plan_before_refused
+    # MLflow's own client, and bare HTTP, fare no better; /health alone is open.
+    intruders = [None, servers.User(team.member.username, team.wrong_password)]
+    for user in intruders:
+        with pytest.raises(MlflowException) as error:
+            team.client(user).create_experiment("intruder")
+        assert error.value.error_code == "UNAUTHENTICATED"
+    wrong_header = "Basic " + b64encode(f"admin:{team.wrong_password}".encode()).decode()
+    assert _http_status(team.server.uri, None) == 401
+    assert _http_status(team.server.uri, wrong_header) == 401
+    assert "intruder" not in servers.seen_by(team.client())[0]
+    with urllib.request.urlopen(f"{team.server.uri}/health", timeout=10) as response:
+        assert response.status == 200
+
+
+def _text_files(root: Path):
+    for path in root.rglob("*"):
+        if path.is_file():
+            yield path, path.read_bytes()
+
+
+@pytest.mark.slow
+def test_no_password_appears_in_outputs_params_tags_plan_or_files(team, tmp_path):
+    assert team.dp2.returncode == 0 and team.tp2.returncode == 0
+    secrets = {
+        "member": team.member.password,
+        "admin": team.server.admin.password,
+        "wrong": team.wrong_password,
+        "database": team.postgres.password,
+    }
+    results = {"dp2": team.dp2, "tp2": team.tp2, **team.refused}
+    client = team.client()
+    for layout in (servers.DP2_LAYOUT, servers.TP2_LAYOUT):
+        _, run = _run(team, layout)
+        local = tmp_path / layout
+        local.mkdir()
+        plan = Path(client.download_artifacts(run.info.run_id, "plan.json", str(local)))
+        json.loads(plan.read_text())  # the real plan.json came back
+        texts = {
+            "params": json.dumps(run.data.params),
+            "tags": json.dumps(run.data.tags),
+            "plan.json": plan.read_text(),
+        }
+        for what, text in texts.items():
+            for whose, secret in secrets.items():
+                assert secret not in text, f"{whose}'s password in {layout}'s {what}"
+    for how, result in results.items():
+        for whose, secret in secrets.items():
+            assert secret not in result.stdout + result.stderr, f"{whose}'s password, {how}"
+    # Everything the project and the runs wrote (data, plan.json, checkpoints and their
+    # per-rank logs, conf/local), the server's artifacts and the MLflow server's log.
+    files = [
+        *_text_files(team.project),
+        *_text_files(team.server.artifacts),
+        (team.server.log, team.server.log.read_bytes()),
+    ]
+    assert len(files) > 20
+    for path, content in files:
+        for whose, secret in secrets.items():
+            assert secret.encode() not in content, f"{whose}'s password in {path}"
+
+
 @pytest.mark.slow
 def test_team_env_without_credentials_stops_before_any_node(tmp_path):
     project = make_project(tmp_path / "project")
+    # data_processing reads nothing earlier pipelines write, so the missing-input check
+    # (which runs first, see settings.py) has nothing to say and the tracking check speaks.
     result = servers.run_kedro(
-        project, "--env", "team", "--pipeline", "planning", "--params", SMALL_RUN
+        project, "--env", "team", "--pipeline", "data_processing", "--params", SMALL_RUN
     )
     output = result.stdout + result.stderr
     assert result.returncode != 0
@@ -96,7 +199,7 @@ def test_team_env_without_credentials_stops_before_any_node(tmp_path):
     assert "credentials entry 'mlflow'" in output
     assert "conf/local/credentials.yml" in output
     assert "MLFLOW_TRACKING_URI" in output
-    assert not (project / "data/05_model_input/plan.json").exists()
+    assert not [p for p in (project / "data").rglob("*") if p.is_file()]
     assert not (project / "mlflow.db").exists()
 
 

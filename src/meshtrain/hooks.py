@@ -18,11 +18,12 @@ sampled from this process while the run is open (`log_system_metrics`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,7 @@ from urllib.parse import urlsplit, urlunsplit
 import mlflow
 from kedro.config import MissingConfigException, OmegaConfigLoader
 from kedro.framework.hooks import hook_impl
+from mlflow.exceptions import MlflowException
 
 from meshtrain.config import Refused
 
@@ -397,6 +399,38 @@ def use_tracking_server(server: TrackingServer) -> None:
     mlflow.set_tracking_uri(server.uri)
 
 
+@contextlib.contextmanager
+def server_refusals(uri: str, settings: Mapping[str, Any], entry: str | None) -> Iterator[None]:
+    """A tracking server's 401/403 becomes a refusal that says who was refused and what to
+    set (in `entry`, the credentials entry the server came from, if it did); it names the
+    user MLflow sent, never the password. Other errors pass unchanged."""
+    try:
+        yield
+    except MlflowException as error:
+        if error.error_code not in ("UNAUTHENTICATED", "PERMISSION_DENIED"):
+            raise
+        user = os.environ.get(USERNAME_VARIABLE)
+        who = f"user '{user}'" if user else "a client without credentials"
+        if error.error_code == "PERMISSION_DENIED":
+            raise TrackingConfigError(
+                f"MLflow tracking: the server {redact(uri)} let {who} in but denied it "
+                f"experiment '{settings['experiment_name']}' (HTTP 403, permission denied); "
+                "nothing was logged. Ask an admin of the server for EDIT on it. "
+                "See docs/tracking.md."
+            ) from None
+        fix = f"export the right {USERNAME_VARIABLE} and {PASSWORD_VARIABLE}"
+        if entry:
+            fix = (
+                f"give the right `username` and `password` in the credentials entry "
+                f"'{entry}' (conf/local/credentials.yml), or {fix}"
+            )
+        raise TrackingConfigError(
+            f"MLflow tracking: the server {redact(uri)} refused {who} (HTTP 401, not "
+            f"authenticated); nothing was logged. It asks for basic auth: {fix}. "
+            "See docs/tracking.md."
+        ) from None
+
+
 class MlflowRunHook:
     def __init__(self) -> None:
         self.settings: dict[str, Any] = dict(DEFAULTS)
@@ -431,10 +465,14 @@ class MlflowRunHook:
         # Credentials are read here, not when the context is created: this runs after the
         # catalog and parameters are built, so reading conf/local's credentials (a second
         # config loader) cannot disturb them, and other kedro commands never need them.
-        use_tracking_server(
-            project_tracking_server(self.config_loader, self.env, self.project_path, self.settings)
+        server = project_tracking_server(
+            self.config_loader, self.env, self.project_path, self.settings
         )
-        mlflow.set_experiment(self.settings["experiment_name"])
+        # (before mlflow.set_tracking_uri, which sets the variable for the workers)
+        entry = None if os.environ.get(URI_VARIABLE) else self.settings.get("credentials")
+        use_tracking_server(server)
+        with server_refusals(server.uri, self.settings, entry):
+            mlflow.set_experiment(self.settings["experiment_name"])
         if mlflow.active_run() is not None:
             mlflow.end_run()
         pipeline = run_params.get("pipeline_name") or ",".join(
@@ -454,7 +492,8 @@ class MlflowRunHook:
         interval = self.settings["system_metrics_sampling_interval"]
         if log_system_metrics and interval and not os.environ.get(SAMPLING_VARIABLE):
             mlflow.set_system_metrics_sampling_interval(float(interval))
-        mlflow.start_run(run_name=pipeline, tags=tags, log_system_metrics=log_system_metrics)
+        with server_refusals(server.uri, self.settings, entry):
+            mlflow.start_run(run_name=pipeline, tags=tags, log_system_metrics=log_system_metrics)
         self.started = True
         logger.info(
             "MLflow run %s in %s",
