@@ -4,11 +4,14 @@ from meshtrain.offline import disable_telemetry
 
 disable_telemetry()  # before kedro's hooks or mlflow are used
 
+from meshtrain.config_loader import ProjectConfigLoader  # noqa: E402
 from meshtrain.hooks import MlflowRunHook, RunChecksHook  # noqa: E402
 
 # RunChecksHook refuses bad parameters and missing inputs before MlflowRunHook opens a run.
 HOOKS = (MlflowRunHook(), RunChecksHook())
 
+# Kedro's OmegaConfigLoader, refusing an --env with no conf/ folder in one line.
+CONFIG_LOADER_CLASS = ProjectConfigLoader
 CONFIG_LOADER_ARGS = {
     "base_env": "base",
     "default_run_env": "local",

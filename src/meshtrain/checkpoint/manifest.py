@@ -71,15 +71,26 @@ def read_manifest(root: Path, *, verify: bool = True) -> dict[str, Any]:
             f"{root} has no {MARKER} marker: it was not completely written; "
             "use an earlier checkpoint"
         )
-    manifest = json.loads((root / MANIFEST).read_text())
-    if manifest.get("format") != FORMAT:
+    try:
+        manifest = json.loads((root / MANIFEST).read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        message = f"{root / MANIFEST} is not valid JSON (cut short?): {error}"
+        raise CheckpointError(message) from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"{root / MANIFEST} is not a {FORMAT} manifest")
     if manifest.get("version", 0) > FORMAT_VERSION:
         raise CheckpointError(
             f"{root} was written by a newer meshtrain (format {manifest['version']})"
         )
+    listed = manifest.get("files")
+    if not isinstance(listed, dict) or not all(
+        isinstance(meta, dict) and isinstance(meta.get("bytes"), int) for meta in listed.values()
+    ):
+        raise CheckpointError(f"{root / MANIFEST} has no valid `files` list (name: bytes, sha256)")
     resolved_root = root.resolve()
-    for rel, meta in manifest["files"].items():
+    for rel, meta in listed.items():
+        # Checked before the file is opened or even stat'ed: "../x", "/etc/passwd" and
+        # symlinks out of the folder are refused without touching what they name.
         path = (root / rel).resolve()
         if resolved_root not in path.parents:
             raise CheckpointError(f"manifest entry {rel!r} points outside {root}")
@@ -134,7 +145,7 @@ def find_resume_checkpoint(output_dir: Path, resume_from: str, run_name: str | N
                 f"training.resume_from: {path} has no {MARKER} marker (it was not completely "
                 "written); use an earlier checkpoint or `latest`"
             )
-        return path
+        return _checked_for_resume(path)
     runs = [Path(output_dir) / run_name] if run_name else sorted(Path(output_dir).glob("*/"))
     complete, partial = [], []
     for run in runs:
@@ -151,4 +162,14 @@ def find_resume_checkpoint(output_dir: Path, resume_from: str, run_name: str | N
             f"skipping {child}: no {MARKER} marker (a checkpoint interrupted while saving)",
             stacklevel=2,
         )
-    return newest
+    return _checked_for_resume(newest)
+
+
+def _checked_for_resume(path: Path) -> Path:
+    """Before any worker starts: the manifest, its paths and every file's size (the workers
+    check the sha256 when they restore; hashing here too would read the checkpoint twice)."""
+    try:
+        read_manifest(path, verify=False)
+    except CheckpointError as error:
+        raise CheckpointError(f"training.resume_from: {error}") from None
+    return path

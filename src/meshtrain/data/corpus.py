@@ -8,6 +8,7 @@ and a dataset from the Hugging Face Hub (for real runs on connected machines).
 from __future__ import annotations
 
 import ast
+import codecs
 import gc
 import glob
 import os
@@ -18,6 +19,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import datasets
+
+from meshtrain.config import ConfigError
 
 SOURCES = ("builtin", "text_files", "hub")
 DEFAULT_BUILTIN_MAX_CHARS = 3_000_000
@@ -30,6 +33,14 @@ _SKIPPED_DIRS = frozenset(
 """Stdlib folders whose text is test fixtures, third-party code or old-syntax sources."""
 
 _DOCSTRING_NODES = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+
+
+class CorpusError(ConfigError):
+    """The corpus cannot be read or holds no text; the message names the file or parameter."""
+
+
+class CorpusFileNotFound(CorpusError, FileNotFoundError):
+    """A `data.text_files` pattern matches no file."""
 
 
 def load_corpus(
@@ -48,16 +59,23 @@ def load_corpus(
         return _load_builtin(max_chars)
     if source == "text_files":
         if not text_files:
-            raise ValueError(
+            raise CorpusError(
                 "data.text_files must list at least one path or glob pattern "
                 "when data.source is 'text_files'"
             )
-        return _load_text_files([text_files] if isinstance(text_files, str) else text_files)
-    if source == "hub":
+        patterns = [text_files] if isinstance(text_files, str) else text_files
+        corpus = _load_text_files(patterns)
+        where = f"data.text_files={patterns}"
+    elif source == "hub":
         if not hub_dataset:
-            raise ValueError("data.hub_dataset must name a Hub dataset when data.source is 'hub'")
-        return _load_hub(hub_dataset, hub_config, hub_split, text_column)
-    raise ValueError(f"data.source must be one of {', '.join(SOURCES)}; got {source!r}")
+            raise CorpusError("data.hub_dataset must name a Hub dataset when data.source is 'hub'")
+        corpus = _load_hub(hub_dataset, hub_config, hub_split, text_column)
+        where = f"data.hub_dataset={hub_dataset} (column {text_column!r})"
+    else:
+        raise CorpusError(f"data.source must be one of {', '.join(SOURCES)}; got {source!r}")
+    if len(corpus) == 0:  # refused here, before the empty corpus is saved over an earlier one
+        raise CorpusError(f"{where} holds no text: every document is empty or blank")
+    return corpus
 
 
 # --- builtin -------------------------------------------------------------------------------
@@ -172,9 +190,16 @@ def _load_text_files(patterns: list[str]) -> datasets.Dataset:
     at document level; paragraphs are the natural document-like unit of plain text.
     """
     files = _expand(patterns)
-    loaded = datasets.load_dataset(
-        "text", data_files=files, sample_by="paragraph", keep_linebreaks=True
-    )
+    if all(os.path.getsize(path) == 0 for path in files):  # `datasets` fails on these
+        raise CorpusError(f"data.text_files: every file is empty: {', '.join(files)}")
+    try:
+        loaded = datasets.load_dataset(
+            "text", data_files=files, sample_by="paragraph", keep_linebreaks=True
+        )
+    except datasets.exceptions.DatasetGenerationError as error:
+        if not isinstance(error.__cause__ or error.__context__, UnicodeDecodeError):
+            raise
+        raise _not_text(files) from error
     ds = loaded["train"].select_columns(["text"])
     ds = ds.map(_strip_batch, batched=True, desc="Strip paragraphs")
     return _drop_blank(ds)
@@ -186,9 +211,31 @@ def _expand(patterns: list[str]) -> list[str]:
     for pattern in patterns:
         matches = sorted(p for p in glob.glob(pattern, recursive=True) if Path(p).is_file())
         if not matches:
-            raise FileNotFoundError(f"data.text_files: no file matches {pattern!r}")
+            raise CorpusFileNotFound(f"data.text_files: no file matches {pattern!r}")
         files.update(dict.fromkeys(matches))
     return list(files)
+
+
+def _not_text(files: list[str]) -> CorpusError:
+    """Name the first file that is not UTF-8 text (read only after `datasets` failed)."""
+    for path in files:
+        decoder = codecs.getincrementaldecoder("utf-8")()
+        offset = 0
+        with open(path, "rb") as handle:
+            while True:
+                block = handle.read(1 << 20)
+                try:
+                    decoder.decode(block, final=not block)
+                except UnicodeDecodeError as error:
+                    return CorpusError(
+                        f"data.text_files: {path} is not UTF-8 text (byte {offset + error.start} "
+                        "cannot be decoded; is it a binary file?): convert it, or leave it out "
+                        "of the patterns"
+                    )
+                if not block:
+                    break
+                offset += len(block)
+    return CorpusError(f"data.text_files: one of {', '.join(files)} is not UTF-8 text")
 
 
 def _strip_batch(batch: dict[str, list[str]]) -> dict[str, list[str]]:
@@ -201,9 +248,12 @@ def _strip_batch(batch: dict[str, list[str]]) -> dict[str, list[str]]:
 
 def _load_hub(name: str, config: str | None, split: str, text_column: str) -> datasets.Dataset:
     """Download (or reuse the cached) Hub split and keep only its text column as ``text``."""
-    ds = datasets.load_dataset(name, config, split=split)
+    try:
+        ds = datasets.load_dataset(name, config, split=split)
+    except ConnectionError as error:  # offline, or no network, and not in the local cache
+        raise _unreachable(name, config, split) from error
     if text_column not in ds.column_names:
-        raise ValueError(
+        raise CorpusError(
             f"data.text_column={text_column!r} is not a column of {name}; "
             f"columns are {ds.column_names}"
         )
@@ -219,4 +269,23 @@ def _drop_blank(ds: datasets.Dataset) -> datasets.Dataset:
         lambda batch: [bool(text and text.strip()) for text in batch["text"]],
         batched=True,
         desc="Drop blank documents",
+    )
+
+
+def _unreachable(name: str, config: str | None, split: str) -> CorpusError:
+    from huggingface_hub import constants  # noqa: PLC0415
+
+    offline = datasets.config.HF_HUB_OFFLINE or constants.HF_HUB_OFFLINE
+    why = (
+        "the Hugging Face Hub is offline here (HF_HUB_OFFLINE or HF_DATASETS_OFFLINE is set)"
+        if offline
+        else "the Hugging Face Hub cannot be reached from here"
+    )
+    args = ", ".join(repr(a) for a in (name, config) if a is not None)
+    return CorpusError(
+        f"data.hub_dataset={name}: {why} and the dataset is not in the local cache "
+        f"({datasets.config.HF_DATASETS_CACHE}). Download it once where there is network, "
+        f'with the same HF_HOME: python -c "import datasets; datasets.load_dataset({args}, '
+        f"split='{split}')\"; or save its text as files and use data.source=text_files "
+        "data.text_files=<paths>."
     )

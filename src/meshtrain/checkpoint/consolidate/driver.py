@@ -10,7 +10,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any
@@ -87,9 +87,11 @@ def _check_output_dir(root: Path, manifest: Mapping[str, Any], output_dir: Path)
         raise CheckpointError(f"output {output_dir} exists and is not a folder")
 
 
-def _copy_model_files(root: Path, dest: Path, dtype: str | None) -> None:
+def _copy_model_files(root: Path, dest: Path, dtype: str | None, listed: Iterable[str]) -> None:
     """The config, generation config and tokenizer files a Hugging Face folder needs; the
-    config says the weights' dtype when `dtype` cast them."""
+    config says the weights' dtype when `dtype` cast them. Only tokenizer files the manifest
+    lists are copied (read_manifest checked they lie in the folder and the verifier hashes
+    them): anything else found there, a symlink out of the folder say, is left behind."""
     if dtype is None:
         shutil.copy2(root / files.MODEL_CONFIG, dest / files.MODEL_CONFIG)
     else:
@@ -99,13 +101,11 @@ def _copy_model_files(root: Path, dest: Path, dtype: str | None) -> None:
         (dest / files.MODEL_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     if (root / files.GENERATION_CONFIG).is_file():
         shutil.copy2(root / files.GENERATION_CONFIG, dest / files.GENERATION_CONFIG)
-    tokenizer = root / files.TOKENIZER
-    if tokenizer.is_dir():
-        for item in tokenizer.iterdir():
-            if item.is_dir():
-                shutil.copytree(item, dest / item.name)
-            else:
-                shutil.copy2(item, dest / item.name)
+    for rel in sorted(listed):
+        inside = rel.removeprefix(files.TOKENIZER + "/")
+        if inside != rel:
+            (dest / inside).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(root / rel, dest / inside)
 
 
 def _write_weights(
@@ -196,7 +196,7 @@ def consolidate_checkpoint(
             read_size = sum(plan.spec.nbytes for plan in plans)
             with Progress(read_size, desc) if progress else NoBar() as bar:
                 names = _write_weights(partial, plans, limit, bar, verifier)
-            _copy_model_files(root, partial, dtype)
+            _copy_model_files(root, partial, dtype, manifest["files"])
             if verifier is not None and (failure := verifier.failure(wait=True)):
                 raise failure
         except BaseException:
