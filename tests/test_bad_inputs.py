@@ -13,6 +13,7 @@ was there before untouched. A few cases run a real `kedro run` in a scratch proj
 from __future__ import annotations
 
 import hashlib
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,12 +22,12 @@ import torch
 from kedro.config import OmegaConfigLoader
 from kedro.framework.cli.utils import _split_params
 
-from meshtrain import settings
+from meshtrain import hooks, settings
 from meshtrain.config import AUTO, Refused, RunConfig, check_launch
 from meshtrain.hooks import RUN_GROUPS, check_parameters
 from meshtrain.pipeline_registry import register_pipelines
 from meshtrain.planner.resolve import plan_for_run
-from tests.kedro_project import kedro_run, make_project
+from tests.kedro_project import REPO, kedro_run, make_project
 
 TRAIN_BLOCKS = 1000
 VALIDATION_BLOCKS = 50
@@ -289,7 +290,6 @@ def test_the_shipped_model_configs_pass_the_field_check(env: str) -> None:
     """conf/gpu's rope_theta (folded into rope_parameters in transformers 5) and conf/trn1's
     head_dim are real fields, though to_dict() alone would not list the first."""
     from meshtrain.models.builder import check_model_fields
-    from tests.kedro_project import REPO
 
     args = {**settings.CONFIG_LOADER_ARGS, "default_run_env": env}
     model = OmegaConfigLoader(str(REPO / "conf"), **args)["parameters"]["model"]
@@ -354,3 +354,22 @@ def test_planning_on_a_fresh_clone_names_the_missing_tokenizer(fresh_project: Pa
         "kedro run --pipeline data_processing",
     )
     assert "Repo id must be" not in result.stdout + result.stderr
+
+
+def test_the_readmes_refusal_example_is_what_a_user_sees(
+    project, default_pipeline, tokenizer, monkeypatch, capsys
+):
+    """The README's `kedro run --params "parallel.tensor_parallel_size=3"` block, less
+    Kedro's log lines above it, byte for byte as the project's exception hook prints it."""
+    readme = (REPO / "README.md").read_text()
+    command = '$ kedro run --params "parallel.tensor_parallel_size=3"\n'
+    shown = readme.split(command, 1)[1].split("```", 1)[0]
+    with pytest.raises(Refused) as caught:
+        validate_and_plan(
+            parameters(project, "parallel.tensor_parallel_size=3"), default_pipeline, tokenizer
+        )
+    monkeypatch.setattr(sys, "excepthook", lambda *_: None)
+    monkeypatch.delenv(hooks.TRACEBACK_VARIABLE, raising=False)
+    hooks.show_refusals_plainly()
+    sys.excepthook(type(caught.value), caught.value, None)
+    assert capsys.readouterr().err == shown
