@@ -164,14 +164,28 @@ def test_a_hub_corpus_offline_says_so_and_how_to_provide_it(project: Path, monke
 # --- checkpoints ---------------------------------------------------------------------------
 
 
+def _run_model_config(project: Path, tokenizer, params: str = ""):
+    """The model a run of `project` with `params` builds (at the tokenizer's vocabulary)."""
+    from meshtrain.models import build_model_config
+
+    model = parameters(project, params)["model"]
+    return build_model_config(
+        model["architecture"], dict(model["config"]), vocab_size=len(tokenizer)
+    )
+
+
 @pytest.fixture(scope="module")
-def good_checkpoint(tmp_path_factory, tiny_llama) -> Path:
-    """A complete tp=1 checkpoint of a small Llama, with a tokenizer; copied per case."""
+def good_checkpoint(tmp_path_factory, project, tokenizer) -> Path:
+    """A complete tp=1 checkpoint of the run's own model (conf/base's), with a tokenizer;
+    copied per case."""
+    from meshtrain.models import build_model
+
     root = tmp_path_factory.mktemp("good") / "run" / "checkpoint-1"
     (root / "tokenizer").mkdir(parents=True)
     (root / "tokenizer" / "tokenizer.json").write_text('{"fake": true}\n')
-    config, state = tiny_llama
-    return write_checkpoint(root, state, config=config, step=1)
+    model = build_model(_run_model_config(project, tokenizer), seed=0)
+    state = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return write_checkpoint(root, state, config=model.config, step=1)
 
 
 def _flip_last_byte(path: Path) -> None:
@@ -260,9 +274,9 @@ def spoilt(request, good_checkpoint: Path, tmp_path: Path):
     return path, named, unchanged
 
 
-def _resume(project: Path, path: Path, tokenizer) -> None:
+def _resume(project: Path, path: Path, tokenizer, extra: str = "") -> None:
     """The training node's checks before any worker starts, with resume_from=`path`."""
-    params = parameters(project, f"training.resume_from={path}")
+    params = parameters(project, f"training.resume_from={path}{extra}")
     check_parameters(params, register_pipelines()["__default__"])
     run = RunConfig.from_params(**{group: params.get(group) for group in RUN_GROUPS})
     plan = plan_for_run(
@@ -336,23 +350,21 @@ def test_an_unlisted_symlink_out_of_the_checkpoint_is_not_copied(
     assert not (tmp_path / "hf" / "special_tokens_map.json").exists()
 
 
-def test_a_checkpoint_of_another_model_is_refused_naming_the_tensor(
-    good_checkpoint: Path, project: Path, tokenizer
+def test_a_checkpoint_of_another_model_is_refused_before_any_worker(
+    good_checkpoint: Path, project: Path, tokenizer, tmp_path: Path, monkeypatch
 ) -> None:
-    """Not checked before the workers start (the model is built there): the first thing a
-    worker's restore does after the manifest is this comparison with the model it built."""
-    from meshtrain.checkpoint.load import check_compatible
-    from meshtrain.distributed.tensor_parallel import ParameterSharding
-    from meshtrain.models import build_model, build_model_config
-
-    run_model = parameters(project, "")["model"]  # conf/base's model, not the checkpoint's
-    config = build_model_config(
-        run_model["architecture"], dict(run_model["config"]), vocab_size=len(tokenizer)
+    """Resuming conf/base's checkpoint with a wider model names the first tensor whose
+    shape differs, before the launch (the workers would only find it after building)."""
+    root = tmp_path / "run" / "checkpoint-1"
+    shutil.copytree(good_checkpoint, root)
+    monkeypatch.chdir(project)
+    before = snapshot(root)
+    assert_refused(
+        lambda: _resume(project, root, tokenizer, ",model.config.intermediate_size=512"),
+        "tensor model.layers.0.mlp",
+        "another model shape",
     )
-    params = dict(build_model(config, seed=0).named_parameters())
-    sharding = {name: ParameterSharding(name, None, 1) for name in params}
-    manifest = read_manifest(good_checkpoint, verify=True)
-    assert_refused(lambda: check_compatible(manifest, params, sharding), "tensor ", "another model")
+    assert snapshot(root) == before
 
 
 # --- a missing environment: a real `kedro run` ---------------------------------------------

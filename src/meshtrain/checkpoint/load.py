@@ -110,6 +110,31 @@ class CheckpointReader:
         return values
 
 
+def check_same_model(root: Path, shapes: dict[str, tuple[int, ...]]) -> None:
+    """Before any worker starts: refuse a checkpoint of another model, naming the first
+    tensor that is missing, extra or of another shape (`shapes`: the model's Hugging Face
+    names and full shapes, each stored tensor once)."""
+    saved = read_manifest(root, verify=False)["tensors"]
+    for name, shape in shapes.items():
+        if name not in saved:
+            raise CheckpointError(
+                f"training.resume_from: {root} has no tensor {name}: it is a checkpoint of "
+                "another model (its architecture or model.config differs from this run's)"
+            )
+        if tuple(saved[name]["shape"]) != tuple(shape):
+            raise CheckpointError(
+                f"training.resume_from: tensor {name} is {list(saved[name]['shape'])} in {root} "
+                f"but {list(shape)} in this run's model: the checkpoint is of another model "
+                "shape (resume with the model.config it was trained with)"
+            )
+    extra = sorted(set(saved) - set(shapes))
+    if extra:
+        raise CheckpointError(
+            f"training.resume_from: {root} holds {extra[0]}, which this run's model has not: "
+            "it is a checkpoint of another model"
+        )
+
+
 def check_compatible(
     manifest: dict[str, Any],
     parameters: dict[str, torch.Tensor],

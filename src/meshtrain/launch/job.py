@@ -14,13 +14,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from meshtrain.checkpoint.load import check_resumable
+from meshtrain.checkpoint.load import check_resumable, check_same_model
 from meshtrain.checkpoint.manifest import find_resume_checkpoint, list_checkpoints
 from meshtrain.components.step_guard import StopRequested
 from meshtrain.config import ConfigError, Refused, RunConfig, check_launch
 from meshtrain.launch.elastic import Interrupted, WorkerRefusedError, run_workers
 from meshtrain.launch.worker import worker_main
-from meshtrain.models.builder import resolve_init_from
+from meshtrain.models.builder import config_from_dict, resolve_init_from
+from meshtrain.models.llama.parameter_names import llama_family_shapes
 from meshtrain.planner import Plan
 from meshtrain.tracking.mlflow_run import TrackingTarget
 from meshtrain.trainer import WorkerSpec
@@ -58,6 +59,7 @@ def make_worker_spec(
             num_train_blocks=plan.num_train_blocks,
             max_steps=cfg.max_steps,
         )
+        check_same_model(resume_from, llama_family_shapes(config_from_dict(plan.model_config)))
         run_dir = resume_from.parent  # the resumed run goes on in its own folder
     elif run.launch.nnodes > 1:
         name = cfg.run_name or f"{plan.layout.name}-{run.launch.rdzv_id}"
