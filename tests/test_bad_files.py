@@ -93,6 +93,9 @@ def _corpus(folder: Path, kind: str) -> str:
         (folder / "a.txt").write_text(TEXT)
         (folder / "b.txt").write_bytes(PNG_HEADER + os.urandom(2048))
         return str(folder / "*.txt")
+    if kind == "one-paragraph":
+        (folder / "note.txt").write_text("one paragraph of text, with no blank line in it\n")
+        return str(folder / "note.txt")
     if kind == "missing":
         return str(folder / "no-such-file.txt")
     if kind == "glob-matching-nothing":
@@ -107,6 +110,7 @@ CORPORA = [
     pytest.param("random-bytes", "random.bin", id="random-bytes"),
     pytest.param("png", "picture.txt", id="png-named-txt"),
     pytest.param("text-then-png", "b.txt", id="glob-over-text-and-a-png"),
+    pytest.param("one-paragraph", "at least 2", id="one-document"),
     pytest.param("missing", "no-such-file.txt", id="missing-file"),
     pytest.param("glob-matching-nothing", "*.txt", id="glob-matching-nothing"),
 ]

@@ -75,6 +75,11 @@ def load_corpus(
         raise CorpusError(f"data.source must be one of {', '.join(SOURCES)}; got {source!r}")
     if len(corpus) == 0:  # refused here, before the empty corpus is saved over an earlier one
         raise CorpusError(f"{where} holds no text: every document is empty or blank")
+    if len(corpus) < 2:  # packing draws validation documents from the others
+        raise CorpusError(
+            f"{where} holds one document; the train and validation splits need at least 2 "
+            "(text files are cut into documents at blank lines): add text, or more files"
+        )
     return corpus
 
 
