@@ -4,8 +4,7 @@ from meshtrain.offline import disable_telemetry
 
 disable_telemetry()  # before kedro's hooks or mlflow are used
 
-from meshtrain.config_loader import ProjectConfigLoader  # noqa: E402
-from meshtrain.hooks import MlflowRunHook, RunChecksHook  # noqa: E402
+from meshtrain.hooks import MlflowRunHook, ProjectConfigLoader, RunChecksHook  # noqa: E402
 
 # RunChecksHook refuses bad parameters and missing inputs before MlflowRunHook opens a run.
 HOOKS = (MlflowRunHook(), RunChecksHook())

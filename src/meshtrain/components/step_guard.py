@@ -13,7 +13,6 @@ applies it, so no checkpoint ever holds it.
 
 from __future__ import annotations
 
-import math
 import signal
 import threading
 from types import FrameType
@@ -87,7 +86,7 @@ def agree_on_step(
             "Lower training.learning_rate, or clip with training.max_grad_norm, and resume "
             "from that checkpoint (training.resume_from=latest)."
         )
-    return int(received) if not math.isnan(received) else 0
+    return int(received)
 
 
 def signal_name(number: int) -> str:
