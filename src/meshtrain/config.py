@@ -35,6 +35,10 @@ class ParallelConfig:
     pipeline_parallel_layers: list[int] | None = None
     sequence_parallel: bool | Literal["auto"] = AUTO
     zero_1: bool | Literal["auto"] = AUTO
+    # Sharded data parallelism (ZeRO-3 / FSDP2): parameters, gradients and optimizer
+    # states split over groups of this many data-parallel ranks, replicated across the
+    # data_parallel_size / N groups (N = dp: full sharding; 1 < N < dp: hybrid). 1 = off.
+    sharded_data_parallel_degree: int | Literal["auto"] = 1
     # none | selective (recompute norms, rotary, gating) | full (recompute each layer) |
     # auto (the planner picks the least recomputation that fits).
     activation_checkpointing: Literal["none", "full", "selective", "auto"] = "none"
@@ -56,6 +60,12 @@ class Layout:
     activation_offloading: bool
     pipeline_parallel_virtual_stages: int = 1
     pipeline_parallel_layers: list[int] | None = None  # decoder layers per stage, in order
+    # FSDP2 over groups of this many dp ranks (1: off; then the flat buffer and zero_1).
+    sharded_data_parallel_degree: int = 1
+
+    @property
+    def sharded(self) -> bool:
+        return self.sharded_data_parallel_degree > 1
 
     @property
     def num_stages(self) -> int:
@@ -71,6 +81,8 @@ class Layout:
         ]
         if self.zero_1:
             parts.append("zero1")
+        if self.sharded:
+            parts.append(f"sdp{self.sharded_data_parallel_degree}")
         if self.sequence_parallel:
             parts.append("sp")
         if self.pipeline_parallel_size > 1:

@@ -290,13 +290,46 @@ def resolve_sequence_parallel(
     return sequence_parallel, refusals
 
 
-def resolve_zero_1(par: ParallelConfig, dp: int) -> tuple[bool, list[str]]:
-    """On with data parallelism at `auto`; off, with a note, when there is nothing to shard."""
+def resolve_zero_1(par: ParallelConfig, dp: int, sharded: int = 1) -> tuple[bool, list[str]]:
+    """On with data parallelism at `auto`; off, with a note, when there is nothing to shard;
+    off under sharded data parallelism (which shards the optimizer states itself)."""
     if par.zero_1 == AUTO:
-        return dp > 1, []
+        return dp > 1 and sharded == 1, []
     if par.zero_1 and dp == 1:
         return False, ["parallel.zero_1 has nothing to shard at data_parallel_size=1; off."]
     return par.zero_1, []
+
+
+def resolve_sharded_data_parallel(
+    par: ParallelConfig, dp: int, zero_1: bool | str
+) -> tuple[int, list[Refusal]]:
+    """The degree N of sharded data parallelism: 1 (off) at `auto` for now; N must divide
+    data_parallel_size, and ZeRO-1 on top of it is refused (it is already included)."""
+    degree = par.sharded_data_parallel_degree
+    if degree == AUTO:
+        return 1, []
+    if degree < 1 or dp % degree:
+        works = format_values(divisors(dp))
+        return 1, [
+            Refusal(
+                "parallel.sharded_data_parallel_degree",
+                degree,
+                f"the parameters are sharded over groups of that many of the "
+                f"data_parallel_size={dp} ranks, so it must divide {dp}",
+                f"Use one of {works} (1: off; {dp}: full sharding).",
+            )
+        ]
+    if degree > 1 and zero_1 is True:
+        return degree, [
+            Refusal(
+                "parallel.zero_1",
+                True,
+                f"sharded_data_parallel_degree={degree} already shards the optimizer "
+                "states (and the gradients and parameters) over the data-parallel ranks",
+                "Set parallel.zero_1=false (or auto) with sharded data parallelism.",
+            )
+        ]
+    return degree, []
 
 
 def check_activation_checkpointing(mode: str) -> list[Refusal]:

@@ -23,6 +23,7 @@ from meshtrain.planner.checks import (
     resolve_data_parallel,
     resolve_pipeline,
     resolve_sequence_parallel,
+    resolve_sharded_data_parallel,
     resolve_zero_1,
 )
 from meshtrain.planner.cost import estimate_step_time
@@ -119,7 +120,9 @@ def resolve_layout(
     notes = list(pipeline.notes)
     sequence_parallel, found = resolve_sequence_parallel(par, tp, run.data.block_size)
     refusals += found
-    zero_1, found_notes = resolve_zero_1(par, dp)
+    sharded, found = resolve_sharded_data_parallel(par, dp, par.zero_1)
+    refusals += found
+    zero_1, found_notes = resolve_zero_1(par, dp, sharded)
     notes += found_notes
     refusals += check_activation_checkpointing(par.activation_checkpointing)
     found, found_notes = check_batch_vs_data(
@@ -143,6 +146,7 @@ def resolve_layout(
         pipeline_parallel_layers=pipeline.stage_layers,
         sequence_parallel=sequence_parallel,
         zero_1=zero_1,
+        sharded_data_parallel_degree=sharded,
         activation_checkpointing=par.activation_checkpointing,
         activation_offloading=par.activation_offloading,
     )
