@@ -101,6 +101,11 @@ def add_plan_parser(commands: Any) -> None:
     for size in ("dp", "tp", "pp"):
         plan.add_argument(f"--{size}", default="auto", help=f"fix the {size} size (default auto)")
     plan.add_argument(
+        "--sdp",
+        default="auto",
+        help="fix parallel.sharded_data_parallel_degree (1: off; default auto)",
+    )
+    plan.add_argument(
         "--activation-checkpointing", default="auto", choices=("auto", "none", "selective", "full")
     )
     plan.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved_1f1b"))

@@ -300,11 +300,25 @@ def resolve_zero_1(par: ParallelConfig, dp: int, sharded: int = 1) -> tuple[bool
     return par.zero_1, []
 
 
+def sharded_data_parallel_degrees(dp: int, tp: int, devices_per_node: int) -> list[int]:
+    """The degrees `auto` weighs: 1 (off), dp (full sharding) and, when the dp group spans
+    nodes, hybrid sharding within a node (N x tp = devices per node), so the all-gathers
+    and reduce-scatters stay on the fast link and only the replicas' all-reduce crosses."""
+    options = {1, dp}
+    spans_nodes = dp * tp > devices_per_node
+    hybrid = devices_per_node // tp
+    if spans_nodes and 1 < hybrid < dp and dp % hybrid == 0:
+        options.add(hybrid)
+    return sorted(options)
+
+
 def resolve_sharded_data_parallel(
     par: ParallelConfig, dp: int, zero_1: bool | str
 ) -> tuple[int, list[Refusal]]:
-    """The degree N of sharded data parallelism: 1 (off) at `auto` for now; N must divide
-    data_parallel_size, and ZeRO-1 on top of it is refused (it is already included)."""
+    """The degree N of sharded data parallelism; N must divide data_parallel_size, and
+    ZeRO-1 on top of it is refused (it is already included). The search expands `auto`
+    into `sharded_data_parallel_degrees` and plans each; a layout planned alone at `auto`
+    is not sharded."""
     degree = par.sharded_data_parallel_degree
     if degree == AUTO:
         return 1, []

@@ -40,6 +40,7 @@ def run_plan(args: argparse.Namespace) -> int:
                 "data_parallel_size": args.dp,
                 "tensor_parallel_size": args.tp,
                 "pipeline_parallel_size": args.pp,
+                "sharded_data_parallel_degree": getattr(args, "sdp", AUTO),
                 "activation_checkpointing": args.activation_checkpointing,
                 "pipeline_schedule": args.schedule,
             },
@@ -98,28 +99,22 @@ def describe(plan: Plan, args: argparse.Namespace) -> str:
         f"sequence {args.seq_len}, global batch {plan.global_batch_size}",
         f"chosen: {plan.layout.name}  (per-device batch {plan.per_device_train_batch_size}, "
         f"accumulation {plan.gradient_accumulation_steps})",
-        f"  precision {args.precision}: {PRECISION_BYTES[args.precision]}",
+        f"  precision {args.precision}: {_precision_bytes(plan, args.precision)}",
         f"  memory per rank (peak, pipeline rank {memory['peak_pipeline_rank']}): "
         f"{memory['process_total'] / GIB:.2f} GiB, of which the step's tensors "
         f"{memory['total'] / GIB:.2f} GiB",
     ]
-    for part in (
-        "parameters",
-        "gradients",
-        "optimizer_states",
-        "activations",
-        "loss",
-        "runtime",
-    ):
+    parts = ["parameters", "gradients", "optimizer_states", "activations", "loss", "runtime"]
+    if memory.get("gathered"):
+        parts.insert(3, "gathered")
+    for part in parts:
         lines.append(f"    {part:22} {memory.get(part, 0) / GIB:8.2f} GiB")
     lines.append(
         f"  step {time['step_s']:.2f} s, {time['tokens_per_s']:,.0f} tokens/s: "
-        + ", ".join(
-            f"{k[:-2].replace('_', ' ')} {v:.2f} s"
-            for k, v in time.items()
-            if k.endswith("_s") and k not in ("step_s", "tokens_per_s")
-        )
+        + ", ".join(f"{k[:-2].replace('_', ' ')} {time[k]:.2f} s" for k in TIME_PARTS if k in time)
     )
+    if plan.layout.sharded:
+        lines.append(_sharding_line(plan))
     if plan.candidates:
         lines.append("other layouts:")
         lines.append(f"  {'layout':44} {'GiB/rank':>9} {'tokens/s':>12}  why not")
@@ -134,3 +129,35 @@ def describe(plan: Plan, args: argparse.Namespace) -> str:
     for note in plan.notes:
         lines.append(f"note: {note}")
     return "\n".join(lines)
+
+
+TIME_PARTS = ("compute_s", "tensor_parallel_s", "pipeline_s", "data_parallel_s", "optimizer_s")
+
+
+def _precision_bytes(plan: Plan, precision: str) -> str:
+    if not plan.layout.sharded:
+        return PRECISION_BYTES[precision]
+    gathered = "bf16" if precision == "bf16_master" else "fp32"
+    return (
+        "per parameter 4 B fp32 weight (the master) + 4 B fp32 gradient + 8 B moments, "
+        f"/{plan.layout.sharded_data_parallel_degree} sharded; layers gathered in {gathered}"
+    )
+
+
+def _sharding_line(plan: Plan) -> str:
+    """The sharded layout's collectives: per layer, per step, and the share hidden."""
+    t, lay = plan.time_estimate, plan.layout
+    n, dp = lay.sharded_data_parallel_degree, lay.data_parallel_size
+    per, pers = (
+        ("schedule step", "schedule steps")
+        if lay.pipeline_parallel_size > 1
+        else ("microbatch", "microbatches")
+    )
+    hybrid = f", all-reduced over {dp // n} replicas" if n < dp else ""
+    return (
+        f"  sharded over {n} of {dp} dp ranks{hybrid}: per layer and {per} an all-gather "
+        f"{t['sdp_all_gather_per_layer_s'] * 1e3:.2f} ms and a reduce-scatter "
+        f"{t['sdp_reduce_scatter_per_layer_s'] * 1e3:.2f} ms, {int(t['sdp_rounds_per_step'])} "
+        f"{pers} per step; {t['sdp_all_gather_s'] + t['sdp_reduce_scatter_s']:.2f} s of "
+        f"collectives per step, {t['sdp_overlapped_share']:.0%} hidden behind compute"
+    )

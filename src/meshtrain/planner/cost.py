@@ -15,6 +15,20 @@
   averaging runs in buckets during the backward of the step's last
   microbatch: only what does not fit in that backward, or at least the last
   bucket, is exposed; the all-gather always is;
+- sharded data parallelism (FSDP2 over groups of N dp ranks) replaces the
+  gradient averaging: per decoder layer an all-gather of its parameters (in
+  the compute dtype) and a reduce-scatter of its gradients (in the reduce
+  dtype), each `(N-1)/N` of the layer's bytes over the link of N x tp
+  consecutive devices, and under hybrid sharding an all-reduce of the 1/N
+  gradient shard over the dp/N replicas; the root group (embedding, final
+  norm, LM head) once each. Without pp every microbatch gathers each layer
+  twice (forward, and again for backward) and reduce-scatters once; under pp
+  the stage is gathered once and reduced once per schedule step. The
+  collectives overlap compute (one layer is prefetched ahead) except the
+  first gather (the root's and the first layer's) and the last reduction
+  (the root's): only those and what exceeds the compute they hide behind
+  (the whole microbatch without pp; under pp the first microbatch's forward
+  for the gathers and the last one's backward for the reductions) count;
 - the optimizer's elementwise AdamW update over the owned parameters.
 
 Everything else runs one after the other, as meshtrain does.
@@ -28,10 +42,45 @@ from meshtrain.planner.devices import DeviceProfile
 from meshtrain.planner.memory import (
     BYTES_BF16,
     BYTES_FP32,
+    GatherUnits,
     MemoryEstimate,
     ModelShape,
     StepShape,
 )
+
+
+@dataclass(frozen=True)
+class ShardingTime:
+    """Sharded data parallelism's collectives in one optimizer step, in seconds."""
+
+    all_gather_per_layer_s: float
+    reduce_scatter_per_layer_s: float
+    rounds: int  # gather/reduce rounds per step: microbatches (no pp) or schedule steps (pp)
+    all_gather_s: float
+    reduce_scatter_s: float
+    replica_all_reduce_s: float  # hybrid sharding only
+    exposed_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.all_gather_s + self.reduce_scatter_s + self.replica_all_reduce_s
+
+    @property
+    def overlapped_share(self) -> float:
+        """The share of the collectives' time hidden behind compute."""
+        return 1.0 - self.exposed_s / self.total_s if self.total_s else 1.0
+
+    def to_dict(self) -> dict[str, float]:
+        return {
+            "sdp_all_gather_per_layer_s": self.all_gather_per_layer_s,
+            "sdp_reduce_scatter_per_layer_s": self.reduce_scatter_per_layer_s,
+            "sdp_rounds_per_step": float(self.rounds),
+            "sdp_all_gather_s": self.all_gather_s,
+            "sdp_reduce_scatter_s": self.reduce_scatter_s,
+            "sdp_replica_all_reduce_s": self.replica_all_reduce_s,
+            "sdp_exposed_s": self.exposed_s,
+            "sdp_overlapped_share": self.overlapped_share,
+        }
 
 
 @dataclass(frozen=True)
@@ -41,6 +90,7 @@ class TimeEstimate:
     pipeline_s: float
     data_parallel_s: float
     optimizer_s: float
+    sharding: ShardingTime | None = None  # its exposed part is in data_parallel_s
 
     @property
     def step_s(self) -> float:
@@ -53,7 +103,7 @@ class TimeEstimate:
         )
 
     def to_dict(self) -> dict[str, float]:
-        return {
+        values = {
             "compute_s": self.compute_s,
             "tensor_parallel_s": self.tensor_parallel_s,
             "pipeline_s": self.pipeline_s,
@@ -61,6 +111,7 @@ class TimeEstimate:
             "optimizer_s": self.optimizer_s,
             "step_s": self.step_s,
         }
+        return values | (self.sharding.to_dict() if self.sharding else {})
 
 
 def training_flops_per_token(m: ModelShape, seq_len: int, checkpointing: str) -> float:
@@ -102,9 +153,11 @@ def estimate_step_time(
     memory: MemoryEstimate,
     overlap_grad_reduce: bool,
     bucket_bytes: float,
+    units: GatherUnits | None = None,
 ) -> TimeEstimate:
     """Seconds of one optimizer step on the slowest rank (`memory`: its estimate, whose
-    gradient buffer dp reduces and whose optimizer states AdamW updates)."""
+    gradient buffer dp reduces and whose optimizer states AdamW updates; `units`: what
+    sharded data parallelism gathers, needed when `step.sharded` > 1)."""
     tokens_per_microbatch = step.microbatch_size * step.seq_len
     microbatches = step.microbatches * accumulation  # forwards per step per rank
     tokens = tokens_per_microbatch * microbatches
@@ -141,7 +194,13 @@ def estimate_step_time(
             pipeline += _ring(tied_grad, 2, pp_link, device.latency_us, 2.0)
 
     data_parallel = 0.0
-    if step.dp > 1:
+    sharding = None
+    if step.sharded > 1:
+        sharding = estimate_sharding_time(
+            step, device, units or GatherUnits(0, 0, 0), compute=compute, accumulation=accumulation
+        )
+        data_parallel = sharding.exposed_s
+    elif step.dp > 1:
         dp_link = _link(device, step.dp * step.tp * step.pp)
         factor = 1.0 if step.zero_1 else 2.0
         averaging = _ring(memory.gradients, step.dp, dp_link, device.latency_us, factor)
@@ -157,4 +216,60 @@ def estimate_step_time(
     # AdamW reads parameter, gradient and two moments and writes three: ~28 bytes each.
     owned = memory.optimizer_states / step.optimizer_bytes
     optimizer = owned * 28 / (device.memory_gbps * 1e9)
-    return TimeEstimate(compute, tensor_parallel, pipeline, data_parallel, optimizer)
+    return TimeEstimate(compute, tensor_parallel, pipeline, data_parallel, optimizer, sharding)
+
+
+def estimate_sharding_time(
+    step: StepShape,
+    device: DeviceProfile,
+    units: GatherUnits,
+    *,
+    compute: float,
+    accumulation: int,
+) -> ShardingTime:
+    """FSDP2's all-gathers and reduce-scatters in one step, and what compute cannot hide."""
+    n, lat = step.sharded, device.latency_us
+    replicas = step.dp // n
+    shard_link, replica_link = _link(device, n * step.tp), _link(device, step.dp * step.tp)
+
+    def gather(elements: int) -> float:
+        return _ring(elements * step.parameter_bytes, n, shard_link, lat, 1.0)
+
+    def scatter(elements: int) -> float:
+        return _ring(elements * step.gradient_bytes, n, shard_link, lat, 1.0)
+
+    def replicate(elements: int) -> float:
+        return _ring(elements * step.gradient_bytes / n, replicas, replica_link, lat, 2.0)
+
+    layers = units.layers
+    pp = step.pp > 1
+    rounds = accumulation if pp else step.microbatches * accumulation
+    gathers = (1 if pp else 2) * layers * gather(units.layer) + gather(units.root)
+    scatters = layers * scatter(units.layer) + scatter(units.root)
+    all_reduces = layers * replicate(units.layer) + replicate(units.root)
+    first = gather(units.root) + gather(units.layer)
+    last = scatter(units.root) + replicate(units.root)
+    per_round = compute / rounds
+    if pp:
+        # Gathers hide behind the first microbatch's forward, reductions behind the
+        # last one's backward (a third and two thirds of a microbatch's compute).
+        microbatch = per_round / step.microbatches
+        exposed = (
+            first
+            + max(0.0, gathers - first - microbatch / 3)
+            + last
+            + max(0.0, scatters + all_reduces - last - 2 * microbatch / 3)
+        )
+    else:
+        exposed = (
+            first + last + max(0.0, gathers + scatters + all_reduces - first - last - per_round)
+        )
+    return ShardingTime(
+        all_gather_per_layer_s=gather(units.layer),
+        reduce_scatter_per_layer_s=scatter(units.layer),
+        rounds=rounds,
+        all_gather_s=gathers * rounds,
+        reduce_scatter_s=scatters * rounds,
+        replica_all_reduce_s=all_reduces * rounds,
+        exposed_s=exposed * rounds,
+    )

@@ -28,7 +28,7 @@ from meshtrain.planner.checks import (
 )
 from meshtrain.planner.cost import estimate_step_time
 from meshtrain.planner.devices import DeviceProfile
-from meshtrain.planner.memory import ModelShape, StepShape, estimate_memory
+from meshtrain.planner.memory import ModelShape, StepShape, estimate_memory, gather_units
 from meshtrain.planner.types import LayoutError, Plan
 
 
@@ -66,6 +66,7 @@ def plan_one_layout(
         memory=memory,
         overlap_grad_reduce=train.overlap_grad_reduce,
         bucket_bytes=train.grad_bucket_mb * 2**20,
+        units=gather_units(shapes, shape, step) if step.sharded > 1 else None,
     )
     if layout.activation_offloading and device.name == "cpu":
         notes.append(
@@ -174,4 +175,5 @@ def _step_shape(run: RunConfig, layout: Layout, layers: int, device: DeviceProfi
         master_weights=run.training.mixed_precision == "bf16_master",
         grad_reduce_bf16=run.training.grad_reduce_dtype == "bf16",
         offload_effective=layout.activation_offloading and device.name != "cpu",
+        sharded=layout.sharded_data_parallel_degree,
     )

@@ -52,6 +52,20 @@ the optimizer holds an fp32 master copy beside the moments: 2 + 4 + 12/dp
 bytes per parameter. Its norms keep an fp32 upcast of their input beside the
 bf16 normed value (Hugging Face's RMSNorm computes in fp32), so the layer's
 "kept" elements average 3 bytes.
+
+Sharded data parallelism (`StepShape.sharded` = N > 1, torch's FSDP2 over
+groups of N dp ranks): every persistent model state is divided by N, and at
+every precision the shards are fp32 (under `bf16_master` the sharded
+parameters are the master weights, and FSDP2 casts the reduced gradient
+back to the parameter's dtype): 4 + 4 + 8 bytes per parameter, over N.
+What is gathered for compute is counted apart (`gathered`): without pipeline
+parallelism the root group (embedding, final norm, LM head) for the whole
+step with its unsharded gradient, two decoder layers' parameters (the one
+running and the one prefetched) and one layer's unsharded gradient; under
+pipeline parallelism the rank's whole stage, parameters and gradients, stays
+gathered over the microbatches of a schedule step. Gathered parameters are in
+the compute dtype (bf16 under `bf16_master`), unsharded gradients in the
+reduce dtype (`gradient_bytes`).
 """
 
 from __future__ import annotations
@@ -119,6 +133,8 @@ class MemoryEstimate:
     per_pipeline_rank: tuple[int, ...] = ()
     # Outside the step: what the process holds before the model (libraries, runtime).
     runtime: int = 0
+    # Sharded data parallelism: parameters gathered for compute and unsharded gradients.
+    gathered: int = 0
 
     @property
     def model_states(self) -> int:
@@ -127,7 +143,7 @@ class MemoryEstimate:
     @property
     def total(self) -> int:
         """The step's peak of live tensors (what the memory probe measures)."""
-        return self.model_states + self.activations + self.loss
+        return self.model_states + self.gathered + self.activations + self.loss
 
     @property
     def process_total(self) -> int:
@@ -138,10 +154,13 @@ class MemoryEstimate:
         return self.runtime + self.total
 
     def to_dict(self) -> dict[str, int | list[int]]:
+        """The breakdown plan.json holds; `gathered` only under sharded data parallelism."""
+        gathered = {"gathered": self.gathered} if self.gathered else {}
         return {
             "parameters": self.parameters,
             "gradients": self.gradients,
             "optimizer_states": self.optimizer_states,
+            **gathered,
             "activations": self.activations,
             "loss": self.loss,
             "total": self.total,
@@ -173,9 +192,11 @@ class StepShape:
     offload_effective: bool = False  # activations really leave the device (accelerators)
     master_weights: bool = False  # bf16 parameters and activations, fp32 master in AdamW
     grad_reduce_bf16: bool = False  # bf16 gradients (only with master_weights)
+    sharded: int = 1  # sharded data parallel degree N (1: off; dp: full; else hybrid)
 
     @property
     def parameter_bytes(self) -> int:
+        """The compute dtype's bytes (under sharding: of the gathered parameters)."""
         return BYTES_BF16 if self.master_weights else BYTES_FP32
 
     @property
@@ -184,7 +205,10 @@ class StepShape:
 
     @property
     def optimizer_bytes(self) -> int:
-        """Per owned element: AdamW's moments, the fp32 master, its fp32 gradient copy."""
+        """Per owned element: AdamW's moments, the fp32 master, its fp32 gradient copy
+        (under sharding only the moments: the fp32 shard is its own master and gradient)."""
+        if self.sharded > 1:
+            return BYTES_FP32 * ADAM_MOMENTS
         master = BYTES_FP32 if self.master_weights else 0
         gradient_copy = BYTES_FP32 if self.grad_reduce_bf16 else 0
         return BYTES_FP32 * ADAM_MOMENTS + master + gradient_copy
@@ -243,12 +267,17 @@ def estimate_model_states(
     zero_1: bool,
     kv_replication: int = 1,
     precision: StepShape | None = None,
+    sharded: int = 1,
 ) -> MemoryEstimate:
     """Bytes per rank of parameters, gradients and optimizer states, stages averaged
-    (`precision`: a step shape whose precision fields apply; default fp32)."""
+    (`precision`: a step shape whose precision fields apply; default fp32; `sharded`:
+    the sharded data parallel degree, which divides all three)."""
     local = math.ceil(local_parameter_count(shapes, tp=tp, kv_replication=kv_replication) / pp)
+    step = dataclasses.replace(precision or FP32, sharded=sharded)
+    if sharded > 1:
+        return _sharded_model_states(local, step)
     owned = math.ceil(local / dp) if zero_1 else local
-    return _with_model_states(local, owned, precision or FP32)
+    return _with_model_states(local, owned, step)
 
 
 def _with_model_states(
@@ -262,6 +291,88 @@ def _with_model_states(
         optimizer_states=owned * step.optimizer_bytes,
         activations=activations,
         loss=loss,
+    )
+
+
+def _sharded_model_states(
+    local: int, step: StepShape, *, gathered: int = 0, activations: int = 0, loss: int = 0
+) -> MemoryEstimate:
+    """The rank's 1/N of `local` elements: fp32 parameters (the master weights under
+    bf16_master), fp32 gradients (FSDP2 casts the reduced gradient to the parameter's
+    dtype) and the two moments, padded to a multiple of N."""
+    shard = math.ceil(local / step.sharded)
+    return MemoryEstimate(
+        parameters=shard * BYTES_FP32,
+        gradients=shard * BYTES_FP32,
+        optimizer_states=shard * step.optimizer_bytes,
+        activations=activations,
+        loss=loss,
+        gathered=gathered,
+    )
+
+
+def gathered_bytes(step: StepShape, *, local: int, layer: int, layers: int) -> int:
+    """Bytes of gathered parameters and unsharded gradients at the step's peak, for a rank
+    holding `local` elements of which `layers` decoder layers of `layer` elements each.
+
+    Without pp, FSDP2 reshards after forward and prefetches one layer ahead: two layers'
+    parameters and one layer's unsharded gradient are in flight, and the root group
+    (embedding, final norm, LM head) stays gathered, its gradient growing, for the whole
+    step. Under pp the stage keeps its parameters gathered and accumulates unsharded
+    gradients until the last microbatch of the schedule step."""
+    if step.sharded <= 1:
+        return 0
+    per_element = step.parameter_bytes + step.gradient_bytes
+    if step.pp > 1:
+        return local * per_element
+    root = local - layers * layer
+    in_flight = min(2, layers)
+    return root * per_element + layer * (in_flight * step.parameter_bytes + step.gradient_bytes)
+
+
+def layer_parameter_count(
+    shapes: dict[str, tuple[int, ...]], *, tp: int, kv_replication: int = 1
+) -> int:
+    """Local elements of one decoder layer (they are all alike): FSDP2's unit of gathering."""
+    return sum(
+        _local_numel(name, shape, tp, kv_replication)
+        for name, shape in shapes.items()
+        if ".layers.0." in name
+    )
+
+
+@dataclass(frozen=True)
+class GatherUnits:
+    """What FSDP2 gathers and reduces on the busiest pipeline rank, in local elements."""
+
+    local: int  # all the rank's parameters
+    layer: int  # one decoder layer's
+    layers: int  # decoder layers on the rank
+
+    @property
+    def root(self) -> int:
+        """The root group: embedding, final norm, LM head (those on the rank's stages)."""
+        return self.local - self.layer * self.layers
+
+
+def gather_units(shapes: dict[str, tuple[int, ...]], m: ModelShape, step: StepShape) -> GatherUnits:
+    """The units of gathering of the pipeline rank holding the most parameters."""
+    kv_replication = kv_replication_factor(m.kv_heads, step.tp)
+    stages = len(step.stage_layers)
+    counts = stage_parameter_counts(
+        shapes,
+        step.stage_layers,
+        tp=step.tp,
+        kv_replication=kv_replication,
+        tied_embeddings=m.tied_embeddings,
+    )
+    layer = layer_parameter_count(shapes, tp=step.tp, kv_replication=kv_replication)
+    ranks = [list(range(rank, stages, step.pp)) for rank in range(step.pp)]
+    mine = max(ranks, key=lambda stages_: sum(counts[s] for s in stages_))
+    return GatherUnits(
+        local=sum(counts[s] for s in mine),
+        layer=layer,
+        layers=sum(step.stage_layers[s] for s in mine),
     )
 
 
@@ -312,14 +423,24 @@ def estimate_memory(
         kv_replication=kv_replication,
         tied_embeddings=m.tied_embeddings,
     )
+    layer = layer_parameter_count(shapes, tp=step.tp, kv_replication=kv_replication)
     # Rank r holds stages r, r + pp, ... (interleaved) or just stage r.
     per_rank: list[MemoryEstimate] = []
     for rank in range(step.pp):
         mine = list(range(rank, stages, step.pp))
         local = sum(counts[s] for s in mine)
+        activations, loss = _activations_on_rank(m, step, rank, mine)  # saved, at the peak
+        if step.sharded > 1:
+            layers = sum(step.stage_layers[s] for s in mine)
+            gathered = gathered_bytes(step, local=local, layer=layer, layers=layers)
+            per_rank.append(
+                _sharded_model_states(
+                    local, step, gathered=gathered, activations=activations, loss=loss
+                )
+            )
+            continue
         padded = math.ceil(local / step.dp) * step.dp if step.zero_1 else local
         owned = padded // step.dp if step.zero_1 else local
-        activations, loss = _activations_on_rank(m, step, rank, mine)  # saved, at the peak
         per_rank.append(_with_model_states(padded, owned, step, activations=activations, loss=loss))
     worst = max(range(step.pp), key=lambda r: per_rank[r].total)
     return dataclasses.replace(

@@ -20,14 +20,14 @@ from meshtrain.models.llama.parameter_names import llama_family_shapes
 from meshtrain.planner.checks import (
     IMPLEMENTED_ACTIVATION_CHECKPOINTING,
     pipeline_parallel_degrees,
+    sharded_data_parallel_degrees,
     tensor_parallel_degrees,
 )
 from meshtrain.planner.devices import GIB, DeviceProfile, resolve_device
+from meshtrain.planner.explain import TIE, candidates, sharding_note, speed
 from meshtrain.planner.layout import plan_one_layout
 from meshtrain.planner.types import LayoutError, Plan, Refusal, divisors
 
-# Preference among layouts whose estimated step times are within this factor of the best.
-TIE = 1.02
 # Less recomputation first, among layouts as fast.
 _AC_ORDER = {"none": 0, "selective": 1, "full": 2}
 
@@ -96,10 +96,15 @@ def plan_run(
             ]
         )
     chosen = _choose(fitting)
+    note = sharding_note(chosen, planned, budget)
     return dataclasses.replace(
         chosen,
-        candidates=[*_candidates(planned, chosen, budget), *rejected],
-        notes=[*chosen.notes, f"chosen among {len(planned)} valid layouts on {device.name}"],
+        candidates=[*candidates(planned, chosen, budget), *rejected],
+        notes=[
+            *chosen.notes,
+            *([note] if note else []),
+            f"chosen among {len(planned)} valid layouts on {device.name}",
+        ],
     )
 
 
@@ -144,57 +149,24 @@ def _reasons(rejected: list[dict[str, Any]], most: int = 4) -> str:
     )
 
 
-def _speed(plan: Plan) -> float:
-    # Throughput, not step time: without training.global_batch_size the global batch
-    # grows with dp, so steps of different layouts hold different numbers of tokens.
-    return plan.time_estimate["tokens_per_s"]
-
-
 def _choose(fitting: list[Plan]) -> Plan:
-    """The fastest; among those within `TIE` of it, the least parallel and recomputed."""
-    best = max(_speed(p) for p in fitting)
+    """The fastest; among those within `TIE` of it, the least parallel (tp, then pp, then
+    sharding: it is paid only when it buys something) and recomputed."""
+    best = max(speed(p) for p in fitting)
 
     def preference(p: Plan) -> tuple:
         lay = p.layout
-        tied = _speed(p) * TIE >= best
+        tied = speed(p) * TIE >= best
         return (
             not tied,
-            0.0 if tied else -_speed(p),
+            0.0 if tied else -speed(p),
             lay.tensor_parallel_size,
             lay.pipeline_parallel_size,
+            lay.sharded_data_parallel_degree,
             _AC_ORDER[lay.activation_checkpointing],
         )
 
     return sorted(fitting, key=preference)[0]
-
-
-def _candidates(planned: list[Plan], chosen: Plan, budget: float) -> list[dict[str, Any]]:
-    """Every other planned layout, fastest first, with why it lost to `chosen`."""
-    candidates: list[dict[str, Any]] = []
-    for p in sorted(planned, key=_speed, reverse=True):
-        if p is chosen:
-            continue
-        ratio = _speed(chosen) / _speed(p)
-        if p.memory_estimate_per_rank["process_total"] > budget:
-            why = (
-                f"does not fit: {p.memory_estimate_per_rank['total'] / GIB:.2f} GiB per rank "
-                f"over the {budget / GIB:.2f} GiB budget"
-            )
-        elif ratio > TIE:
-            why = f"slower: the chosen layout's estimated tokens/s is {ratio:.2f}x"
-        else:
-            why = "as fast within 2%; the chosen one needs less parallelism or recomputation"
-        candidates.append(_summary(p) | {"lost_because": why})
-    return candidates
-
-
-def _summary(plan: Plan) -> dict[str, Any]:
-    return {
-        "layout": plan.layout.name,
-        "memory_per_rank_bytes": plan.memory_estimate_per_rank["process_total"],
-        "step_s": plan.time_estimate["step_s"],
-        "tokens_per_s": plan.time_estimate["tokens_per_s"],
-    }
 
 
 def _over_memory(plan: Plan, device: DeviceProfile, run: RunConfig) -> Refusal:
@@ -205,7 +177,8 @@ def _over_memory(plan: Plan, device: DeviceProfile, run: RunConfig) -> Refusal:
         plan.layout.name,
         f"the estimated peak is {need:.2f} GiB per rank and a {device.name} device offers "
         f"{budget:.2f} GiB after planner.memory_margin={run.planner.memory_margin}",
-        "Use more tensor or pipeline parallelism (or `auto`), ZeRO-1, "
+        "Use more tensor or pipeline parallelism (or `auto`), ZeRO-1, sharded data "
+        "parallelism (parallel.sharded_data_parallel_degree=auto, or a divisor of dp), "
         "parallel.activation_checkpointing=selective or full, a smaller "
         "training.per_device_train_batch_size with more gradient_accumulation_steps, "
         "or more devices.",
@@ -230,8 +203,6 @@ def _search_space(run: RunConfig, model_config: PretrainedConfig) -> list[RunCon
         if par.activation_checkpointing == AUTO
         else [par.activation_checkpointing]
     )
-    if len(tp_options) == len(pp_options) == len(ac_options) == 1:
-        return [run]
     variants = []
     for tp in tp_options:
         for pp in pp_options:
@@ -239,15 +210,28 @@ def _search_space(run: RunConfig, model_config: PretrainedConfig) -> list[RunCon
                 continue
             if par.data_parallel_size != AUTO and par.data_parallel_size * tp * pp != world:
                 continue
-            for ac in ac_options:
-                parallel = dataclasses.replace(
-                    par,
-                    tensor_parallel_size=tp,
-                    pipeline_parallel_size=pp,
-                    activation_checkpointing=ac,
-                )
-                variants.append(dataclasses.replace(run, parallel=parallel))
+            for sdp in _sharding_options(run, world // (tp * pp), tp):
+                for ac in ac_options:
+                    parallel = dataclasses.replace(
+                        par,
+                        tensor_parallel_size=tp,
+                        pipeline_parallel_size=pp,
+                        sharded_data_parallel_degree=sdp,
+                        activation_checkpointing=ac,
+                    )
+                    variants.append(dataclasses.replace(run, parallel=parallel))
     return variants or [run]
+
+
+def _sharding_options(run: RunConfig, dp: int, tp: int) -> list[int | str]:
+    """The sharded data parallel degrees to weigh: as given, or at `auto` off, full and
+    (across nodes) hybrid; only off when ZeRO-1 is asked for (sharding includes it)."""
+    degree = run.parallel.sharded_data_parallel_degree
+    if degree != AUTO:
+        return [degree]
+    if run.parallel.zero_1 is True:
+        return [1]
+    return list(sharded_data_parallel_degrees(dp, tp, run.launch.nproc_per_node))
 
 
 def _fit_global_batch(run: RunConfig) -> RunConfig:
@@ -295,7 +279,9 @@ def _fit_global_batch(run: RunConfig) -> RunConfig:
 
 def _variant_name(run: RunConfig) -> str:
     par = run.parallel
+    sdp = par.sharded_data_parallel_degree
     return (
         f"tp{par.tensor_parallel_size}-pp{par.pipeline_parallel_size}"
-        f"-ac-{par.activation_checkpointing}"
+        + (f"-sdp{sdp}" if sdp not in (1, AUTO) else "")
+        + f"-ac-{par.activation_checkpointing}"
     )

@@ -1,0 +1,204 @@
+"""Why the planner chose what it chose: each runner-up's reason, and sharding's verdict.
+
+The search (`meshtrain.planner.search`) ranks the layouts; this module only puts the
+ranking into words, for `Plan.candidates` and the plan's notes, so a reader sees what
+each layout would have cost and, for sharded data parallelism, what it buys (model
+states divided by N) against what it costs (all-gathers and reduce-scatters).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from meshtrain.config import Layout
+from meshtrain.planner.devices import GIB
+from meshtrain.planner.types import Plan
+
+# Preference among layouts whose estimated step times are within this factor of the best.
+TIE = 1.02
+
+
+def speed(plan: Plan) -> float:
+    """Throughput, not step time: without training.global_batch_size the global batch
+    grows with dp, so steps of different layouts hold different numbers of tokens."""
+    return plan.time_estimate["tokens_per_s"]
+
+
+def candidates(planned: list[Plan], chosen: Plan, budget: float) -> list[dict[str, Any]]:
+    """Every other planned layout, fastest first, with why it lost to `chosen`."""
+    found: list[dict[str, Any]] = []
+    for p in sorted(planned, key=speed, reverse=True):
+        if p is chosen:
+            continue
+        why = _lost_because(p, chosen, budget) + _sharding_clause(p, planned, budget)
+        found.append(summary(p) | {"lost_because": why})
+    return found
+
+
+def _lost_because(p: Plan, chosen: Plan, budget: float) -> str:
+    ratio = speed(chosen) / speed(p)
+    if _peak(p) > budget:
+        return (
+            f"does not fit: {p.memory_estimate_per_rank['total'] / GIB:.2f} GiB per rank "
+            f"over the {budget / GIB:.2f} GiB budget"
+        )
+    if ratio > TIE:
+        return f"slower: the chosen layout's estimated tokens/s is {ratio:.2f}x"
+    return f"as fast within 2%; the chosen one has {_preferred_because(chosen.layout, p.layout)}"
+
+
+def _preferred_because(chosen: Layout, other: Layout) -> str:
+    """The first tie-breaker (tp, pp, sharding, recomputation) that told the two apart."""
+    keys = (
+        ("tensor_parallel_size", "less tensor parallelism", "tp"),
+        ("pipeline_parallel_size", "less pipeline parallelism", "pp"),
+        ("sharded_data_parallel_degree", "less sharding (paid only when it buys memory)", "sdp"),
+    )
+    for field, words, short in keys:
+        mine, theirs = getattr(chosen, field), getattr(other, field)
+        if mine != theirs:
+            return f"{words}: {short}{mine} against {short}{theirs}"
+    if chosen.activation_checkpointing != other.activation_checkpointing:
+        return (
+            f"less recomputation: activation checkpointing {chosen.activation_checkpointing} "
+            f"against {other.activation_checkpointing}"
+        )
+    return "the same sizes, and came first"
+
+
+def _sharding_clause(p: Plan, planned: list[Plan], budget: float) -> str:
+    """What sharding did for (or cost) this layout, when that is part of why it lost."""
+    if p.layout.sharded:
+        if _peak(p) > budget:
+            return ""
+        t = p.time_estimate
+        return (
+            f"; sdp{p.layout.sharded_data_parallel_degree}: model states "
+            f"{_model_states(p) / GIB:.2f} GiB + "
+            f"{p.memory_estimate_per_rank.get('gathered', 0) / GIB:.2f} GiB gathered, "
+            f"collectives {_collectives(t):.2f} s per step "
+            f"({t.get('sdp_exposed_s', 0.0):.2f} s exposed)"
+        )
+    sibling = _sharded_sibling(p.layout, planned, budget)
+    if sibling is not None and _peak(p) > budget:
+        return (
+            f"; sharded as {sibling.layout.name} it needs "
+            f"{sibling.memory_estimate_per_rank['total'] / GIB:.2f} GiB"
+        )
+    return ""
+
+
+def sharding_note(chosen: Plan, planned: list[Plan], budget: float) -> str | None:
+    """Why the chosen layout does or does not shard, against its own twin the other way."""
+    lay = chosen.layout
+    if lay.sharded:
+        twin = _twin(lay, planned, sharded=1)
+        verdict = f"sharded data parallelism ({_kind(lay)}) is chosen: {_sharding_cost(chosen)}"
+        if twin is None:
+            return verdict
+        if _peak(twin) > budget:
+            return (
+                f"{verdict}; unsharded, {twin.layout.name} needs "
+                f"{twin.memory_estimate_per_rank['total'] / GIB:.2f} GiB per rank, over the "
+                f"{budget / GIB:.2f} GiB budget (model states "
+                f"{_model_states(twin) / GIB:.2f} GiB against {_model_states(chosen) / GIB:.2f})"
+            )
+        return f"{verdict}; unsharded, {twin.layout.name} fits but is {_versus(chosen, twin)}"
+    sibling = _sharded_sibling(lay, planned, budget)
+    if sibling is None:
+        return None
+    return (
+        f"not sharded: this layout fits without it, and {sibling.layout.name} would hold "
+        f"{_model_states(sibling) / GIB:.2f} GiB of model states instead of "
+        f"{_model_states(chosen) / GIB:.2f} at {_versus(chosen, sibling)} "
+        f"({_sharding_cost(sibling)})"
+    )
+
+
+def summary(plan: Plan) -> dict[str, Any]:
+    return {
+        "layout": plan.layout.name,
+        "memory_per_rank_bytes": plan.memory_estimate_per_rank["process_total"],
+        "step_s": plan.time_estimate["step_s"],
+        "tokens_per_s": plan.time_estimate["tokens_per_s"],
+    }
+
+
+def _sharding_cost(p: Plan) -> str:
+    t = p.time_estimate
+    return (
+        f"sdp{p.layout.sharded_data_parallel_degree} holds "
+        f"{_model_states(p) / GIB:.2f} GiB of model states and "
+        f"{p.memory_estimate_per_rank.get('gathered', 0) / GIB:.2f} GiB gathered, and its "
+        f"all-gathers and reduce-scatters take {_collectives(t):.2f} s per step, "
+        f"{t.get('sdp_exposed_s', 0.0):.2f} s of it not hidden behind compute"
+    )
+
+
+def _kind(lay: Layout) -> str:
+    n, dp = lay.sharded_data_parallel_degree, lay.data_parallel_size
+    if n == dp:
+        return f"full sharding over the {dp} data-parallel ranks, which includes ZeRO-1"
+    return f"hybrid: sharded within groups of {n}, {dp // n} replicas"
+
+
+def _versus(chosen: Plan, other: Plan) -> str:
+    ratio = speed(chosen) / speed(other)
+    if ratio > TIE:
+        return f"{ratio:.2f}x slower"
+    if ratio * TIE < 1:
+        return f"{1 / ratio:.2f}x faster"
+    return "the same speed within 2%"
+
+
+def _sharded_sibling(lay: Layout, planned: list[Plan], budget: float) -> Plan | None:
+    """The fastest sharded layout fitting the budget that differs from `lay` only there."""
+    twins = [
+        p
+        for p in planned
+        if p.layout.sharded and _peak(p) <= budget and _same_but_sharding(p.layout, lay)
+    ]
+    return max(twins, key=speed, default=None)
+
+
+def _twin(lay: Layout, planned: list[Plan], *, sharded: int) -> Plan | None:
+    return next(
+        (
+            p
+            for p in planned
+            if p.layout.sharded_data_parallel_degree == sharded
+            and _same_but_sharding(p.layout, lay)
+        ),
+        None,
+    )
+
+
+def _same_but_sharding(a: Layout, b: Layout) -> bool:
+    return (
+        a.data_parallel_size,
+        a.tensor_parallel_size,
+        a.pipeline_parallel_size,
+        a.activation_checkpointing,
+    ) == (
+        b.data_parallel_size,
+        b.tensor_parallel_size,
+        b.pipeline_parallel_size,
+        b.activation_checkpointing,
+    )
+
+
+def _model_states(p: Plan) -> int:
+    m = p.memory_estimate_per_rank
+    return m["parameters"] + m["gradients"] + m["optimizer_states"]
+
+
+def _collectives(t: dict[str, float]) -> float:
+    return (
+        t.get("sdp_all_gather_s", 0.0)
+        + t.get("sdp_reduce_scatter_s", 0.0)
+        + t.get("sdp_replica_all_reduce_s", 0.0)
+    )
+
+
+def _peak(p: Plan) -> int:
+    return p.memory_estimate_per_rank["process_total"]
