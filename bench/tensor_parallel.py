@@ -217,8 +217,8 @@ def measure(job: dict[str, Any], sequence_parallel: bool) -> dict[str, Any]:
     autocast = partial(torch.autocast, device_type=device.type, enabled=False)
     pm = parallelize(build_model(config, seed=SEED), dims, layout, device, autocast)
     pm.set_training(True)
-    flat, optimizer = build_optimizer(
-        pm, zero_1=layout.zero_1, overlap=False, training=TrainingConfig(learning_rate=1e-4)
+    optimizer = build_optimizer(
+        pm, training=TrainingConfig(learning_rate=1e-4, overlap_grad_reduce=False)
     )
     (model,) = pm.modules  # no pipeline parallelism: the one module is the whole model
     kv_replication = kv_replication_factor(config.num_key_value_heads, tp) if tp > 1 else 1
@@ -226,7 +226,7 @@ def measure(job: dict[str, Any], sequence_parallel: bool) -> dict[str, Any]:
     def update() -> None:
         pm.finish_gradients()
         optimizer.step()
-        flat.zero_grad()
+        optimizer.zero_grad()
 
     def train_step(step: int) -> None:
         pm.train_batch(_batch(step, args), 1)
@@ -282,6 +282,7 @@ def measure(job: dict[str, Any], sequence_parallel: bool) -> dict[str, Any]:
     peak = tracker.get_tracker_snapshot("peak")
     update()
     del loss
+    flat = optimizer.flat
     flat.check_views()  # the parameters and .grad still live in the flat buffers
 
     element = flat.params.element_size()

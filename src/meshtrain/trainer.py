@@ -45,6 +45,7 @@ from meshtrain.components.validation import evaluate_loss
 from meshtrain.config import RunConfig
 from meshtrain.data.blocks import BlockStore
 from meshtrain.data.sampler import GlobalBatchSampler
+from meshtrain.distributed.fsdp import mixed_precision_policy
 from meshtrain.distributed.parallel_dims import ParallelDims
 from meshtrain.models.builder import build_meta_model, config_from_dict, weight_source
 from meshtrain.models.llama.parallelize import parallelize
@@ -104,14 +105,10 @@ class Trainer:
             self.layout.tensor_parallel_size,
             self.layout.pipeline_parallel_size,
             self.device.type,
+            sdp=self.layout.sharded_data_parallel_degree,
         )
         self.pm = self._build_model()
-        self.flat, self.optimizer = build_optimizer(
-            self.pm,
-            zero_1=self.layout.zero_1,
-            overlap=self.cfg.overlap_grad_reduce,
-            training=self.cfg,
-        )
+        self.optimizer = build_optimizer(self.pm, training=self.cfg)
         self.start_step = self._restore()
         self.lr_scheduler = build_lr_scheduler(
             self.optimizer.optimizer, self.cfg, start_step=self.start_step
@@ -148,8 +145,10 @@ class Trainer:
             enabled=self.cfg.mixed_precision == "bf16",
         )
         meta_model = build_meta_model(model_config)
-        if self.cfg.mixed_precision == "bf16_master":
-            meta_model.to(torch.bfloat16)  # on the meta device: allocates nothing
+        if self.cfg.mixed_precision == "bf16_master" and not self.layout.sharded:
+            # On the meta device: allocates nothing. (Sharded, the fp32 shards are the
+            # masters and FSDP2 gathers them as bf16.)
+            meta_model.to(torch.bfloat16)
         with ExitStack() as stack:
             weights = weight_source(
                 model_config, seed=self.cfg.seed, init_from=self.run.model.init_from, stack=stack
@@ -162,6 +161,9 @@ class Trainer:
                 autocast,
                 weights=weights,
                 compile_layers=self.cfg.compile,
+                fsdp_policy=mixed_precision_policy(
+                    self.cfg.mixed_precision, self.cfg.grad_reduce_dtype
+                ),
             )
         pm.set_training(True)
         return pm
@@ -174,7 +176,6 @@ class Trainer:
             Path(self.spec.resume_from),
             parameters=self.pm.parameters,
             sharding=self.pm.sharding,
-            flat=self.flat,
             optimizer=self.optimizer,
             dims=self.dims,
             tied_copies=self.pm.tied_copies,
@@ -190,7 +191,7 @@ class Trainer:
             self.device,
             predicted_bytes=self.plan.memory_estimate_per_rank["total"],
             tracker=self.tracker,
-            existing=lambda: persistent_tensors(self.pm, self.flat, self.optimizer),
+            existing=lambda: persistent_tensors(self.pm, self.optimizer),
         )
         # The schedule's picture is taken on an early step, once warm-up is over.
         self.timeline = PipelineTimeline(
@@ -224,7 +225,7 @@ class Trainer:
             raise StopRequested(f"{signal_name(stopped[0])} after step {stopped[1]}")
         final_val_loss = self.validate(cfg.max_steps)
         self._report(f"done in {train_time:.1f}s; last checkpoint {self.last_checkpoint}")
-        self.flat.check_views()
+        self.optimizer.check_views()
         peaks = self.gather_peak_memory()
         self.tracker.flush()
         if self.rank != 0:
@@ -268,13 +269,13 @@ class Trainer:
             stop_signal = agree_on_step(loss_sum, grad_norm, self.stop, step=step + 1)
             self.optimizer.apply(grad_norm)
         self.lr_scheduler.step()
-        self.flat.zero_grad()
+        self.optimizer.zero_grad()
         return StepOutcome(loss_sum, grad_norm, started, stop_signal)
 
     def forward_backward_step(self, microbatches: list[list[int]]) -> torch.Tensor:
         """Forward and backward of every microbatch, accumulating into the flat gradients;
         the gradient averaging starts from the backward as buckets fill."""
-        self.optimizer.reducer.expect(len(microbatches) * self.pm.backward_passes_per_batch)
+        self.optimizer.expect_backward(len(microbatches) * self.pm.backward_passes_per_batch)
         loss_sum = torch.zeros((), device=self.device)
         for indices in microbatches:
             input_ids = self.train_blocks.batch(indices).to(self.device, non_blocking=True)
@@ -391,7 +392,7 @@ class Trainer:
     @property
     def model_states_bytes(self) -> int:
         """Parameters, gradients and this rank's optimizer states, in bytes."""
-        return self.flat.params.nbytes + self.flat.grads.nbytes + self.optimizer.state_bytes
+        return self.optimizer.model_states_bytes
 
     def summary(
         self, initial_val_loss: float | None, final_val_loss: float | None, train_time: float
@@ -411,10 +412,7 @@ class Trainer:
             "peak_rss_mb_rank0": rss_mb()[1],
             "model_states_bytes_rank0": self.model_states_bytes,
             "measured_peak_memory": self.memory_probe.result,
-            "gradient_buckets": {
-                "count": len(self.optimizer.reducer.buckets),
-                "started_in_backward": self.optimizer.reducer.started_in_backward,
-            },
+            "gradient_buckets": self.optimizer.bucket_summary(),
         }
 
     def _report(self, line: str) -> None:

@@ -25,6 +25,7 @@ from meshtrain.checkpoint.safetensors_format import (
     TensorSpec,
     save_safetensors,
 )
+from meshtrain.checkpoint.sharded_state import sharded_checkpoint_bytes, write_sharded_tensors
 from meshtrain.checkpoint.space import (
     CheckpointSpaceError,
     folder_bytes,
@@ -32,6 +33,7 @@ from meshtrain.checkpoint.space import (
     rank_checkpoint_bytes,
     room_problem,
 )
+from meshtrain.distributed.fsdp_optimizer import FSDPAdamW
 from meshtrain.distributed.parallel_dims import ParallelDims
 from meshtrain.distributed.tensor_parallel import ParameterSharding, local_tensor
 from meshtrain.distributed.zero import ShardedAdamW
@@ -43,7 +45,7 @@ def save_checkpoint(
     *,
     parameters: dict[str, torch.Tensor],
     sharding: dict[str, ParameterSharding],
-    optimizer: ShardedAdamW,
+    optimizer: ShardedAdamW | FSDPAdamW,
     dims: ParallelDims,
     trainer_state: dict[str, Any],
     model_config: PretrainedConfig,
@@ -59,13 +61,22 @@ def save_checkpoint(
     root = Path(run_dir) / files.checkpoint_name(step)
     parameters = {n: p for n, p in parameters.items() if n not in (tied_copies or {})}
     rank = dist.get_rank()
-    check_room(run_dir, root, rank_checkpoint_bytes(parameters, optimizer, dims), tokenizer_dir)
+    sharded = isinstance(optimizer, FSDPAdamW)
+    mine_bytes = (
+        sharded_checkpoint_bytes(parameters, sharding, optimizer, dims)
+        if sharded
+        else rank_checkpoint_bytes(parameters, optimizer, dims)
+    )
+    check_room(run_dir, root, mine_bytes, tokenizer_dir)
     if rank == 0 and root.exists():
         shutil.rmtree(root)  # a leftover from a run that died mid-save
     dist.barrier()
 
     with named_write_errors(Path(run_dir), root):
-        write_rank_tensors(root, parameters, optimizer, dims)
+        if sharded:
+            write_sharded_tensors(root, parameters, sharding, optimizer, dims)
+        else:
+            write_rank_tensors(root, parameters, optimizer, dims)
         rng = files.rng_file(root, rank)
         rng.parent.mkdir(parents=True, exist_ok=True)
         save_safetensors({"cpu": torch.get_rng_state()}, rng)

@@ -1,5 +1,6 @@
 """The optimizer of a run: AdamW over the flat buffer (ZeRO-1 when the layout says so;
-fp32 master weights and gradients under bf16 parameters)."""
+fp32 master weights and gradients under bf16 parameters), or, under sharded data
+parallelism, AdamW over FSDP2's shards."""
 
 from __future__ import annotations
 
@@ -7,37 +8,45 @@ import torch
 
 from meshtrain.config import TrainingConfig
 from meshtrain.distributed.flat_buffer import FlatParameters
+from meshtrain.distributed.fsdp_optimizer import FSDPAdamW
 from meshtrain.distributed.zero import ShardedAdamW
 from meshtrain.models.parallel_model import ParallelModel
 
+# Both keep the same step interface: expect_backward, reduce_gradients, apply, zero_grad.
+ModelOptimizer = ShardedAdamW | FSDPAdamW
 
-def build_optimizer(
-    pm: ParallelModel, *, zero_1: bool, overlap: bool, training: TrainingConfig
-) -> tuple[FlatParameters, ShardedAdamW]:
-    """The flat buffer over this rank's parameters and AdamW on it (ZeRO-1 over dp),
-    with the global gradient norm summed over the tp and pp groups."""
+
+def build_optimizer(pm: ParallelModel, *, training: TrainingConfig) -> ModelOptimizer:
+    """AdamW for this rank's parameters, with the global gradient norm summed over the tp
+    and pp groups: FSDP2's shards under sharded data parallelism, else the flat buffer
+    (ZeRO-1 over dp when the layout says so)."""
     dims = pm.dims
+    norm_groups = tuple(
+        dims.mesh.get_group(name) for name in ("tp", "pp") if dims.mesh[name].size() > 1
+    )
+    adam = {
+        "lr": training.learning_rate,
+        "betas": (training.adam_beta1, training.adam_beta2),
+        "eps": training.adam_epsilon,
+        "weight_decay": training.weight_decay,
+        "max_grad_norm": training.max_grad_norm,
+        "norm_groups": norm_groups,
+    }
+    if pm.layout.sharded:
+        groups = sum(len(getattr(m.model, "layers", [])) + 1 for m in pm.modules)
+        return FSDPAdamW(pm.parameters, pm.sharding, dims, groups=groups, **adam)
     master_weights = training.mixed_precision == "bf16_master"
     grad_dtype = torch.float32 if master_weights and training.grad_reduce_dtype == "fp32" else None
     flat = FlatParameters(
         pm.parameters.items(), num_shards=dims.dp, sharding=pm.sharding, grad_dtype=grad_dtype
     )
-    norm_groups = tuple(
-        dims.mesh.get_group(name) for name in ("tp", "pp") if dims.mesh[name].size() > 1
-    )
-    optimizer = ShardedAdamW(
+    return ShardedAdamW(
         flat,
         dims.dp_group,
-        zero_1=zero_1,
-        overlap_reduction=overlap,
+        zero_1=pm.layout.zero_1,
+        overlap_reduction=training.overlap_grad_reduce,
         bucket_bytes=int(training.grad_bucket_mb * 2**20),
         reduce_after_backward=pm.gradients_finished_after_backward,
-        norm_groups=norm_groups,
-        lr=training.learning_rate,
-        betas=(training.adam_beta1, training.adam_beta2),
-        eps=training.adam_epsilon,
-        weight_decay=training.weight_decay,
-        max_grad_norm=training.max_grad_norm,
         master_weights=master_weights,
+        **adam,
     )
-    return flat, optimizer

@@ -17,30 +17,20 @@ import torch
 import torch.distributed as dist
 
 from meshtrain.components.memory_probe import PeakMemory, measure_peak_memory
-from meshtrain.distributed.flat_buffer import FlatParameters
+from meshtrain.components.optimizer import ModelOptimizer
 from meshtrain.distributed.pipeline_parallel import idle_fraction, theoretical_bubble
-from meshtrain.distributed.zero import ShardedAdamW
 from meshtrain.models.parallel_model import ParallelModel
 from meshtrain.tracking.mlflow_run import MetricsLogger
 from meshtrain.tracking.plots import pipeline_timeline
 
 
-def persistent_tensors(
-    pm: ParallelModel, flat: FlatParameters, optimizer: ShardedAdamW
-) -> list[torch.Tensor]:
-    """What lives through a step: parameters and buffers of this rank's stages, the flat
-    gradient buffer (the optimizer's gradient shard is a view of it), the fp32 master
-    weights and gradients where the parameters are bf16, and AdamW's states."""
-    tensors = [flat.params, flat.grads]
-    if optimizer.master is not None:
-        tensors.append(optimizer.master)
-    if optimizer.master_grad is not optimizer.grad_shard:
-        tensors.append(optimizer.master_grad)
+def persistent_tensors(pm: ParallelModel, optimizer: ModelOptimizer) -> list[torch.Tensor]:
+    """What lives through a step: parameters and buffers of this rank's stages (their
+    shards under sharded data parallelism) and what the optimizer holds."""
+    tensors = list(optimizer.held_tensors())
     for module in pm.modules:
         tensors.extend(module.parameters())
         tensors.extend(module.buffers())
-    for state in optimizer.optimizer.state.values():
-        tensors.extend(v for v in state.values() if isinstance(v, torch.Tensor))
     return tensors
 
 

@@ -122,6 +122,40 @@ class ShardedAdamW:
             held += self.master_grad.nbytes
         return held
 
+    @property
+    def model_states_bytes(self) -> int:
+        """Parameters, gradients and this rank's optimizer states, in bytes."""
+        return self.flat.params.nbytes + self.flat.grads.nbytes + self.state_bytes
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        """What lives through a step beyond the modules' parameters: the flat gradient
+        buffer (the gradient shard is a view of it), the fp32 master weights and gradients
+        where the parameters are bf16, and AdamW's states."""
+        tensors = [self.flat.params, self.flat.grads]
+        if self.master is not None:
+            tensors.append(self.master)
+        if self.master_grad is not self.grad_shard:
+            tensors.append(self.master_grad)
+        for state in self.optimizer.state.values():
+            tensors.extend(v for v in state.values() if isinstance(v, torch.Tensor))
+        return tensors
+
+    def expect_backward(self, backward_passes: int) -> None:
+        """Arm the bucket reductions for a step of `backward_passes` backward passes."""
+        self.reducer.expect(backward_passes)
+
+    def zero_grad(self) -> None:
+        self.flat.zero_grad()
+
+    def check_views(self) -> None:
+        self.flat.check_views()
+
+    def bucket_summary(self) -> dict[str, int]:
+        return {
+            "count": len(self.reducer.buckets),
+            "started_in_backward": self.reducer.started_in_backward,
+        }
+
     def step(self) -> torch.Tensor:
         """Finish averaging the gradients, clip to the global norm, update; returns the
         pre-clip norm."""

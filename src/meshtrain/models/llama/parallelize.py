@@ -8,7 +8,9 @@
    (tied embeddings over stages: the first and last stage each keep a copy, whose
    gradients `SharedWeightSync` sums after the backward),
 5. (then the trainer lays the parameters into the flat buffer for data
-   parallelism and ZeRO-1: `meshtrain.components.optimizer`).
+   parallelism and ZeRO-1: `meshtrain.components.optimizer`),
+   or, under sharded data parallelism, FSDP2 over the dp shard mesh between 3's
+   sharding and its materialisation (`shard_data_parallel`), with 4 before it.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from contextlib import AbstractContextManager
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Shard
 from transformers import PretrainedConfig
 
@@ -27,6 +30,7 @@ from meshtrain.distributed.activation_checkpoint import (
     apply_activation_checkpointing,
     offload_context,
 )
+from meshtrain.distributed.fsdp import apply_fully_shard
 from meshtrain.distributed.kv_heads import kv_replication_factor
 from meshtrain.distributed.parallel_dims import ParallelDims
 from meshtrain.distributed.pipeline_parallel import (
@@ -56,6 +60,7 @@ def parallelize(
     *,
     weights: WeightSource | None = None,
     compile_layers: bool = False,
+    fsdp_policy: MixedPrecisionPolicy | None = None,
 ) -> ParallelModel:
     """Apply the layout to a model built identically on every rank.
 
@@ -65,19 +70,34 @@ def parallelize(
     `compile_layers`: torch.compile every decoder layer last, in place (parameter
     names, and so checkpoints, stay those of the Hugging Face model), once its
     tensor-parallel sharding and checkpointing are set.
+    `fsdp_policy`: FSDP2's mixed precision under sharded data parallelism (its default,
+    no dtype change, when None).
     """
+    fsdp_policy = fsdp_policy or MixedPrecisionPolicy()
     apply_activation_checkpointing(model, layout.activation_checkpointing)
     stage_ids, modules = pipeline_stages(model, dims, layout)
     kv_replication = (
         kv_replication_factor(model.config.num_key_value_heads, dims.tp) if dims.tp > 1 else 1
     )
     sharding = shard_tensor_parallel(modules, dims, layout, kv_replication)
+    if layout.sharded:
+        # FSDP2 wraps the compiled layers (torchtitan's order); all of it on the meta
+        # device, so materialising allocates only this rank's dp shard of its tp piece.
+        if compile_layers:
+            compile_decoder_layers(modules)
+        shard_data_parallel(modules, dims, layout, fsdp_policy)
     if weights is not None:
-        materialize(modules, sharding, weights, device, tp_rank=dims.tp_rank, tp=dims.tp)
-    if compile_layers:
-        for module in modules:
-            for _, layer in decoder_layers(module):
-                layer.compile()
+        materialize(
+            modules,
+            sharding,
+            weights,
+            device,
+            tp_rank=dims.tp_rank,
+            tp=dims.tp,
+            dp_shard=(dims.shard_rank, dims.sdp),
+        )
+    if compile_layers and not layout.sharded:
+        compile_decoder_layers(modules)
     parameters = {n: p for m in modules for n, p in m.named_parameters()}
     tied = tied_embedding_copies(model.config, parameters, dims)
     for name in tied or {}:
@@ -103,6 +123,22 @@ def parallelize(
         shared_sync=SharedWeightSync(tied, dims.mesh) if tied is not None else None,
         tied_copies=stored_elsewhere(parameters, model.config),
     )
+
+
+def compile_decoder_layers(modules: list[nn.Module]) -> None:
+    for module in modules:
+        for _, layer in decoder_layers(module):
+            layer.compile()
+
+
+def shard_data_parallel(
+    modules: list[nn.Module], dims: ParallelDims, layout: Layout, policy: MixedPrecisionPolicy
+) -> None:
+    """FSDP2 over each stage: without a pipeline the layers are resharded after their
+    forward (ZeRO-3); with one they stay gathered through the step's microbatches."""
+    for module in modules:
+        layers = [layer for _, layer in decoder_layers(module)]
+        apply_fully_shard(module, layers, dims, reshard_after_forward=dims.pp == 1, policy=policy)
 
 
 def stored_elsewhere(

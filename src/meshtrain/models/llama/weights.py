@@ -26,6 +26,7 @@ from safetensors import safe_open
 from torch import nn
 from transformers import PretrainedConfig
 
+from meshtrain.distributed.fsdp import shard_piece
 from meshtrain.distributed.tensor_parallel import ParameterSharding, local_tensor
 from meshtrain.models.llama.parameter_names import EMBEDDING, llama_family_shapes, stored_name
 from meshtrain.models.llama.pretrained import weight_files
@@ -100,9 +101,13 @@ def materialize(
     *,
     tp_rank: int,
     tp: int,
+    dp_shard: tuple[int, int] = (0, 1),
 ) -> None:
     """Allocate this rank's (meta-device) stages on `device` and fill every parameter with
-    its piece from `source`; the rotary tables, computed at construction, are rebuilt."""
+    its piece from `source`; the rotary tables, computed at construction, are rebuilt.
+    `dp_shard`: (rank, size) of sharded data parallelism, whose FSDP2 shard of each piece
+    is what this rank keeps."""
+    shard_rank, shards = dp_shard
     for module in modules:
         module.to_empty(device=device)
         if getattr(module.config, "tie_word_embeddings", False) and _holds_both(module):
@@ -113,6 +118,8 @@ def materialize(
         with torch.no_grad():
             for name, parameter in module.named_parameters():
                 piece = source.local(name, sharding[name], tp_rank, tp)
+                if shards > 1:
+                    piece = shard_piece(piece, shard_rank, shards)
                 local_tensor(parameter).copy_(piece)
 
 

@@ -1,0 +1,158 @@
+"""Checkpoints of sharded data parallelism, in the format every other layout writes.
+
+A sharded run's checkpoint is indistinguishable from a plain data-parallel
+one: per (tp, pp) coordinate, one weights file of its tensor-parallel pieces,
+the flat index of those pieces and one optimizer file of their AdamW moments
+over the whole range, all written by dp rank 0. Each tensor is gathered from
+its FSDP shards onto that rank as it is written (`dist.gather` over the shard
+group: one tensor of memory, never the model), so the loader, resharding and
+consolidation read it unchanged, and a sharded run resumes from any layout's
+checkpoint the same way: each tensor rebuilt at full size, cut to this rank's
+tp piece, then to its FSDP shard.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from meshtrain.checkpoint import files
+from meshtrain.checkpoint.manifest import write_json_atomic
+from meshtrain.checkpoint.safetensors_format import SafetensorsWriter, TensorSpec
+from meshtrain.distributed.fsdp import shard_piece
+from meshtrain.distributed.fsdp_optimizer import FSDPAdamW
+from meshtrain.distributed.parallel_dims import ParallelDims
+from meshtrain.distributed.tensor_parallel import ParameterSharding, local_tensor
+
+
+def tp_local_shape(parameter: torch.Tensor, spec: ParameterSharding, tp: int) -> tuple[int, ...]:
+    """The shape of this rank's tensor-parallel piece (before FSDP's dp sharding)."""
+    shape = list(parameter.shape)
+    if spec.tp_dim is not None:
+        shape[spec.tp_dim] //= tp
+    return tuple(shape)
+
+
+def gather_piece(shard: torch.Tensor, shape: tuple[int, ...], dims: ParallelDims):
+    """The tp piece of `shape` from its FSDP shards, on shard rank 0 (None elsewhere).
+    Collective over the shard group; shards are padded to FSDP's chunk size to gather."""
+    rows, n = shape[0], dims.sdp
+    chunk = -(-rows // n)
+    padded = shard.new_zeros((chunk, *shape[1:]))
+    padded[: shard.shape[0]] = shard
+    root = dims.shard_rank == 0
+    whole = shard.new_empty((chunk * n, *shape[1:])) if root else None
+    dist.gather(
+        padded,
+        list(whole.chunk(n)) if root else None,
+        group_dst=0,
+        group=dims.shard_group,
+    )
+    return whole[:rows] if root else None
+
+
+def write_sharded_tensors(
+    root: Path,
+    parameters: dict[str, torch.Tensor],
+    sharding: dict[str, ParameterSharding],
+    optimizer: FSDPAdamW,
+    dims: ParallelDims,
+) -> None:
+    """This rank's part of a sharded run's checkpoint: the first replica's shard group
+    gathers each tensor to its dp rank 0, which writes it (other replicas hold the same)."""
+    if dims.dp_rank >= dims.sdp:
+        return  # not in the first replica: its shards are copies of the first's
+    shapes = {n: tp_local_shape(p, sharding[n], dims.tp) for n, p in parameters.items()}
+    names = list(parameters)
+
+    def gathered(key: str | None) -> Iterator[tuple[str, torch.Tensor | None]]:
+        for name in names:
+            shard = (
+                local_tensor(parameters[name]).detach()
+                if key is None
+                else optimizer.local_moment(name, key)
+            )
+            yield name, gather_piece(shard, shapes[name], dims)
+
+    if dims.dp_rank != 0:
+        for key in (None, "exp_avg", "exp_avg_sq"):
+            for _ in gathered(key):
+                pass  # this rank's sends
+        return
+    dtype = optimizer.state_dtype
+    weights = files.shard_weights(root, dims.tp_rank, dims.pp_rank)
+    weights.parent.mkdir(parents=True, exist_ok=True)
+    specs = [TensorSpec(name, dtype, shapes[name]) for name in names]
+    with SafetensorsWriter(weights, specs, metadata={"format": "pt"}) as writer:
+        for name, piece in gathered(None):
+            writer.write(name, piece)
+    write_json_atomic(files.flat_index(root, dims.tp_rank, dims.pp_rank), flat_index(shapes))
+    numel = sum(torch.Size(shape).numel() for shape in shapes.values())
+    opt_dir = root / files.OPTIMIZER
+    opt_dir.mkdir(parents=True, exist_ok=True)
+    path = opt_dir / files.optimizer_file_name(0, dims.tp_rank, dims.pp_rank)
+    moment_specs = [
+        TensorSpec("exp_avg", dtype, (numel,)),
+        TensorSpec("exp_avg_sq", dtype, (numel,)),
+        TensorSpec("step", torch.float32, (1,)),
+    ]
+    with SafetensorsWriter(path, moment_specs, metadata={"range": json.dumps([0, numel])}) as w:
+        for key in ("exp_avg", "exp_avg_sq"):
+            w.write(key, (piece for _, piece in gathered(key)))
+        w.write("step", torch.tensor([optimizer.step_count()], dtype=torch.float32))
+
+
+def flat_index(shapes: dict[str, tuple[int, ...]]) -> dict:
+    """Where each tensor's moments sit in the optimizer file: one after another, in
+    parameter order (the flat buffer's index format, without its padding)."""
+    slots, offset = [], 0
+    for name, shape in shapes.items():
+        numel = torch.Size(shape).numel()
+        slots.append([name, offset, numel, list(shape)])
+        offset += numel
+    return {"numel": offset, "padded_numel": offset, "slots": slots}
+
+
+def sharded_checkpoint_bytes(
+    parameters: dict[str, torch.Tensor],
+    sharding: dict[str, ParameterSharding],
+    optimizer: FSDPAdamW,
+    dims: ParallelDims,
+) -> int:
+    """What this rank writes: on dp rank 0, its coordinate's weights and two moments."""
+    if dims.dp_rank != 0:
+        return 0
+    numel = sum(
+        torch.Size(tp_local_shape(p, sharding[n], dims.tp)).numel() for n, p in parameters.items()
+    )
+    return 3 * numel * optimizer.state_dtype.itemsize
+
+
+def restore_sharded(
+    reader,
+    parameters: dict[str, torch.Tensor],
+    sharding: dict[str, ParameterSharding],
+    optimizer: FSDPAdamW,
+    dims: ParallelDims,
+    stored_as: dict[str, str],
+) -> None:
+    """Fill this rank's FSDP shards of the parameters and moments from `reader` (a
+    `load.CheckpointReader` of a checkpoint of any layout), one tensor at a time."""
+
+    def mine(full: torch.Tensor, spec: ParameterSharding) -> torch.Tensor:
+        return shard_piece(spec.local_piece(full, dims.tp_rank, dims.tp), dims.shard_rank, dims.sdp)
+
+    moments: dict[str, dict[str, torch.Tensor]] = {}
+    with torch.no_grad():
+        for name, p in parameters.items():
+            spec, stored = sharding[name], stored_as.get(name, name)
+            local_tensor(p).copy_(mine(reader.parameter(stored), spec))
+            moments[name] = {
+                key: mine(reader.moment(stored, key), spec).clone()
+                for key in ("exp_avg", "exp_avg_sq")
+            }
+    optimizer.load_moments(moments, reader.step())

@@ -1,0 +1,161 @@
+"""AdamW over FSDP2's parameter shards, with the global gradient norm and clipping.
+
+Under sharded data parallelism FSDP2 owns the gradient reduction: each
+group's gradients are reduce-scattered (and, for hybrid sharding,
+all-reduced across the replicas) during the backward, so after it every
+parameter's `.grad` is the dp-mean of its shard. What is left is the same
+step as the flat buffer's optimizer: the global norm (each shard's squares,
+dividing out tensor-parallel copies, summed over the shard group and the tp
+and pp groups; replicas hold the same shard and are not summed), clipping,
+and AdamW, which is elementwise, so updating shards is updating the whole.
+
+This class mirrors `zero.ShardedAdamW`'s step interface (`reduce_gradients`,
+`apply`, `zero_grad`, the byte counts) so the training loop does not branch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from meshtrain.distributed.parallel_dims import ParallelDims
+from meshtrain.distributed.tensor_parallel import ParameterSharding, local_tensor
+
+
+class FSDPAdamW:
+    def __init__(
+        self,
+        parameters: dict[str, torch.Tensor],
+        sharding: dict[str, ParameterSharding],
+        dims: ParallelDims,
+        *,
+        norm_groups: tuple[dist.ProcessGroup, ...] = (),
+        lr: float,
+        betas: tuple[float, float],
+        eps: float,
+        weight_decay: float,
+        max_grad_norm: float,
+        groups: int,
+    ) -> None:
+        """`parameters`: this rank's FSDP-sharded parameters by Hugging Face name (a tied
+        weight once); `groups`: how many FSDP groups reduce them (for the summary)."""
+        self.parameters = parameters
+        self.dims = dims
+        self.shard_group = dims.shard_group
+        self.norm_groups = norm_groups
+        self.max_grad_norm = max_grad_norm
+        self.groups = groups
+        self._copies = {name: sharding[name].copies for name in parameters}
+        decay = [p for p in parameters.values() if p.ndim >= 2]
+        no_decay = [p for p in parameters.values() if p.ndim < 2]
+        self.optimizer = torch.optim.AdamW(
+            [
+                {"params": decay, "weight_decay": weight_decay},
+                {"params": no_decay, "weight_decay": 0.0},
+            ],
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            fused=True,
+        )
+        first = local_tensor(next(iter(parameters.values())))
+        self.state_dtype = first.dtype  # fp32 shards: the master weights under bf16_master
+
+    # -- the step -------------------------------------------------------------------------
+
+    def expect_backward(self, backward_passes: int) -> None:
+        """FSDP2's own hooks reduce each group after its backward: nothing to arm."""
+
+    def reduce_gradients(self) -> torch.Tensor:
+        """The backward already left the mean gradient shards: their global norm."""
+        return self.global_grad_norm()
+
+    def apply(self, norm: torch.Tensor) -> None:
+        """Clip to `norm`'s budget and update the shards."""
+        if self.max_grad_norm > 0:
+            coef = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
+            for grad in self._local_grads().values():
+                grad.mul_(coef)
+        self.optimizer.step()
+
+    def step(self) -> torch.Tensor:
+        norm = self.reduce_gradients()
+        self.apply(norm)
+        return norm
+
+    def zero_grad(self) -> None:
+        # FSDP2 writes each step's reduced shard into a fresh `.grad`.
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def global_grad_norm(self) -> torch.Tensor:
+        first = local_tensor(next(iter(self.parameters.values())))
+        squares = torch.zeros((), dtype=torch.float32, device=first.device)
+        for name, grad in self._local_grads().items():
+            squares += torch.linalg.vector_norm(grad, dtype=torch.float32) ** 2 / self._copies[name]
+        if self.shard_group is not None:
+            dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=self.shard_group)
+        for group in self.norm_groups:
+            dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=group)
+        return squares.sqrt()
+
+    def _local_grads(self) -> dict[str, torch.Tensor]:
+        return {
+            name: local_tensor(p.grad) for name, p in self.parameters.items() if p.grad is not None
+        }
+
+    # -- what the loop reports and checks --------------------------------------------------
+
+    def check_views(self) -> None:
+        """Fail loudly if a parameter stopped being a dp shard (something gathered it)."""
+        for name, p in self.parameters.items():
+            if not isinstance(p, DTensor) or self.dims.fsdp_mesh.mesh_dim_names[-1] not in (
+                p.device_mesh.mesh_dim_names or ()
+            ):
+                raise RuntimeError(f"parameter {name} is no longer sharded over the dp ranks")
+
+    @property
+    def state_bytes(self) -> int:
+        """AdamW's two moments of this rank's shards."""
+        return 2 * sum(local_tensor(p).nbytes for p in self.parameters.values())
+
+    @property
+    def model_states_bytes(self) -> int:
+        """This rank's shards of the parameters, gradients (in the shards' dtype) and AdamW
+        moments."""
+        shard = sum(local_tensor(p).nbytes for p in self.parameters.values())
+        return 2 * shard + self.state_bytes
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        """What the optimizer holds through a step beyond the modules' parameters."""
+        return [v for state in self.optimizer.state.values() for v in state.values()]
+
+    def bucket_summary(self) -> dict[str, int]:
+        """Every FSDP group is reduce-scattered from its own post-backward hook."""
+        return {"count": self.groups, "started_in_backward": self.groups}
+
+    # -- checkpoints ------------------------------------------------------------------------
+
+    def step_count(self) -> float:
+        for state in self.optimizer.state.values():
+            if "step" in state:
+                return float(state["step"])
+        return 0.0
+
+    def local_moment(self, name: str, key: str) -> torch.Tensor:
+        """This rank's shard of AdamW's moment `key` for parameter `name` (zeros before the
+        first step)."""
+        p = self.parameters[name]
+        moment = self.optimizer.state.get(p, {}).get(key)
+        return local_tensor(moment) if moment is not None else torch.zeros_like(local_tensor(p))
+
+    def load_moments(self, moments: dict[str, dict[str, torch.Tensor]], step: float) -> None:
+        """Install each parameter's shards of the moments (`moments[name][key]`)."""
+        for name, p in self.parameters.items():
+            device = local_tensor(p).device
+            state = {"step": torch.tensor(float(step), dtype=torch.float32, device=device)}
+            for key in ("exp_avg", "exp_avg_sq"):
+                value = torch.zeros_like(p)
+                local_tensor(value).copy_(moments[name][key])
+                state[key] = value
+            self.optimizer.state[p] = state
