@@ -71,6 +71,35 @@ from tests.kedro_project import KEDRO, SMALL_RUN, mlflow_client, project_env
                 "pipeline_parallel_virtual_stages": 2,
             },
         ),
+        # Sharded data parallelism, as `zero1` / `nozero1` are read.
+        (
+            "dp4-tp1-pp1-sdp4",
+            {
+                "data_parallel_size": 4,
+                "tensor_parallel_size": 1,
+                "pipeline_parallel_size": 1,
+                "sharded_data_parallel_degree": 4,
+            },
+        ),
+        (
+            "dp4xtp2-sdp2-sp",
+            {
+                "data_parallel_size": 4,
+                "tensor_parallel_size": 2,
+                "pipeline_parallel_size": 1,
+                "sharded_data_parallel_degree": 2,
+                "sequence_parallel": True,
+            },
+        ),
+        (
+            "dp4-nosdp",
+            {
+                "data_parallel_size": 4,
+                "tensor_parallel_size": 1,
+                "pipeline_parallel_size": 1,
+                "sharded_data_parallel_degree": 1,
+            },
+        ),
         # A run name reads back as the layout it names.
         (
             "dp1-tp2-pp2-sp-1f1b-mb4",
@@ -100,6 +129,10 @@ def test_layout_strings_name_the_parallel_parameters(text: str, expected: dict):
         ("sp-nosp", ["tokens 'sp' and 'nosp' both set parallel.sequence_parallel"]),
         ("dp2--tp2", ["empty token"]),
         ("tp2x", ["empty token"]),
+        ("sdp", ["token 'sdp' is not understood", "it needs a number, e.g. sdp2", "sdpN"]),
+        ("dp4-sdp0", ["token 'sdp0' asks for sdp=0"]),
+        ("sdp2-nosdp", ["tokens 'sdp2' and 'nosdp' both set"]),
+        ("dp4-zero1-sdp4", ["tokens 'zero1' and 'sdp4'", "includes ZeRO-1", "drop 'zero1'"]),
     ],
 )
 def test_bad_layout_strings_say_which_token_why_and_what_works(text: str, says: list[str]):

@@ -148,16 +148,16 @@ def _sharding_line(plan: Plan) -> str:
     """The sharded layout's collectives: per layer, per step, and the share hidden."""
     t, lay = plan.time_estimate, plan.layout
     n, dp = lay.sharded_data_parallel_degree, lay.data_parallel_size
-    per, pers = (
-        ("schedule step", "schedule steps")
-        if lay.pipeline_parallel_size > 1
-        else ("microbatch", "microbatches")
-    )
+    if lay.pipeline_parallel_size > 1:
+        per, rounds, gathers = "schedule step", "schedule steps", "one all-gather"
+    else:
+        per, rounds, gathers = "microbatch", "microbatches", "two all-gathers (forward, backward)"
     hybrid = f", all-reduced over {dp // n} replicas" if n < dp else ""
+    collectives = t["sdp_all_gather_s"] + t["sdp_reduce_scatter_s"] + t["sdp_replica_all_reduce_s"]
     return (
-        f"  sharded over {n} of {dp} dp ranks{hybrid}: per layer and {per} an all-gather "
-        f"{t['sdp_all_gather_per_layer_s'] * 1e3:.2f} ms and a reduce-scatter "
+        f"  sharded over {n} of {dp} dp ranks{hybrid}: per layer and {per} {gathers} of "
+        f"{t['sdp_all_gather_per_layer_s'] * 1e3:.2f} ms and a reduce-scatter of "
         f"{t['sdp_reduce_scatter_per_layer_s'] * 1e3:.2f} ms, {int(t['sdp_rounds_per_step'])} "
-        f"{pers} per step; {t['sdp_all_gather_s'] + t['sdp_reduce_scatter_s']:.2f} s of "
-        f"collectives per step, {t['sdp_overlapped_share']:.0%} hidden behind compute"
+        f"{rounds} per step: {collectives:.2f} s of collectives per step, "
+        f"{t['sdp_overlapped_share']:.0%} hidden behind compute"
     )

@@ -1,7 +1,7 @@
 """Layout sweeps: the same data and model trained under several layouts, compared side by side.
 
 A layout shorthand names a whole layout in a few letters, the way people say it:
-`dp2`, `tp2`, `pp2`, `dp2xtp2`, `tp2xpp2-gpipe-mb8`, `dp4-nozero1`. This module
+`dp2`, `tp2`, `pp2`, `dp2xtp2`, `tp2xpp2-gpipe-mb8`, `dp4-nozero1`, `dp4-sdp4`. This module
 turns such strings into `--params` overrides, holds the global batch fixed
 across the layouts (the layout-independence contract compares runs at the
 same global batch; the planner splits it per layout), and builds the
@@ -32,8 +32,9 @@ SWEEP_STATUS_TAG = "meshtrain.sweep.status"
 SWEEP_ERROR_TAG = "meshtrain.sweep.error"
 SWEEP_STAGE_TAG = "meshtrain.sweep.stage"
 
-_SIZE = re.compile(r"^(dp|tp|pp|mb|v)(\d+)$")
+_SIZE = re.compile(r"^(sdp|dp|tp|pp|mb|v)(\d+)$")
 _SIZE_PARAMS = {
+    "sdp": "parallel.sharded_data_parallel_degree",
     "dp": "parallel.data_parallel_size",
     "tp": "parallel.tensor_parallel_size",
     "pp": "parallel.pipeline_parallel_size",
@@ -45,6 +46,7 @@ _SIZE_PARAMS = {
 _FLAGS: dict[str, tuple[str, Any]] = {
     "zero1": ("parallel.zero_1", True),
     "nozero1": ("parallel.zero_1", False),
+    "nosdp": ("parallel.sharded_data_parallel_degree", 1),
     "sp": ("parallel.sequence_parallel", True),
     "nosp": ("parallel.sequence_parallel", False),
     "ac": ("parallel.activation_checkpointing", "full"),
@@ -57,8 +59,9 @@ _FLAGS: dict[str, tuple[str, Any]] = {
 GRAMMAR = (
     "a layout is tokens joined by 'x' or '-': dpN, tpN, ppN (N a whole number >= 1; "
     "tp and pp default to 1, dp to auto = the rest of the world size), and optionally "
-    f"{', '.join(_FLAGS)}, mbN (pipeline microbatches), vN (virtual stages per rank). "
-    "Examples: dp2, tp2, pp2, dp2xtp2, tp2xpp2-gpipe-mb8, dp4-nozero1, dp2xtp2-ac"
+    f"{', '.join(_FLAGS)}, mbN (pipeline microbatches), vN (virtual stages per rank), "
+    "sdpN (sharded data parallel degree: N divides dp; N = dp shards fully). "
+    "Examples: dp2, tp2, pp2, dp2xtp2, tp2xpp2-gpipe-mb8, dp4-nozero1, dp2xtp2-ac, dp4-sdp4"
 )
 
 
@@ -118,7 +121,7 @@ def parse_shorthand(text: str) -> LayoutShorthand:
             name, value = _FLAGS[token]
         else:
             hint = ""
-            if re.fullmatch(r"(dp|tp|pp|mb|v)", token):
+            if re.fullmatch(r"(sdp|dp|tp|pp|mb|v)", token):
                 hint = f" (it needs a number, e.g. {token}2)"
             raise ShorthandError(
                 f"layout {original!r}: token {token!r} is not understood{hint}; {GRAMMAR}"
@@ -130,9 +133,23 @@ def parse_shorthand(text: str) -> LayoutShorthand:
             )
         params[name] = value
         given_by[name] = token
+    _check_sharding_beside_zero_1(original, params, given_by)
     params.setdefault("parallel.tensor_parallel_size", 1)
     params.setdefault("parallel.pipeline_parallel_size", 1)
     return LayoutShorthand(text=original.strip(), params=params)
+
+
+def _check_sharding_beside_zero_1(
+    original: str, params: dict[str, Any], given_by: dict[str, str]
+) -> None:
+    """`zero1` with `sdpN` (N > 1) asks for ZeRO-1 twice: sharding already includes it."""
+    degree = params.get("parallel.sharded_data_parallel_degree", 1)
+    if degree > 1 and params.get("parallel.zero_1") is True:
+        raise ShorthandError(
+            f"layout {original!r}: tokens {given_by['parallel.zero_1']!r} and "
+            f"{given_by['parallel.sharded_data_parallel_degree']!r} both shard the optimizer "
+            "states (sharded data parallelism includes ZeRO-1); drop 'zero1'"
+        )
 
 
 def parse_shorthands(text: str) -> list[LayoutShorthand]:
