@@ -162,8 +162,10 @@ def test_without_pp_every_microbatch_gathers_each_layer_twice(model_config) -> N
     layers = SHAPE["num_hidden_layers"]
     per_layer = one["sdp_all_gather_per_layer_s"]
     assert one["sdp_all_gather_s"] > 2 * layers * per_layer  # plus the root's
-    assert one["data_parallel_s"] == one["sdp_exposed_s"] <= (
-        one["sdp_all_gather_s"] + one["sdp_reduce_scatter_s"]
+    assert (
+        one["data_parallel_s"]
+        == one["sdp_exposed_s"]
+        <= (one["sdp_all_gather_s"] + one["sdp_reduce_scatter_s"])
     )
     assert 0 <= one["sdp_overlapped_share"] <= 1
 
