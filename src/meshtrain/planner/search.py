@@ -225,11 +225,13 @@ def _search_space(run: RunConfig, model_config: PretrainedConfig) -> list[RunCon
 
 def _sharding_options(run: RunConfig, dp: int, tp: int) -> list[int | str]:
     """The sharded data parallel degrees to weigh: as given, or at `auto` off, full and
-    (across nodes) hybrid; only off when ZeRO-1 is asked for (sharding includes it)."""
+    (across nodes) hybrid; only off when ZeRO-1 is asked for (sharding includes it) and
+    on Neuron."""
     degree = run.parallel.sharded_data_parallel_degree
     if degree != AUTO:
         return [degree]
-    if run.parallel.zero_1 is True:
+    # The engine shards with torch's FSDP2, which the Neuron (XLA) backend does not run.
+    if run.parallel.zero_1 is True or run.launch.backend == "neuron":
         return [1]
     return list(sharded_data_parallel_degrees(dp, tp, run.launch.nproc_per_node))
 
