@@ -2,72 +2,215 @@
 
 Every case cuts the reference's global batch of 8 over its data-parallel
 ranks and accumulation microbatches; clipping is active, so the global norm
-over shards (and tp copies, and pp stages) is checked too. One spawned gloo
-group per world size runs all of its cases in turn.
+over shards (and tp copies, and pp stages) is checked too. A 4-rank group
+runs full and hybrid sharding, sharding composed with TP + SP and with PP
+(tied embeddings over the stages), the model-state memory against ZeRO-1 and
+plain dp, and resumes between sharded and unsharded layouts; then a 2-rank
+group runs dp2 cases, bf16 master weights, and a plain dp2 run resumed from
+the sharded dp4 checkpoint. (dp2 x tp2 x pp2 sharded runs in the 8-rank group
+of tests/distributed/test_pipeline_parallel.py.)
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
+from meshtrain.checkpoint import consolidate_checkpoint
 from tests.conftest import TINY_MODEL
 from tests.distributed.reference import (
+    STEPS,
     References,
     assert_matches_reference,
     make_spec,
     run_group,
 )
+from tests.distributed.test_mixed_precision import assert_tracks, losses_of
 
-# name: (parallel, training)
+TIED = {**TINY_MODEL, "tie_word_embeddings": True}
+SAVE_AT = 3
+SDP = "sharded_data_parallel_degree"
+DP4_SDP4 = {"data_parallel_size": 4, SDP: 4}
+DP2_TP2_SDP2 = {"data_parallel_size": 2, "tensor_parallel_size": 2, SDP: 2}
+TP4 = {"tensor_parallel_size": 4}
+ACCUM2 = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2}
+
+# name: (parallel, training, model fields, resumed from (a run of the same group) or None)
+WORLD_4 = {
+    "dp4-sdp4-accum2": (
+        DP4_SDP4,
+        {"per_device_train_batch_size": 1, "gradient_accumulation_steps": 2},
+        TINY_MODEL,
+        None,
+    ),
+    "dp4-sdp2-hybrid": (
+        {"data_parallel_size": 4, SDP: 2},
+        {"per_device_train_batch_size": 2},
+        TINY_MODEL,
+        None,
+    ),
+    "dp2-tp2-sdp2-sp-accum2": (DP2_TP2_SDP2, ACCUM2, TINY_MODEL, None),
+    "dp2-tp2-sdp2-resumed": (DP2_TP2_SDP2, ACCUM2, TINY_MODEL, "dp2-tp2-sdp2-sp-accum2"),
+    "tp4-from-dp2-tp2-sdp2": (
+        TP4,
+        {"per_device_train_batch_size": 8},
+        TINY_MODEL,
+        "dp2-tp2-sdp2-sp-accum2",
+    ),
+    "tp4": (TP4, {"per_device_train_batch_size": 8}, TINY_MODEL, None),
+    "dp2-tp2-sdp2-from-tp4": (DP2_TP2_SDP2, ACCUM2, TINY_MODEL, "tp4"),
+    "tied-dp2-pp2-sdp2-1f1b-accum2": (
+        {
+            "data_parallel_size": 2,
+            "pipeline_parallel_size": 2,
+            "pipeline_parallel_num_microbatches": 2,
+            "pipeline_schedule": "1f1b",
+            SDP: 2,
+        },
+        ACCUM2,
+        TIED,
+        None,
+    ),
+    # Model-state memory at dp4: the same model under ZeRO-1 and plain dp.
+    "dp4-zero1": (
+        {"data_parallel_size": 4, "zero_1": True},
+        {"per_device_train_batch_size": 2},
+        TINY_MODEL,
+        None,
+    ),
+    "dp4-plain": (
+        {"data_parallel_size": 4, "zero_1": False},
+        {"per_device_train_batch_size": 2},
+        TINY_MODEL,
+        None,
+    ),
+}
 WORLD_2 = {
     "dp2-sdp2": (
-        {"data_parallel_size": 2, "sharded_data_parallel_degree": 2},
+        {"data_parallel_size": 2, SDP: 2},
         {"per_device_train_batch_size": 4},
+        TINY_MODEL,
+        None,
     ),
     "dp2-sdp2-accum2-ac-full": (
-        {
-            "data_parallel_size": 2,
-            "sharded_data_parallel_degree": 2,
-            "activation_checkpointing": "full",
-        },
-        {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2},
+        {"data_parallel_size": 2, SDP: 2, "activation_checkpointing": "full"},
+        ACCUM2,
+        TINY_MODEL,
+        None,
     ),
-    "dp2-sdp2-accum2-ac-selective": (
+    "dp2-sdp2-accum2-ac-selective-offload": (
         {
             "data_parallel_size": 2,
-            "sharded_data_parallel_degree": 2,
+            SDP: 2,
             "activation_checkpointing": "selective",
+            "activation_offloading": True,
         },
-        {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2},
+        ACCUM2,
+        TINY_MODEL,
+        None,
+    ),
+    "dp2-from-dp4-sdp4": (
+        {"data_parallel_size": 2, "zero_1": True},
+        {"per_device_train_batch_size": 4},
+        TINY_MODEL,
+        "dp4-sdp4-accum2",
+    ),
+}
+BF16_MASTER = {
+    "dp2-sdp2-bf16-master": (
+        {"data_parallel_size": 2, SDP: 2},
+        {"per_device_train_batch_size": 4, "mixed_precision": "bf16_master"},
+        TINY_MODEL,
+        None,
     ),
 }
 
 
 def _specs(tiny_blocks, tmp_path: Path, cases: dict, world: int) -> list:
-    return [
-        make_spec(
+    specs = []
+    for name, (parallel, training, fields, resumed_from) in cases.items():
+        made = make_spec(
             tiny_blocks,
             tmp_path,
             name,
             world=world,
             parallel=parallel,
-            training=training,
+            training={**training, "checkpoint_every": SAVE_AT, "keep_last": 0},
             architecture="llama",
-            fields=TINY_MODEL,
+            fields=fields,
         )
-        for name, (parallel, training) in cases.items()
-    ]
+        if resumed_from is not None:
+            checkpoint = tmp_path / resumed_from / f"checkpoint-{SAVE_AT}"
+            made = dataclasses.replace(made, resume_from=str(checkpoint))
+        specs.append(made)
+    return specs
+
+
+def _assert_resumed_matches(name: str, summary: dict, references, fields, tmp_path: Path):
+    """A resumed run's steps SAVE_AT+1.. and final weights equal one process's."""
+    losses, weights = references("llama", fields)
+    assert [step for step, _ in summary["losses"]] == list(range(SAVE_AT + 1, STEPS + 1))
+    padded = {**summary, "losses": [(0, x) for x in losses[:SAVE_AT]] + summary["losses"]}
+    assert_matches_reference(name, padded, losses, weights, tmp_path / f"{name}-hf")
 
 
 @pytest.mark.slow
-def test_sharded_data_parallel_on_two_ranks_matches_one_process(tiny_blocks, tmp_path: Path):
-    results = run_group(_specs(tiny_blocks, tmp_path, WORLD_2, 2), 2, tmp_path, "t-sdp2")
-    references = References(tiny_blocks)
-    expected_losses, expected_weights = references("llama", TINY_MODEL)
-    for name, summary in zip(WORLD_2, results, strict=True):
-        assert summary["layout_name"].endswith("sdp2") or "sdp2" in summary["layout_name"]
-        assert_matches_reference(
-            name, summary, expected_losses, expected_weights, tmp_path / f"{name}-hf"
+def test_sharded_data_parallel_matches_one_process_and_resumes_across_layouts(
+    tiny_blocks, tmp_path: Path
+):
+    four = dict(
+        zip(
+            WORLD_4,
+            run_group(_specs(tiny_blocks, tmp_path, WORLD_4, 4), 4, tmp_path, "t-sdp4"),
+            strict=True,
         )
+    )
+    cases_2 = {**WORLD_2, **BF16_MASTER}
+    two = dict(
+        zip(
+            cases_2,
+            run_group(_specs(tiny_blocks, tmp_path, cases_2, 2), 2, tmp_path, "t-sdp2"),
+            strict=True,
+        )
+    )
+    results = {**four, **two}
+    references = References(tiny_blocks)
+
+    for name in [*WORLD_4, *WORLD_2]:
+        fields, resumed_from = {**WORLD_4, **WORLD_2}[name][2:]
+        summary = results[name]
+        if SDP in {**WORLD_4, **WORLD_2}[name][0]:
+            degree = {**WORLD_4, **WORLD_2}[name][0][SDP]
+            assert f"sdp{degree}" in summary["layout_name"], name
+        if resumed_from is None:
+            losses, weights = references("llama", fields)
+            assert_matches_reference(name, summary, losses, weights, tmp_path / f"{name}-hf")
+        else:
+            _assert_resumed_matches(name, summary, references, fields, tmp_path)
+
+    # Same layout: the resumed steps are bitwise the uninterrupted ones.
+    straight, resumed = results["dp2-tp2-sdp2-sp-accum2"], results["dp2-tp2-sdp2-resumed"]
+    assert resumed["losses"] == straight["losses"][SAVE_AT:]
+    a = load_file(tmp_path / "dp2-tp2-sdp2-sp-accum2-hf" / "model.safetensors")
+    b = load_file(tmp_path / "dp2-tp2-sdp2-resumed-hf" / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+    # Model states per rank at dp4 (fp32): parameters, gradients and AdamW moments,
+    # 4 bytes per parameter sharded over 4 ranks, against ZeRO-1's 10 and plain dp's 16.
+    sharded = results["dp4-sdp4-accum2"]["model_states_bytes_rank0"]
+    assert sharded <= 0.42 * results["dp4-zero1"]["model_states_bytes_rank0"]
+    assert sharded <= 0.27 * results["dp4-plain"]["model_states_bytes_rank0"]
+
+    # bf16 compute on fp32 shards tracks the fp32 run; its checkpoint holds fp32 masters.
+    losses, _ = references("llama", TINY_MODEL)
+    master = results["dp2-sdp2-bf16-master"]
+    assert_tracks("dp2-sdp2-bf16-master", losses_of(master), losses)
+    consolidate_checkpoint(master["final_checkpoint"], tmp_path / "master-hf", progress=False)
+    assert all(
+        t.dtype == torch.float32
+        for t in load_file(tmp_path / "master-hf" / "model.safetensors").values()
+    )
