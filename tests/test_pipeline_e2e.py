@@ -22,7 +22,14 @@ import torch
 from safetensors.torch import load_file
 
 from tests.conftest import child_processes
-from tests.kedro_project import KEDRO, SMALL_RUN, kedro_run, make_project, project_env
+from tests.kedro_project import (
+    KEDRO,
+    SMALL_RUN,
+    kedro_run,
+    make_project,
+    mlflow_client,
+    project_env,
+)
 
 
 @pytest.fixture(scope="module")
@@ -30,9 +37,15 @@ def project(tmp_path_factory) -> Path:
     return make_project(tmp_path_factory.mktemp("project"))
 
 
+# The default run also registers its model and runs meshtrain's offline lm-eval task.
+REGISTERED = "meshtrain-e2e"
+LM_EVAL = "evaluation.lm_eval_tasks=meshtrain_python_basics,evaluation.lm_eval_limit=8"
+
+
 @pytest.fixture(scope="module")
 def default_run(project: Path) -> subprocess.CompletedProcess:
-    result = kedro_run(project, "--params", SMALL_RUN)
+    (project / "conf/local/mlflow.yml").write_text(f"registered_model_name: {REGISTERED}\n")
+    result = kedro_run(project, "--params", f"{SMALL_RUN},{LM_EVAL}")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     return result
 
@@ -43,6 +56,14 @@ def test_default_pipeline_trains_consolidates_and_evaluates(project: Path, defau
     assert metrics["layout"] == "dp2-tp1-pp1-zero1"
     assert metrics["val_perplexity"] < metrics["initial_val_perplexity"]
     assert metrics["sample"].startswith(metrics["prompt"])
+    # Several prompts from the validation text, none continued by one token repeated.
+    samples = metrics["samples"]
+    assert len(samples) == 4 and len({s["prompt"] for s in samples}) == 4
+    for sample in samples:
+        assert sample["prompt"].strip() and sample["continuation"].strip(), sample
+        assert len(set(sample["continuation"].split())) > 1, sample
+    assert (metrics["eval_device"], metrics["eval_dtype"]) == ("cpu", "float32")
+    assert 0 <= metrics["lm_eval"]["meshtrain_python_basics/acc"] <= 1
     plan = json.loads((project / "data/05_model_input/plan.json").read_text())
     assert plan["layout"]["data_parallel_size"] == 2
     assert plan["memory_estimate_per_rank"]["optimizer_states"] > 0
@@ -72,7 +93,14 @@ def test_mlflow_run_holds_layout_params_and_metrics(project: Path, default_run):
     for key in ("tokens_per_s", "grad_norm", "learning_rate", "memory/peak_rss_mb", "val_loss"):
         assert key in run.data.metrics, key
     assert "eval/val_perplexity" in run.data.metrics
+    assert "eval/meshtrain_python_basics/acc" in run.data.metrics
     assert run.data.tags["kedro.env"] == "local"
+    assert run.data.tags["meshtrain.trains"] == "true"
+    assert run.data.tags["meshtrain.pipelines"] == (
+        "data_processing,planning,training,consolidation,evaluation"
+    )
+    # The UI opens the experiment on its runs (MLflow 3's experiment kind).
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
     # The planner's estimates beside what the run measured.
     assert float(run.data.params["estimate.time.tokens_per_s"]) > 0
     assert run.data.params["estimate.device"] == "cpu"
@@ -80,8 +108,43 @@ def test_mlflow_run_holds_layout_params_and_metrics(project: Path, default_run):
     assert run.data.metrics["memory/peak_tensor_mb"] > 0
     assert run.data.metrics["memory/predicted_peak_mb"] > 0
     artifacts = [a.path for a in client.list_artifacts(run.info.run_id)]
-    for name in ("plan.json", "loss_curve.png", "memory_breakdown.png"):
+    for name in ("plan.json", "loss_curve.png", "memory_breakdown.png", "samples.json"):
         assert name in artifacts, name
+    table = json.loads(Path(client.download_artifacts(run.info.run_id, "samples.json")).read_text())
+    assert table["columns"] == ["prompt", "continuation"] and len(table["data"]) == 4
+
+
+@pytest.mark.slow
+def test_mlflow_run_holds_the_model_and_its_data(project: Path, default_run):
+    """The model logged from its folder, registered, with the evaluation's metrics linked
+    to it; the packed splits as dataset inputs with digests of their blocks."""
+    import mlflow
+
+    uri = f"sqlite:///{project / 'mlflow.db'}"
+    client = mlflow.tracking.MlflowClient(tracking_uri=uri)
+    experiment = client.get_experiment_by_name("meshtrain")
+    (run,) = client.search_runs(
+        [experiment.experiment_id], "tags.mlflow.runName = 'dp2-tp1-pp1-zero1'"
+    )
+    inputs = {i.tags[0].value: i.dataset for i in run.inputs.dataset_inputs}
+    assert sorted(inputs) == ["training", "validation"]
+    assert inputs["training"].name == "builtin-train-b128"
+    assert json.loads(inputs["validation"].profile)["num_rows"] > 0
+    assert len(inputs["training"].digest) == 16
+    assert inputs["training"].digest != inputs["validation"].digest
+
+    (output,) = run.outputs.model_outputs
+    model = client.get_logged_model(output.model_id)
+    assert model.tags["meshtrain.layout"] == "dp2-tp1-pp1-zero1"
+    assert "eval/val_perplexity" in {m.key for m in model.metrics}
+    (version,) = client.search_model_versions(f"name = '{REGISTERED}'")
+    assert version.run_id == run.info.run_id
+    assert version.tags["meshtrain.layout"] == "dp2-tp1-pp1-zero1"
+
+    mlflow.set_tracking_uri(uri)
+    loaded = mlflow.pyfunc.load_model(f"models:/{output.model_id}")
+    (text,) = loaded.predict(["The"], params={"max_new_tokens": 4, "do_sample": False})
+    assert isinstance(text, str) and text.startswith("The")
 
 
 @pytest.mark.slow
@@ -140,6 +203,19 @@ def test_impossible_layout_stops_before_any_worker(project: Path, default_run):
     assert "Traceback" not in output  # the refusal alone, as the README shows it
     assert "[rank0]" not in output
     assert sorted(p.name for p in checkpoints.iterdir()) == before
+    # The refused run left no run in the runs list (soft-deleted, tagged with the refusal).
+    from mlflow.entities import ViewType
+
+    client = mlflow_client(project)
+    experiment = client.get_experiment_by_name("meshtrain")
+    active = client.search_runs([experiment.experiment_id], "tags.`meshtrain.refused` != ''")
+    assert active == []
+    deleted = client.search_runs(
+        [experiment.experiment_id],
+        "tags.`meshtrain.refused` = 'LayoutError'",
+        run_view_type=ViewType.DELETED_ONLY,
+    )
+    assert [r.info.run_name for r in deleted] == ["planning"]
 
 
 def _weights(folder: Path) -> dict[str, torch.Tensor]:

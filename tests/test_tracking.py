@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import matplotlib.image
@@ -84,3 +85,97 @@ def test_loss_curve_plot_orders_steps_and_skips_empty_series(tmp_path: Path):
         "title",
     )
     assert path.exists() and path.stat().st_size > 1000
+
+
+def test_runs_are_named_after_the_pipelines_they_ran_unless_they_train():
+    registered = {
+        "planning": {"plan_layout"},
+        "training": {"train_model"},
+        "evaluation": {"evaluate"},
+    }
+    name, tags = tracking.describe_run({"plan_layout"}, registered, "train_model")
+    assert (name, tags) == (
+        "planning",
+        {"meshtrain.pipelines": "planning", "meshtrain.trains": "false"},
+    )
+    name, tags = tracking.describe_run({"plan_layout", "train_model"}, registered, "train_model")
+    assert tags == {"meshtrain.pipelines": "planning,training", "meshtrain.trains": "true"}
+
+
+def test_a_planning_run_keeps_its_name_and_the_experiment_is_for_training(store: str):
+    experiment = mlflow.get_experiment_by_name("loss-curve")
+    tracking.mark_model_training(experiment.experiment_id)
+    tags = MlflowClient(tracking_uri=store).get_experiment(experiment.experiment_id).tags
+    assert tags["mlflow.experimentKind"] == "custom_model_development"
+    plan = {
+        "layout": {"data_parallel_size": 2},
+        "layout_name": "dp2-tp1-pp1",
+        "world_size": 2,
+        "global_batch_size": 8,
+        "tokens_per_step": 1024,
+        "num_parameters": 10,
+        "backend": "gloo",
+        "memory_estimate_per_rank": {"total": 1},
+    }
+    with mlflow.start_run(run_name="planning", tags={"meshtrain.trains": "false"}) as run:
+        tracking.log_plan(plan, {})
+    with mlflow.start_run(run_name="__default__", tags={"meshtrain.trains": "true"}) as trained:
+        tracking.log_plan(plan, {})
+    client = MlflowClient(tracking_uri=store)
+    assert client.get_run(run.info.run_id).info.run_name == "planning"
+    assert client.get_run(run.info.run_id).data.tags["meshtrain.layout"] == "dp2-tp1-pp1"
+    assert client.get_run(trained.info.run_id).info.run_name == "dp2-tp1-pp1"
+
+
+def test_a_refused_run_is_soft_deleted_but_a_sweeps_stays(store: str):
+    from meshtrain.config import ConfigError
+
+    client = MlflowClient(tracking_uri=store)
+    mlflow.start_run()
+    refused = mlflow.active_run().info.run_id
+    tracking.discard_refused_run(ConfigError("`parallel.tensor_parallel_size` is 3"))
+    run = client.get_run(refused)
+    assert (run.info.lifecycle_stage, run.info.status) == ("deleted", "FAILED")
+    assert run.data.tags["meshtrain.refused"] == "ConfigError"
+    mlflow.start_run(tags={"meshtrain.sweep": "s1"})
+    kept = mlflow.active_run().info.run_id
+    tracking.discard_refused_run(ConfigError("no"))
+    assert client.get_run(kept).info.lifecycle_stage == "active"
+
+
+def test_samples_are_a_table_of_prompts_and_continuations(store: str, tmp_path: Path):
+    samples = [{"prompt": "The", "continuation": " cat"}, {"prompt": "A", "continuation": " b"}]
+    with mlflow.start_run() as run:
+        tracking.log_samples(samples)
+    client = MlflowClient(tracking_uri=store)
+    path = client.download_artifacts(run.info.run_id, "samples.json", str(tmp_path))
+    table = json.loads(Path(path).read_text())
+    assert table["columns"] == ["prompt", "continuation"]
+    assert table["data"] == [["The", " cat"], ["A", " b"]]
+
+
+def test_packed_splits_are_dataset_inputs_with_stable_digests(store: str, tiny_blocks):
+    import datasets
+
+    from meshtrain.tracking.datasets import blocks_digest, log_packed_blocks
+
+    data = {"source": "hub", "hub_dataset": "Salesforce/wikitext", "hub_config": "raw"}
+    ids = []
+    for _ in range(2):
+        with mlflow.start_run() as run:
+            log_packed_blocks(tiny_blocks, data | {"block_size": 32})
+        ids.append(run.info.run_id)
+    client = MlflowClient(tracking_uri=store)
+    runs = [client.get_run(i).inputs.dataset_inputs for i in ids]
+    first = {i.tags[0].value: i.dataset for i in runs[0]}
+    assert sorted(first) == ["training", "validation"]
+    assert first["training"].name == "wikitext-train-b32"
+    assert '"config_name": "raw"' in first["training"].source
+    profile = json.loads(first["training"].profile)
+    assert profile == {"num_rows": 128, "num_tokens": 128 * 32}
+    # Two runs on the same data: the same digests; other data: another.
+    assert [i.dataset.digest for i in runs[0]] == [i.dataset.digest for i in runs[1]]
+    train = tiny_blocks["train"]
+    rebuilt = datasets.Dataset.from_dict({"input_ids": train["input_ids"]})
+    assert blocks_digest(rebuilt) == blocks_digest(train)
+    assert blocks_digest(train.select(range(127)))[0] != blocks_digest(train)[0]

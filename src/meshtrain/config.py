@@ -9,6 +9,7 @@ the parameter, so a typo never silently falls back to a default.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -353,8 +354,64 @@ class EvaluationConfig:
 
     batch_size: int = 16
     max_batches: int | None = None  # null: the whole validation split
-    prompt: str = "The"
+    # Where and in what precision: `auto` is where and how the model trained (a GPU and
+    # bf16 for an nccl bf16 run); a model too big for one GPU is spread over the visible
+    # ones (device_map="auto").
+    device: str = "auto"  # auto, cpu, cuda, cuda:N
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # Samples: null takes `num_samples` prompts of `prompt_tokens` tokens from the
+    # validation text; seeded sampling (do_sample=false: greedy).
+    prompts: list[str] | None = None
+    num_samples: int = 4
+    prompt_tokens: int = 12
     max_new_tokens: int = 40
+    do_sample: bool = True
+    temperature: float = 0.8
+    top_p: float = 0.95
+    repetition_penalty: float = 1.3
+    seed: int = 0
+    # lm-evaluation-harness task names (empty: none); `lm_eval_include_path` adds a folder
+    # of task YAMLs (meshtrain's own small offline tasks are always available).
+    lm_eval_tasks: list[str] = field(default_factory=list)
+    lm_eval_limit: int | None = None  # null: every item of each task
+    lm_eval_include_path: str | None = None
+    lm_eval_batch_size: int = 8
+    # Log the consolidated model to the MLflow run (off for huge models or slow stores).
+    log_model: bool = True
+
+
+_EVAL_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+
+
+def check_evaluation(evaluation: EvaluationConfig) -> None:
+    """Refuse the `evaluation.*` values whose kinds are right but which mean nothing."""
+    if not _EVAL_DEVICE.fullmatch(evaluation.device):
+        raise ConfigError(
+            f"`evaluation.device` is {evaluation.device!r}; use auto (where the model "
+            "trained), cpu, cuda or cuda:N."
+        )
+    for name in ("num_samples", "prompt_tokens", "lm_eval_batch_size"):
+        if getattr(evaluation, name) < 1:
+            raise ConfigError(
+                f"`evaluation.{name}` must be at least 1, got {getattr(evaluation, name)}."
+            )
+    if evaluation.lm_eval_limit is not None and evaluation.lm_eval_limit < 1:
+        raise ConfigError(
+            f"`evaluation.lm_eval_limit` is {evaluation.lm_eval_limit}; use null (every "
+            "item) or at least 1."
+        )
+    if not evaluation.temperature > 0:
+        raise ConfigError(
+            f"`evaluation.temperature` is {evaluation.temperature}; use a value above 0, "
+            "e.g. 0.8 (or evaluation.do_sample=false for greedy)."
+        )
+    if not 0 < evaluation.top_p <= 1:
+        raise ConfigError(f"`evaluation.top_p` is {evaluation.top_p}; use a value in (0, 1].")
+    if not evaluation.repetition_penalty > 0:
+        raise ConfigError(
+            f"`evaluation.repetition_penalty` is {evaluation.repetition_penalty}; use a value "
+            "above 0 (1.0: none)."
+        )
 
 
 def check_training(training: TrainingConfig) -> None:

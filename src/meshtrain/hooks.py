@@ -24,10 +24,8 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import mlflow
 from kedro.config import MissingConfigException, OmegaConfigLoader
@@ -35,6 +33,19 @@ from kedro.framework.hooks import hook_impl
 from mlflow.exceptions import MlflowException
 
 from meshtrain.config import Refused
+from meshtrain.tracking import mlflow_run as tracking
+from meshtrain.tracking.datasets import log_packed_blocks
+from meshtrain.tracking.model_logging import log_consolidated_model
+from meshtrain.tracking.servers import (  # noqa: F401 - re-exported for cli.py and tests
+    PASSWORD_VARIABLE,
+    URI_VARIABLE,
+    USERNAME_VARIABLE,
+    TrackingConfigError,
+    TrackingServer,
+    choose_tracking_server,
+    redact,
+    resolve_tracking_uri,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -46,12 +57,11 @@ DEFAULTS: dict[str, Any] = {
     "credentials": None,
     "log_system_metrics": True,
     "system_metrics_sampling_interval": 10,
+    # The model registry's name for the evaluated model (a new version per run); null: the
+    # model is logged to the run, not registered.
+    "registered_model_name": None,
 }
 
-# MLflow's own variables; each wins over what meshtrain's config says.
-URI_VARIABLE = "MLFLOW_TRACKING_URI"
-USERNAME_VARIABLE = "MLFLOW_TRACKING_USERNAME"
-PASSWORD_VARIABLE = "MLFLOW_TRACKING_PASSWORD"
 SAMPLING_VARIABLE = "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL"
 
 
@@ -102,6 +112,8 @@ class MissingInputError(Refused):
 # launch that can rendezvous: planning for another cluster does not).
 RUN_GROUPS = ("parallel", "training", "launch", "model", "data", "planner")
 LAUNCHING_NODE = "train_model"
+# The node before which the consolidated model is logged (its metrics then link to it).
+EVALUATING_NODE = "evaluate"
 
 
 def check_parameters(params: Mapping[str, Any], pipeline: Any) -> None:
@@ -114,6 +126,7 @@ def check_parameters(params: Mapping[str, Any], pipeline: Any) -> None:
         EvaluationConfig,
         RunConfig,
         check_data,
+        check_evaluation,
         check_launch,
         parse,
     )
@@ -136,7 +149,7 @@ def check_parameters(params: Mapping[str, Any], pipeline: Any) -> None:
     if "consolidation" in used:
         parse(ConsolidationConfig, params.get("consolidation"), "consolidation")
     if "evaluation" in used:
-        parse(EvaluationConfig, params.get("evaluation"), "evaluation")
+        check_evaluation(parse(EvaluationConfig, params.get("evaluation"), "evaluation"))
 
 
 def _where(catalog: Any, name: str, project_path: str | None) -> str:
@@ -209,106 +222,6 @@ class RunChecksHook:
         params = catalog.get("parameters").load() if "parameters" in catalog else {}
         check_parameters(params or {}, pipeline)
         check_inputs_exist(pipeline, catalog, registered, run_params)
-
-
-class TrackingConfigError(Refused, ValueError):
-    """The MLflow tracking settings of a Kedro environment are incomplete or wrong."""
-
-
-@dataclass(frozen=True)
-class TrackingServer:
-    """Where the run is logged, and (for a server with basic auth) as whom."""
-
-    uri: str
-    username: str | None = None
-    password: str | None = None
-
-
-def resolve_tracking_uri(uri: str, project_path: Path) -> str:
-    """Anchor a relative sqlite or file store at the project root, not the current directory."""
-    for scheme in ("sqlite:///", "file:"):
-        if uri.startswith(scheme):
-            path = uri[len(scheme) :]
-            if path and not path.startswith("/"):
-                return f"{scheme}{(project_path / path).as_posix()}"
-    return uri
-
-
-def redact(uri: str) -> str:
-    """The URI with any password replaced, for logs."""
-    parts = urlsplit(uri)
-    if parts.password is None:
-        return uri
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
-    return urlunsplit(parts._replace(netloc=netloc))
-
-
-def _server_from_entry(entry: Any, key: str, looked_in: list[str]) -> TrackingServer:
-    where = " / ".join(looked_in)
-    if not isinstance(entry, Mapping):
-        raise TrackingConfigError(
-            f"The credentials entry '{key}' ({where}) must be a mapping with `tracking_uri` "
-            f"or `host`, got {type(entry).__name__}."
-        )
-    unknown = set(entry) - {"tracking_uri", "host", "port", "scheme", "username", "password"}
-    if unknown:
-        raise TrackingConfigError(
-            f"The credentials entry '{key}' ({where}) has unknown keys {sorted(unknown)}; "
-            "known: tracking_uri, host, port, scheme, username, password."
-        )
-    if entry.get("tracking_uri"):
-        uri = str(entry["tracking_uri"])
-    elif entry.get("host"):
-        scheme = entry.get("scheme") or "http"
-        port = f":{entry['port']}" if entry.get("port") else ""
-        uri = f"{scheme}://{entry['host']}{port}"
-    else:
-        raise TrackingConfigError(
-            f"The credentials entry '{key}' ({where}) needs `tracking_uri` "
-            f"(e.g. http://mlflow.example.org:5000) or `host` (+ optional `port`, `scheme`)."
-        )
-    username, password = entry.get("username"), entry.get("password")
-    if (username is None) != (password is None):
-        raise TrackingConfigError(
-            f"The credentials entry '{key}' ({where}) has only one of `username` and "
-            "`password`; give both (a server started with --app-name basic-auth) or neither."
-        )
-    return TrackingServer(
-        uri=uri,
-        username=None if username is None else str(username),
-        password=None if password is None else str(password),
-    )
-
-
-def choose_tracking_server(
-    settings: Mapping[str, Any],
-    credentials: Mapping[str, Any],
-    environ: Mapping[str, str],
-    looked_in: list[str],
-) -> TrackingServer:
-    """Apply the precedence of the module docstring.
-
-    `credentials` is the merged credentials config; `looked_in` names the files
-    it came from, so that an error says where the entry should go.
-    """
-    if environ.get(URI_VARIABLE):
-        return TrackingServer(uri=environ[URI_VARIABLE])
-    key = settings.get("credentials")
-    if not key:
-        return TrackingServer(uri=str(settings["tracking_uri"]))
-    if key not in credentials:
-        raise TrackingConfigError(
-            f"MLflow tracking: mlflow.yml takes the tracking server from the credentials "
-            f"entry '{key}', which is in none of {', '.join(looked_in)}, and {URI_VARIABLE} "
-            f"is not set. Either add to conf/local/credentials.yml (git-ignored):\n"
-            f"  {key}:\n"
-            f"    tracking_uri: http://<host>:<port>\n"
-            f"    # username: <you>        # only for a server with --app-name basic-auth\n"
-            f"    # password: <secret>\n"
-            f"or export {URI_VARIABLE}=http://<host>:<port> (and {USERNAME_VARIABLE} / "
-            f"{PASSWORD_VARIABLE} for basic auth). See docs/tracking.md."
-        )
-    return _server_from_entry(credentials[key], key, looked_in)
 
 
 def _credentials_of(loader: OmegaConfigLoader) -> dict[str, Any]:
@@ -439,6 +352,8 @@ class MlflowRunHook:
         self.config_loader: OmegaConfigLoader | None = None
         self.node_rank = 0
         self.started = False
+        self.training_started = False
+        self.logged_data = False
 
     @hook_impl
     def after_context_created(self, context) -> None:
@@ -455,8 +370,22 @@ class MlflowRunHook:
         except (TypeError, ValueError):
             self.node_rank = 0  # the config check names the bad value before any worker
 
+    @staticmethod
+    def _describe(pipeline: str, run_nodes: set[str]) -> tuple[str, dict[str, str]]:
+        """The run's name and its `meshtrain.pipelines` / `meshtrain.trains` tags."""
+        from kedro.framework.project import pipelines as registered  # noqa: PLC0415
+
+        nodes = {
+            name: {node.name for node in registered[name].nodes}
+            for name in registered
+            if name != "__default__"
+        }
+        name, tags = tracking.describe_run(run_nodes, nodes, LAUNCHING_NODE)
+        return (pipeline if tags[tracking.TRAINS_TAG] == "true" else name), tags
+
     @hook_impl
-    def before_pipeline_run(self, run_params: dict[str, Any]) -> None:
+    def before_pipeline_run(self, run_params: dict[str, Any], pipeline: Any) -> None:
+        run_nodes = {node.name for node in pipeline.nodes}
         if not self.settings["enabled"]:
             return
         if self.node_rank > 0:
@@ -472,13 +401,15 @@ class MlflowRunHook:
         entry = None if os.environ.get(URI_VARIABLE) else self.settings.get("credentials")
         use_tracking_server(server)
         with server_refusals(server.uri, self.settings, entry):
-            mlflow.set_experiment(self.settings["experiment_name"])
+            experiment = mlflow.set_experiment(self.settings["experiment_name"])
+            tracking.mark_model_training(experiment.experiment_id)
         if mlflow.active_run() is not None:
             mlflow.end_run()
         pipeline = run_params.get("pipeline_name") or ",".join(
             run_params.get("pipeline_names") or ["__default__"]
         )
-        tags = {
+        run_name, tags = self._describe(pipeline, run_nodes)
+        tags |= {
             "kedro.pipeline": pipeline,
             "kedro.env": run_params.get("env") or self.env or "local",
             "kedro.session_id": run_params.get("session_id", ""),
@@ -493,8 +424,10 @@ class MlflowRunHook:
         if log_system_metrics and interval and not os.environ.get(SAMPLING_VARIABLE):
             mlflow.set_system_metrics_sampling_interval(float(interval))
         with server_refusals(server.uri, self.settings, entry):
-            mlflow.start_run(run_name=pipeline, tags=tags, log_system_metrics=log_system_metrics)
+            mlflow.start_run(run_name=run_name, tags=tags, log_system_metrics=log_system_metrics)
         self.started = True
+        self.training_started = False
+        self.logged_data = False
         logger.info(
             "MLflow run %s in %s",
             mlflow.active_run().info.run_id,
@@ -508,10 +441,44 @@ class MlflowRunHook:
             self.started = False
 
     @hook_impl
-    def on_pipeline_error(self) -> None:
-        if self.started:
+    def before_node_run(self, node: Any, inputs: dict[str, Any]) -> None:
+        """Before training: its data as the run's dataset inputs. Before evaluation: the
+        consolidated model as the run's MLflow model, so the evaluation's metrics link to
+        it (and, without training in this run, the validation split it is scored on)."""
+        if not self.started:
+            return
+        if node.name == LAUNCHING_NODE:
+            self.training_started = True
+            log_packed_blocks(inputs["packed_blocks"], inputs.get("params:data") or {})
+            self.logged_data = True
+        elif node.name == EVALUATING_NODE:
+            if not self.logged_data:
+                log_packed_blocks(inputs["packed_blocks"], {}, splits=("validation",))
+            self._log_model(inputs)
+
+    def _log_model(self, inputs: dict[str, Any]) -> None:
+        evaluation = inputs.get("params:evaluation") or {}
+        if str(evaluation.get("log_model", True)).lower() == "false":
+            return
+        layout = (inputs.get("training_summary") or {}).get("layout_name")
+        log_consolidated_model(
+            inputs["consolidation_summary"]["output_dir"],
+            registered_model_name=self.settings.get("registered_model_name"),
+            tags={"meshtrain.layout": layout} if layout else {},
+        )
+
+    @hook_impl
+    def on_pipeline_error(self, error: Exception) -> None:
+        if not self.started:
+            return
+        self.started = False
+        refusal = refusal_in(error)
+        if refusal is not None and not self.training_started:
+            # A mistake refused before training (an impossible layout, a stale plan):
+            # no run left in the runs list (docs/tracking.md).
+            tracking.discard_refused_run(refusal)
+        else:
             mlflow.end_run("FAILED")
-            self.started = False
 
 
 class MissingEnvironmentError(Refused):

@@ -26,6 +26,13 @@ from mlflow.tracking import MlflowClient  # noqa: E402
 # MLflow's limit on a param value's length.
 _MAX_PARAM_LENGTH = 6000
 
+# MLflow 3's UI opens an experiment in its GenAI view (traces, evaluation runs) unless this
+# experiment tag says it is for model training; then it opens on the runs.
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+MODEL_TRAINING_KIND = "custom_model_development"
+# Set by the Kedro hook on every run it opens: "true" when the run trains a model.
+TRAINS_TAG = "meshtrain.trains"
+
 
 @dataclass(frozen=True)
 class TrackingTarget:
@@ -89,7 +96,10 @@ def log_plan(plan: dict[str, Any], run_config: dict[str, Any]) -> None:
     fresh = {k: v for k, v in params.items() if k not in existing}
     for start in range(0, len(fresh), 100):
         mlflow.log_params(dict(list(fresh.items())[start : start + 100]))
-    mlflow.set_tag("mlflow.runName", plan["layout_name"])
+    # Only a run that trains is named after its layout: a planning-only run keeps the
+    # name of the pipelines it ran, so the runs list does not show it as a training run.
+    if client.get_run(run_id).data.tags.get(TRAINS_TAG, "true") == "true":
+        mlflow.set_tag("mlflow.runName", plan["layout_name"])
     mlflow.set_tag("meshtrain.layout", plan["layout_name"])
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "plan.json"
@@ -97,10 +107,67 @@ def log_plan(plan: dict[str, Any], run_config: dict[str, Any]) -> None:
         mlflow.log_artifact(str(path))
 
 
+def mark_model_training(experiment_id: str) -> None:
+    """Tag the experiment as a model-training one, so MLflow's UI opens it on its runs."""
+    client = MlflowClient()
+    if client.get_experiment(experiment_id).tags.get(EXPERIMENT_KIND_TAG) != MODEL_TRAINING_KIND:
+        client.set_experiment_tag(experiment_id, EXPERIMENT_KIND_TAG, MODEL_TRAINING_KIND)
+
+
+def describe_run(
+    run_nodes: set[str], registered: dict[str, set[str]], training_node: str
+) -> tuple[str, dict[str, str]]:
+    """The name and tags of a run of `run_nodes`, given each registered pipeline's nodes.
+
+    A run that trains starts named after its pipelines and is renamed after its layout by
+    `log_plan`; any other run is named after the pipelines it ran (`planning`,
+    `consolidation+evaluation`), and tagged with them either way."""
+    ran = [name for name, nodes in registered.items() if nodes & run_nodes]
+    trains = training_node in run_nodes
+    name = "+".join(ran) if ran else "no pipeline"
+    return name, {"meshtrain.pipelines": ",".join(ran), TRAINS_TAG: str(trains).lower()}
+
+
+REFUSED_TAG = "meshtrain.refused"
+SWEEP_TAG = "meshtrain.sweep"  # as tracking.sweep names it (that module imports pandas)
+
+
+def discard_refused_run(refusal: BaseException) -> None:
+    """End the active run, refused before training, as FAILED and soft-delete it: the UI's
+    default (Active) view shows no run for a mistake; `State: Deleted` still finds it, with
+    the refusal's kind in the `meshtrain.refused` tag. A layout of `kedro sweep` stays:
+    the sweep reports its refused layouts beside the others."""
+    run = mlflow.active_run()
+    if run is None:
+        return
+    mlflow.set_tag(REFUSED_TAG, type(refusal).__name__)
+    mlflow.set_tag("meshtrain.refusal", str(refusal)[:_MAX_PARAM_LENGTH])
+    in_sweep = SWEEP_TAG in MlflowClient().get_run(run.info.run_id).data.tags
+    mlflow.end_run("FAILED")
+    if not in_sweep:
+        MlflowClient().delete_run(run.info.run_id)
+
+
 def log_metrics(metrics: dict[str, float], step: int | None = None) -> None:
     """Log metrics to the active run (no-op outside one)."""
     if mlflow.active_run() is not None:
         mlflow.log_metrics({k: float(v) for k, v in metrics.items()}, step=step)
+
+
+# The samples' table in the run (MLflow's UI shows it under Artifacts and in the
+# Evaluation view, prompt and continuation side by side).
+SAMPLES_TABLE = "samples.json"
+
+
+def log_samples(samples: list[dict[str, str]]) -> None:
+    """Log the prompts and their continuations as an MLflow table (no-op outside a run)."""
+    if mlflow.active_run() is None or not samples:
+        return
+    table = {
+        "prompt": [s["prompt"] for s in samples],
+        "continuation": [s["continuation"] for s in samples],
+    }
+    mlflow.log_table(data=table, artifact_file=SAMPLES_TABLE)
 
 
 def set_tag(key: str, value: str) -> None:

@@ -7,7 +7,8 @@ from typing import Any
 
 import datasets
 
-from meshtrain.config import EvaluationConfig, parse
+from meshtrain.benchmarks import run_lm_eval
+from meshtrain.config import EvaluationConfig, check_evaluation, parse
 from meshtrain.evaluation import evaluate_model
 from meshtrain.tracking import mlflow_run as tracking
 
@@ -16,21 +17,32 @@ def evaluate(
     consolidation_summary: dict[str, Any],
     packed_blocks: datasets.DatasetDict,
     training_summary: dict[str, Any],
+    plan: dict[str, Any],
+    training: dict[str, Any],
     evaluation: dict[str, Any],
 ) -> dict[str, Any]:
-    """Args: where the model is, the blocks, the training summary, `params:evaluation`.
+    """Args: where the model is, the blocks, the training summary, the plan (where it
+    trained), `params:training` (in what precision), `params:evaluation`.
 
-    Returns: `metrics.json`: validation loss and perplexity before and after
-    training, the throughput of the run, and a greedy sample.
+    Returns: `metrics.json`: validation loss and perplexity before and after training,
+    the throughput of the run, the samples and the lm-evaluation-harness scores.
     """
     cfg = parse(EvaluationConfig, evaluation, "evaluation")
-    metrics = evaluate_model(
+    check_evaluation(cfg)
+    metrics, model, tokenizer = evaluate_model(
         consolidation_summary["output_dir"],
         packed_blocks["validation"],
-        batch_size=cfg.batch_size,
-        max_batches=cfg.max_batches,
-        prompt=cfg.prompt,
-        max_new_tokens=cfg.max_new_tokens,
+        cfg,
+        backend=plan.get("backend"),
+        mixed_precision=(training or {}).get("mixed_precision"),
+    )
+    scores = run_lm_eval(
+        model,
+        tokenizer,
+        cfg.lm_eval_tasks,
+        limit=cfg.lm_eval_limit,
+        batch_size=cfg.lm_eval_batch_size,
+        include_path=cfg.lm_eval_include_path,
     )
     initial = training_summary.get("initial_val_loss")
     metrics.update(
@@ -42,14 +54,15 @@ def evaluate(
             "train_tokens_per_s": training_summary.get("mean_tokens_per_s"),
             "train_time_s": training_summary.get("train_time_s"),
             "model_dir": consolidation_summary["output_dir"],
+            "lm_eval": scores,
         }
     )
-    tracking.log_metrics(
-        {
-            f"eval/{key}": value
-            for key, value in metrics.items()
-            if isinstance(value, int | float) and value is not None
-        }
-    )
+    numbers = {
+        key: value
+        for key, value in metrics.items()
+        if isinstance(value, int | float) and not isinstance(value, bool)
+    }
+    tracking.log_metrics({f"eval/{key}": value for key, value in {**numbers, **scores}.items()})
+    tracking.log_samples(metrics["samples"])
     tracking.set_tag("eval.sample", metrics["sample"])
     return metrics

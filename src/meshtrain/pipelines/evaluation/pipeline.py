@@ -14,6 +14,8 @@ def create_pipeline(**kwargs) -> Pipeline:
                     "consolidation_summary",
                     "packed_blocks",
                     "training_summary",
+                    "plan",
+                    "params:training",
                     "params:evaluation",
                 ],
                 "metrics",

@@ -1,0 +1,103 @@
+"""Standard benchmark scores from lm-evaluation-harness (`lm-eval`) for the consolidated model.
+
+The harness scores the model already loaded for evaluation (its Python API, no second
+load). `evaluation.lm_eval_tasks` names the tasks: the harness's own (hellaswag,
+arc_easy, lambada_openai, ... which download their data from the hub, so for a GPU
+cluster) or meshtrain's small offline ones in `lm_eval_tasks/` (their YAML and items
+ship with the package). Scores come back as `<task>/<metric>`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+from meshtrain.config import ConfigError
+
+logger = logging.getLogger(__name__)
+
+TASKS_DIR = Path(__file__).parent / "lm_eval_tasks"
+
+
+def own_tasks() -> set[str]:
+    """meshtrain's offline tasks (each YAML is named after its task)."""
+    return {path.stem for path in TASKS_DIR.glob("*.yaml")}
+
+
+def task_manager(include_path: str | None = None, defaults: bool = True):
+    """The harness's task index, with meshtrain's own tasks (and `include_path`'s) in it;
+    `defaults=False` leaves out the harness's thousands of task files (seconds to index)."""
+    from lm_eval.tasks import TaskManager
+
+    paths = [str(TASKS_DIR)]
+    if include_path:
+        if not Path(include_path).is_dir():
+            raise ConfigError(
+                f"`evaluation.lm_eval_include_path` is {include_path!r}, which is not a "
+                "folder; give a folder of lm-evaluation-harness task YAMLs, or null."
+            )
+        paths.append(str(include_path))
+    return TaskManager(include_path=paths, include_defaults=defaults)
+
+
+def check_tasks(tasks: list[str], manager) -> None:
+    """Refuse a task name the harness does not know, with the closest one."""
+    known = set(manager.all_tasks)
+    for name in tasks:
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else "."
+            raise ConfigError(
+                f"`evaluation.lm_eval_tasks` names {name!r}, which lm-evaluation-harness "
+                f"does not know{hint} meshtrain's offline task: meshtrain_python_basics."
+            )
+
+
+def scores(results: dict[str, Any]) -> dict[str, float]:
+    """`{"arc_easy": {"acc,none": 0.5, "acc_stderr,none": ...}}` -> `{"arc_easy/acc": 0.5,
+    "arc_easy/acc_stderr": ...}`: numbers only, the harness's filter suffix dropped."""
+    flat = {}
+    for task, values in results.get("results", {}).items():
+        for key, value in values.items():
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                continue
+            if isinstance(value, float) and not math.isfinite(value):
+                continue
+            metric, _, filter_name = key.partition(",")
+            suffix = "" if filter_name in ("", "none") else f"_{filter_name}"
+            flat[f"{task}/{metric}{suffix}"] = float(value)
+    return flat
+
+
+def run_lm_eval(
+    model,
+    tokenizer,
+    tasks: list[str],
+    *,
+    limit: int | None,
+    batch_size: int,
+    include_path: str | None = None,
+) -> dict[str, float]:
+    """Run `tasks` on the loaded `model`; returns `<task>/<metric>` scores."""
+    if not tasks:
+        return {}
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+
+    manager = task_manager(include_path, defaults=not set(tasks) <= own_tasks())
+    check_tasks(tasks, manager)
+    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
+    results = simple_evaluate(
+        model=lm,
+        tasks=list(tasks),
+        task_manager=manager,
+        limit=limit,
+        log_samples=False,
+        bootstrap_iters=0,  # no bootstrap: seconds, not minutes, on small tasks
+    )
+    found = scores(results or {})
+    logger.info("lm-evaluation-harness: %s", ", ".join(f"{k}={v:.4g}" for k, v in found.items()))
+    return found
