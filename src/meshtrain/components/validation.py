@@ -36,11 +36,19 @@ def evaluate_loss(
         share = share // per_rank * per_rank
         hi = lo + share if lo + share <= len(blocks) else lo
     totals = torch.zeros(2, dtype=torch.float64, device=device)
-    for start in range(lo, hi, per_rank):
+    starts = list(range(lo, hi, per_rank))
+    padding = 0
+    if pm.layout.sharded:
+        # FSDP2 gathers each layer over the dp ranks, so every rank runs as many forwards as
+        # the busiest one; the extra ones score a batch of the first blocks, not counted.
+        padding = most_batches(len(starts), dims.dp_group) - len(starts)
+    for start in starts:
         input_ids = blocks.batch(list(range(start, min(hi, start + per_rank)))).to(device)
         tokens = input_ids[:, 1:].numel()
         totals[0] += pm.eval_batch(input_ids).double() * tokens
         totals[1] += tokens
+    for _ in range(padding):
+        pm.eval_batch(blocks.batch(list(range(min(per_rank, len(blocks))))).to(device))
     if dims.pp > 1:
         # Token counts are known on every stage; losses only on the last.
         loss = totals[:1].clone()
@@ -49,3 +57,10 @@ def evaluate_loss(
     dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=dims.dp_group)
     pm.set_training(True)
     return (totals[0] / totals[1]).item() if totals[1] > 0 else float("nan")
+
+
+def most_batches(mine: int, group: dist.ProcessGroup) -> int:
+    """The largest batch count over the ranks of `group`. Collective."""
+    count = torch.tensor(mine)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
+    return int(count)
