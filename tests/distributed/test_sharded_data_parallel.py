@@ -5,7 +5,8 @@ ranks and accumulation microbatches; clipping is active, so the global norm
 over shards (and tp copies, and pp stages) is checked too. A 4-rank group
 runs full and hybrid sharding, sharding composed with TP + SP and with PP
 (tied embeddings over the stages), the model-state memory against ZeRO-1 and
-plain dp, and resumes between sharded and unsharded layouts; then a 2-rank
+plain dp, and resumes between sharded and unsharded layouts (and one case
+validates on a split its ranks cannot share evenly); then a 2-rank
 group runs dp2 cases, bf16 master weights, and a plain dp2 run resumed from
 the sharded dp4 checkpoint. (dp2 x tp2 x pp2 sharded runs in the 8-rank group
 of tests/distributed/test_pipeline_parallel.py.)
@@ -16,11 +17,13 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import datasets
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from meshtrain.checkpoint import consolidate_checkpoint
+from meshtrain.data.blocks import arrow_files
 from tests.conftest import TINY_MODEL
 from tests.distributed.reference import (
     STEPS,
@@ -38,6 +41,7 @@ DP4_SDP4 = {"data_parallel_size": 4, SDP: 4}
 DP2_TP2_SDP2 = {"data_parallel_size": 2, "tensor_parallel_size": 2, SDP: 2}
 TP4 = {"tensor_parallel_size": 4}
 ACCUM2 = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2}
+UNEVEN_VALIDATION = "dp4-sdp2-hybrid"
 
 # name: (parallel, training, model fields, resumed from (a run of the same group) or None)
 WORLD_4 = {
@@ -49,7 +53,7 @@ WORLD_4 = {
     ),
     "dp4-sdp2-hybrid": (
         {"data_parallel_size": 4, SDP: 2},
-        {"per_device_train_batch_size": 2},
+        {"per_device_train_batch_size": 2, "eval_batches": 4},
         TINY_MODEL,
         None,
     ),
@@ -130,6 +134,14 @@ BF16_MASTER = {
 }
 
 
+def _uneven_validation(tiny_blocks, tmp_path: Path) -> list[str]:
+    """30 validation blocks: at dp4 with batches of 2, three ranks score 4 batches and one
+    3 (FSDP2's gathers are collective, so that rank must still run a fourth forward)."""
+    path = tmp_path / "uneven-validation"
+    tiny_blocks["validation"].select(range(30)).save_to_disk(str(path))
+    return arrow_files(datasets.load_from_disk(str(path)))
+
+
 def _specs(tiny_blocks, tmp_path: Path, cases: dict, world: int) -> list:
     specs = []
     for name, (parallel, training, fields, resumed_from) in cases.items():
@@ -143,6 +155,10 @@ def _specs(tiny_blocks, tmp_path: Path, cases: dict, world: int) -> list:
             architecture="llama",
             fields=fields,
         )
+        if name == UNEVEN_VALIDATION:
+            made = dataclasses.replace(
+                made, validation_files=_uneven_validation(tiny_blocks, tmp_path)
+            )
         if resumed_from is not None:
             checkpoint = tmp_path / resumed_from / f"checkpoint-{SAVE_AT}"
             made = dataclasses.replace(made, resume_from=str(checkpoint))
