@@ -6,7 +6,9 @@ freed-but-cached pages), so a dispatch mode follows every tensor storage that
 an operator creates during the step until it is freed, on top of the storages
 that already live (parameters, gradients, optimizer states), each counted
 once however many views point into it. That is what the planner's memory
-model predicts, so the two compare one to one.
+model predicts, so the two compare one to one. Storages that grow and shrink
+in place (FSDP2 gathers a layer into storage it resizes, not a new one) are
+followed too, by watching `UntypedStorage.resize_` during the block.
 
 (torch's `MemTracker` does the same but refuses a module called several times
 in one step, which is what a pipeline schedule does with its microbatches.)
@@ -69,6 +71,11 @@ class _LiveStorages(TorchDispatchMode):
         if self._refs.pop(key, None) is not None:
             self.live -= nbytes
 
+    def resized(self, before: int, after: int) -> None:
+        """A storage grew or shrank in place by `after - before` bytes."""
+        self.live += after - before
+        self.peak = max(self.peak, self.live)
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
         out = func(*args, **(kwargs or {}))
         for value in tree_flatten(out)[0]:
@@ -96,6 +103,24 @@ def measure_peak_memory(
         result.peak_bytes = torch.cuda.max_memory_allocated(device)
         return
     tracker = _LiveStorages(existing)
-    with tracker:
+    with tracker, _following_resizes(tracker):
         yield result
     result.peak_bytes = tracker.existing + tracker.peak
+
+
+@contextlib.contextmanager
+def _following_resizes(tracker: _LiveStorages) -> Iterator[None]:
+    """Report every in-place storage resize to `tracker` while the block runs."""
+    original = torch.UntypedStorage.resize_
+
+    def resize(storage: torch.UntypedStorage, size: int):
+        before = storage.nbytes()
+        out = original(storage, size)
+        tracker.resized(before, storage.nbytes())
+        return out
+
+    torch.UntypedStorage.resize_ = resize
+    try:
+        yield
+    finally:
+        torch.UntypedStorage.resize_ = original

@@ -28,7 +28,9 @@
   first gather (the root's and the first layer's) and the last reduction
   (the root's): only those and what exceeds the compute they hide behind
   (the whole microbatch without pp; under pp the first microbatch's forward
-  for the gathers and the last one's backward for the reductions) count;
+  for the gathers and the last one's backward for the reductions), scaled by
+  the device's `collective_overlap` (0 on CPU, where the same cores compute
+  and run gloo), count;
 - the optimizer's elementwise AdamW update over the owned parameters.
 
 Everything else runs one after the other, as meshtrain does.
@@ -249,7 +251,7 @@ def estimate_sharding_time(
     all_reduces = layers * replicate(units.layer) + replicate(units.root)
     first = gather(units.root) + gather(units.layer)
     last = scatter(units.root) + replicate(units.root)
-    per_round = compute / rounds
+    per_round = compute / rounds * device.collective_overlap
     if pp:
         # Gathers hide behind the first microbatch's forward, reductions behind the
         # last one's backward (a third and two thirds of a microbatch's compute).

@@ -37,6 +37,10 @@ class DeviceProfile:
     # What a rank holds before any tensor of the model: the process's libraries and
     # interpreter on cpu (measured), the runtime's context and buffers on accelerators.
     runtime_gib: float = 0.0
+    # The share of compute time behind which sharded data parallelism's all-gathers and
+    # reduce-scatters can run: 1 where copy engines and streams move the bytes while the
+    # cores compute; 0 where the same cores do both (gloo on CPU).
+    collective_overlap: float = 1.0
     note: str = ""
 
     @property
@@ -73,6 +77,9 @@ BUILTIN_PROFILES: dict[str, DeviceProfile] = {
             # A worker after importing torch, transformers and mlflow and joining the gloo
             # group: 521 MiB resident (measured on the project's 2-core machine).
             runtime_gib=0.5,
+            # bench/sharded_data_parallel.py: dp4 fully sharded ran at 0.68x ZeRO-1's
+            # tokens/s on the 27M model, about its collectives' time added in full.
+            collective_overlap=0.0,
             note="measured on the project's 2-core machines (gloo over loopback)",
         ),
         DeviceProfile(
