@@ -152,7 +152,14 @@ def test_consolidated_model_loads_without_meshtrain_and_matches_training(
     project: Path, default_run
 ):
     summary = json.loads((project / "data/06_models/training_summary.json").read_text())
-    consolidated = project / "data/06_models/consolidated"
+    assert_loads_and_matches_checkpoint(
+        project, project / "data/06_models/consolidated", Path(summary["final_checkpoint"])
+    )
+
+
+def assert_loads_and_matches_checkpoint(project: Path, consolidated: Path, checkpoint: Path):
+    """The consolidated folder loads in plain transformers (no meshtrain imported) and its
+    logits equal, bitwise, those of the weights the workers wrote in `checkpoint`."""
     probe = (
         "import sys, torch, transformers\n"
         f"model = transformers.AutoModelForCausalLM.from_pretrained({str(consolidated)!r})\n"
@@ -174,7 +181,6 @@ def test_consolidated_model_loads_without_meshtrain_and_matches_training(
     # The trained weights, exactly as the workers wrote them in the final checkpoint.
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    checkpoint = Path(summary["final_checkpoint"])
     config = AutoConfig.from_pretrained(checkpoint)
     trained = AutoModelForCausalLM.from_config(config)
     shard = load_file(checkpoint / "shards/tp_rank_00_pp_rank_00/model.safetensors")
@@ -292,11 +298,13 @@ def _spawned_workers(parent: int) -> list[int]:
 
 @pytest.mark.slow
 def test_a_killed_run_resumes_to_the_weights_of_an_uninterrupted_one(project: Path, default_run):
+    # Both runs are fully sharded (FSDP2 over the 2 ranks): the sharded checkpoint resumes
+    # bitwise through `kedro run`, and consolidates into a plain Hugging Face model.
     longer = (
-        SMALL_RUN.replace("training.max_steps=8", "training.max_steps=30").replace(
+        SMALL_RUN.replace("training.max_steps=8", "training.max_steps=20").replace(
             "training.checkpoint_every=4", "training.checkpoint_every=5"
         )
-        + ",training.keep_last=0"
+        + ",training.keep_last=0,parallel.sharded_data_parallel_degree=2"
     )
     straight = kedro_run(
         project,
@@ -306,6 +314,11 @@ def test_a_killed_run_resumes_to_the_weights_of_an_uninterrupted_one(project: Pa
         longer + ",training.run_name=straight,consolidation.output_dir=data/06_models/straight",
     )
     assert straight.returncode == 0, straight.stderr[-5000:]
+    assert_loads_and_matches_checkpoint(
+        project,
+        project / "data/06_models/straight",
+        project / "data/06_models/checkpoints/straight/checkpoint-20",
+    )
 
     killed_params = (
         longer + ",training.run_name=killed,consolidation.output_dir=data/06_models/killed"
@@ -328,7 +341,7 @@ def test_a_killed_run_resumes_to_the_weights_of_an_uninterrupted_one(project: Pa
     assert len(workers) == 2
     os.kill(workers[1], signal.SIGKILL)
     assert process.wait(timeout=300) != 0
-    assert not (run_dir / "checkpoint-30").exists(), "the kill came too late to test anything"
+    assert not (run_dir / "checkpoint-20").exists(), "the kill came too late to test anything"
 
     resumed = kedro_run(
         project,
