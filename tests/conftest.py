@@ -59,3 +59,16 @@ def child_processes(parent: int) -> list[tuple[int, str]]:
         if state != "Z" and int(ppid) == parent:
             found.append((int(entry.name), cmdline))
     return found
+
+
+@pytest.fixture(scope="session")
+def team(tmp_path_factory):
+    """The team stack of tests/servers.py (PostgreSQL, an MLflow server with basic auth,
+    the team runs), started on first use and shared by tests/test_team_env.py and
+    tests/test_mlflow_ui.py; stopped at the end of the session, passed or failed."""
+    from tests import servers
+
+    try:
+        yield servers.team_tracking(tmp_path_factory)
+    finally:
+        servers.stop_team_tracking()

@@ -27,6 +27,7 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -208,6 +209,7 @@ BASIC_AUTH_INI = """\
 default_permission = EDIT
 database_uri = {database_uri}
 authorization_function = mlflow.server.auth:authenticate_request_basic_auth
+auth_cache_ttl_seconds = 300
 """
 
 
@@ -358,32 +360,46 @@ def output(result: subprocess.CompletedProcess) -> str:
 # The two runs: the default dp=2 (ZeRO-1) and tp=2 (+ sequence parallel), on 2 ranks.
 DP2_LAYOUT = "dp2-tp1-pp1-zero1"
 TP2_LAYOUT = "dp1-tp2-pp1-sp"
+# The dp=2 run goes on to consolidation and evaluation, so its model is logged to the run
+# and registered on the server (conf/team/mlflow.yml: registered_model_name: meshtrain).
+DP2_PIPELINES = "data_processing,planning,training,consolidation,evaluation"
+REGISTERED_MODEL = "meshtrain"
 
 
 @dataclass
 class TeamTracking:
-    """PostgreSQL, an MLflow server with basic auth on it, and a scratch project whose
-    runs went there as the team member `member`: `dp2` found the server and the member's
-    credentials through conf/local/credentials.yml (the password read from the environment
-    by `oc.env`), `tp2` through MLFLOW_TRACKING_URI / _USERNAME / _PASSWORD. In between,
-    `refused` holds two runs the server turned away: `wrong_password` (the credentials file
-    with another password) and `anonymous` (MLFLOW_TRACKING_URI alone), with what the admin
-    saw on the server (`seen_before_refused`, `seen_after_refused`) and the local plan.json
-    (`plan_before_refused`, `plan_after_refused`) just before and after them."""
+    """PostgreSQL, an MLflow server with basic auth on it, and scratch projects whose runs
+    went there as the team member `member`: `dp2` (in `project`) found the server and the
+    member's credentials through conf/local/credentials.yml (the password read from the
+    environment by `oc.env`), then `tp2` (in `tp2_project`) through MLFLOW_TRACKING_URI /
+    _USERNAME / _PASSWORD. After them, side by side, `refused`
+    holds two runs the server turned away: `wrong_password` (the credentials file with
+    another password, in `project`) and `anonymous` (MLFLOW_TRACKING_URI alone, in
+    `tp2_project`), with what the admin saw on the server (`seen_before_refused`,
+    `seen_after_refused`) and each one's project's plan.json (`plan_before_refused`,
+    `plan_after_refused`, by the refused run's name) just before and after them; and
+    `no_credentials`, `--env team` with no server anywhere, in the empty `bare_project`."""
 
     postgres: Postgres
     server: MlflowServer
     project: Path
+    tp2_project: Path
+    bare_project: Path
     member: User
     dp2: subprocess.CompletedProcess
     tp2: subprocess.CompletedProcess
     refused: dict[str, subprocess.CompletedProcess]
+    no_credentials: subprocess.CompletedProcess
     wrong_password: str = field(repr=False)
     seen_before_refused: tuple = ()
     seen_after_refused: tuple = ()
-    plan_before_refused: tuple = ()
-    plan_after_refused: tuple = ()
+    plan_before_refused: dict = field(default_factory=dict)
+    plan_after_refused: dict = field(default_factory=dict)
     started_s: float = 0.0
+
+    @property
+    def projects(self) -> list[Path]:
+        return [self.project, self.tp2_project, self.bare_project]
 
     def client(self, user: User | None | str = "admin") -> ClientAs:
         """A client of the server as the admin (default), another user, or None: nobody."""
@@ -402,6 +418,118 @@ def seen_by(client: ClientAs) -> tuple[list[str], list[str]]:
 
 def file_state(path: Path) -> tuple:
     return (path.read_bytes(), path.stat().st_mtime_ns) if path.exists() else ()
+
+
+PLAN = Path("data") / "05_model_input" / "plan.json"
+
+
+def run_together(**runs: tuple) -> dict[str, subprocess.CompletedProcess]:
+    """`run_kedro(*args, **env)` for each named (args, env), all at once: a refused run is
+    mostly Kedro's start-up, one busy core for ~10 s, so three side by side share the
+    machine's cores instead of queueing (the tests run on 2 cores)."""
+    with ThreadPoolExecutor(max_workers=len(runs)) as pool:
+        futures = {name: pool.submit(run_kedro, *args, **env) for name, (args, env) in runs.items()}
+        return {name: future.result() for name, future in futures.items()}
+
+
+def _trained_runs(server: MlflowServer, member: User, project: Path, tp2_project: Path) -> dict:
+    """The member's two runs, each in its own project, one after the other: the first
+    creates the experiment (two first runs at once on a fresh server can race there)."""
+    credentials = project / "conf" / "local" / "credentials.yml"
+    # As docs/tracking.md suggests: the file names the variables, not the secrets.
+    credentials.write_text(
+        f"mlflow:\n  tracking_uri: {server.uri}\n"
+        "  username: ${oc.env:TEAM_MLFLOW_USER}\n"
+        "  password: ${oc.env:TEAM_MLFLOW_PASSWORD}\n"
+    )
+    team = ("--env", "team", "--params")
+    dp2 = run_kedro(
+        project,
+        *team,
+        SMALL_RUN,
+        "--pipelines",
+        DP2_PIPELINES,
+        TEAM_MLFLOW_USER=member.username,
+        TEAM_MLFLOW_PASSWORD=member.password,
+        # MLflow publishes system metrics only once a sampling interval has passed with
+        # the run open; 10 s (the project's default) can outlast a short run on a fast
+        # machine, half a second cannot (the launch alone takes longer).
+        MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL="0.5",
+    )
+    tp2 = run_kedro(
+        tp2_project,
+        *team,
+        SMALL_RUN + ",parallel.tensor_parallel_size=2",
+        "--pipelines",
+        "data_processing,planning,training",
+        MLFLOW_TRACKING_URI=server.uri,
+        MLFLOW_TRACKING_USERNAME=member.username,
+        MLFLOW_TRACKING_PASSWORD=member.password,
+    )
+    return {"dp2": dp2, "tp2": tp2}
+
+
+def _refused_runs(
+    server: MlflowServer, member: User, wrong_password: str, projects: dict[str, Path]
+) -> dict[str, subprocess.CompletedProcess]:
+    """Three who do not get in, side by side: the two the server turns away would each
+    rewrite their project's plan.json if they got past the hook; with no server named
+    anywhere, the run stops before data processing writes its first file."""
+    planning = ("--env", "team", "--pipeline", "planning", "--params", SMALL_RUN)
+    return run_together(
+        wrong_password=(
+            (projects["wrong_password"], *planning),
+            {"TEAM_MLFLOW_USER": member.username, "TEAM_MLFLOW_PASSWORD": wrong_password},
+        ),
+        anonymous=((projects["anonymous"], *planning), {"MLFLOW_TRACKING_URI": server.uri}),
+        # data_processing reads nothing earlier pipelines write, so the missing-input
+        # check (which runs first, see settings.py) has nothing to say and the tracking
+        # check speaks.
+        no_credentials=(
+            (projects["no_credentials"], "--env", "team", "--pipeline", "data_processing")
+            + ("--params", SMALL_RUN),
+            {},
+        ),
+    )
+
+
+def _start_team_tracking(root: Path) -> TeamTracking:
+    started = time.monotonic()
+    postgres = _SHARED.stack.enter_context(postgres_server())
+    server = _SHARED.stack.enter_context(mlflow_server(postgres, root))
+    member = server.create_user("alice")
+    project, tp2_project, bare_project = (
+        make_project(root / name) for name in ("project", "tp2-project", "bare-project")
+    )
+    trained = _trained_runs(server, member, project, tp2_project)
+    admin = ClientAs(server.uri, server.admin)
+    projects = {"wrong_password": project, "anonymous": tp2_project}
+    seen_before = seen_by(admin)
+    plan_before = {how: file_state(where / PLAN) for how, where in projects.items()}
+    wrong_password = new_user(member.username).password
+    refused = _refused_runs(
+        server, member, wrong_password, {**projects, "no_credentials": bare_project}
+    )
+    seen_after = seen_by(admin)
+    plan_after = {how: file_state(where / PLAN) for how, where in projects.items()}
+    return TeamTracking(
+        postgres,
+        server,
+        project,
+        tp2_project,
+        bare_project,
+        member,
+        trained["dp2"],
+        trained["tp2"],
+        {how: refused[how] for how in projects},
+        refused["no_credentials"],
+        wrong_password=wrong_password,
+        seen_before_refused=seen_before,
+        seen_after_refused=seen_after,
+        plan_before_refused=plan_before,
+        plan_after_refused=plan_after,
+        started_s=time.monotonic() - started,
+    )
 
 
 @dataclass
@@ -427,98 +555,15 @@ def team_tracking(tmp_path_factory: pytest.TempPathFactory) -> TeamTracking:
         raise RuntimeError("the PostgreSQL + MLflow server stack failed to start") from (
             _SHARED.error
         )
-    started = time.monotonic()
-    root = tmp_path_factory.mktemp("team-tracking")
     try:
-        postgres = _SHARED.stack.enter_context(postgres_server())
-        server = _SHARED.stack.enter_context(mlflow_server(postgres, root))
-        member = server.create_user("alice")
-        project = make_project(root / "project")
-        credentials = project / "conf" / "local" / "credentials.yml"
-        # As docs/tracking.md suggests: the file names the variables, not the secrets.
-        credentials.write_text(
-            f"mlflow:\n  tracking_uri: {server.uri}\n"
-            "  username: ${oc.env:TEAM_MLFLOW_USER}\n"
-            "  password: ${oc.env:TEAM_MLFLOW_PASSWORD}\n"
-        )
-        dp2 = run_kedro(
-            project,
-            "--env",
-            "team",
-            "--pipelines",
-            "data_processing,planning,training",
-            "--params",
-            SMALL_RUN,
-            TEAM_MLFLOW_USER=member.username,
-            TEAM_MLFLOW_PASSWORD=member.password,
-            # MLflow publishes system metrics only once a sampling interval has passed
-            # with the run open; 10 s (the project's default) can outlast a short run
-            # on a fast machine, half a second cannot (the launch alone takes longer).
-            MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL="0.5",
-        )
-        # Two who do not get in; each would rewrite plan.json if it got past the hook.
-        plan = project / "data" / "05_model_input" / "plan.json"
-        seen_before, plan_before = seen_by(ClientAs(server.uri, server.admin)), file_state(plan)
-        wrong_password = new_user(member.username).password
-        refused = {
-            "wrong_password": run_kedro(
-                project,
-                "--env",
-                "team",
-                "--pipeline",
-                "planning",
-                "--params",
-                SMALL_RUN,
-                TEAM_MLFLOW_USER=member.username,
-                TEAM_MLFLOW_PASSWORD=wrong_password,
-            )
-        }
-        credentials.unlink()
-        refused["anonymous"] = run_kedro(
-            project,
-            "--env",
-            "team",
-            "--pipeline",
-            "planning",
-            "--params",
-            SMALL_RUN,
-            MLFLOW_TRACKING_URI=server.uri,
-        )
-        seen_after, plan_after = seen_by(ClientAs(server.uri, server.admin)), file_state(plan)
-        tp2 = run_kedro(
-            project,
-            "--env",
-            "team",
-            "--pipelines",
-            "planning,training",
-            "--params",
-            SMALL_RUN + ",parallel.tensor_parallel_size=2",
-            MLFLOW_TRACKING_URI=server.uri,
-            MLFLOW_TRACKING_USERNAME=member.username,
-            MLFLOW_TRACKING_PASSWORD=member.password,
-        )
+        _SHARED.value = _start_team_tracking(tmp_path_factory.mktemp("team-tracking"))
     except Exception as error:
         _SHARED.error = error
         stop_team_tracking()
         raise
-    _SHARED.value = TeamTracking(
-        postgres,
-        server,
-        project,
-        member,
-        dp2,
-        tp2,
-        refused,
-        wrong_password=wrong_password,
-        seen_before_refused=seen_before,
-        seen_after_refused=seen_after,
-        plan_before_refused=plan_before,
-        plan_after_refused=plan_after,
-        started_s=time.monotonic() - started,
-    )
     return _SHARED.value
 
 
 def stop_team_tracking() -> None:
-    """Stop the servers (idempotent: both test modules' fixtures call it at session end)."""
+    """Stop the servers (idempotent: the session fixture's teardown calls it)."""
     _SHARED.stack.close()

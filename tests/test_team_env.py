@@ -16,7 +16,6 @@ import json
 import urllib.error
 import urllib.request
 from base64 import b64encode
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,15 +23,6 @@ from mlflow.exceptions import MlflowException
 
 from meshtrain.hooks import TrackingConfigError, TrackingServer, choose_tracking_server
 from tests import servers
-from tests.kedro_project import SMALL_RUN, make_project
-
-
-@pytest.fixture(scope="session")
-def team(tmp_path_factory) -> Iterator[servers.TeamTracking]:
-    try:
-        yield servers.team_tracking(tmp_path_factory)
-    finally:
-        servers.stop_team_tracking()
 
 
 def _run(team: servers.TeamTracking, layout: str):
@@ -66,6 +56,39 @@ def test_team_run_from_credentials_logs_into_the_postgres_backed_server(team):
     inputs = {i.tags[0].value: i.dataset for i in run.inputs.dataset_inputs}
     assert sorted(inputs) == ["training", "validation"]
     assert all(len(d.digest) == 16 for d in inputs.values())
+
+
+@pytest.mark.slow
+def test_team_run_registers_its_model_in_the_postgres_backed_registry(team):
+    """conf/team/mlflow.yml names the registered model: the dp=2 run's consolidated model,
+    logged to the run through the server, is a version of it, tagged with the layout."""
+    assert team.dp2.returncode == 0, servers.output(team.dp2)
+    client, run = _run(team, servers.DP2_LAYOUT)
+    assert run.data.tags["meshtrain.pipelines"] == servers.DP2_PIPELINES
+    (output,) = run.outputs.model_outputs
+    model = client.get_logged_model(output.model_id)
+    assert model.source_run_id == run.info.run_id
+    assert model.tags["meshtrain.layout"] == servers.DP2_LAYOUT
+    assert "eval/val_perplexity" in {m.key for m in model.metrics}
+    (version,) = client.search_model_versions(f"name = '{servers.REGISTERED_MODEL}'")
+    assert version.run_id == run.info.run_id and version.version == "1"
+    assert version.tags["meshtrain.layout"] == servers.DP2_LAYOUT
+    assert client.get_registered_model(servers.REGISTERED_MODEL).latest_versions
+    # The registry is PostgreSQL's tables; the weights are files in the server's store.
+    connection = team.postgres.connect()
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT model_versions.name, model_versions.run_id, model_version_tags.value"
+                " FROM model_versions JOIN model_version_tags USING (name, version)"
+                " WHERE model_version_tags.key = 'meshtrain.layout'"
+            )
+            rows = cursor.fetchall()
+    finally:
+        connection.close()
+    assert rows == [(servers.REGISTERED_MODEL, run.info.run_id, servers.DP2_LAYOUT)]
+    (weights,) = team.server.artifacts.rglob(f"{output.model_id}/**/model.safetensors")
+    assert weights.stat().st_size > 1_000_000  # ~1M fp32 parameters
 
 
 @pytest.mark.slow
@@ -112,9 +135,10 @@ def _http_status(uri: str, authorization: str | None) -> int:
 @pytest.mark.slow
 def test_the_server_refuses_clients_without_the_right_credentials_and_they_write_nothing(team):
     assert team.dp2.returncode == 0, servers.output(team.dp2)
-    # What the admin saw before the two refused runs: the member's first run, nothing else.
+    assert team.tp2.returncode == 0, servers.output(team.tp2)
+    # What the admin saw before the two refused runs: the member's two runs, nothing else.
     experiments, runs = team.seen_before_refused
-    assert experiments == ["Default", "meshtrain"] and len(runs) == 1
+    assert experiments == ["Default", "meshtrain"] and len(runs) == 2
     for how, result in team.refused.items():
         output = result.stdout + result.stderr
         assert result.returncode != 0, (how, servers.output(result))
@@ -127,7 +151,9 @@ def test_the_server_refuses_clients_without_the_right_credentials_and_they_write
     assert "refused a client without credentials" in anonymous.stdout + anonymous.stderr
     # Nothing reached the server, and the hook stopped them before the planning node.
     assert team.seen_after_refused == team.seen_before_refused
-    assert team.plan_before_refused and team.plan_after_refused == team.plan_before_refused
+    assert sorted(team.plan_before_refused) == sorted(team.refused)
+    for how, plan in team.plan_before_refused.items():
+        assert plan and team.plan_after_refused[how] == plan, how
     # MLflow's own client, and bare HTTP, fare no better; /health alone is open.
     intruders = [None, servers.User(team.member.username, team.wrong_password)]
     for user in intruders:
@@ -158,6 +184,7 @@ def test_no_password_appears_in_outputs_params_tags_plan_or_files(team, tmp_path
         "database": team.postgres.password,
     }
     results = {"dp2": team.dp2, "tp2": team.tp2, **team.refused}
+    results["no_credentials"] = team.no_credentials
     client = team.client()
     for layout in (servers.DP2_LAYOUT, servers.TP2_LAYOUT):
         _, run = _run(team, layout)
@@ -176,10 +203,10 @@ def test_no_password_appears_in_outputs_params_tags_plan_or_files(team, tmp_path
     for how, result in results.items():
         for whose, secret in secrets.items():
             assert secret not in result.stdout + result.stderr, f"{whose}'s password, {how}"
-    # Everything the project and the runs wrote (data, plan.json, checkpoints and their
-    # per-rank logs, conf/local), the server's artifacts and the MLflow server's log.
+    # Everything the projects and the runs wrote (data, plan.json, checkpoints and their
+    # per-rank logs, conf/local), the server's artifacts (the model too) and its log.
     files = [
-        *_text_files(team.project),
+        *(found for project in team.projects for found in _text_files(project)),
         *_text_files(team.server.artifacts),
         (team.server.log, team.server.log.read_bytes()),
     ]
@@ -190,13 +217,10 @@ def test_no_password_appears_in_outputs_params_tags_plan_or_files(team, tmp_path
 
 
 @pytest.mark.slow
-def test_team_env_without_credentials_stops_before_any_node(tmp_path):
-    project = make_project(tmp_path / "project")
-    # data_processing reads nothing earlier pipelines write, so the missing-input check
-    # (which runs first, see settings.py) has nothing to say and the tracking check speaks.
-    result = servers.run_kedro(
-        project, "--env", "team", "--pipeline", "data_processing", "--params", SMALL_RUN
-    )
+def test_team_env_without_credentials_stops_before_any_node(team):
+    """Run beside the refused ones in tests/servers.py (a project of its own, nothing in
+    conf/local, no MLFLOW_TRACKING_URI), to share their Kedro start-up time."""
+    result, project = team.no_credentials, team.bare_project
     output = result.stdout + result.stderr
     assert result.returncode != 0
     assert "TrackingConfigError" in output
