@@ -1,11 +1,13 @@
 """Real servers for the tracking tests: PostgreSQL, an MLflow tracking server on it with
-MLflow's basic-auth app (its users in a second PostgreSQL database), and a scratch project
-with two short `kedro run --env team` runs logged there by a team member, and two refused
-ones (no credentials, a wrong password).
+MLflow's basic-auth app (its users in a second PostgreSQL database), and scratch projects
+with two short `kedro run --env team` runs logged there by a team member (the dp=2 one
+through consolidation and evaluation, so its model is registered), and three refused ones
+(a wrong password, no credentials, no server named at all).
 
 Everything listens on 127.0.0.1 only, on free ports, with its files in a temporary folder.
-Starting these costs about a minute and a half (mostly the two training runs), so the
-stack is started once per pytest session and shared by tests/test_team_env.py and
+Starting these costs about a minute and a half on 2 cores (mostly Kedro's and the
+workers' start-up in the five runs), so the stack is started once per pytest session
+(the `team` fixture of tests/conftest.py) and shared by tests/test_team_env.py and
 tests/test_mlflow_ui.py; it is stopped at the end of the session, failed or not.
 
 On a developer machine without PostgreSQL or Chromium the tests that need them are

@@ -1,10 +1,12 @@
-"""The MLflow UI, as a person sees it: the run-comparison page in headless Chromium shows
-the dp/tp/pp layout of two real `kedro run`s side by side.
+"""The MLflow UI, as a person sees it, in headless Chromium: the run-comparison page shows
+the dp/tp/pp layout of two real `kedro run`s side by side, and the dp=2 run's page shows
+its two datasets, its logged and registered model and its samples table.
 
 The runs and the tracking server are the team-environment stack of tests/servers.py
-(shared, so the two training runs are paid once). The page is read from the rendered DOM,
-not from the REST API. Set MESHTRAIN_UI_SCREENSHOT=docs/images/mlflow_compare.png to
-refresh the picture in docs/tracking.md.
+(shared, so the runs are paid once). The page is read from the rendered DOM, not from the
+REST API. Set MESHTRAIN_UI_SCREENSHOT=docs/images/mlflow_compare.png to refresh the
+pictures in docs/tracking.md (mlflow_run.png, mlflow_run_datasets.png and
+mlflow_samples.png go beside it).
 """
 
 from __future__ import annotations
@@ -149,6 +151,7 @@ def _read_run_page(page, run_url: str, shots: Path) -> dict[str, str]:
     page.keyboard.press("Escape")
     page.locator("text=builtin-train-b128").first.click()  # the drawer of both datasets
     page.get_by_text("datasets used", exact=False).first.wait_for(timeout=30_000)
+    page.mouse.move(0, 0)  # no hover tooltip in the picture
     seen["drawer"] = _words(page.get_by_role("dialog").first.inner_text())
     page.screenshot(path=str(shots / "mlflow_run_datasets.png"))
     page.keyboard.press("Escape")
