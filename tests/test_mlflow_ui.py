@@ -151,7 +151,6 @@ def _read_run_page(page, run_url: str, shots: Path) -> dict[str, str]:
     page.keyboard.press("Escape")
     page.locator("text=builtin-train-b128").first.click()  # the drawer of both datasets
     page.get_by_text("datasets used", exact=False).first.wait_for(timeout=30_000)
-    page.mouse.move(0, 0)  # no hover tooltip in the picture
     seen["drawer"] = _words(page.get_by_role("dialog").first.inner_text())
     page.screenshot(path=str(shots / "mlflow_run_datasets.png"))
     page.keyboard.press("Escape")
