@@ -36,13 +36,20 @@ SIDES = {
     "dp4-sdp4": (4, {"data_parallel_size": 4, SDP: 4}, 2),
     "dp2-sdp2": (2, {"data_parallel_size": 2, SDP: 2}, 4),
     "dp2-zero1-again": (2, {"data_parallel_size": 2, "zero_1": True}, 4),
+    # Sharding under a pipeline (kept gathered through the step), for the memory model.
+    "dp2-pp2-sdp2": (
+        4,
+        {"data_parallel_size": 2, "pipeline_parallel_size": 2, SDP: 2},
+        4,
+    ),
 }
+DEFAULT_SIDES = [name for name in SIDES if name != "dp2-pp2-sdp2"]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--sides", default=",".join(SIDES))
+    parser.add_argument("--sides", default=",".join(DEFAULT_SIDES), help=",".join(SIDES))
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

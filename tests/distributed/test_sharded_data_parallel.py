@@ -41,7 +41,7 @@ DP4_SDP4 = {"data_parallel_size": 4, SDP: 4}
 DP2_TP2_SDP2 = {"data_parallel_size": 2, "tensor_parallel_size": 2, SDP: 2}
 TP4 = {"tensor_parallel_size": 4}
 ACCUM2 = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2}
-UNEVEN_VALIDATION = "dp4-sdp2-hybrid"
+UNEVEN_VALIDATION = "dp4-sdp2-hybrid-accum2"
 
 # name: (parallel, training, model fields, resumed from (a run of the same group) or None)
 WORLD_4 = {
@@ -51,9 +51,9 @@ WORLD_4 = {
         TINY_MODEL,
         None,
     ),
-    "dp4-sdp2-hybrid": (
+    "dp4-sdp2-hybrid-accum2": (
         {"data_parallel_size": 4, SDP: 2},
-        {"per_device_train_batch_size": 2, "eval_batches": 4},
+        {"per_device_train_batch_size": 1, "gradient_accumulation_steps": 2, "eval_batches": 4},
         TINY_MODEL,
         None,
     ),
@@ -135,8 +135,8 @@ BF16_MASTER = {
 
 
 def _uneven_validation(tiny_blocks, tmp_path: Path) -> list[str]:
-    """30 validation blocks: at dp4 with batches of 2, three ranks score 4 batches and one
-    3 (FSDP2's gathers are collective, so that rank must still run a fourth forward)."""
+    """30 validation blocks: at dp4 with batches of 1, three ranks score 8 batches and one
+    6 (FSDP2's gathers are collective, so that rank must still run two more forwards)."""
     path = tmp_path / "uneven-validation"
     tiny_blocks["validation"].select(range(30)).save_to_disk(str(path))
     return arrow_files(datasets.load_from_disk(str(path)))

@@ -319,13 +319,15 @@ def gathered_bytes(step: StepShape, *, local: int, layer: int, layers: int) -> i
     parameters and one layer's unsharded gradient are in flight, and the root group
     (embedding, final norm, LM head) stays gathered, its gradient growing, for the whole
     step. Under pp the stage keeps its parameters gathered and accumulates unsharded
-    gradients until the last microbatch of the schedule step."""
+    gradients until the last microbatch of the schedule step, whose backward reduces
+    group after group: the first one copies its gradients into a flat reduce-scatter
+    buffer while every other group is still gathered."""
     if step.sharded <= 1:
         return 0
     per_element = step.parameter_bytes + step.gradient_bytes
-    if step.pp > 1:
-        return local * per_element
     root = local - layers * layer
+    if step.pp > 1:
+        return local * per_element + max(root, layer) * step.gradient_bytes
     in_flight = min(2, layers)
     return root * per_element + layer * (in_flight * step.parameter_bytes + step.gradient_bytes)
 
