@@ -357,10 +357,11 @@ class GatherUnits:
         return self.local - self.layer * self.layers
 
 
-def gather_units(shapes: dict[str, tuple[int, ...]], m: ModelShape, step: StepShape) -> GatherUnits:
-    """The units of gathering of the pipeline rank holding the most parameters."""
+def _local_counts(
+    shapes: dict[str, tuple[int, ...]], m: ModelShape, step: StepShape
+) -> tuple[list[int], int]:
+    """Each stage's local parameter count, and one decoder layer's, under step's tp."""
     kv_replication = kv_replication_factor(m.kv_heads, step.tp)
-    stages = len(step.stage_layers)
     counts = stage_parameter_counts(
         shapes,
         step.stage_layers,
@@ -368,7 +369,13 @@ def gather_units(shapes: dict[str, tuple[int, ...]], m: ModelShape, step: StepSh
         kv_replication=kv_replication,
         tied_embeddings=m.tied_embeddings,
     )
-    layer = layer_parameter_count(shapes, tp=step.tp, kv_replication=kv_replication)
+    return counts, layer_parameter_count(shapes, tp=step.tp, kv_replication=kv_replication)
+
+
+def gather_units(shapes: dict[str, tuple[int, ...]], m: ModelShape, step: StepShape) -> GatherUnits:
+    """The units of gathering of the pipeline rank holding the most parameters."""
+    counts, layer = _local_counts(shapes, m, step)
+    stages = len(step.stage_layers)
     ranks = [list(range(rank, stages, step.pp)) for rank in range(step.pp)]
     mine = max(ranks, key=lambda stages_: sum(counts[s] for s in stages_))
     return GatherUnits(
@@ -416,16 +423,8 @@ def estimate_memory(
     shapes: dict[str, tuple[int, ...]], m: ModelShape, step: StepShape
 ) -> MemoryEstimate:
     """Peak bytes of live tensors on the most loaded rank, with its breakdown."""
-    kv_replication = kv_replication_factor(m.kv_heads, step.tp)
+    counts, layer = _local_counts(shapes, m, step)
     stages = len(step.stage_layers)
-    counts = stage_parameter_counts(
-        shapes,
-        step.stage_layers,
-        tp=step.tp,
-        kv_replication=kv_replication,
-        tied_embeddings=m.tied_embeddings,
-    )
-    layer = layer_parameter_count(shapes, tp=step.tp, kv_replication=kv_replication)
     # Rank r holds stages r, r + pp, ... (interleaved) or just stage r.
     per_rank: list[MemoryEstimate] = []
     for rank in range(step.pp):
