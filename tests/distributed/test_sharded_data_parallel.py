@@ -117,6 +117,13 @@ WORLD_2 = {
         TINY_MODEL,
         None,
     ),
+    # torch.compile'd decoder layers, wrapped by FSDP2 after compiling (torchtitan's order).
+    "dp2-sdp2-compile": (
+        {"data_parallel_size": 2, SDP: 2},
+        {"per_device_train_batch_size": 4, "compile": True},
+        TINY_MODEL,
+        None,
+    ),
     "dp2-from-dp4-sdp4": (
         {"data_parallel_size": 2, "zero_1": True},
         {"per_device_train_batch_size": 4},
