@@ -173,6 +173,12 @@ def _specs(tiny_blocks, tmp_path: Path, cases: dict, world: int) -> list:
     return specs
 
 
+def _run(tiny_blocks, tmp_path: Path, cases: dict, world: int) -> dict[str, dict]:
+    """Every case of `cases` in one spawned group of `world` ranks: name -> summary."""
+    specs = _specs(tiny_blocks, tmp_path, cases, world)
+    return dict(zip(cases, run_group(specs, world, tmp_path, f"t-sdp{world}"), strict=True))
+
+
 def _assert_resumed_matches(name: str, summary: dict, references, fields, tmp_path: Path):
     """A resumed run's steps SAVE_AT+1.. and final weights equal one process's."""
     losses, weights = references("llama", fields)
@@ -185,29 +191,17 @@ def _assert_resumed_matches(name: str, summary: dict, references, fields, tmp_pa
 def test_sharded_data_parallel_matches_one_process_and_resumes_across_layouts(
     tiny_blocks, tmp_path: Path
 ):
-    four = dict(
-        zip(
-            WORLD_4,
-            run_group(_specs(tiny_blocks, tmp_path, WORLD_4, 4), 4, tmp_path, "t-sdp4"),
-            strict=True,
-        )
-    )
     cases_2 = {**WORLD_2, **BF16_MASTER}
-    two = dict(
-        zip(
-            cases_2,
-            run_group(_specs(tiny_blocks, tmp_path, cases_2, 2), 2, tmp_path, "t-sdp2"),
-            strict=True,
-        )
-    )
-    results = {**four, **two}
+    results = {
+        **_run(tiny_blocks, tmp_path, WORLD_4, 4),
+        **_run(tiny_blocks, tmp_path, cases_2, 2),
+    }
     references = References(tiny_blocks)
 
-    for name in [*WORLD_4, *WORLD_2]:
-        fields, resumed_from = {**WORLD_4, **WORLD_2}[name][2:]
+    for name, (parallel, _, fields, resumed_from) in {**WORLD_4, **WORLD_2}.items():
         summary = results[name]
-        if SDP in {**WORLD_4, **WORLD_2}[name][0]:
-            degree = {**WORLD_4, **WORLD_2}[name][0][SDP]
+        if SDP in parallel:
+            degree = parallel[SDP]
             assert f"sdp{degree}" in summary["layout_name"], name
         if resumed_from is None:
             losses, weights = references("llama", fields)

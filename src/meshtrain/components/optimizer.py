@@ -5,6 +5,7 @@ parallelism, AdamW over FSDP2's shards."""
 from __future__ import annotations
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 from meshtrain.config import TrainingConfig
 from meshtrain.distributed.flat_buffer import FlatParameters
@@ -33,7 +34,7 @@ def build_optimizer(pm: ParallelModel, *, training: TrainingConfig) -> ModelOpti
         "norm_groups": norm_groups,
     }
     if pm.layout.sharded:
-        groups = sum(len(getattr(m.model, "layers", [])) + 1 for m in pm.modules)
+        groups = sum(isinstance(m, FSDPModule) for stage in pm.modules for m in stage.modules())
         return FSDPAdamW(pm.parameters, pm.sharding, dims, groups=groups, **adam)
     master_weights = training.mixed_precision == "bf16_master"
     grad_dtype = torch.float32 if master_weights and training.grad_reduce_dtype == "fp32" else None

@@ -47,8 +47,10 @@ def evaluate_loss(
         tokens = input_ids[:, 1:].numel()
         totals[0] += pm.eval_batch(input_ids).double() * tokens
         totals[1] += tokens
-    for _ in range(padding):
-        pm.eval_batch(blocks.batch(list(range(min(per_rank, len(blocks))))).to(device))
+    if padding:
+        filler = blocks.batch(list(range(min(per_rank, len(blocks))))).to(device)
+        for _ in range(padding):
+            pm.eval_batch(filler)
     if dims.pp > 1:
         # Token counts are known on every stage; losses only on the last.
         loss = totals[:1].clone()

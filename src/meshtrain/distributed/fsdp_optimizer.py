@@ -60,6 +60,7 @@ class FSDPAdamW:
             fused=True,
         )
         first = local_tensor(next(iter(parameters.values())))
+        self.device = first.device
         self.state_dtype = first.dtype  # fp32 shards: the master weights under bf16_master
 
     # -- the step -------------------------------------------------------------------------
@@ -79,18 +80,12 @@ class FSDPAdamW:
                 grad.mul_(coef)
         self.optimizer.step()
 
-    def step(self) -> torch.Tensor:
-        norm = self.reduce_gradients()
-        self.apply(norm)
-        return norm
-
     def zero_grad(self) -> None:
         # FSDP2 writes each step's reduced shard into a fresh `.grad`.
         self.optimizer.zero_grad(set_to_none=True)
 
     def global_grad_norm(self) -> torch.Tensor:
-        first = local_tensor(next(iter(self.parameters.values())))
-        squares = torch.zeros((), dtype=torch.float32, device=first.device)
+        squares = torch.zeros((), dtype=torch.float32, device=self.device)
         for name, grad in self._local_grads().items():
             squares += torch.linalg.vector_norm(grad, dtype=torch.float32) ** 2 / self._copies[name]
         if self.shard_group is not None:
@@ -109,9 +104,7 @@ class FSDPAdamW:
     def check_views(self) -> None:
         """Fail loudly if a parameter stopped being a dp shard (something gathered it)."""
         for name, p in self.parameters.items():
-            if not isinstance(p, DTensor) or self.dims.fsdp_mesh.mesh_dim_names[-1] not in (
-                p.device_mesh.mesh_dim_names or ()
-            ):
+            if not isinstance(p, DTensor) or "dp_shard" not in (p.device_mesh.mesh_dim_names or ()):
                 raise RuntimeError(f"parameter {name} is no longer sharded over the dp ranks")
 
     @property
@@ -152,8 +145,7 @@ class FSDPAdamW:
     def load_moments(self, moments: dict[str, dict[str, torch.Tensor]], step: float) -> None:
         """Install each parameter's shards of the moments (`moments[name][key]`)."""
         for name, p in self.parameters.items():
-            device = local_tensor(p).device
-            state = {"step": torch.tensor(float(step), dtype=torch.float32, device=device)}
+            state = {"step": torch.tensor(float(step), dtype=torch.float32, device=self.device)}
             for key in ("exp_avg", "exp_avg_sq"):
                 value = torch.zeros_like(p)
                 local_tensor(value).copy_(moments[name][key])
