@@ -360,7 +360,7 @@ def output(result: subprocess.CompletedProcess) -> str:
 
 
 # The two runs: the default dp=2 (ZeRO-1) and tp=2 (+ sequence parallel), on 2 ranks.
-DP2_LAYOUT = "dp2-tp1-pp1-zero1"
+DP2_LAYOUT = "dp2-tp1-pp1"
 TP2_LAYOUT = "dp1-tp2-pp1-sp"
 # The dp=2 run goes on to consolidation and evaluation, so its model is logged to the run
 # and registered on the server (conf/team/mlflow.yml: registered_model_name: meshtrain).

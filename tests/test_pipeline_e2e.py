@@ -53,7 +53,7 @@ def default_run(project: Path) -> subprocess.CompletedProcess:
 @pytest.mark.slow
 def test_default_pipeline_trains_consolidates_and_evaluates(project: Path, default_run):
     metrics = json.loads((project / "data/08_reporting/metrics.json").read_text())
-    assert metrics["layout"] == "dp2-tp1-pp1-zero1"
+    assert metrics["layout"] == "dp2-tp1-pp1"
     assert metrics["val_perplexity"] < metrics["initial_val_perplexity"]
     assert metrics["sample"].startswith(metrics["prompt"])
     # Several prompts from the validation text, none continued by one token repeated.
@@ -76,18 +76,16 @@ def test_mlflow_run_holds_layout_params_and_metrics(project: Path, default_run):
 
     client = mlflow.tracking.MlflowClient(tracking_uri=f"sqlite:///{project / 'mlflow.db'}")
     experiment = client.get_experiment_by_name("meshtrain")
-    runs = client.search_runs(
-        [experiment.experiment_id], "tags.mlflow.runName = 'dp2-tp1-pp1-zero1'"
-    )
+    runs = client.search_runs([experiment.experiment_id], "tags.mlflow.runName = 'dp2-tp1-pp1'")
     assert len(runs) == 1
     run = runs[0]
     assert run.info.status == "FINISHED"
-    assert run.info.run_name == "dp2-tp1-pp1-zero1"
+    assert run.info.run_name == "dp2-tp1-pp1"
     params = run.data.params
     assert params["parallel.data_parallel_size"] == "2"
     assert params["parallel.tensor_parallel_size"] == "1"
     assert params["parallel.pipeline_parallel_size"] == "1"
-    assert params["parallel.zero_1"] == "True"
+    assert params["parallel.zero_1"] == "False"
     assert params["training.max_steps"] == "8"
     assert len(client.get_metric_history(run.info.run_id, "loss")) == 8
     for key in ("tokens_per_s", "grad_norm", "learning_rate", "memory/peak_rss_mb", "val_loss"):
@@ -123,9 +121,7 @@ def test_mlflow_run_holds_the_model_and_its_data(project: Path, default_run):
     uri = f"sqlite:///{project / 'mlflow.db'}"
     client = mlflow.tracking.MlflowClient(tracking_uri=uri)
     experiment = client.get_experiment_by_name("meshtrain")
-    (run,) = client.search_runs(
-        [experiment.experiment_id], "tags.mlflow.runName = 'dp2-tp1-pp1-zero1'"
-    )
+    (run,) = client.search_runs([experiment.experiment_id], "tags.mlflow.runName = 'dp2-tp1-pp1'")
     inputs = {i.tags[0].value: i.dataset for i in run.inputs.dataset_inputs}
     assert sorted(inputs) == ["training", "validation"]
     assert inputs["training"].name == "builtin-train-b128"
@@ -135,11 +131,11 @@ def test_mlflow_run_holds_the_model_and_its_data(project: Path, default_run):
 
     (output,) = run.outputs.model_outputs
     model = client.get_logged_model(output.model_id)
-    assert model.tags["meshtrain.layout"] == "dp2-tp1-pp1-zero1"
+    assert model.tags["meshtrain.layout"] == "dp2-tp1-pp1"
     assert "eval/val_perplexity" in {m.key for m in model.metrics}
     (version,) = client.search_model_versions(f"name = '{REGISTERED}'")
     assert version.run_id == run.info.run_id
-    assert version.tags["meshtrain.layout"] == "dp2-tp1-pp1-zero1"
+    assert version.tags["meshtrain.layout"] == "dp2-tp1-pp1"
 
     mlflow.set_tracking_uri(uri)
     loaded = mlflow.pyfunc.load_model(f"models:/{output.model_id}")

@@ -236,7 +236,7 @@ LAYOUTS = "dp2 tp3 tp2 pp2"
 SWEEP_PARAMS = SMALL_RUN + ",training.adam_epsilon=1e-5"
 EXPECTED = {
     # layout: (dp, tp, pp, run name); global batch 4 x the largest dp (2) = 8 in each
-    "dp2": ("2", "1", "1", "dp2-tp1-pp1-zero1"),
+    "dp2": ("2", "1", "1", "dp2-tp1-pp1"),
     "tp2": ("1", "2", "1", "dp1-tp2-pp1-sp"),
     "pp2": ("1", "1", "2", "dp1-tp1-pp2-1f1b-mb4"),
 }
@@ -416,7 +416,7 @@ def test_the_comparison_table_puts_predictions_beside_measurements():
             "status": ["FINISHED", "FAILED"],
             "tags.meshtrain.sweep.layout": ["dp2", "tp3"],
             "tags.meshtrain.sweep.status": ["finished", "refused"],
-            "tags.mlflow.runName": ["dp2-tp1-pp1-zero1", "tp3 (refused)"],
+            "tags.mlflow.runName": ["dp2-tp1-pp1", "tp3 (refused)"],
             "metrics.loss": [6.2, None],
             "metrics.memory/peak_rss_mb": [600.0, None],
             "metrics.eval/val_perplexity": [None, None],  # not logged: column left out

@@ -42,7 +42,7 @@ def test_team_run_from_credentials_logs_into_the_postgres_backed_server(team):
     assert params["parallel.data_parallel_size"] == "2"
     assert params["parallel.tensor_parallel_size"] == "1"
     assert params["parallel.pipeline_parallel_size"] == "1"
-    assert params["parallel.zero_1"] == "True"
+    assert params["parallel.zero_1"] == "False"
     assert len(client.get_metric_history(run.info.run_id, "loss")) == 8
     # System metrics are on by default (conf/base/mlflow.yml), sampled while the run is open.
     for key in ("system/cpu_utilization_percentage", "system/system_memory_usage_megabytes"):

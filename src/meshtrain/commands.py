@@ -5,7 +5,7 @@
     python -m meshtrain consolidate CHECKPOINT_DIR [OUTPUT_DIR] [--max-shard-size 5GB]
         [--dtype bf16] [--no-verify]
     python -m meshtrain plan --model CONFIG_JSON --devices N --device trn1 [--seq-len 4096]
-        [--global-batch 256] [--tp/--pp/--dp SIZE] [--json]
+        [--global-batch 256] [--tp/--pp/--dp SIZE] [--zero-1 true] [--json]
 """
 
 from __future__ import annotations
@@ -104,6 +104,12 @@ def add_plan_parser(commands: Any) -> None:
         "--sdp",
         default="auto",
         help="fix parallel.sharded_data_parallel_degree (1: off; default auto)",
+    )
+    plan.add_argument(
+        "--zero-1",
+        default="auto",
+        choices=("auto", "true", "false"),
+        help="parallel.zero_1 (auto: on only where memory needs it; default auto)",
     )
     plan.add_argument(
         "--activation-checkpointing", default="auto", choices=("auto", "none", "selective", "full")

@@ -64,7 +64,7 @@ def test_3b_on_a_trn1_32xlarge_plans_the_optimum_neuron_example(capsys) -> None:
     plan = _plan(
         capsys,
         "--model", str(EXAMPLES / "llama-3.2-3b.json"),
-        "--devices", "32", "--device", "trn1", "--tp", "4", "--pp", "2",
+        "--devices", "32", "--device", "trn1", "--tp", "4", "--pp", "2", "--zero-1", "true",
         "--seq-len", "1024", "--global-batch", "256", "--bf16",
     )  # fmt: skip
     layout = plan["layout"]

@@ -15,6 +15,7 @@ from transformers import PretrainedConfig
 from meshtrain.config import Layout, RunConfig
 from meshtrain.models import build_model, build_model_config
 from meshtrain.planner import LayoutError, Plan, Refusal, plan_run
+from meshtrain.planner.devices import GIB
 from meshtrain.planner.memory import estimate_model_states
 from meshtrain.planner.resolve import check_plan_is_current, plan_for_run
 
@@ -78,16 +79,16 @@ def test_auto_data_parallel_fills_the_world(model_config: PretrainedConfig) -> N
     assert layout.data_parallel_size == 2
     assert layout.tensor_parallel_size == 1
     assert layout.pipeline_parallel_size == 1
-    assert layout.zero_1 is True
+    assert layout.zero_1 is False  # `auto`: the optimizer states fit without it
     assert layout.sequence_parallel is False
-    assert layout.name == "dp2-tp1-pp1-zero1"
+    assert layout.name == "dp2-tp1-pp1"
     assert plan.world_size == 2
     assert plan.backend == "gloo"
     assert plan.global_batch_size == 8 * 1 * 2
     assert plan.tokens_per_step == 16 * 128
     assert plan.num_train_blocks == TRAIN_BLOCKS
     assert plan.num_validation_blocks == VALIDATION_BLOCKS
-    assert plan.notes == []
+    assert plan.notes == ["parallel.zero_1=auto: off, dp2-tp1-pp1 fits without it"]
 
 
 def test_single_process_has_no_zero_1(model_config: PretrainedConfig) -> None:
@@ -135,7 +136,7 @@ def test_explicit_sizes_that_fit_are_kept(model_config: PretrainedConfig) -> Non
     assert plan.layout.data_parallel_size == 2
     assert plan.layout.tensor_parallel_size == 1
     assert plan.layout.pipeline_parallel_size == 1
-    assert plan.layout.name == "dp2-tp1-pp1-zero1-ac-full"
+    assert plan.layout.name == "dp2-tp1-pp1-ac-full"
 
 
 def test_microbatches_without_pipeline_resolve_to_one_with_a_note(
@@ -474,8 +475,8 @@ def test_num_parameters_is_the_real_parameter_count(model_config: PretrainedConf
 
 
 def test_zero_1_shards_the_optimizer_states(model_config: PretrainedConfig) -> None:
-    sharded = _plan(model_config)
-    full = _plan(model_config, parallel={"zero_1": False})
+    sharded = _plan(model_config, parallel={"zero_1": True})
+    full = _plan(model_config)
     n = sharded.num_parameters
     assert sharded.layout.zero_1 and not full.layout.zero_1
     assert sharded.memory_estimate_per_rank["optimizer_states"] == 2 * 4 * math.ceil(n / 2)
@@ -490,9 +491,29 @@ def test_zero_1_shards_the_optimizer_states(model_config: PretrainedConfig) -> N
 
 
 def test_zero_1_over_four_ranks(model_config: PretrainedConfig) -> None:
-    plan = _plan(model_config, launch={"nproc_per_node": 4})
+    plan = _plan(model_config, launch={"nproc_per_node": 4}, parallel={"zero_1": True})
     n = plan.num_parameters
     assert plan.memory_estimate_per_rank["optimizer_states"] == 8 * math.ceil(n / 4)
+
+
+def test_zero_1_auto_turns_on_only_when_the_layout_needs_it_to_fit(
+    model_config: PretrainedConfig,
+) -> None:
+    launch = {"nproc_per_node": 4}
+    plain = _plan(model_config, launch=launch, parallel={"zero_1": False})
+    zero_1 = _plan(model_config, launch=launch, parallel={"zero_1": True})
+    need_plain = plain.memory_estimate_per_rank["process_total"]
+    need_zero_1 = zero_1.memory_estimate_per_rank["process_total"]
+    assert need_zero_1 < need_plain
+    roomy = _plan(model_config, launch=launch)
+    assert not roomy.layout.zero_1 and roomy.layout.name == "dp4-tp1-pp1"
+    budget = (need_plain + need_zero_1) / 2  # only ZeRO-1 fits
+    tight = {"cpu": {"memory_gib": budget / 0.9 / GIB}}
+    plan = _plan(model_config, launch=launch, planner={"device": "cpu", "device_profiles": tight})
+    assert plan.layout.zero_1 and plan.layout.name == "dp4-tp1-pp1-zero1"
+    assert plan.memory_estimate_per_rank == zero_1.memory_estimate_per_rank
+    note = next(n for n in plan.notes if n.startswith("parallel.zero_1=auto: on"))
+    assert "without it dp4-tp1-pp1 needs" in note and "over the" in note
 
 
 def test_memory_estimate_pads_the_zero_1_shard() -> None:
@@ -532,7 +553,10 @@ def test_bf16_master_counts_2_plus_4_plus_12_over_dp_bytes(model_config: Pretrai
     with bf16 gradient reduction the optimizer keeps an fp32 copy of its gradient range."""
     launch = {"nproc_per_node": 4}
     fp32 = _plan(model_config, launch=launch).memory_estimate_per_rank
-    plan = _plan(model_config, launch=launch, training={"mixed_precision": "bf16_master"})
+    zero_1 = {"zero_1": True}
+    plan = _plan(
+        model_config, launch=launch, parallel=zero_1, training={"mixed_precision": "bf16_master"}
+    )
     n, memory = plan.num_parameters, plan.memory_estimate_per_rank
     padded = 4 * math.ceil(n / 4)
     assert plan.layout.zero_1
@@ -544,6 +568,7 @@ def test_bf16_master_counts_2_plus_4_plus_12_over_dp_bytes(model_config: Pretrai
     bf16_reduce = _plan(
         model_config,
         launch=launch,
+        parallel=zero_1,
         training={"mixed_precision": "bf16_master", "grad_reduce_dtype": "bf16"},
     ).memory_estimate_per_rank
     assert bf16_reduce["gradients"] == 2 * padded
@@ -560,7 +585,7 @@ def _json_round_trip(plan: Plan) -> Plan:
 def test_plan_round_trips_through_json(model_config: PretrainedConfig) -> None:
     plan = _plan(model_config, parallel={"pipeline_parallel_num_microbatches": 2})
     values = plan.to_dict()
-    assert values["layout_name"] == "dp2-tp1-pp1-zero1"
+    assert values["layout_name"] == "dp2-tp1-pp1"
     assert values["layout"]["data_parallel_size"] == 2
     loaded = _json_round_trip(plan)
     assert isinstance(loaded.layout, Layout)
@@ -623,7 +648,7 @@ def test_the_same_plan_is_current_after_json() -> None:
     ("changed", "blocks", "differs"),
     [
         ({"training": {"per_device_train_batch_size": 4}}, TRAIN_BLOCKS, "global_batch_size"),
-        ({"parallel": {"zero_1": False}}, TRAIN_BLOCKS, "layout"),
+        ({"parallel": {"zero_1": True}}, TRAIN_BLOCKS, "layout"),
         ({"launch": {"nproc_per_node": 1}}, TRAIN_BLOCKS, "world_size"),
         ({"model": {"config": {**SHAPE, "hidden_size": 64}}}, TRAIN_BLOCKS, "model_config"),
         ({}, TRAIN_BLOCKS + 1, "num_train_blocks"),
@@ -775,7 +800,8 @@ def test_overlapped_averaging_leaves_only_the_last_bucket_and_the_gather_exposed
     one_bucket, small = {"grad_bucket_mb": 1000}, {"grad_bucket_mb": 0.5}
 
     def dp_seconds(**training: Any) -> float:
-        return _plan(model_config, training=training).time_estimate["data_parallel_s"]
+        plan = _plan(model_config, parallel={"zero_1": True}, training=training)
+        return plan.time_estimate["data_parallel_s"]
 
     after = dp_seconds(overlap_grad_reduce=False, **small)
     assert dp_seconds(overlap_grad_reduce=True, **one_bucket) == pytest.approx(after)

@@ -200,8 +200,8 @@ def test_auto_weighs_off_full_and_across_nodes_hybrid() -> None:
 
 
 def test_auto_does_not_shard_when_memory_fits_and_sharding_costs(model_config) -> None:
-    """On a slow link the per-microbatch all-gathers cannot hide behind compute: ZeRO-1's
-    one reduction and gather per step is cheaper, and memory does not ask for more."""
+    """On a slow link the per-microbatch all-gathers cannot hide behind compute: plain data
+    parallelism's one all-reduce per step is cheaper, and memory does not ask for more."""
     slow = {"cpu": {"intra_node_gbps": 0.01, "inter_node_gbps": 0.01}}
     run = RunConfig.from_params(
         launch={"nproc_per_node": 4},
@@ -211,7 +211,7 @@ def test_auto_does_not_shard_when_memory_fits_and_sharding_costs(model_config) -
     plan = plan_run(
         run, model_config, num_train_blocks=10_000, num_validation_blocks=50, cuda_available=False
     )
-    assert not plan.layout.sharded and plan.layout.zero_1
+    assert not plan.layout.sharded and not plan.layout.zero_1
     lost = {c["layout"]: c["lost_because"] for c in plan.candidates}
     assert "sdp4: model states" in lost["dp4-tp1-pp1-sdp4"]
     assert any(note.startswith("not sharded: this layout fits without it") for note in plan.notes)

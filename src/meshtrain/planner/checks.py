@@ -291,10 +291,11 @@ def resolve_sequence_parallel(
 
 
 def resolve_zero_1(par: ParallelConfig, dp: int, sharded: int = 1) -> tuple[bool, list[str]]:
-    """On with data parallelism at `auto`; off, with a note, when there is nothing to shard;
-    off under sharded data parallelism (which shards the optimizer states itself)."""
+    """Off at `auto` (the search plans `auto` both ways and keeps ZeRO-1 only where memory
+    needs it); off, with a note, when there is nothing to shard; off under sharded data
+    parallelism (which shards the optimizer states itself)."""
     if par.zero_1 == AUTO:
-        return dp > 1 and sharded == 1, []
+        return False, []
     if par.zero_1 and dp == 1:
         return False, ["parallel.zero_1 has nothing to shard at data_parallel_size=1; off."]
     return par.zero_1, []

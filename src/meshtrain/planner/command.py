@@ -41,6 +41,7 @@ def run_plan(args: argparse.Namespace) -> int:
                 "tensor_parallel_size": args.tp,
                 "pipeline_parallel_size": args.pp,
                 "sharded_data_parallel_degree": getattr(args, "sdp", AUTO),
+                "zero_1": {"true": True, "false": False}.get(getattr(args, "zero_1", AUTO), AUTO),
                 "activation_checkpointing": args.activation_checkpointing,
                 "pipeline_schedule": args.schedule,
             },

@@ -65,6 +65,7 @@ def plan_run(
         cuda_devices=torch.cuda.device_count() if cuda else 0,
         device=device,
     )
+    plan = functools.partial(_zero_1_where_needed, plan, budget=budget)
     variants = _search_space(run, model_config)
     if len(variants) == 1:
         only = plan(_fit_global_batch(variants[0]))
@@ -106,6 +107,30 @@ def plan_run(
             f"chosen among {len(planned)} valid layouts on {device.name}",
         ],
     )
+
+
+def _zero_1_where_needed(
+    plan: Callable[[RunConfig], Plan], run: RunConfig, *, budget: float
+) -> Plan:
+    """`zero_1=auto`: the layout without ZeRO-1 where it fits the budget, with it where
+    only that makes it fit: its parameter all-gather after every step is not free."""
+    plain = plan(run)
+    lay = plain.layout
+    if run.parallel.zero_1 != AUTO or lay.data_parallel_size == 1 or lay.sharded:
+        return plain
+    need = plain.memory_estimate_per_rank["process_total"]
+    if need <= budget:
+        note = f"parallel.zero_1=auto: off, {lay.name} fits without it"
+        return dataclasses.replace(plain, notes=[*plain.notes, note])
+    with_zero_1 = plan(
+        dataclasses.replace(run, parallel=dataclasses.replace(run.parallel, zero_1=True))
+    )
+    note = (
+        f"parallel.zero_1=auto: on, without it {lay.name} needs {need / GIB:.2f} GiB per "
+        f"rank, over the {budget / GIB:.2f} GiB budget; with it "
+        f"{with_zero_1.memory_estimate_per_rank['process_total'] / GIB:.2f} GiB"
+    )
+    return dataclasses.replace(with_zero_1, notes=[*with_zero_1.notes, note])
 
 
 def _plan_each(
