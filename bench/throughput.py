@@ -1,80 +1,98 @@
-"""Training throughput: meshtrain beside Hugging Face Trainer and a bare PyTorch loop.
+"""Training throughput: meshtrain, HF Trainer and a bare PyTorch loop, against the GEMM rate.
 
-One invocation trains the same Llama shape (default: the project's, hidden 128,
-intermediate 352, 4 layers, 4 heads, 2 KV heads, vocabulary 4096, blocks of 128) on
-the same random token blocks (saved with `datasets`, read back memory-mapped), with
-the same per-device batch, global batch, AdamW hyper-parameters (lr 3e-3, betas
-0.9/0.95, eps 1e-8, weight decay 0.1 off norms), `max_grad_norm=1.0`, fp32, and the
-same number of steps, as
+Each side's tokens/s beside the others', and its model FLOP/s beside the fp32 GEMM rate
+of the same processes x threads on this machine.
+
+One invocation trains one Llama shape, `--shape` (each flag such as `--hidden` still
+overrides it; presets in `bench/shapes.py`):
+
+* `default`: the project's, hidden 128, intermediate 352, 4 layers, 4 heads, 2 KV heads,
+  vocabulary 4096, blocks of 128, per-device batch 8 (1.8M parameters);
+* `27m`: hidden 512, intermediate 1344, 8 layers, 8 heads, 4 KV heads, vocabulary 4096,
+  blocks of 256, per-device batch 4 (27.0M parameters);
+* `110m`: hidden 768, intermediate 3072, 12 layers, 12 heads, 4 KV heads, vocabulary
+  4096, blocks of 512, per-device batch 2 (110.1M parameters),
+
+on the same random token blocks (saved with `datasets`, read back memory-mapped), with
+the same global batch (per-device batch x world), AdamW hyper-parameters (lr 3e-3,
+betas 0.9/0.95, eps 1e-8, weight decay 0.1 off norms), `max_grad_norm=1.0`, fp32, and
+the same number of steps, as
 
 (a) meshtrain: `make_worker_spec` + `run_workers(worker_main_sequence, ...)`, the real
-    loop (`meshtrain.trainer.Trainer`: flat buffer, `ShardedAdamW`, ZeRO-1 at dp > 1 with
-    the bucketed gradient reductions started during the backward; at dp=2 also once
-    with `training.overlap_grad_reduce=false`, the reductions after the backward),
-    logging every step (`log_every=1`, the project default: a loss all-reduce and
-    `.item()` per step), `eval_batches=0`, `checkpoint_every` beyond the run (the final
-    step still saves one checkpoint; it is not timed, see below);
+    loop (`meshtrain.trainer.Trainer`), as the planner lays the run out (`meshtrain`;
+    whether ZeRO-1 is on is the planner's call, and each run prints its layout's name),
+    logging every step (`log_every=1`: a loss all-reduce and `.item()` per step),
+    `eval_batches=0`, `checkpoint_every` beyond the run (the final step still saves one,
+    untimed, deleted after the run). At world 2 also with `parallel.zero_1=true`
+    (`meshtrain_zero1`); with `--layouts` (on at 27m and 110m) at tp=2 (`meshtrain_tp2`)
+    and pp=2 with 1F1B over 4 microbatches (`meshtrain_pp2`), dp 1, the one rank's
+    per-device batch the whole global batch; with `--after` (on at the default shape)
+    with the bucketed reductions after the backward (`training.overlap_grad_reduce=false`).
+    `--compile` adds `training.compile=true`; `--control` (on at 27m and 110m) runs
+    `meshtrain` once more, identical code: its ratio to `meshtrain` (A/A) is the noise;
 (b) Hugging Face `Trainer` (transformers + accelerate), everything else at its defaults,
     launched with `run_workers` and an entry point that builds the `Trainer`: at dp=2
-    accelerate reads the torch elastic env (DDP over gloo, which the Trainer creates
-    with `find_unused_parameters=True` for a model without gradient checkpointing); in
-    one process the entry point first drops the launcher's distributed variables, so
-    it runs as `python train.py` would (no process group, no DDP). `eval_strategy="no"`,
-    `save_strategy="no"`, `report_to=[]`, the default optimizer of this release
-    (`adamw_torch_fused`: torch AdamW, `fused=True`), cosine schedule with the same
-    warm-up, `dataloader_num_workers=0`, `logging_steps=1` (so it too pulls the loss
-    and grad norm to the host every step);
+    accelerate reads the torch elastic env (DDP over gloo, `find_unused_parameters=True`
+    as the Trainer sets it for a model without gradient checkpointing); in one process
+    the entry point first drops the launcher's distributed variables, so it runs as
+    `python train.py` would. `eval_strategy="no"`, `save_strategy="no"`, `report_to=[]`,
+    this release's default optimizer (`adamw_torch_fused`), cosine schedule with the
+    same warm-up, `dataloader_num_workers=0`, `logging_steps=1` (the loss and grad norm
+    to the host every step too);
 (c) in one process only, launched the same way: a bare loop with no process group,
-    `AutoModelForCausalLM.from_config`, torch AdamW
-    (its defaults), `clip_grad_norm_`, the blocks preloaded into one tensor, `.item()`
-    of the loss every step.
+    `AutoModelForCausalLM.from_config`, torch AdamW (its defaults), `clip_grad_norm_`,
+    the blocks preloaded into one tensor, `.item()` of the loss every step.
 
-dp=2 compares (a) and (b); one process compares (a) with nproc 1, (b) and (c). Every
-run is a fresh process (group) started by `run_workers` (a process that has already
-trained, or launched others, is not a fair place for the next side). Every
-process of every side runs `--threads` intra-op threads (default 1; `auto` is
-meshtrain's own rule, `os.cpu_count() // ranks`, which on a 2-core machine shared
-with other jobs gives 2 OpenMP threads to a single process and step times that
-swing 10x whenever one of them is descheduled). meshtrain gets it from the timing
-hook below, after `worker_main_sequence` has set its own.
+World 2 compares (a) with (b); one process compares (a), (b) and (c). Every run is a
+fresh process (group) started by `run_workers`. Every process runs `--threads`
+intra-op threads: 1 at the default shape (on a shared 2-core machine `auto` swings
+step times 10x whenever a thread is descheduled), `auto` at 27m and 110m
+(`os.cpu_count() // ranks`, meshtrain's own rule: the whole machine per side, as a
+user would run it).
 
-What is timed, identically for all three: each run trains `warmup + steps + 1` steps
-and records the wall clock at the *start* of every step (meshtrain: the loop's
-sampler is swapped, in the worker process only, for a subclass that notes the time
-when `train` asks it for the step's samples, first thing in every step -- `src/` is
-not changed; Trainer: `TrainerCallback.on_step_begin`; bare loop: the loop itself).
-Throughput = `steps * tokens per step / (start[warmup + steps] - start[warmup])`:
-`steps` whole steps after `warmup` warm-up steps, including everything a loop does
-between steps (data loading, logging, host syncs, callbacks), excluding start-up,
-warm-up, the final step and what follows it (meshtrain's checkpoint save, the
-Trainer's wrap-up). For reference each run also prints meshtrain's own
-`mean_tokens_per_s` (mean of per-step rates over all logged steps but the first,
-warm-up included, timed inside the step only) and the Trainer's whole-run rate from
-`train_runtime` (warm-up included).
+Timing, identical for all sides: each run trains `warmup + steps + 1` steps and
+records the wall clock at the *start* of every step (meshtrain: the loop's sampler is
+swapped, in the worker only, for a subclass that notes the time when `train` asks it
+for the step's samples, first thing in a step -- `src/` is not changed; Trainer:
+`TrainerCallback.on_step_begin`; bare loop: the loop itself). Throughput = `steps *
+tokens per step / (start[warmup + steps] - start[warmup])`: whole steps with everything
+a loop does between them (data, logging, host syncs, callbacks), without start-up,
+warm-up, the last step and what follows it. Each run also prints meshtrain's own
+`mean_tokens_per_s` and the Trainer's whole-run rate from `train_runtime`. Each
+configuration runs `--repeats` times, the order of the sides reversed on every other
+repeat; only ratios measured side by side mean anything on a shared machine.
 
-Each configuration runs `--repeats` times (default 2), the order of the sides
-reversed on every other repeat. Only ratios measured side by side mean anything on a
-shared machine; nothing is asserted.
+The machine's limit (`bench/machine_limit.py`): fp32 `torch.mm` of n = 1024 and 2048 in
+P concurrent processes of T threads, for each (processes, threads) a side runs, at
+the start and at the end of the invocation; their mean is the base of "MFU vs GEMM".
+Model FLOPs per token (issue #19): 6 x parameters without the input embedding (the
+untied LM head counts) + 12 x layers x hidden x block length. The tables give per side
+its layout, tokens/s per repeat, mean and at the median step time, model GFLOP/s (mean
+tokens/s x FLOPs per token) and that over the GEMM rate; then meshtrain's ratio to each
+other side (mean, per repeat, at the median step) with the A/A beside it; then the
+targets: meshtrain / HF Trainer at dp=2 >= 1.05 (1.10 at the default shape), meshtrain
+/ bare loop in one process >= 1.05 (0.97 at the default shape), meshtrain's one-process
+MFU vs GEMM >= 0.85. Nothing is asserted.
 
 `--profile` adds where a step's time goes, per phase: a copy of the loop of
 `meshtrain.trainer.Trainer` (same components: `parallelize`, `FlatParameters`, the
-pieces of `ShardedAdamW.step`, `BlockStore`, `GlobalBatchSampler`) with timers
-around data, forward, loss, backward, gradient reduction, norm and clipping, AdamW,
-parameter all-gather, zero_grad and the logging sync; at dp > 1 the same copy with
-the gradient reduction after the backward instead of during it, and with `zero_1`
-off; and the same timers around what the
-Trainer runs underneath (DDP with `find_unused_parameters=True`, `clip_grad_norm_`,
-fused AdamW, `zero_grad(set_to_none=True)`). All columns run in one process group,
-warmed up, in alternating blocks of a few steps (so load from other jobs falls on
-all of them alike).
+pieces of `ShardedAdamW.step`, `BlockStore`, `GlobalBatchSampler`) with timers around
+data, forward, loss, backward, gradient reduction, norm and clipping, AdamW, parameter
+all-gather, zero_grad and the logging sync; at dp > 1 also with the reduction after
+the backward, and with `zero_1` off; and the same timers around what the Trainer runs
+underneath (DDP, `clip_grad_norm_`, fused AdamW, `zero_grad(set_to_none=True)`). All
+columns run in one process group, warmed up, in alternating blocks of a few steps.
 
-    .venv/bin/python bench/throughput.py                  # default shape, ~3-5 min
-    .venv/bin/python bench/throughput.py --repeats 4      # steadier ratios, ~6-8 min
+Rough durations on the 2-core machine when it is quiet (estimated from short runs;
+two to three times longer with other jobs on it):
+
+    .venv/bin/python bench/throughput.py                  # default shape, ~6-8 min
+    .venv/bin/python bench/throughput.py --shape 27m      # ~25-30 min (30 runs)
+    .venv/bin/python bench/throughput.py --shape 110m     # ~1 h (30 runs)
+    .venv/bin/python bench/throughput.py --shape 27m --worlds 1   # one process, ~8 min
     .venv/bin/python bench/throughput.py --profile-only   # only the per-phase tables
     .venv/bin/python bench/throughput.py --compile        # + meshtrain with torch.compile
-    .venv/bin/python bench/throughput.py --control        # + meshtrain again: the noise
-    .venv/bin/python bench/throughput.py --hidden 512 --intermediate 1408 --layers 8 \\
-        --heads 8 --kv-heads 4 --steps 8 --warmup 2      # a larger shape
+    .venv/bin/python bench/machine_limit.py               # the GEMM rate alone, ~15 s
 """
 
 from __future__ import annotations
@@ -88,6 +106,7 @@ use_offline_defaults()
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import itertools  # noqa: E402
+import shutil  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
@@ -99,9 +118,18 @@ from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 import datasets  # noqa: E402
+import machine_limit  # noqa: E402
+import throughput_report  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from shapes import (  # noqa: E402
+    LAYOUTS,
+    add_run_arguments,
+    add_shape_arguments,
+    apply_shape,
+    model_flops_per_token,
+)
 from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
 
 from meshtrain.components.lr_schedule import warmup_cosine  # noqa: E402
@@ -142,16 +170,29 @@ LAUNCHER_ENV = (
     "MASTER_PORT",
     "TORCHELASTIC_USE_AGENT_STORE",
 )
-# The sides compared at each world size (the bare loop is one process by definition).
-# At dp=2 meshtrain also runs with its bucketed gradient reduction after the backward
-# instead of during it (`training.overlap_grad_reduce=false`), to show what overlap buys.
-SYSTEMS = {
-    2: ("meshtrain", "trainer", "meshtrain_after"),
+# The sides of each world size, in run order (reversed on odd repeats); `world_sides`
+# adds the optional ones. At dp=2, meshtrain with the planner's default layout, with
+# ZeRO-1 forced on, and (at the default shape) with its bucketed gradient reduction
+# after the backward instead of during it, to show what overlap buys.
+SIDES = {
+    2: ("meshtrain", "trainer", "meshtrain_zero1"),
     1: ("meshtrain", "trainer", "bare"),
+}
+# meshtrain sides: (parallel.* overrides, training.* overrides) over the default layout.
+MESHTRAIN_SIDES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "meshtrain": ({}, {}),
+    "meshtrain_again": ({}, {}),
+    "meshtrain_zero1": ({"zero_1": True}, {}),
+    "meshtrain_after": ({}, {"overlap_grad_reduce": False}),
+    "meshtrain_compile": ({}, {"compile": True}),
+    **{f"meshtrain_{name}": (parallel, {}) for name, parallel in LAYOUTS.items()},
 }
 LABELS = {
     "meshtrain": "meshtrain",
+    "meshtrain_zero1": "meshtrain, parallel.zero_1=true",
     "meshtrain_after": "meshtrain, reduction after backward",
+    "meshtrain_tp2": "meshtrain, tp=2 (dp 1)",
+    "meshtrain_pp2": "meshtrain, pp=2 (dp 1, 1F1B, 4 microbatches)",
     "meshtrain_compile": "meshtrain, training.compile=true",
     "meshtrain_again": "meshtrain again (control: identical code)",
     "trainer": "HF Trainer",
@@ -161,52 +202,37 @@ LABELS = {
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--hidden", type=int, default=128)
-    parser.add_argument("--intermediate", type=int, default=352)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--kv-heads", type=int, default=2)
-    parser.add_argument("--vocab", type=int, default=4096)
-    parser.add_argument("--block", type=int, default=128)
-    parser.add_argument("--batch", type=int, default=8, help="per-device batch")
+    add_shape_arguments(parser)
     parser.add_argument(
         "--bucket-mb",
         type=float,
         default=RunConfig.from_params().training.grad_bucket_mb,
         help="meshtrain's training.grad_bucket_mb (default: the project's)",
     )
-    parser.add_argument("--steps", type=int, default=20, help="timed steps per run")
-    parser.add_argument("--warmup", type=int, default=5, help="untimed steps first")
-    parser.add_argument("--repeats", type=int, default=2, help="order reversed on odd repeats")
     parser.add_argument(
         "--worlds", type=int, nargs="+", default=[2, 1], help="process counts to compare"
     )
-    parser.add_argument(
-        "--threads",
-        default="1",
-        help="intra-op threads of every process of every side; auto: cpu_count // ranks",
-    )
+    add_run_arguments(parser)
     parser.add_argument(
         "--compile",
         action="store_true",
         help="add a meshtrain side with training.compile=true (compiled during the warm-up)",
     )
-    parser.add_argument(
-        "--control",
-        action="store_true",
-        help="add meshtrain once more, identical: the ratio of the two is the noise",
-    )
     parser.add_argument("--profile", action="store_true", help="add the per-phase breakdown")
     parser.add_argument("--profile-only", action="store_true", help="only the per-phase breakdown")
     parser.add_argument("--work-dir", type=Path, default=None, help="default: a temp dir")
     parser.add_argument("--verbose", action="store_true", help="show the ranks' output")
-    args = parser.parse_args(argv)
+    args = apply_shape(parser.parse_args(argv))
+    layouts = "" if args.layouts == "none" else args.layouts
+    args.layouts = [name for name in layouts.split(",") if name]
     if args.steps < 1 or args.warmup < 1:
         parser.error("--steps and --warmup must be at least 1")
-    if any(world not in SYSTEMS for world in args.worlds):
+    if any(world not in SIDES for world in args.worlds):
         parser.error("--worlds takes 1 and/or 2")
     if args.threads != "auto" and not (args.threads.isdigit() and int(args.threads) > 0):
         parser.error("--threads is a positive integer or auto")
+    if any(name not in LAYOUTS for name in args.layouts):
+        parser.error(f"--layouts takes {','.join(LAYOUTS)} or none")
     return args
 
 
@@ -330,20 +356,22 @@ def meshtrain_entry(specs: list[Any], job: dict[str, Any]) -> dict[str, Any] | N
 
 
 def meshtrain_spec(
-    job: dict[str, Any],
-    blocks: datasets.DatasetDict,
-    out: Path,
-    name: str,
-    training: dict[str, Any] | None = None,
+    job: dict[str, Any], blocks: datasets.DatasetDict, out: Path, name: str, side: str = "meshtrain"
 ):
+    """The worker spec of one meshtrain side, planned as `kedro run` would. The global
+    batch is `batch x world` at every layout: at tp/pp the dp ranks left take it whole."""
     from meshtrain.launch.job import make_worker_spec
 
     world = job["world"]
+    parallel, training = MESHTRAIN_SIDES[side]
+    tp = parallel.get("tensor_parallel_size", 1)
+    pp = parallel.get("pipeline_parallel_size", 1)
+    dp = world // (tp * pp)
     run = RunConfig.from_params(
-        parallel={"data_parallel_size": world},
+        parallel={"data_parallel_size": dp, **parallel},
         training={
             **OPTIM,
-            "per_device_train_batch_size": job["batch"],
+            "per_device_train_batch_size": job["batch"] * world // dp,
             "max_steps": job["warmup"] + job["steps"] + 1,
             "warmup_steps": job["warmup"],
             "seed": SEED,
@@ -355,7 +383,7 @@ def meshtrain_spec(
             "output_dir": str(out),
             "run_name": name,
             "grad_bucket_mb": job["bucket_mb"],
-            **(training or {}),
+            **training,
         },
         launch={"nproc_per_node": world},
         model={"architecture": "llama", "config": model_fields(job)},
@@ -370,7 +398,9 @@ def meshtrain_spec(
         cuda_available=False,
     )
     assert plan.global_batch_size == job["batch"] * world, plan.global_batch_size
-    assert plan.layout.data_parallel_size == world
+    layout = plan.layout
+    sizes = (layout.data_parallel_size, layout.tensor_parallel_size, layout.pipeline_parallel_size)
+    assert sizes == (dp, tp, pp), (layout.name, side)
     spec = make_worker_spec(
         run,
         plan,
@@ -540,22 +570,18 @@ def _quiet(log: Path, verbose: bool):
 
 
 def run_one(system: str, job: dict[str, Any], blocks, root: Path, tag: str, verbose: bool):
-    """One run of one side; prints a line and returns rank 0's result with tokens/s."""
+    """One run of one side; prints a line and returns rank 0's result with tokens/s and
+    the layout that ran."""
     world = job["world"]
     out = root / "runs"
     tokens_per_step = job["batch"] * world * job["block"]
     began = time.perf_counter()
     with _quiet(root / "ranks.log", verbose):
         if system.startswith("meshtrain"):
-            training = {
-                "meshtrain_after": {"overlap_grad_reduce": False},
-                "meshtrain_compile": {"compile": True},
-            }.get(system, {})
-            spec, launch = meshtrain_spec(job, blocks, out, tag, training)
+            spec, launch = meshtrain_spec(job, blocks, out, tag, system)
             results = run_workers(
                 meshtrain_entry, ([spec], job), launch, log_dir=out / tag / "logs", run_id=tag
             )
-            result = results[0]
         else:
             entry = trainer_entry if system == "trainer" else bare_entry
             results = run_workers(
@@ -565,29 +591,16 @@ def run_one(system: str, job: dict[str, Any], blocks, root: Path, tag: str, verb
                 log_dir=out / tag / "logs",
                 run_id=tag,
             )
-            result = results[0]
+    result = results[0]
+    _drop_outputs(out / tag)
     result["tokens_per_s"], result["median_tokens_per_s"] = _throughput(
         result["starts"], job, tokens_per_step
     )
     result["wall_s"] = time.perf_counter() - began
-    extra = ""
-    if system.startswith("meshtrain"):
-        summary = result["summary"]
-        buckets = summary["gradient_buckets"]
-        extra = (
-            f"; own mean_tokens_per_s {summary['mean_tokens_per_s']:,.0f}; "
-            f"{buckets['started_in_backward']} of {buckets['count']} gradient buckets "
-            "started in the backward"
-        )
-    elif system == "trainer":
-        whole = (job["warmup"] + job["steps"] + 1) * tokens_per_step / result["train_runtime"]
-        extra = (
-            f"; whole run from train_runtime {whole:,.0f}; {result['parallel_mode']}, "
-            f"{result['wrapped']}, {result['optimizer']} ({result['optim']})"
-        )
+    result["layout"], extra = _describe_run(system, result, job, tokens_per_step)
     print(
         f"  {tag:<20} {result['tokens_per_s']:>8,.0f} tokens/s (median step "
-        f"{result['median_tokens_per_s']:,.0f}; "
+        f"{result['median_tokens_per_s']:,.0f}; {result['layout']}; "
         f"{result['threads']} thread(s)/process, {result['wall_s']:.0f}s with start-up"
         f"{extra})",
         flush=True,
@@ -595,68 +608,80 @@ def run_one(system: str, job: dict[str, Any], blocks, root: Path, tag: str, verb
     return result
 
 
-def throughput_tables(args: argparse.Namespace, root: Path, blocks_path: Path) -> list[str]:
+def _drop_outputs(run_dir: Path) -> None:
+    """Delete what a run wrote but its logs (meshtrain's final checkpoint: 1.3 GB at
+    110M parameters, once per run)."""
+    for path in run_dir.iterdir() if run_dir.is_dir() else ():
+        if path.name != "logs":
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
+def _describe_run(
+    system: str, result: dict[str, Any], job: dict[str, Any], tokens_per_step: int
+) -> tuple[str, str]:
+    """The layout that ran, and what else the run line says about it."""
+    if system.startswith("meshtrain"):
+        summary = result["summary"]
+        buckets = summary["gradient_buckets"]
+        return summary["layout_name"], (
+            f"; own mean_tokens_per_s {summary['mean_tokens_per_s']:,.0f}; "
+            f"{buckets['started_in_backward']} of {buckets['count']} gradient buckets "
+            "started in the backward"
+        )
+    if system == "trainer":
+        whole = (job["warmup"] + job["steps"] + 1) * tokens_per_step / result["train_runtime"]
+        layout = f"{result['parallel_mode']}, {result['wrapped']}"
+        return layout, (
+            f"; whole run from train_runtime {whole:,.0f}; "
+            f"{result['optimizer']} ({result['optim']})"
+        )
+    return "1 process, no group", ""
+
+
+def world_sides(world: int, args: argparse.Namespace) -> tuple[str, ...]:
+    """The sides run at `world` processes, in run order."""
+    sides = SIDES[world]
+    if world == 2:
+        sides += ("meshtrain_after",) if args.after else ()
+        sides += tuple(f"meshtrain_{name}" for name in args.layouts)
+    sides += ("meshtrain_compile",) if args.compile else ()
+    return sides + (("meshtrain_again",) if args.control else ())
+
+
+def run_world(
+    world: int, args: argparse.Namespace, root: Path, blocks_path: Path
+) -> dict[str, dict[str, list]]:
+    """Every side of `world`, `--repeats` times, the order reversed on odd repeats: per
+    side, its tokens/s, tokens/s at the median step, and layout, one per repeat."""
     blocks = datasets.load_from_disk(str(blocks_path))
-    lines: list[str] = []
-    verdicts: list[str] = []
-    defaults = vars(parse_args([]))
-    shape = ("hidden", "intermediate", "layers", "heads", "kv_heads", "vocab", "block", "batch")
-    other_shape = any(getattr(args, key) != defaults[key] for key in shape)
-    for world in args.worlds:
-        job = {**vars(args), "world": world, "blocks": str(blocks_path), "work_dir": None}
-        job.pop("worlds")
-        systems = (
-            SYSTEMS[world]
-            + (("meshtrain_compile",) if args.compile else ())
-            + (("meshtrain_again",) if args.control else ())
-        )
-        results: dict[str, list[float]] = defaultdict(list)
-        medians: dict[str, list[float]] = defaultdict(list)
-        for repeat in range(args.repeats):
-            order = systems if repeat % 2 == 0 else tuple(reversed(systems))
-            print(f"world {world}, repeat {repeat + 1}: {' -> '.join(order)}", flush=True)
-            for system in order:
-                tag = f"w{world}-r{repeat + 1}-{system}"
-                result = run_one(system, job, blocks, root, tag, args.verbose)
-                results[system].append(result["tokens_per_s"])
-                medians[system].append(result["median_tokens_per_s"])
-        mean = {s: statistics.fmean(v) for s, v in results.items()}
-        median = {s: statistics.fmean(v) for s, v in medians.items()}
-        layout = f"dp={world}" if world > 1 else "1 process"
-        lines.append("")
-        lines.append(
-            f"{layout}: global batch {args.batch * world} x {args.block} tokens, "
-            f"{args.steps} timed steps after {args.warmup} warm-up, "
-            f"{_threads(job, world)} thread(s) per process; tokens/s"
-        )
-        reps = " | ".join(f"rep {r + 1}" for r in range(args.repeats))
-        lines.append(f"| side | {reps} | mean | at the median step time (mean) |")
-        lines.append("|---|" + "---:|" * (args.repeats + 2))
-        for system in systems:
-            cells = " | ".join(f"{v:,.0f}" for v in results[system])
-            lines.append(
-                f"| {LABELS[system]} | {cells} | {mean[system]:,.0f} | {median[system]:,.0f} |"
-            )
-        for other in systems[1:]:
-            paired = [m / o for m, o in zip(results["meshtrain"], results[other], strict=True)]
-            ratio = mean["meshtrain"] / mean[other]
-            lines.append(
-                f"meshtrain / {LABELS[other]}: {ratio:.3f}x "
-                f"(per repeat: {', '.join(f'{r:.3f}' for r in paired)}; "
-                f"at the median step time: {median['meshtrain'] / median[other]:.3f}x)"
-            )
-            target = {(2, "trainer"): 1.10, (1, "bare"): 0.97}.get((world, other))
-            if target is not None:
-                met = "met" if ratio >= target else "NOT met"
-                if other_shape:
-                    met += " (but the targets are set for the default shape)"
-                verdicts.append(
-                    f"target meshtrain / {LABELS[other]} >= {target:.2f}x at {layout}: "
-                    f"{ratio:.3f}x, {met}"
-                )
-    lines.append("")
-    lines.extend(verdicts)
-    return lines
+    job = {**vars(args), "world": world, "blocks": str(blocks_path), "work_dir": None}
+    job.pop("worlds")
+    sides = world_sides(world, args)
+    runs: dict[str, dict[str, list]] = {side: defaultdict(list) for side in sides}
+    for repeat in range(args.repeats):
+        order = sides if repeat % 2 == 0 else tuple(reversed(sides))
+        print(f"world {world}, repeat {repeat + 1}: {' -> '.join(order)}", flush=True)
+        for side in order:
+            tag = f"w{world}-r{repeat + 1}-{side}"
+            result = run_one(side, job, blocks, root, tag, args.verbose)
+            for key in ("tokens_per_s", "median_tokens_per_s", "layout"):
+                runs[side][key].append(result[key])
+    return runs
+
+
+def throughput_tables(
+    args: argparse.Namespace, root: Path, blocks_path: Path, flops_per_token: int
+) -> list[str]:
+    """The machine's GEMM rate, every world's sides, the GEMM rate again; the tables."""
+    arrangements = {world: (world, _threads(vars(args), world)) for world in args.worlds}
+    print(f"machine limit, start: fp32 GEMM at {sorted(set(arrangements.values()))}", flush=True)
+    start = machine_limit.measure(sorted(set(arrangements.values())))
+    print("\n".join(machine_limit.describe(start)), flush=True)
+    runs = {world: run_world(world, args, root, blocks_path) for world in args.worlds}
+    print("machine limit, end", flush=True)
+    end = machine_limit.measure(sorted(set(arrangements.values())))
+    print("\n".join(machine_limit.describe(end)), flush=True)
+    return throughput_report.report(args, runs, (start, end), arrangements, flops_per_token, LABELS)
 
 
 # --------------------------------------------------------------------------- --profile
@@ -949,17 +974,21 @@ def main() -> None:
         num_train = max(1024, total_steps * args.batch * max(args.worlds) * 2)
         blocks_path = make_blocks(root, args, num_train)
         config = build_model_config("llama", model_fields(args), vocab_size=args.vocab)
-        parameters = sum(p.numel() for p in build_model(config, seed=SEED).parameters())
+        model = build_model(config, seed=SEED)
+        parameters = sum(p.numel() for p in model.parameters())
+        flops = model_flops_per_token(model, args.layers, args.hidden, args.block)
+        del model
         header = [
-            f"Llama: hidden {args.hidden}, intermediate {args.intermediate}, "
-            f"{args.layers} layers, {args.heads} heads, {args.kv_heads} KV heads, vocab "
-            f"{args.vocab} ({parameters:,} parameters); blocks of {args.block}, per-device "
-            f"batch {args.batch}; {os.cpu_count()} CPUs; torch {torch.__version__}",
+            f"Llama (--shape {args.shape}): hidden {args.hidden}, intermediate "
+            f"{args.intermediate}, {args.layers} layers, {args.heads} heads, {args.kv_heads} KV "
+            f"heads, vocab {args.vocab} ({parameters:,} parameters; {flops / 1e6:,.1f} MFLOPs "
+            f"per token); blocks of {args.block}, per-device batch {args.batch}; "
+            f"{os.cpu_count()} CPUs; torch {torch.__version__}",
         ]
         print(header[0], flush=True)
         lines: list[str] = []
         if not args.profile_only:
-            lines += throughput_tables(args, root, blocks_path)
+            lines += throughput_tables(args, root, blocks_path, flops)
         if args.profile or args.profile_only:
             lines += profile_tables(args, root, blocks_path)
         print()

@@ -1,0 +1,110 @@
+"""The model shapes `bench/throughput.py` measures, their run defaults and targets, and the
+model FLOPs per token its "MFU" columns count.
+
+Imported by the scripts beside it; not a benchmark itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import torch
+
+# The model and batch of each preset, then what a run at it defaults to when the flags
+# are not given: timed steps, warm-up steps, repeats, threads per process ("auto": the
+# node's cores split between its processes, as a user would run), the extra world-2
+# layouts, the A/A control side, and meshtrain with the reduction after the backward.
+SHAPE_FIELDS = ("hidden", "intermediate", "layers", "heads", "kv_heads", "vocab", "block", "batch")
+RUN_FIELDS = ("steps", "warmup", "repeats", "threads", "layouts", "control", "after")
+SHAPES: dict[str, dict[str, Any]] = {
+    "default": {
+        **dict(zip(SHAPE_FIELDS, (128, 352, 4, 4, 2, 4096, 128, 8), strict=True)),
+        **dict(zip(RUN_FIELDS, (20, 5, 2, "1", "", False, True), strict=True)),
+    },
+    "27m": {
+        **dict(zip(SHAPE_FIELDS, (512, 1344, 8, 8, 4, 4096, 256, 4), strict=True)),
+        **dict(zip(RUN_FIELDS, (8, 2, 3, "auto", "tp2,pp2", True, False), strict=True)),
+    },
+    "110m": {
+        **dict(zip(SHAPE_FIELDS, (768, 3072, 12, 12, 4, 4096, 512, 2), strict=True)),
+        **dict(zip(RUN_FIELDS, (4, 1, 3, "auto", "tp2,pp2", True, False), strict=True)),
+    },
+}
+# Issue #19's targets: meshtrain / HF Trainer at dp=2, meshtrain / bare loop in one
+# process (the default shape keeps the targets it had), and meshtrain's one-process
+# model FLOP/s against the GEMM rate of the same cores.
+TARGETS: dict[str, dict[str, float]] = {
+    "default": {"trainer": 1.10, "bare": 0.97, "mfu": 0.85},
+    "27m": {"trainer": 1.05, "bare": 1.05, "mfu": 0.85},
+    "110m": {"trainer": 1.05, "bare": 1.05, "mfu": 0.85},
+}
+# The extra world-2 layouts `--layouts` names: parallel.* overrides (dp is what is left).
+LAYOUTS: dict[str, dict[str, Any]] = {
+    "tp2": {"tensor_parallel_size": 2},
+    "pp2": {
+        "pipeline_parallel_size": 2,
+        "pipeline_schedule": "1f1b",
+        "pipeline_parallel_num_microbatches": 4,
+    },
+}
+
+
+def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--shape` and the shape flags; each flag left unset takes the preset's value."""
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="default")
+    for name in SHAPE_FIELDS:
+        flag = "--" + name.replace("_", "-")
+        helps = {"batch": "per-device batch"}
+        parser.add_argument(flag, type=int, default=None, help=helps.get(name, "from --shape"))
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """The run flags whose defaults `apply_shape` takes from the preset."""
+    parser.add_argument("--steps", type=int, help="timed steps per run (default: the shape's)")
+    parser.add_argument("--warmup", type=int, help="untimed steps first (default: the shape's)")
+    parser.add_argument("--repeats", type=int, help="order reversed on odd repeats")
+    parser.add_argument(
+        "--threads",
+        help="intra-op threads of every process of every side; auto: cpu_count // ranks "
+        "(default: 1 at the default shape, auto at the others)",
+    )
+    parser.add_argument(
+        "--layouts",
+        help=f"extra meshtrain layouts at world 2, from {','.join(LAYOUTS)}, or none "
+        "(default: none at the default shape, all at the others)",
+    )
+    parser.add_argument(
+        "--control",
+        action=argparse.BooleanOptionalAction,
+        help="meshtrain once more, identical: the A/A ratio is the noise (default: off at "
+        "the default shape, on at the others)",
+    )
+    parser.add_argument(
+        "--after",
+        action=argparse.BooleanOptionalAction,
+        help="at world 2, meshtrain with the reduction after the backward (default: on "
+        "at the default shape only)",
+    )
+
+
+def apply_shape(args: argparse.Namespace) -> argparse.Namespace:
+    """Fill every flag left at None from the preset of `args.shape`."""
+    preset = SHAPES[args.shape]
+    for name in (*SHAPE_FIELDS, *RUN_FIELDS):
+        if getattr(args, name) is None:
+            setattr(args, name, preset[name])
+    return args
+
+
+def differs_from_preset(args: argparse.Namespace) -> bool:
+    """Whether a shape flag moved the model or batch away from the preset's."""
+    preset = SHAPES[args.shape]
+    return any(getattr(args, name) != preset[name] for name in SHAPE_FIELDS)
+
+
+def model_flops_per_token(model: torch.nn.Module, layers: int, hidden: int, seq: int) -> int:
+    """Issue #19's model FLOPs per trained token: 6 x the parameters but the input
+    embedding (the untied LM head counts) + 12 x layers x hidden x sequence (attention)."""
+    counted = sum(p.numel() for name, p in model.named_parameters() if "embed_tokens" not in name)
+    return 6 * counted + 12 * layers * hidden * seq

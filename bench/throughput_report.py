@@ -1,0 +1,141 @@
+"""The tables, ratios and verdicts `bench/throughput.py` prints from its runs.
+
+Imported by the scripts beside it; not a benchmark itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from typing import Any
+
+from shapes import TARGETS, differs_from_preset
+
+Runs = dict[str, dict[str, list]]  # side -> tokens_per_s / median_tokens_per_s / layout
+Limits = dict[tuple[int, int], dict[str, Any]]  # (processes, threads) -> a gemm_rate
+
+
+def report(
+    args: argparse.Namespace,
+    runs: dict[int, Runs],
+    limits: tuple[Limits, Limits],
+    arrangements: dict[int, tuple[int, int]],
+    flops_per_token: int,
+    labels: dict[str, str],
+) -> list[str]:
+    """The machine limit, each world's table and ratios, then the verdicts."""
+    start, end = limits
+    gemm = {key: (start[key]["gflops"] + end[key]["gflops"]) / 2 for key in start}
+    lines = ["", "machine limit: fp32 torch.mm GFLOP/s, summed over concurrent processes"]
+    for (processes, threads), rate in gemm.items():
+        lines.append(
+            f"  {processes} process(es) x {threads} thread(s): start "
+            f"{start[processes, threads]['gflops']:,.1f}, end "
+            f"{end[processes, threads]['gflops']:,.1f}, mean {rate:,.1f} (the MFU base)"
+        )
+    verdicts: list[str] = []
+    for world, sides in runs.items():
+        rate = gemm[arrangements[world]]
+        lines += world_table(args, world, sides, arrangements[world], rate, flops_per_token, labels)
+        lines += ratio_lines(sides, labels)
+        verdicts += world_verdicts(args, world, sides, rate, flops_per_token, labels)
+    return [*lines, "", *verdicts]
+
+
+def _mean(sides: Runs, key: str = "tokens_per_s") -> dict[str, float]:
+    return {side: statistics.fmean(values[key]) for side, values in sides.items()}
+
+
+def world_table(
+    args: argparse.Namespace,
+    world: int,
+    sides: Runs,
+    arrangement: tuple[int, int],
+    gemm: float,
+    flops_per_token: int,
+    labels: dict[str, str],
+) -> list[str]:
+    """One row per side: its layout, tokens/s per repeat and mean, at the median step,
+    model GFLOP/s and that over the GEMM rate of the same processes x threads."""
+    mean, median = _mean(sides), _mean(sides, "median_tokens_per_s")
+    processes, threads = arrangement
+    reps = " | ".join(f"rep {r + 1}" for r in range(args.repeats))
+    lines = [
+        "",
+        f"{world} process(es): global batch {args.batch * world} x {args.block} tokens, "
+        f"{args.steps} timed steps after {args.warmup} warm-up, {threads} thread(s) per "
+        f"process; tokens/s; model GFLOP/s = mean tokens/s x {flops_per_token:,} FLOPs; "
+        f"MFU vs the {processes}x{threads} GEMM rate, {gemm:,.1f} GFLOP/s",
+        f"| side | layout | {reps} | mean | at the median step (mean) | model GFLOP/s | "
+        "MFU vs GEMM |",
+        "|---|---|" + "---:|" * (args.repeats + 4),
+    ]
+    for side, values in sides.items():
+        cells = " | ".join(f"{v:,.0f}" for v in values["tokens_per_s"])
+        achieved = mean[side] * flops_per_token / 1e9
+        lines.append(
+            f"| {labels[side]} | {', '.join(sorted(set(values['layout'])))} | {cells} | "
+            f"{mean[side]:,.0f} | {median[side]:,.0f} | {achieved:,.1f} | {achieved / gemm:.3f} |"
+        )
+    return lines
+
+
+def control(sides: Runs) -> str:
+    """The A/A ratio, meshtrain again / meshtrain (the noise of this invocation)."""
+    if "meshtrain_again" not in sides:
+        return "A/A not measured (--control)"
+    mean = _mean(sides)
+    again, ours = sides["meshtrain_again"]["tokens_per_s"], sides["meshtrain"]["tokens_per_s"]
+    per_repeat = ", ".join(f"{a / m:.3f}" for a, m in zip(again, ours, strict=True))
+    return f"A/A {mean['meshtrain_again'] / mean['meshtrain']:.3f}x (per repeat: {per_repeat})"
+
+
+def ratio_lines(sides: Runs, labels: dict[str, str]) -> list[str]:
+    """meshtrain over every other side: of the means, per repeat, at the median step."""
+    mean, median = _mean(sides), _mean(sides, "median_tokens_per_s")
+    ours = sides["meshtrain"]["tokens_per_s"]
+    lines = []
+    for other in sides:
+        if other in ("meshtrain", "meshtrain_again"):
+            continue
+        paired = [m / o for m, o in zip(ours, sides[other]["tokens_per_s"], strict=True)]
+        lines.append(
+            f"meshtrain / {labels[other]}: {mean['meshtrain'] / mean[other]:.3f}x "
+            f"(per repeat: {', '.join(f'{r:.3f}' for r in paired)}; at the median step "
+            f"time: {median['meshtrain'] / median[other]:.3f}x); {control(sides)}"
+        )
+    return lines
+
+
+def world_verdicts(
+    args: argparse.Namespace,
+    world: int,
+    sides: Runs,
+    gemm: float,
+    flops_per_token: int,
+    labels: dict[str, str],
+) -> list[str]:
+    """Issue #19's targets at this world size, each with the A/A ratio beside it."""
+    targets = TARGETS[args.shape]
+    note = (
+        f" (the targets are set for --shape {args.shape}; this shape differs)"
+        if differs_from_preset(args)
+        else ""
+    )
+    mean = _mean(sides)
+    other = "trainer" if world == 2 else "bare"
+    where = "dp=2" if world == 2 else "1 process"
+    ratio = mean["meshtrain"] / mean[other]
+    met = "met" if ratio >= targets[other] else "NOT met"
+    lines = [
+        f"target meshtrain / {labels[other]} >= {targets[other]:.2f}x at {where}: "
+        f"{ratio:.3f}x, {met}; {control(sides)}{note}"
+    ]
+    if world == 1:
+        mfu = mean["meshtrain"] * flops_per_token / 1e9 / gemm
+        met = "met" if mfu >= targets["mfu"] else "NOT met"
+        lines.append(
+            f"target meshtrain MFU vs GEMM >= {targets['mfu']:.2f} in 1 process: {mfu:.3f}, "
+            f"{met}; {control(sides)}{note}"
+        )
+    return lines
