@@ -233,7 +233,8 @@ def test_the_planners_refusal_is_found_in_wrapped_output():
 
 LAYOUTS = "dp2 tp3 tp2 pp2"
 # adam_epsilon=1e-5: see tests/test_pipeline_e2e.py (last-bit noise near zero gradients).
-SWEEP_PARAMS = SMALL_RUN + ",training.adam_epsilon=1e-5"
+# The model is not logged: the sweep compares layouts (tests/test_pipeline_e2e.py logs one).
+SWEEP_PARAMS = SMALL_RUN + ",training.adam_epsilon=1e-5,evaluation.log_model=false"
 EXPECTED = {
     # layout: (dp, tp, pp, run name); global batch 4 x the largest dp (2) = 8 in each
     "dp2": ("2", "1", "1", "dp2-tp1-pp1"),
