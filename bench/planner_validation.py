@@ -12,6 +12,8 @@ Then, per world size and model, the planner's first choice (its search over
 all layouts that fit) is compared with the fastest layout measured.
 
     .venv/bin/python bench/planner_validation.py [--steps 6] [--only small]
+    .venv/bin/python bench/planner_validation.py --time-model --steps 6   # ~10 min
+    .venv/bin/python bench/planner_validation.py --calibrate              # ~3 min
 
 Prints a table; asserts nothing (targets: memory within +/-10% on every layout,
 the first choice within 10% of the fastest measured).
@@ -20,6 +22,8 @@ the first choice within 10% of the fastest measured).
 from __future__ import annotations
 
 import argparse
+import json
+import statistics
 import sys
 import tempfile
 import time
@@ -69,6 +73,33 @@ MODELS = {
         "block": 256,
         "batch": 4,
     },
+    # The sizes where compute dominates (issue #19; bench/throughput.py --shape 27m/110m).
+    "27m": {
+        "fields": {
+            "hidden_size": 512,
+            "intermediate_size": 1344,
+            "num_hidden_layers": 8,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 4,
+            "max_position_embeddings": 512,
+        },
+        "vocab": 4096,
+        "block": 256,
+        "batch": 4,
+    },
+    "110m": {
+        "fields": {
+            "hidden_size": 768,
+            "intermediate_size": 3072,
+            "num_hidden_layers": 12,
+            "num_attention_heads": 12,
+            "num_key_value_heads": 4,
+            "max_position_embeddings": 512,
+        },
+        "vocab": 4096,
+        "block": 512,
+        "batch": 2,
+    },
 }
 
 # (model, world size, parallel overrides[, training overrides])
@@ -111,6 +142,21 @@ LAYOUTS: list[tuple] = [
         },
     ),
 ]
+
+
+# The time model's check: dp2, tp2 and pp2 (1F1B) at the three sizes, predicted step time
+# within 20% of the measured (`--time-model`).
+TIME_MODEL_LAYOUTS: list[tuple] = [
+    (model, 2, parallel)
+    for model in ("tiny", "27m", "110m")
+    for parallel in (
+        {"data_parallel_size": 2},
+        {"tensor_parallel_size": 2},
+        {"pipeline_parallel_size": 2, "pipeline_schedule": "1f1b"},
+    )
+]
+# Matmul widths the cpu profile's rate is measured at (`--calibrate`): the models above.
+CALIBRATION_MODELS = ("tiny", "small", "27m", "110m")
 
 
 def random_blocks(vocab: int, block: int, count: int, out: Path) -> datasets.DatasetDict:
@@ -168,20 +214,27 @@ def main() -> None:
     parser.add_argument(
         "--calibrate",
         action="store_true",
-        help="measure the cpu profile's numbers (training FLOP/s on one core, gloo all-reduce "
-        "bandwidth and latency between two processes) and exit",
+        help="measure the cpu profile's numbers (training FLOP/s on one core per matmul "
+        "width, gloo all-reduce bandwidth and latency between two processes) and exit",
+    )
+    parser.add_argument(
+        "--time-model",
+        action="store_true",
+        help="only dp2, tp2 and pp2 at the tiny, 27m and 110m sizes: predicted step time "
+        "against measured (target: within 20%%)",
     )
     args = parser.parse_args()
     if args.calibrate:
         calibrate()
         return
+    layouts = TIME_MODEL_LAYOUTS if args.time_model else LAYOUTS
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         groups: dict[tuple[str, int], list[tuple[dict, Any]]] = {}
         blocks_of = {}
-        for model, world, parallel, *rest in LAYOUTS:
+        for model, world, parallel, *rest in layouts:
             training = rest[0] if rest else {}
             named = {**parallel, **training}
             if (args.only and model != args.only) or (args.match and args.match not in named):
@@ -241,7 +294,7 @@ def print_table(rows: list[tuple[str, int, dict, dict]], steps: int) -> None:
         f"{'model':6} {'layout':32} {'memory MiB: pred':>16} {'meas':>7} {'ratio':>6} "
         f"{'step ms: pred':>14} {'meas':>7} {'ratio':>6}"
     )
-    worst = 0.0
+    worst = worst_time = 0.0
     for model, _, plan, summary in rows:
         predicted = plan["memory_estimate_per_rank"]["total"]
         measured = summary["measured_peak_memory"]["peak_bytes"]
@@ -249,6 +302,7 @@ def print_table(rows: list[tuple[str, int, dict, dict]], steps: int) -> None:
         step_pred = plan["time_estimate"]["step_s"] * 1e3
         rate = summary["mean_tokens_per_s"]
         step_meas = plan["tokens_per_step"] / rate * 1e3 if rate else float("nan")
+        worst_time = max(worst_time, abs(step_pred / step_meas - 1))
         print(
             f"{model:6} {Path(summary['run_dir']).name.removeprefix(model + '-'):32} "
             f"{predicted / 2**20:16.1f} "
@@ -256,6 +310,7 @@ def print_table(rows: list[tuple[str, int, dict, dict]], steps: int) -> None:
             f"{step_pred:14.0f} {step_meas:7.0f} {step_pred / step_meas:6.2f}"
         )
     print(f"largest memory error: {worst:.1%} over {len(rows)} layouts ({steps} steps each)")
+    print(f"largest step time error: {worst_time:.1%} (target for the time model: 20%)")
 
     # The planner's own choice (tp, pp and dp all auto) against the fastest measured.
     groups: dict[tuple[str, int], list[tuple[dict, dict]]] = {}
@@ -295,34 +350,54 @@ def planner_choice(model: str, world: int) -> str:
 
 
 def calibrate() -> None:
-    """The numbers behind the `cpu` device profile, measured on this machine."""
+    """The numbers behind the `cpu` device profile, measured on this machine.
+
+    Per matmul width (the models of CALIBRATION_MODELS) and tokens per forward (one
+    sequence or 256 tokens, and the model's whole batch), the training rate of forward +
+    backward, in two fresh single-thread processes at once (as two ranks run); then
+    gloo's all-reduce latency and bandwidth between two processes.
+    """
+    points = []
+    for model in CALIBRATION_MODELS:
+        with tempfile.TemporaryDirectory() as tmp:
+            torch.multiprocessing.spawn(_rate_probe, args=(model, tmp), nprocs=2, join=True)
+            found = [json.loads(f.read_text()) for f in sorted(Path(tmp).glob("rate-*.json"))]
+        width = MODELS[model]["fields"]["hidden_size"]
+        for index, (tokens, _) in enumerate(found[0]):
+            rate = statistics.fmean(ranks[index][1] for ranks in found)
+            print(f"width {width} ({model}), {tokens} tokens: {rate:.4f} TFLOP/s per core")
+            points.append([width, tokens, round(rate, 4)])
+    print(f"planner.device_profiles: {{cpu: {{tflops_fp32_by_shape: {points}}}}}")
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.multiprocessing.spawn(_gloo_probe, args=(tmp,), nprocs=2, join=True)
+
+
+def _rate_probe(rank: int, model: str, tmp: str, steps: int = 6) -> None:
+    """[(tokens per forward, TFLOP/s)] of `model`'s forward + backward on one thread, at
+    256 tokens (or one sequence, if longer) and at the model's batch: median step times."""
     from transformers import AutoModelForCausalLM  # noqa: PLC0415
 
     from meshtrain.planner.cost import training_flops_per_token  # noqa: PLC0415
     from meshtrain.planner.memory import ModelShape  # noqa: PLC0415
 
     torch.set_num_threads(1)
-    shape = MODELS["tiny"]
+    shape = MODELS[model]
     config = build_model_config("llama", shape["fields"], vocab_size=shape["vocab"])
-    model = AutoModelForCausalLM.from_config(config)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    ids = torch.randint(0, shape["vocab"], (shape["batch"], shape["block"]))
-    times = []
-    for _ in range(8):
-        start = time.perf_counter()
-        logits = model(input_ids=ids).logits
-        torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten()).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        times.append(time.perf_counter() - start)
-    step = sorted(times[2:])[len(times[2:]) // 2]
-    flops = ids.numel() * training_flops_per_token(
-        ModelShape.from_config(config), shape["block"], "none"
-    )
-    print(f"training rate, one core: {flops / step / 1e12:.4f} TFLOP/s (median step {step:.3f} s)")
-
-    with tempfile.TemporaryDirectory() as tmp:
-        torch.multiprocessing.spawn(_gloo_probe, args=(tmp,), nprocs=2, join=True)
+    net = AutoModelForCausalLM.from_config(config)
+    block = shape["block"]
+    flops = training_flops_per_token(ModelShape.from_config(config), block, "none")
+    rates = []
+    for rows in (max(1, 256 // block), shape["batch"]):
+        ids = torch.randint(0, shape["vocab"], (rows, block))
+        times = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            logits = net(input_ids=ids).logits
+            torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten()).backward()
+            times.append(time.perf_counter() - start)
+            net.zero_grad(set_to_none=True)
+        rates.append((ids.numel(), ids.numel() * flops / statistics.median(times[2:]) / 1e12))
+    (Path(tmp) / f"rate-{rank}.json").write_text(json.dumps(rates))
 
 
 def _gloo_probe(rank: int, tmp: str) -> None:

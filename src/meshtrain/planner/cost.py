@@ -2,7 +2,11 @@
 
 - compute: training FLOPs per token (6 per matmul parameter, plus causal
   attention's `6 s h` per layer; full checkpointing adds a forward, 2 per
-  parameter) over the device's sustained rate, split over tp x pp;
+  parameter) over the device's sustained rate, split over tp and, under pp,
+  those of the busiest pipeline rank (its layers, plus the LM head on the
+  last stage's rank); where the
+  profile measures the rate per matmul size (CPU cores), at the rank's width
+  (hidden / tp) and tokens per forward;
 - tensor parallelism: per layer and microbatch, two collectives of the
   activations forward and two backward (all-reduces; all-gathers and
   reduce-scatters under sequence parallelism, the same bytes), ring cost
@@ -13,8 +17,9 @@
   reduction to each range's owner: half the bytes), and under ZeRO-1 the
   parameter all-gather after the update. With `overlap_grad_reduce` the
   averaging runs in buckets during the backward of the step's last
-  microbatch: only what does not fit in that backward, or at least the last
-  bucket, is exposed; the all-gather always is;
+  microbatch: only what does not fit in that backward (scaled by the device's
+  `collective_overlap`), or at least the last bucket, is exposed; the
+  all-gather always is;
 - sharded data parallelism (FSDP2 over groups of N dp ranks) replaces the
   gradient averaging: per decoder layer an all-gather of its parameters (in
   the compute dtype) and a reduce-scatter of its gradients (in the reduce
@@ -116,20 +121,46 @@ class TimeEstimate:
         return values | (self.sharding.to_dict() if self.sharding else {})
 
 
-def training_flops_per_token(m: ModelShape, seq_len: int, checkpointing: str) -> float:
-    """Forward + backward FLOPs per token of the whole model."""
+def _layer_forward_flops(m: ModelShape, seq_len: int) -> float:
+    """Forward FLOPs per token of one decoder layer."""
     h, kv = m.hidden, m.kv_heads * m.head_dim
     attention_weights = h * (2 * h + 2 * kv)  # q, o: h x h; k, v: h x kv
     mlp_weights = 3 * h * m.intermediate
-    matmul_params = m.layers * (attention_weights + mlp_weights) + h * m.vocab
-    attention_scores = m.layers * 2 * seq_len * h  # QK^T and AV, causal half, forward
-    forward = 2 * matmul_params + attention_scores
+    attention_scores = 2 * seq_len * h  # QK^T and AV, causal half
+    return 2 * (attention_weights + mlp_weights) + attention_scores
+
+
+def training_flops_per_token(m: ModelShape, seq_len: int, checkpointing: str) -> float:
+    """Forward + backward FLOPs per token of the whole model."""
+    h = m.hidden
+    forward = m.layers * _layer_forward_flops(m, seq_len) + 2 * h * m.vocab
     extra = 0.0
     if checkpointing == "full":
         extra = forward - 2 * h * m.vocab  # every layer's forward again, not the head
     elif checkpointing == "selective":
         extra = 0.05 * forward  # norms, rotary and gating again: elementwise, cheap
     return 3 * forward + extra
+
+
+def busiest_stage_share(m: ModelShape, step: StepShape) -> float:
+    """The share of the model's FLOPs the busiest pipeline rank computes: its stages'
+    layers, and the LM head on the rank of the last stage (1 without pp)."""
+    if step.pp == 1:
+        return 1.0
+    layer, head = _layer_forward_flops(m, step.seq_len), 2 * m.hidden * m.vocab
+    stages = len(step.stage_layers)
+    shares = []
+    for rank in range(step.pp):
+        mine = range(rank, stages, step.pp)
+        layers = sum(step.stage_layers[s] for s in mine)
+        shares.append(layers * layer + (head if stages - 1 in mine else 0.0))
+    return max(shares) / (m.layers * layer + head)
+
+
+def matmul_width(m: ModelShape, step: StepShape) -> float:
+    """The width class of a rank's matmuls, as `DeviceProfile.tflops_fp32_by_shape` is
+    keyed: the hidden size over tp (column-parallel projections keep hidden x hidden/tp)."""
+    return m.hidden / step.tp
 
 
 def _ring(bytes_: float, ranks: int, gbps: float, latency_us: float, factor: float) -> float:
@@ -164,7 +195,8 @@ def estimate_step_time(
     microbatches = step.microbatches * accumulation  # forwards per step per rank
     tokens = tokens_per_microbatch * microbatches
     flops = tokens * training_flops_per_token(m, step.seq_len, step.activation_checkpointing)
-    compute = flops / (step.tp * step.pp) / (device.tflops(step.bf16) * 1e12)
+    rate = device.tflops(step.bf16, width=matmul_width(m, step), tokens=tokens_per_microbatch)
+    compute = flops * busiest_stage_share(m, step) / step.tp / (rate * 1e12)
 
     activation_bytes = tokens_per_microbatch * m.hidden * (BYTES_BF16 if step.bf16 else BYTES_FP32)
     tp_link = (
@@ -208,8 +240,9 @@ def estimate_step_time(
         averaging = _ring(memory.gradients, step.dp, dp_link, device.latency_us, factor)
         if overlap_grad_reduce:
             # Backward is two thirds of a microbatch's compute; the last bucket (the
-            # embedding's, finished last) cannot overlap anything.
-            backward = 2 / 3 * compute / microbatches
+            # embedding's, finished last) cannot overlap anything; on CPU nothing does
+            # (the same cores compute and run gloo: `collective_overlap` 0).
+            backward = 2 / 3 * compute / microbatches * device.collective_overlap
             last_bucket = averaging * min(1.0, bucket_bytes / max(1, memory.gradients))
             averaging = max(averaging - backward, last_bucket)
         gather = _ring(memory.parameters, step.dp, dp_link, device.latency_us, 1.0)

@@ -12,6 +12,8 @@ added, with `planner.device_profiles` in `conf/<env>/parameters_planning.yml`.
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +43,12 @@ class DeviceProfile:
     # reduce-scatters can run: 1 where copy engines and streams move the bytes while the
     # cores compute; 0 where the same cores do both (gloo on CPU).
     collective_overlap: float = 1.0
+    # Where the rate depends on the matmul sizes (CPU cores: small matmuls leave the cores
+    # waiting on memory and the framework), the fp32 rate measured per size class:
+    # (width, tokens, TFLOP/s), width being a rank's hidden size / tp and tokens those of
+    # one forward (a microbatch); interpolated in log2 of both, held beyond the points
+    # measured. Empty: `tflops_fp32` at every size.
+    tflops_fp32_by_shape: tuple[tuple[float, float, float], ...] = ()
     note: str = ""
 
     @property
@@ -51,11 +59,32 @@ class DeviceProfile:
     def runtime_bytes(self) -> int:
         return int(self.runtime_gib * GIB)
 
-    def tflops(self, bf16: bool) -> float:
-        return self.tflops_bf16 if bf16 else self.tflops_fp32
+    def tflops(self, bf16: bool, width: float | None = None, tokens: float | None = None) -> float:
+        """The sustained rate; fp32 at a rank's matmul `width` and `tokens` per forward from
+        `tflops_fp32_by_shape` where measured."""
+        if bf16:
+            return self.tflops_bf16
+        if width is None or tokens is None or not self.tflops_fp32_by_shape:
+            return self.tflops_fp32
+        by_width: dict[float, list[tuple[float, float]]] = {}
+        for w, t, rate in self.tflops_fp32_by_shape:
+            by_width.setdefault(w, []).append((t, rate))
+        at_tokens = [(w, _interpolate_log2(sorted(p), tokens)) for w, p in by_width.items()]
+        return _interpolate_log2(sorted(at_tokens), width)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def _interpolate_log2(points: list[tuple[float, float]], x: float) -> float:
+    """Piecewise linear in log2(x) through `points` (sorted by x), constant beyond them."""
+    if x <= points[0][0]:
+        return points[0][1]
+    for (x0, y0), (x1, y1) in itertools.pairwise(points):
+        if x <= x1:
+            t = (math.log2(x) - math.log2(x0)) / (math.log2(x1) - math.log2(x0))
+            return y0 + t * (y1 - y0)
+    return points[-1][1]
 
 
 BUILTIN_PROFILES: dict[str, DeviceProfile] = {
@@ -65,14 +94,30 @@ BUILTIN_PROFILES: dict[str, DeviceProfile] = {
             name="cpu",
             memory_gib=8.0,
             devices_per_node=2,
-            # Effective rate of the default model's training step on one core, elementwise
-            # work and framework overhead included (bench/planner_validation.py --calibrate).
-            tflops_fp32=0.035,
+            # Effective rate of forward + backward on one core while the other trains too,
+            # elementwise work and framework overhead included, per matmul width (hidden /
+            # tp) and tokens per forward: small matmuls leave the core waiting on memory
+            # and the framework (bench/planner_validation.py --calibrate, the mean of four
+            # invocations; the default model is width 128).
+            tflops_fp32=0.040,
+            tflops_fp32_by_shape=(
+                (128, 256, 0.036),
+                (128, 1024, 0.040),
+                (256, 256, 0.049),
+                (256, 1024, 0.050),
+                (512, 256, 0.064),
+                (512, 1024, 0.066),
+                (768, 512, 0.061),
+                (768, 1024, 0.066),
+            ),
             # No bf16 matmul units on these cores: autocast measured ~10x slower than fp32.
             tflops_bf16=0.003,
             intra_node_gbps=0.8,
             inter_node_gbps=0.1,
-            latency_us=1000.0,  # gloo over loopback: ~2 ms for a small 2-rank all-reduce
+            # gloo over loopback: a small 2-rank all-reduce takes 1-2.6 ms alone, but ~10 ms
+            # inside a training step (each collective also waits for the other rank, which
+            # shares the two cores): fitted to the tp2 runs of planner_validation.py.
+            latency_us=5000.0,
             memory_gbps=8.0,
             # A worker after importing torch, transformers and mlflow and joining the gloo
             # group: 521 MiB resident (measured on the project's 2-core machine).
@@ -152,6 +197,7 @@ def device_profile(name: str, overrides: dict[str, dict[str, Any]] | None = None
                 f"planner.device_profiles.{profile_name}.{unknown[0]} is not a profile field; "
                 f"known: {', '.join(sorted(fields - {'name'}))}."
             )
+    overrides = {key: _tuples(values) for key, values in overrides.items()}
     if name in BUILTIN_PROFILES:
         return dataclasses.replace(BUILTIN_PROFILES[name], **overrides.get(name, {}))
     if name in overrides:
@@ -166,6 +212,14 @@ def device_profile(name: str, overrides: dict[str, dict[str, Any]] | None = None
     raise ValueError(
         f"planner.device={name!r} is not a known device; use one of {', '.join(known)}."
     )
+
+
+def _tuples(values: dict[str, Any]) -> dict[str, Any]:
+    """YAML gives `tflops_fp32_by_shape` as a list of [width, tokens, TFLOP/s] lists."""
+    table = values.get("tflops_fp32_by_shape")
+    if table is None:
+        return values
+    return values | {"tflops_fp32_by_shape": tuple(tuple(map(float, row)) for row in table)}
 
 
 def resolve_device(name: str, overrides: dict[str, dict[str, Any]], cuda: bool) -> DeviceProfile:
