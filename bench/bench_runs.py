@@ -15,6 +15,7 @@ from meshtrain.offline import use_offline_defaults
 use_offline_defaults()
 
 import torch  # noqa: E402
+from shapes import hf_fields  # noqa: E402  (bench/shapes.py)
 
 from meshtrain.config import LaunchConfig, RunConfig  # noqa: E402
 from meshtrain.data.blocks import arrow_files  # noqa: E402
@@ -26,14 +27,7 @@ from meshtrain.planner import Plan, plan_run  # noqa: E402
 from meshtrain.trainer import WorkerSpec  # noqa: E402
 
 # The 27M-parameter Llama of the speed issue (#19).
-SHAPE_27M = {
-    "hidden_size": 512,
-    "intermediate_size": 1344,
-    "num_hidden_layers": 8,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 4,
-    "max_position_embeddings": 512,
-}
+SHAPE_27M = hf_fields("27m")
 MIB = 2**20
 
 

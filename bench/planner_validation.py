@@ -36,6 +36,7 @@ use_offline_defaults()
 
 import datasets  # noqa: E402
 import torch  # noqa: E402
+from shapes import SHAPES, hf_fields  # noqa: E402  (bench/shapes.py)
 
 from meshtrain.config import LaunchConfig, RunConfig  # noqa: E402
 from meshtrain.data.blocks import arrow_files  # noqa: E402
@@ -73,32 +74,13 @@ MODELS = {
         "block": 256,
         "batch": 4,
     },
-    # The sizes where compute dominates (issue #19; bench/throughput.py --shape 27m/110m).
-    "27m": {
-        "fields": {
-            "hidden_size": 512,
-            "intermediate_size": 1344,
-            "num_hidden_layers": 8,
-            "num_attention_heads": 8,
-            "num_key_value_heads": 4,
-            "max_position_embeddings": 512,
-        },
-        "vocab": 4096,
-        "block": 256,
-        "batch": 4,
-    },
-    "110m": {
-        "fields": {
-            "hidden_size": 768,
-            "intermediate_size": 3072,
-            "num_hidden_layers": 12,
-            "num_attention_heads": 12,
-            "num_key_value_heads": 4,
-            "max_position_embeddings": 512,
-        },
-        "vocab": 4096,
-        "block": 512,
-        "batch": 2,
+    # The sizes where compute dominates (issue #19): bench/throughput.py's --shape presets.
+    **{
+        name: {
+            "fields": hf_fields(name),
+            **{key: SHAPES[name][key] for key in ("vocab", "block", "batch")},
+        }
+        for name in ("27m", "110m")
     },
 }
 

@@ -50,6 +50,20 @@ LAYOUTS: dict[str, dict[str, Any]] = {
 }
 
 
+def hf_fields(name: str) -> dict[str, Any]:
+    """The preset's Llama config fields, as `meshtrain.models.build_model_config` takes them
+    (the vocabulary, blocks and batch stay in SHAPES)."""
+    shape = SHAPES[name]
+    return {
+        "hidden_size": shape["hidden"],
+        "intermediate_size": shape["intermediate"],
+        "num_hidden_layers": shape["layers"],
+        "num_attention_heads": shape["heads"],
+        "num_key_value_heads": shape["kv_heads"],
+        "max_position_embeddings": max(512, shape["block"]),
+    }
+
+
 def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
     """`--shape` and the shape flags; each flag left unset takes the preset's value."""
     parser.add_argument("--shape", choices=sorted(SHAPES), default="default")

@@ -13,13 +13,14 @@ from meshtrain.models import build_model_config
 from meshtrain.planner import Plan, plan_run
 from meshtrain.planner.devices import BUILTIN_PROFILES, device_profile
 
+# A 512-wide model, so that tp2's matmuls fall in another width class.
 SHAPE = {
     "hidden_size": 512,
-    "intermediate_size": 1344,
-    "num_hidden_layers": 8,
-    "num_attention_heads": 8,
+    "intermediate_size": 1024,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
     "num_key_value_heads": 4,
-    "max_position_embeddings": 512,
+    "max_position_embeddings": 256,
 }
 TABLE = ((128, 256, 0.02), (128, 1024, 0.04), (512, 256, 0.05), (512, 1024, 0.07))
 
