@@ -704,7 +704,7 @@ PROFILE_BLOCK = 4  # steps of one side before switching to the other
 PROFILE_LABELS = {
     "meshtrain": "meshtrain (as is)",
     "after backward": "meshtrain, reduction after backward",
-    "zero_1 off": "meshtrain, zero_1=false",
+    "zero_1 flipped": "meshtrain, zero_1 the other way",
     "ddp": "DDP + fused AdamW (Trainer's step)",
 }
 
@@ -729,7 +729,8 @@ def _meshtrain_copy(job: dict[str, Any], dims, blocks: BlockStore, variant: str 
     variant "as is": what `train` runs (the bucketed reductions started during the
     backward, so "backward" includes starting them and "grad reduce" is what is left
     to wait for). "after backward": the same with `training.overlap_grad_reduce=false`.
-    "zero_1 off": `parallel.zero_1=false` (all-reduce, every rank updates everything).
+    "zero_1 flipped": ZeRO-1 the other way from the plan's layout (on where the planner
+    left it off: reductions to the owners and the all-gather after the update).
     """
     from meshtrain.components.metrics import rss_mb as _rss_mb
     from meshtrain.distributed.flat_buffer import FlatParameters
@@ -749,7 +750,7 @@ def _meshtrain_copy(job: dict[str, Any], dims, blocks: BlockStore, variant: str 
     optimizer = ShardedAdamW(
         flat,
         dims.dp_group,
-        zero_1=layout.zero_1 and variant != "zero_1 off",
+        zero_1=layout.zero_1 != (variant == "zero_1 flipped"),
         lr=OPTIM["learning_rate"],
         betas=(OPTIM["adam_beta1"], OPTIM["adam_beta2"]),
         eps=OPTIM["adam_epsilon"],
@@ -869,7 +870,7 @@ def profile_entry(job: dict[str, Any]) -> dict[str, Any] | None:
         steps = {"meshtrain": _meshtrain_copy(job, dims, blocks)}
         if world > 1:
             steps["after backward"] = _meshtrain_copy(job, dims, blocks, "after backward")
-            steps["zero_1 off"] = _meshtrain_copy(job, dims, blocks, "zero_1 off")
+            steps["zero_1 flipped"] = _meshtrain_copy(job, dims, blocks, "zero_1 flipped")
         steps["ddp"] = _ddp_copy(job, dims, blocks)
         timers = {name: _Timer() for name in steps}
         walls: dict[str, float] = defaultdict(float)
@@ -925,11 +926,7 @@ def profile_tables(args: argparse.Namespace, root: Path, blocks_path: Path) -> l
         n = result["steps"]
         tokens = args.batch * world * args.block
         layout = f"dp={world}" if world > 1 else "1 process"
-        zero = (
-            " (meshtrain: ZeRO-1, bucketed reductions to the owner + all-gather)"
-            if world > 1
-            else ""
-        )
+        zero = f" (meshtrain: {job['plan']['layout_name']})" if world > 1 else ""
         names = list(result["walls"])
         lines.append("")
         lines.append(

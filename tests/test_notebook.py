@@ -82,7 +82,7 @@ def test_notebook_compares_the_layouts_of_the_latest_sweep(
     text = "\n".join(_texts(c) for c in cells)
 
     assert f"sqlite:///{sweep.project.resolve() / 'mlflow.db'}" in text
-    assert f"sweep {sweep.sweep_id}: 3 of 4 layouts finished" in text
+    assert f"sweep {sweep.sweep_id}: 2 of 3 layouts finished" in text
     # The table: each finished layout with its final loss as MLflow holds it.
     client = mlflow_client(sweep.project)
     experiment = client.get_experiment_by_name("meshtrain")

@@ -231,7 +231,8 @@ def test_three_d_run_is_tracked_and_equals_the_single_process_run(project: Path,
     and the weights equal a one-process run's. (tp=2, pp=2 and dp=2 alone are compared
     with each other by the sweep in tests/test_sweep.py.)"""
     # Same global batch (4) in both: tp=2 x pp=2 on 4 ranks leaves dp=1, as does one process.
-    common = SMALL_RUN + ",training.adam_epsilon=1e-5"
+    # The model is not logged to MLflow here (test_mlflow_run_holds_the_model_and_its_data).
+    common = SMALL_RUN + ",training.adam_epsilon=1e-5,evaluation.log_model=false"
     single = kedro_run(
         project,
         "--from-nodes",
@@ -301,6 +302,7 @@ def test_a_killed_run_resumes_to_the_weights_of_an_uninterrupted_one(project: Pa
             "training.checkpoint_every=4", "training.checkpoint_every=5"
         )
         + ",training.keep_last=0,parallel.sharded_data_parallel_degree=2"
+        + ",evaluation.log_model=false"
     )
     straight = kedro_run(
         project,

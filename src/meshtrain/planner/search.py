@@ -126,11 +126,15 @@ def _zero_1_where_needed(
         dataclasses.replace(run, parallel=dataclasses.replace(run.parallel, zero_1=True))
     )
     note = (
-        f"parallel.zero_1=auto: on, without it {lay.name} needs {need / GIB:.2f} GiB per "
-        f"rank, over the {budget / GIB:.2f} GiB budget; with it "
-        f"{with_zero_1.memory_estimate_per_rank['process_total'] / GIB:.2f} GiB"
+        f"parallel.zero_1=auto: on, without it {lay.name} needs {_size(need)} per rank, "
+        f"over the {_size(budget)} budget; with it "
+        f"{_size(with_zero_1.memory_estimate_per_rank['process_total'])}"
     )
     return dataclasses.replace(with_zero_1, notes=[*with_zero_1.notes, note])
+
+
+def _size(bytes_: float) -> str:
+    return f"{bytes_ / GIB:.2f} GiB" if bytes_ >= GIB else f"{bytes_ / 2**20:.1f} MiB"
 
 
 def _plan_each(
