@@ -221,37 +221,14 @@ def main() -> None:
             named = {**parallel, **training}
             if (args.only and model != args.only) or (args.match and args.match not in named):
                 continue
-            shape = MODELS[model]
             if model not in blocks_of:
+                shape = MODELS[model]
                 count = shape["batch"] * 4 * (args.steps + 2) + 8
                 blocks_of[model] = random_blocks(
                     shape["vocab"], shape["block"], count, root / f"blocks-{model}"
                 )
-            blocks = blocks_of[model]
-            run = run_config(model, world, parallel, args.steps, root / "runs", training)
-            config = build_model_config("llama", shape["fields"], vocab_size=shape["vocab"])
-            plan = plan_run(
-                run,
-                config,
-                num_train_blocks=len(blocks["train"]),
-                num_validation_blocks=len(blocks["validation"]),
-                cuda_available=False,
-            )
-            run = RunConfig.from_params(
-                **{
-                    **run.to_dict(),
-                    "training": {
-                        **run.to_dict()["training"],
-                        "run_name": f"{model}-{plan.layout.name}",
-                    },
-                }
-            )
-            spec = make_worker_spec(
-                run,
-                plan,
-                train_files=arrow_files(blocks["train"]),
-                validation_files=[],
-                tokenizer_dir=None,
+            plan, spec = planned_spec(
+                model, world, parallel, training, args.steps, root, blocks_of[model]
             )
             groups.setdefault((model, world), []).append((plan.to_dict(), spec))
         for (model, world), items in groups.items():
@@ -269,6 +246,35 @@ def main() -> None:
                 rows.append((model, world, plan, summary))
 
     print_table(rows, args.steps)
+
+
+def planned_spec(
+    model: str,
+    world: int,
+    parallel: dict[str, Any],
+    training: dict[str, Any],
+    steps: int,
+    root: Path,
+    blocks: datasets.DatasetDict,
+) -> tuple[Any, Any]:
+    """The plan and the worker spec of one layout's run, named after its layout."""
+    shape = MODELS[model]
+    run = run_config(model, world, parallel, steps, root / "runs", training)
+    config = build_model_config("llama", shape["fields"], vocab_size=shape["vocab"])
+    plan = plan_run(
+        run,
+        config,
+        num_train_blocks=len(blocks["train"]),
+        num_validation_blocks=len(blocks["validation"]),
+        cuda_available=False,
+    )
+    values = run.to_dict()
+    named = {**values["training"], "run_name": f"{model}-{plan.layout.name}"}
+    run = RunConfig.from_params(**{**values, "training": named})
+    spec = make_worker_spec(
+        run, plan, train_files=arrow_files(blocks["train"]), validation_files=[], tokenizer_dir=None
+    )
+    return plan, spec
 
 
 def print_table(rows: list[tuple[str, int, dict, dict]], steps: int) -> None:
