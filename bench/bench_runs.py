@@ -82,17 +82,22 @@ def planned_side(
         data={"block_size": block},
     )
     config = build_model_config("llama", shape, vocab_size=vocab)
-    plan = plan_run(
+    plan = plan_on_blocks(run, config, blocks)
+    spec = make_worker_spec(
+        run, plan, train_files=arrow_files(blocks["train"]), validation_files=[], tokenizer_dir=None
+    )
+    return spec, plan
+
+
+def plan_on_blocks(run: RunConfig, config: Any, blocks: Any) -> Plan:
+    """The plan of `run` for `config` on these token blocks, planned for CPU."""
+    return plan_run(
         run,
         config,
         num_train_blocks=len(blocks["train"]),
         num_validation_blocks=len(blocks["validation"]),
         cuda_available=False,
     )
-    spec = make_worker_spec(
-        run, plan, train_files=arrow_files(blocks["train"]), validation_files=[], tokenizer_dir=None
-    )
-    return spec, plan
 
 
 def run_side(spec: WorkerSpec, world: int, root: Path, name: str) -> dict[str, Any]:

@@ -36,6 +36,7 @@ use_offline_defaults()
 
 import datasets  # noqa: E402
 import torch  # noqa: E402
+from bench_runs import plan_on_blocks  # noqa: E402  (bench/bench_runs.py)
 from shapes import SHAPES, hf_fields  # noqa: E402  (bench/shapes.py)
 
 from meshtrain.config import LaunchConfig, RunConfig  # noqa: E402
@@ -261,13 +262,7 @@ def planned_spec(
     shape = MODELS[model]
     run = run_config(model, world, parallel, steps, root / "runs", training)
     config = build_model_config("llama", shape["fields"], vocab_size=shape["vocab"])
-    plan = plan_run(
-        run,
-        config,
-        num_train_blocks=len(blocks["train"]),
-        num_validation_blocks=len(blocks["validation"]),
-        cuda_available=False,
-    )
+    plan = plan_on_blocks(run, config, blocks)
     values = run.to_dict()
     named = {**values["training"], "run_name": f"{model}-{plan.layout.name}"}
     run = RunConfig.from_params(**{**values, "training": named})

@@ -123,6 +123,7 @@ import throughput_report  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from bench_runs import plan_on_blocks  # noqa: E402  (bench/bench_runs.py)
 from shapes import (  # noqa: E402
     LAYOUTS,
     add_run_arguments,
@@ -138,7 +139,6 @@ from meshtrain.data.blocks import BlockStore, arrow_files  # noqa: E402
 from meshtrain.data.sampler import GlobalBatchSampler  # noqa: E402
 from meshtrain.launch.elastic import run_workers  # noqa: E402
 from meshtrain.models import build_model, build_model_config  # noqa: E402
-from meshtrain.planner import plan_run  # noqa: E402
 
 SEED = 42
 DATA_SEED = 0
@@ -390,13 +390,7 @@ def meshtrain_spec(
         data={"block_size": job["block"], "vocab_size": job["vocab"]},
     )
     config = build_model_config("llama", model_fields(job), vocab_size=job["vocab"])
-    plan = plan_run(
-        run,
-        config,
-        num_train_blocks=len(blocks["train"]),
-        num_validation_blocks=len(blocks["validation"]),
-        cuda_available=False,
-    )
+    plan = plan_on_blocks(run, config, blocks)
     assert plan.global_batch_size == job["batch"] * world, plan.global_batch_size
     layout = plan.layout
     sizes = (layout.data_parallel_size, layout.tensor_parallel_size, layout.pipeline_parallel_size)
