@@ -13,7 +13,7 @@ from mlflow.tracking import MlflowClient
 
 from meshtrain.tracking import mlflow_run as tracking
 from meshtrain.tracking import plots
-from meshtrain.tracking.mlflow_run import MetricsLogger, TrackingTarget
+from meshtrain.tracking.rank_metrics import MetricsLogger, TrackingTarget
 
 
 @pytest.fixture(scope="module")

@@ -20,8 +20,7 @@ from meshtrain.components.memory_probe import PeakMemory, measure_peak_memory
 from meshtrain.components.optimizer import ModelOptimizer
 from meshtrain.distributed.pipeline_parallel import idle_fraction, theoretical_bubble
 from meshtrain.models.parallel_model import ParallelModel
-from meshtrain.tracking.mlflow_run import MetricsLogger
-from meshtrain.tracking.plots import pipeline_timeline
+from meshtrain.tracking.rank_metrics import MetricsLogger
 
 
 def persistent_tensors(pm: ParallelModel, optimizer: ModelOptimizer) -> list[torch.Tensor]:
@@ -124,6 +123,9 @@ def report_pipeline_timeline(
     idle = idle_fraction(spans_by_rank)
     measured = sum(idle.values()) / len(idle)
     theory = theoretical_bubble(dims.pp, microbatches, layout.pipeline_parallel_virtual_stages)
+    # Only rank 0 draws, once: the other ranks never import matplotlib (~0.8 s each).
+    from meshtrain.tracking.plots import pipeline_timeline
+
     path = pipeline_timeline(
         spans_by_rank,
         run_dir / "pipeline_timeline.png",

@@ -23,7 +23,7 @@ from meshtrain.launch.worker import worker_main
 from meshtrain.models.builder import config_from_dict, resolve_init_from
 from meshtrain.models.llama.parameter_names import llama_family_shapes
 from meshtrain.planner import Plan
-from meshtrain.tracking.mlflow_run import TrackingTarget
+from meshtrain.tracking.rank_metrics import TrackingTarget
 from meshtrain.trainer import WorkerSpec
 
 

@@ -2,7 +2,7 @@
 
 The process that owns the MLflow run (the Kedro session) passes a
 `TrackingTarget` to the workers; rank 0 writes its per-step metrics straight
-into that run with `MlflowClient`, so one `kedro run` is one MLflow run.
+into that run (`rank_metrics`), so one `kedro run` is one MLflow run.
 Nothing here imports Kedro.
 """
 
@@ -10,17 +10,15 @@ from __future__ import annotations
 
 import json
 import tempfile
-import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from meshtrain.offline import disable_telemetry
+from meshtrain.tracking.rank_metrics import TrackingTarget
 
 disable_telemetry()  # before mlflow is imported
 
 import mlflow  # noqa: E402
-from mlflow.entities import Metric  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 
 # MLflow's limit on a param value's length.
@@ -32,12 +30,6 @@ EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 MODEL_TRAINING_KIND = "custom_model_development"
 # Set by the Kedro hook on every run it opens: "true" when the run trains a model.
 TRAINS_TAG = "meshtrain.trains"
-
-
-@dataclass(frozen=True)
-class TrackingTarget:
-    tracking_uri: str
-    run_id: str
 
 
 def active_target() -> TrackingTarget | None:
@@ -243,36 +235,3 @@ def log_memory_report(plan: dict[str, Any], summary: dict[str, Any]) -> str | No
         )
         mlflow.log_artifact(str(path))
     return path.name
-
-
-class MetricsLogger:
-    """Rank 0's buffered writer of per-step metrics into an existing MLflow run."""
-
-    def __init__(self, target: TrackingTarget | None, flush_every_s: float = 5.0) -> None:
-        self.target = target
-        self.client = MlflowClient(tracking_uri=target.tracking_uri) if target else None
-        self.flush_every_s = flush_every_s
-        self._pending: list[Metric] = []
-        self._last_flush = time.monotonic()
-
-    def log(self, metrics: dict[str, float], step: int) -> None:
-        if self.client is None:
-            return
-        now_ms = int(time.time() * 1000)
-        self._pending.extend(Metric(k, float(v), now_ms, step) for k, v in metrics.items())
-        if time.monotonic() - self._last_flush >= self.flush_every_s:
-            self.flush()
-
-    def log_artifact(self, path: str | Path) -> None:
-        if self.client is not None:
-            self.client.log_artifact(self.target.run_id, str(path))
-
-    def flush(self) -> None:
-        if self.client is None or not self._pending:
-            return
-        # MLflow accepts at most 1000 metrics per batch.
-        for start in range(0, len(self._pending), 1000):
-            batch = self._pending[start : start + 1000]
-            self.client.log_batch(self.target.run_id, metrics=batch)
-        self._pending = []
-        self._last_flush = time.monotonic()
