@@ -135,6 +135,9 @@ class TrainingConfig:
     # the backward has finished its gradients (off: all of them after the backward).
     overlap_grad_reduce: bool = True
     grad_bucket_mb: float = 25.0
+    # ZeRO-1's parameter gather bucket by bucket in forward order, each waited for by the
+    # next step's first module that reads it (off: one all-gather right after the update).
+    overlap_param_gather: bool = True
     # torch.compile each decoder layer (after tensor parallelism and checkpointing):
     # fuses the elementwise work between the matmuls; pays a compile on the first steps.
     compile: bool = False
@@ -155,6 +158,12 @@ class TrainingConfig:
     log_every: int = 1
     output_dir: str = "data/06_models/checkpoints"
     run_name: str | None = None
+
+    @property
+    def gathers_under_forward(self) -> bool:
+        """ZeRO-1's gather runs under the next forward: asked for, and no compiled layers
+        (a module hook inside a compiled layer would be traced)."""
+        return self.overlap_param_gather and not self.compile
 
 
 @dataclass(frozen=True)

@@ -51,7 +51,7 @@ from meshtrain.models.builder import build_meta_model, config_from_dict, weight_
 from meshtrain.models.llama.parallelize import parallelize
 from meshtrain.models.parallel_model import ParallelModel
 from meshtrain.planner import Plan
-from meshtrain.tracking.mlflow_run import MetricsLogger, TrackingTarget
+from meshtrain.tracking.rank_metrics import MetricsLogger, TrackingTarget
 
 
 @dataclass(frozen=True)
@@ -224,6 +224,7 @@ class Trainer:
             # a returning worker would wait for it to collect its result.
             raise StopRequested(f"{signal_name(stopped[0])} after step {stopped[1]}")
         final_val_loss = self.validate(cfg.max_steps)
+        self.optimizer.wait_for_parameters()
         self._report(f"done in {train_time:.1f}s; last checkpoint {self.last_checkpoint}")
         self.optimizer.check_views()
         peaks = self.gather_peak_memory()
@@ -349,6 +350,7 @@ class Trainer:
 
     def checkpoint(self, step: int) -> Path:
         """Save a complete checkpoint of step `step`; returns its folder. Collective."""
+        self.optimizer.wait_for_parameters()
         return save_checkpoint(
             self.run_dir,
             step,

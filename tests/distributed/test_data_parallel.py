@@ -38,9 +38,15 @@ CASES = {
     ),
     # torch.compile'd decoder layers: the same arithmetic to 1e-5.
     "dp2-zero1-compile": ({"zero_1": True}, {"per_device_train_batch_size": 4, "compile": True}),
+    # Nothing overlapped: gradients averaged after the backward, parameters gathered in one
+    # all-gather right after the update.
     "dp2-zero1-after-backward": (
         {"zero_1": True},
-        {"per_device_train_batch_size": 4, "overlap_grad_reduce": False},
+        {
+            "per_device_train_batch_size": 4,
+            "overlap_grad_reduce": False,
+            "overlap_param_gather": False,
+        },
     ),
     "dp2-zero1-checkpointing": (
         {"zero_1": True, "activation_checkpointing": "full"},
@@ -74,7 +80,7 @@ def test_dp2_with_and_without_zero1_match_one_process(tiny_blocks, tmp_path: Pat
 
     expected_losses, expected_weights = reference_run(tiny_blocks, "llama", TINY_MODEL)
     assert expected_losses[-1] < expected_losses[0]
-    for (name, (_, training)), summary in zip(CASES.items(), results, strict=True):
+    for (name, (parallel, training)), summary in zip(CASES.items(), results, strict=True):
         assert_matches_reference(
             name, summary, expected_losses, expected_weights, tmp_path / f"{name}-hf"
         )
@@ -87,6 +93,13 @@ def test_dp2_with_and_without_zero1_match_one_process(tiny_blocks, tmp_path: Pat
             assert buckets["started_in_backward"] == buckets["count"], buckets
         elif training.get("overlap_grad_reduce") is False:
             assert buckets["started_in_backward"] == 0, buckets
+        # ZeRO-1's gather overlapped: after every update but the last (whose checkpoint
+        # waits for it) each bucket reached its rank when a module of the forward asked.
+        overlapped = parallel.get("zero_1") and training.get("overlap_param_gather", True)
+        if overlapped and not training.get("compile"):
+            assert buckets["gather_rounds_in_forward"] == buckets["gather_rounds"] - 1, buckets
+        else:
+            assert "gather_rounds" not in buckets, buckets
 
     # bf16 autocast is not fp32 arithmetic, so it only has to track the fp32 run closely.
     bf16_losses = [loss for _, loss in bf16_result["losses"]]

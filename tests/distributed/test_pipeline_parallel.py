@@ -126,6 +126,9 @@ def _run(cases: dict, world: int, blocks, out: Path) -> None:
                 assert 0 < buckets["started_in_backward"] < buckets["count"], buckets
             else:
                 assert buckets["started_in_backward"] == buckets["count"] > 2, buckets
+            # ZeRO-1's gather: after every update but the last (whose checkpoint waits for
+            # it) each bucket waited for by the module of the stage that reads it.
+            assert buckets["gather_rounds_in_forward"] == buckets["gather_rounds"] - 1, buckets
 
 
 def assert_one_tied_tensor(name: str, consolidated: Path) -> None:

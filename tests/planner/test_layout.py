@@ -792,13 +792,13 @@ def test_shapes_from_the_config_equal_the_built_model(architecture: str, extra: 
     assert llama_family_shapes(config) == parameter_shapes(config)
 
 
-def test_overlapped_averaging_leaves_only_the_last_bucket_and_the_gather_exposed(
+def test_overlapped_averaging_and_gather_leave_only_their_edge_buckets_exposed(
     model_config: PretrainedConfig,
 ) -> None:
-    """The time model: with overlap, a reduction shorter than the last backward costs
-    one bucket's share; ZeRO-1's all-gather after the update is exposed either way (on
-    a device whose collectives run beside compute; tests/planner/test_time_model.py: on
-    CPU nothing hides)."""
+    """The time model on a device whose collectives run beside compute (on CPU nothing
+    hides: tests/planner/test_time_model.py): overlapped, a reduction shorter than the
+    last backward costs one bucket's share, and so does ZeRO-1's all-gather under the
+    next forward; not overlapped, each costs all of its time."""
     one_bucket, small = {"grad_bucket_mb": 1000}, {"grad_bucket_mb": 0.5}
     beside = {"device": "cpu", "device_profiles": {"cpu": {"collective_overlap": 1.0}}}
 
@@ -806,9 +806,15 @@ def test_overlapped_averaging_leaves_only_the_last_bucket_and_the_gather_exposed
         plan = _plan(model_config, parallel={"zero_1": True}, training=training, planner=beside)
         return plan.time_estimate["data_parallel_s"]
 
-    after = dp_seconds(overlap_grad_reduce=False, **small)
-    assert dp_seconds(overlap_grad_reduce=True, **one_bucket) == pytest.approx(after)
-    overlapped = dp_seconds(overlap_grad_reduce=True, **small)
-    assert 0 < overlapped < after
+    gather_after = {"overlap_param_gather": False}
+    after = dp_seconds(overlap_grad_reduce=False, **gather_after, **small)
     gather_only = after / 2  # ZeRO-1: reduction and all-gather move the same bytes
-    assert overlapped > gather_only
+    assert dp_seconds(overlap_grad_reduce=True, **gather_after, **one_bucket) == pytest.approx(
+        after
+    )
+    overlapped = dp_seconds(overlap_grad_reduce=True, **gather_after, **small)
+    assert gather_only < overlapped < after
+    both = dp_seconds(**small)  # the defaults overlap both
+    assert 0 < both < overlapped - gather_only / 2
+    # Compiled layers gather after the update (hooks inside them would be traced).
+    assert dp_seconds(compile=True, **small) == pytest.approx(overlapped)

@@ -13,7 +13,8 @@ from meshtrain.distributed.fsdp_optimizer import FSDPAdamW
 from meshtrain.distributed.zero import ShardedAdamW
 from meshtrain.models.parallel_model import ParallelModel
 
-# Both keep the same step interface: expect_backward, reduce_gradients, apply, zero_grad.
+# Both keep the same step interface: expect_backward, reduce_gradients, apply, zero_grad,
+# wait_for_parameters.
 ModelOptimizer = ShardedAdamW | FSDPAdamW
 
 
@@ -49,5 +50,6 @@ def build_optimizer(pm: ParallelModel, *, training: TrainingConfig) -> ModelOpti
         bucket_bytes=int(training.grad_bucket_mb * 2**20),
         reduce_after_backward=pm.gradients_finished_after_backward,
         master_weights=master_weights,
+        gather_modules=pm.modules if training.gathers_under_forward else None,
         **adam,
     )

@@ -80,6 +80,9 @@ class FSDPAdamW:
                 grad.mul_(coef)
         self.optimizer.step()
 
+    def wait_for_parameters(self) -> None:
+        """Nothing to wait for: each rank updated its own shards in place."""
+
     def zero_grad(self) -> None:
         # FSDP2 writes each step's reduced shard into a fresh `.grad`.
         self.optimizer.zero_grad(set_to_none=True)

@@ -8,7 +8,10 @@ with ZeRO-1 each data-parallel rank
 1. receives the mean of the gradients over its range only (bucket-wise
    reductions to the owner, overlapped with the backward: `data_parallel`),
 2. updates its range with AdamW, holding moments for that range alone,
-3. all-gathers the updated ranges so every rank has the whole model again.
+3. all-gathers the updated ranges so every rank has the whole model again:
+   given the modules (`gather_modules`), bucket by bucket in forward order,
+   each waited for by the first module that reads it (`param_gather`), so
+   the gather runs under the next step's forward.
 
 Without ZeRO-1 the range is the whole buffer and step 1 is an all-reduce.
 AdamW is elementwise, so updating a slice is the same arithmetic as updating
@@ -25,13 +28,15 @@ dp by ZeRO-1.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from meshtrain.distributed.data_parallel import GradientReducer
 from meshtrain.distributed.flat_buffer import FlatParameters, Slot
+from meshtrain.distributed.param_gather import ParameterGather
 
 
 class ShardedAdamW:
@@ -51,10 +56,13 @@ class ShardedAdamW:
         bucket_bytes: int,
         reduce_after_backward: Collection[str] = (),
         master_weights: bool = False,
+        gather_modules: Iterable[nn.Module] | None = None,
     ) -> None:
         """`reduce_after_backward`: names of parameters whose gradients are completed
         after the backward (tensor parallelism's sums) and so reduced after it;
-        `master_weights`: keep and update an fp32 copy of the owned range (bf16 parameters)."""
+        `master_weights`: keep and update an fp32 copy of the owned range (bf16 parameters);
+        `gather_modules`: the modules holding `flat`'s parameters, to overlap ZeRO-1's
+        parameter gather with their next forward (None: gather right after the update)."""
         self.flat = flat
         self.group = group
         self.zero_1 = zero_1
@@ -79,6 +87,9 @@ class ShardedAdamW:
             overlap=overlap_reduction,
             deferred_names=reduce_after_backward,
         )
+        self.gather = None
+        if zero_1 and size > 1 and gather_modules is not None:
+            self.gather = ParameterGather(flat, group, self.reducer.buckets, gather_modules)
 
         # What AdamW updates: the owned range of the parameters themselves, or its fp32
         # master copy; and the fp32 gradients it reads (a copy when they were reduced in
@@ -151,17 +162,28 @@ class ShardedAdamW:
         self.flat.check_views()
 
     def bucket_summary(self) -> dict[str, int]:
-        return {
+        summary = {
             "count": len(self.reducer.buckets),
             "started_in_backward": self.reducer.started_in_backward,
         }
+        if self.gather is not None:
+            summary["gather_rounds"] = self.gather.rounds
+            summary["gather_rounds_in_forward"] = self.gather.rounds_in_forward
+        return summary
 
     def step(self) -> torch.Tensor:
-        """Finish averaging the gradients, clip to the global norm, update; returns the
-        pre-clip norm."""
+        """Finish averaging the gradients, clip to the global norm, update, and wait for
+        the gathered parameters; returns the pre-clip norm."""
         norm = self.reduce_gradients()
         self.apply(norm)
+        self.wait_for_parameters()
         return norm
+
+    def wait_for_parameters(self) -> None:
+        """Every parameter holds its updated value: the overlapped gather has arrived.
+        Call before reading the parameters other than through the modules' forward."""
+        if self.gather is not None:
+            self.gather.wait_all()
 
     def reduce_gradients(self) -> torch.Tensor:
         """The first half of `step`: finish averaging the gradients (into the fp32 copy
@@ -174,14 +196,17 @@ class ShardedAdamW:
 
     def apply(self, norm: torch.Tensor) -> None:
         """The second half of `step`: clip to `norm`'s budget, update the owned range, and
-        all-gather it under ZeRO-1."""
+        all-gather it under ZeRO-1 (overlapped: only started)."""
+        self.wait_for_parameters()  # the last gather still reads the owned range
         if self.max_grad_norm > 0:
             coef = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
             self.master_grad.mul_(coef)
         self.optimizer.step()
         if self.master is not None:
             self.flat.params[self.start : self.end].copy_(self.master)
-        if self.zero_1 and self.reducer.size > 1:
+        if self.gather is not None:
+            self.gather.start()
+        elif self.zero_1 and self.reducer.size > 1:
             # The owned range is its own chunk of the output: gathered in place.
             owned = self.flat.params[self.start : self.end]
             dist.all_gather_single(self.flat.params, owned, group=self.group)

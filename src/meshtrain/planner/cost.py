@@ -18,8 +18,10 @@
   parameter all-gather after the update. With `overlap_grad_reduce` the
   averaging runs in buckets during the backward of the step's last
   microbatch: only what does not fit in that backward (scaled by the device's
-  `collective_overlap`), or at least the last bucket, is exposed; the
-  all-gather always is;
+  `collective_overlap`), or at least the last bucket, is exposed; with
+  `overlap_param_gather` the all-gather runs bucket by bucket under the
+  next step's first forward, of which it exposes what does not fit (scaled
+  the same way), or at least the first bucket; without it, all of it;
 - sharded data parallelism (FSDP2 over groups of N dp ranks) replaces the
   gradient averaging: per decoder layer an all-gather of its parameters (in
   the compute dtype) and a reduce-scatter of its gradients (in the reduce
@@ -187,6 +189,7 @@ def estimate_step_time(
     overlap_grad_reduce: bool,
     bucket_bytes: float,
     units: GatherUnits | None = None,
+    overlap_param_gather: bool = False,
 ) -> TimeEstimate:
     """Seconds of one optimizer step on the slowest rank (`memory`: its estimate, whose
     gradient buffer dp reduces and whose optimizer states AdamW updates; `units`: what
@@ -235,23 +238,54 @@ def estimate_step_time(
         )
         data_parallel = sharding.exposed_s
     elif step.dp > 1:
-        dp_link = _link(device, step.dp * step.tp * step.pp)
-        factor = 1.0 if step.zero_1 else 2.0
-        averaging = _ring(memory.gradients, step.dp, dp_link, device.latency_us, factor)
-        if overlap_grad_reduce:
-            # Backward is two thirds of a microbatch's compute; the last bucket (the
-            # embedding's, finished last) cannot overlap anything; on CPU nothing does
-            # (the same cores compute and run gloo: `collective_overlap` 0).
-            backward = 2 / 3 * compute / microbatches * device.collective_overlap
-            last_bucket = averaging * min(1.0, bucket_bytes / max(1, memory.gradients))
-            averaging = max(averaging - backward, last_bucket)
-        gather = _ring(memory.parameters, step.dp, dp_link, device.latency_us, 1.0)
-        data_parallel = averaging + (gather if step.zero_1 else 0.0)
+        data_parallel = _replicated_dp_time(
+            step,
+            device,
+            memory,
+            microbatch_compute=compute / microbatches,
+            bucket_bytes=bucket_bytes,
+            overlap_grad_reduce=overlap_grad_reduce,
+            overlap_param_gather=overlap_param_gather,
+        )
 
     # AdamW reads parameter, gradient and two moments and writes three: ~28 bytes each.
     owned = memory.optimizer_states / step.optimizer_bytes
     optimizer = owned * 28 / (device.memory_gbps * 1e9)
     return TimeEstimate(compute, tensor_parallel, pipeline, data_parallel, optimizer, sharding)
+
+
+def _replicated_dp_time(
+    step: StepShape,
+    device: DeviceProfile,
+    memory: MemoryEstimate,
+    *,
+    microbatch_compute: float,
+    bucket_bytes: float,
+    overlap_grad_reduce: bool,
+    overlap_param_gather: bool,
+) -> float:
+    """Exposed seconds of the gradient averaging and, under ZeRO-1, the parameter gather.
+
+    Overlapped, each hides behind compute (the averaging behind the last backward, two
+    thirds of a microbatch; the gather behind the next first forward, one third) scaled
+    by `collective_overlap` (0 on CPU, where the same cores compute and run gloo), except
+    its edge bucket: the last one reduced, the first one gathered."""
+    dp_link = _link(device, step.dp * step.tp * step.pp)
+
+    def exposed(seconds: float, total_bytes: float, hidden_behind: float) -> float:
+        edge_bucket = seconds * min(1.0, bucket_bytes / max(1, total_bytes))
+        return max(seconds - hidden_behind * device.collective_overlap, edge_bucket)
+
+    factor = 1.0 if step.zero_1 else 2.0
+    averaging = _ring(memory.gradients, step.dp, dp_link, device.latency_us, factor)
+    if overlap_grad_reduce:
+        averaging = exposed(averaging, memory.gradients, 2 / 3 * microbatch_compute)
+    if not step.zero_1:
+        return averaging
+    gather = _ring(memory.parameters, step.dp, dp_link, device.latency_us, 1.0)
+    if overlap_param_gather:
+        gather = exposed(gather, memory.parameters, microbatch_compute / 3)
+    return averaging + gather
 
 
 def estimate_sharding_time(

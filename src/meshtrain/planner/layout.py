@@ -65,6 +65,7 @@ def plan_one_layout(
         accumulation=train.gradient_accumulation_steps,
         memory=memory,
         overlap_grad_reduce=train.overlap_grad_reduce,
+        overlap_param_gather=train.gathers_under_forward,
         bucket_bytes=train.grad_bucket_mb * 2**20,
         units=gather_units(shapes, shape, step) if step.sharded > 1 else None,
     )
