@@ -28,6 +28,9 @@ the same number of steps, as
     and pp=2 with 1F1B over 4 microbatches (`meshtrain_pp2`), dp 1, the one rank's
     per-device batch the whole global batch; with `--after` (on at the default shape)
     with the bucketed reductions after the backward (`training.overlap_grad_reduce=false`).
+    `--sides` runs exactly the sides named, e.g. ZeRO-1 with its parameter gather
+    overlapped with the next forward (the default), with one all-gather after the update
+    (`meshtrain_zero1_gather_after`) and again (`meshtrain_zero1_again`, the control).
     `--compile` adds `training.compile=true`; `--control` (on at 27m and 110m) runs
     `meshtrain` once more, identical code: its ratio to `meshtrain` (A/A) is the noise;
 (b) Hugging Face `Trainer` (transformers + accelerate), everything else at its defaults,
@@ -57,7 +60,9 @@ for the step's samples, first thing in a step -- `src/` is not changed; Trainer:
 `TrainerCallback.on_step_begin`; bare loop: the loop itself). Throughput = `steps *
 tokens per step / (start[warmup + steps] - start[warmup])`: whole steps with everything
 a loop does between them (data, logging, host syncs, callbacks), without start-up,
-warm-up, the last step and what follows it. Each run also prints meshtrain's own
+warm-up, the last step and what follows it. meshtrain's warm-up is at least 2 steps:
+its second step measures peak memory under a dispatch mode and is never timed (at
+`--shape 110m`, whose `--warmup` is 1, it once was). Each run also prints meshtrain's own
 `mean_tokens_per_s` and the Trainer's whole-run rate from `train_runtime`. Each
 configuration runs `--repeats` times, the order of the sides reversed on every other
 repeat; only ratios measured side by side mean anything on a shared machine.
@@ -183,6 +188,8 @@ MESHTRAIN_SIDES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "meshtrain": ({}, {}),
     "meshtrain_again": ({}, {}),
     "meshtrain_zero1": ({"zero_1": True}, {}),
+    "meshtrain_zero1_again": ({"zero_1": True}, {}),
+    "meshtrain_zero1_gather_after": ({"zero_1": True}, {"overlap_param_gather": False}),
     "meshtrain_after": ({}, {"overlap_grad_reduce": False}),
     "meshtrain_compile": ({}, {"compile": True}),
     **{f"meshtrain_{name}": (parallel, {}) for name, parallel in LAYOUTS.items()},
@@ -190,6 +197,8 @@ MESHTRAIN_SIDES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
 LABELS = {
     "meshtrain": "meshtrain",
     "meshtrain_zero1": "meshtrain, parallel.zero_1=true",
+    "meshtrain_zero1_again": "meshtrain, parallel.zero_1=true again (control)",
+    "meshtrain_zero1_gather_after": "meshtrain, zero_1=true, one all-gather after the update",
     "meshtrain_after": "meshtrain, reduction after backward",
     "meshtrain_tp2": "meshtrain, tp=2 (dp 1)",
     "meshtrain_pp2": "meshtrain, pp=2 (dp 1, 1F1B, 4 microbatches)",
@@ -217,6 +226,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--compile",
         action="store_true",
         help="add a meshtrain side with training.compile=true (compiled during the warm-up)",
+    )
+    parser.add_argument(
+        "--sides",
+        nargs="+",
+        choices=[*MESHTRAIN_SIDES, "trainer", "bare"],
+        help="run exactly these sides (in this order) at every world size, e.g. "
+        "meshtrain_zero1 meshtrain_zero1_gather_after meshtrain_zero1_again",
     )
     parser.add_argument("--profile", action="store_true", help="add the per-phase breakdown")
     parser.add_argument("--profile-only", action="store_true", help="only the per-phase breakdown")
@@ -294,12 +310,22 @@ def _set_threads(job: dict[str, Any]) -> int:
     return threads
 
 
+# meshtrain measures the peak memory of its second step (index 1) under a dispatch mode
+# that follows every storage: slower, and never timed. Its sides skip it whatever --warmup.
+MESHTRAIN_PROBE_STEP = 1
+
+
+def meshtrain_warmup(job: dict[str, Any]) -> int:
+    """Untimed steps of a meshtrain side: --warmup, and at least up to the probed step."""
+    return max(job["warmup"], MESHTRAIN_PROBE_STEP + 1)
+
+
 def _throughput(
-    starts: list[float], job: dict[str, Any], tokens_per_step: int
+    starts: list[float], job: dict[str, Any], tokens_per_step: int, warmup: int
 ) -> tuple[float, float]:
     """Tokens/s over the `steps` whole steps after `warmup`, from per-step start times:
     (over the whole window, at the median step time)."""
-    warmup, steps = job["warmup"], job["steps"]
+    steps = job["steps"]
     if len(starts) < warmup + steps + 1:
         raise RuntimeError(f"only {len(starts)} step starts recorded")
     window = starts[warmup : warmup + steps + 1]
@@ -372,7 +398,7 @@ def meshtrain_spec(
         training={
             **OPTIM,
             "per_device_train_batch_size": job["batch"] * world // dp,
-            "max_steps": job["warmup"] + job["steps"] + 1,
+            "max_steps": meshtrain_warmup(job) + job["steps"] + 1,
             "warmup_steps": job["warmup"],
             "seed": SEED,
             "log_every": 1,
@@ -587,8 +613,9 @@ def run_one(system: str, job: dict[str, Any], blocks, root: Path, tag: str, verb
             )
     result = results[0]
     _drop_outputs(out / tag)
+    warmup = meshtrain_warmup(job) if system.startswith("meshtrain") else job["warmup"]
     result["tokens_per_s"], result["median_tokens_per_s"] = _throughput(
-        result["starts"], job, tokens_per_step
+        result["starts"], job, tokens_per_step, warmup
     )
     result["wall_s"] = time.perf_counter() - began
     result["layout"], extra = _describe_run(system, result, job, tokens_per_step)
@@ -634,6 +661,8 @@ def _describe_run(
 
 def world_sides(world: int, args: argparse.Namespace) -> tuple[str, ...]:
     """The sides run at `world` processes, in run order."""
+    if args.sides:
+        return tuple(args.sides)
     sides = SIDES[world]
     if world == 2:
         sides += ("meshtrain_after",) if args.after else ()

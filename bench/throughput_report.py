@@ -80,29 +80,37 @@ def world_table(
     return lines
 
 
+def reference_side(sides: Runs) -> str:
+    """The side the others are divided by: `meshtrain`, or the first one run (`--sides`)."""
+    return "meshtrain" if "meshtrain" in sides else next(iter(sides))
+
+
 def control(sides: Runs) -> str:
-    """The A/A ratio, meshtrain again / meshtrain (the noise of this invocation)."""
-    if "meshtrain_again" not in sides:
+    """The A/A ratio, the reference side run again over itself (this invocation's noise)."""
+    ours = reference_side(sides)
+    if f"{ours}_again" not in sides:
         return "A/A not measured (--control)"
     mean = _mean(sides)
-    again, ours = sides["meshtrain_again"]["tokens_per_s"], sides["meshtrain"]["tokens_per_s"]
-    per_repeat = ", ".join(f"{a / m:.3f}" for a, m in zip(again, ours, strict=True))
-    return f"A/A {mean['meshtrain_again'] / mean['meshtrain']:.3f}x (per repeat: {per_repeat})"
+    again, first = sides[f"{ours}_again"]["tokens_per_s"], sides[ours]["tokens_per_s"]
+    per_repeat = ", ".join(f"{a / m:.3f}" for a, m in zip(again, first, strict=True))
+    return f"A/A {mean[f'{ours}_again'] / mean[ours]:.3f}x (per repeat: {per_repeat})"
 
 
 def ratio_lines(sides: Runs, labels: dict[str, str]) -> list[str]:
-    """meshtrain over every other side: of the means, per repeat, at the median step."""
+    """The reference side over every other side: of the means, per repeat, at the median
+    step."""
     mean, median = _mean(sides), _mean(sides, "median_tokens_per_s")
-    ours = sides["meshtrain"]["tokens_per_s"]
+    name = reference_side(sides)
+    ours = sides[name]["tokens_per_s"]
     lines = []
     for other in sides:
-        if other in ("meshtrain", "meshtrain_again"):
+        if other in (name, f"{name}_again"):
             continue
         paired = [m / o for m, o in zip(ours, sides[other]["tokens_per_s"], strict=True)]
         lines.append(
-            f"meshtrain / {labels[other]}: {mean['meshtrain'] / mean[other]:.3f}x "
+            f"{labels[name]} / {labels[other]}: {mean[name] / mean[other]:.3f}x "
             f"(per repeat: {', '.join(f'{r:.3f}' for r in paired)}; at the median step "
-            f"time: {median['meshtrain'] / median[other]:.3f}x); {control(sides)}"
+            f"time: {median[name] / median[other]:.3f}x); {control(sides)}"
         )
     return lines
 
@@ -115,7 +123,11 @@ def world_verdicts(
     flops_per_token: int,
     labels: dict[str, str],
 ) -> list[str]:
-    """Issue #19's targets at this world size, each with the A/A ratio beside it."""
+    """Issue #19's targets at this world size, each with the A/A ratio beside it (none
+    where `--sides` left out meshtrain or the side it is held to)."""
+    other = "trainer" if world == 2 else "bare"
+    if "meshtrain" not in sides or other not in sides:
+        return []
     targets = TARGETS[args.shape]
     note = (
         f" (the targets are set for --shape {args.shape}; this shape differs)"
@@ -123,7 +135,6 @@ def world_verdicts(
         else ""
     )
     mean = _mean(sides)
-    other = "trainer" if world == 2 else "bare"
     where = "dp=2" if world == 2 else "1 process"
     ratio = mean["meshtrain"] / mean[other]
     met = "met" if ratio >= targets[other] else "NOT met"
