@@ -92,8 +92,18 @@ def test_mlflow_run_holds_layout_params_and_metrics(project: Path, default_run):
     assert params["parallel.zero_1"] == "False"
     assert params["training.max_steps"] == "8"
     assert len(client.get_metric_history(run.info.run_id, "loss")) == 8
-    for key in ("tokens_per_s", "grad_norm", "learning_rate", "memory/peak_rss_mb", "val_loss"):
+    for key in ("tokens_per_s", "mfu", "grad_norm", "learning_rate", "memory/peak_rss_mb"):
         assert key in run.data.metrics, key
+    assert "val_loss" in run.data.metrics
+    # MFU: the steady-state tokens/s in model FLOPs over the 2 ranks' published peak.
+    plan = json.loads((project / "data/05_model_input/plan.json").read_text())
+    metrics = run.data.metrics
+    peak = plan["world_size"] * plan["peak_tflops_per_rank"] * 1e12
+    assert plan["peak_tflops_per_rank"] == 0.1  # the cpu profile's fp32 peak per core
+    assert run.data.params["mfu.peak_tflops_per_rank"] == "0.1"
+    mfu = metrics["eval/train_tokens_per_s"] * plan["model_flops_per_token"] / peak
+    assert metrics["eval/train_mfu"] == pytest.approx(mfu, rel=1e-6)
+    assert 0 < metrics["eval/train_mfu"] < 1
     assert "eval/val_perplexity" in run.data.metrics
     assert "eval/meshtrain_python_basics/acc" in run.data.metrics
     assert run.data.tags["kedro.env"] == "local"

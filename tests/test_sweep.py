@@ -314,7 +314,7 @@ def test_sweep_trains_every_layout_and_reports_the_refused_one(sweep: Sweep):
     table, refused = summary.split("\ntp3: refused\n")
     for layout, (*_, name) in EXPECTED.items():
         assert re.search(rf"^\s*{layout}\s+finished\s+{name}\s", table, re.M), table
-    for column in ("final loss", "val perplexity", "tokens/s", "peak RSS rank 0 (MiB)"):
+    for column in ("final loss", "val perplexity", "tokens/s", "MFU", "peak RSS rank 0 (MiB)"):
         assert column in table
     assert "parallel.tensor_parallel_size=3: it must divide num_attention_heads=4" in refused
     assert "Values that work here: 1, 2." in refused

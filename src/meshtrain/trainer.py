@@ -302,6 +302,7 @@ class Trainer:
         if done > self.start_step + 1 and done - 1 != self.memory_probe.step:
             self.throughput.add(self.plan.tokens_per_step, elapsed)
         lr, grad_norm = self.lr_scheduler.get_last_lr()[0], float(outcome.grad_norm)
+        mfu = self.plan.mfu(tokens_per_s)
         self.tracker.log(
             {
                 "loss": loss,
@@ -310,6 +311,7 @@ class Trainer:
                 "tokens_per_s": tokens_per_s,
                 "step_time_s": elapsed,
                 "epoch": self.sampler.epoch_of(done),
+                **({"mfu": mfu} if mfu is not None else {}),
                 **memory_metrics(self.device, self.model_states_bytes),
             },
             step=done,
@@ -400,6 +402,7 @@ class Trainer:
         self, initial_val_loss: float | None, final_val_loss: float | None, train_time: float
     ) -> dict[str, Any]:
         """What rank 0 hands back to the launcher (and the Kedro node saves)."""
+        tokens_per_s = self.throughput.tokens_per_s
         return {
             "run_dir": str(self.run_dir),
             "final_checkpoint": str(self.last_checkpoint),
@@ -409,7 +412,8 @@ class Trainer:
             "final_loss": self.losses[-1][1] if self.losses else None,
             "initial_val_loss": initial_val_loss,
             "final_val_loss": final_val_loss,
-            "mean_tokens_per_s": self.throughput.tokens_per_s,
+            "mean_tokens_per_s": tokens_per_s,
+            "mean_mfu": self.plan.mfu(tokens_per_s) if tokens_per_s else None,
             "train_time_s": train_time,
             "peak_rss_mb_rank0": rss_mb()[1],
             "model_states_bytes_rank0": self.model_states_bytes,

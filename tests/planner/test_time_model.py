@@ -89,3 +89,43 @@ def test_on_cpu_the_gradient_averaging_is_not_hidden_behind_the_backward(model_c
     after = dp_seconds(0.0, overlap_grad_reduce=False)
     assert dp_seconds(0.0, overlap_grad_reduce=True) == pytest.approx(after)
     assert 0 < dp_seconds(1.0, overlap_grad_reduce=True) < after
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen3"])
+def test_model_flops_count_every_matmul_weight_and_attention(architecture: str) -> None:
+    """6 x the weights of every matmul a token passes (the input embedding is a lookup) +
+    12 x layers x attention width x sequence, counted from the built model's own weights
+    (qwen3's head_dim 128 makes the attention wider than the hidden size)."""
+    from meshtrain.models import build_model
+    from meshtrain.planner.cost import model_flops_per_token
+    from meshtrain.planner.memory import ModelShape
+
+    fields = {**SHAPE, "head_dim": 256} if architecture == "qwen3" else dict(SHAPE)
+    config = build_model_config(architecture, fields, vocab_size=4096)
+    model = build_model(config, seed=0)
+    matmul_weights = sum(
+        p.numel() for n, p in model.named_parameters() if p.ndim == 2 and "embed_tokens" not in n
+    )
+    width = config.num_attention_heads * config.head_dim
+    expected = 6 * matmul_weights + 12 * config.num_hidden_layers * width * 256
+    assert model_flops_per_token(ModelShape.from_config(config), 256) == expected
+
+
+def test_a_plan_carries_its_mfu_basis_in_the_training_dtype(model_config) -> None:
+    """The plan holds the model FLOPs per token and the device's published peak per rank
+    (bf16's under mixed precision); MFU is tokens/s in those FLOPs over the world's peak."""
+    fp32 = _plan(model_config, launch={"nproc_per_node": 2})
+    assert fp32.peak_tflops_per_rank == BUILTIN_PROFILES["cpu"].peak_tflops_fp32
+    tokens_per_s = 1000.0
+    expected = tokens_per_s * fp32.model_flops_per_token / (2 * fp32.peak_tflops_per_rank * 1e12)
+    assert fp32.mfu(tokens_per_s) == pytest.approx(expected)
+    h100 = {"device": "h100"}
+    bf16 = _plan(model_config, training={"mixed_precision": "bf16"}, planner=h100)
+    assert bf16.peak_tflops_per_rank == BUILTIN_PROFILES["h100"].peak_tflops_bf16 == 989.4
+    # A device defined without peaks plans as before and logs no MFU.
+    fields = dataclasses.asdict(BUILTIN_PROFILES["cpu"])
+    for name in ("name", "note", "peak_tflops_fp32", "peak_tflops_bf16"):
+        fields.pop(name)
+    fields["tflops_fp32_by_shape"] = [list(row) for row in fields["tflops_fp32_by_shape"]]
+    custom = {"device": "mycpu", "device_profiles": {"mycpu": fields}}
+    assert _plan(model_config, planner=custom).mfu(tokens_per_s) is None

@@ -144,6 +144,17 @@ def training_flops_per_token(m: ModelShape, seq_len: int, checkpointing: str) ->
     return 3 * forward + extra
 
 
+def model_flops_per_token(m: ModelShape, seq_len: int) -> float:
+    """Model FLOPs per trained token, the usual base of MFU (PaLM, torchtitan): 6 x every
+    matmul weight a token passes (the decoder layers' and the LM head's; the input
+    embedding is a lookup) + 12 x layers x attention width x sequence for the scores and
+    their weighted sum, counted whole. Recomputation is not counted: checkpointing does
+    more work for the same model FLOPs."""
+    q, kv = m.heads * m.head_dim, m.kv_heads * m.head_dim
+    layer = m.hidden * (2 * q + 2 * kv) + 3 * m.hidden * m.intermediate
+    return 6 * (m.layers * layer + m.hidden * m.vocab) + 12 * m.layers * q * seq_len
+
+
 def busiest_stage_share(m: ModelShape, step: StepShape) -> float:
     """The share of the model's FLOPs the busiest pipeline rank computes: its stages'
     layers, and the LM head on the rank of the last stage (1 without pp)."""

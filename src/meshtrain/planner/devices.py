@@ -49,6 +49,10 @@ class DeviceProfile:
     # one forward (a microbatch); interpolated in log2 of both, held beyond the points
     # measured. Empty: `tflops_fp32` at every size.
     tflops_fp32_by_shape: tuple[tuple[float, float, float], ...] = ()
+    # The published dense peak per device (TFLOP/s), the base of the model FLOPs
+    # utilisation (MFU) a run logs; 0: unknown, no MFU. fp32 is TF32 on the GPUs.
+    peak_tflops_fp32: float = 0.0
+    peak_tflops_bf16: float = 0.0
     note: str = ""
 
     @property
@@ -71,6 +75,10 @@ class DeviceProfile:
             by_width.setdefault(w, []).append((t, rate))
         at_tokens = [(w, _interpolate_log2(sorted(p), tokens)) for w, p in by_width.items()]
         return _interpolate_log2(sorted(at_tokens), width)
+
+    def peak_tflops(self, bf16: bool) -> float:
+        """The published peak a run's MFU is measured against (0: unknown)."""
+        return self.peak_tflops_bf16 if bf16 else self.peak_tflops_fp32
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -112,6 +120,10 @@ BUILTIN_PROFILES: dict[str, DeviceProfile] = {
             ),
             # No bf16 matmul units on these cores: autocast measured ~10x slower than fp32.
             tflops_bf16=0.003,
+            # One core's fp32 GEMM rate (bench/machine_limit.py: 96-103 GFLOP/s on one
+            # thread); bf16 has no faster units here, so the same rate is its ceiling.
+            peak_tflops_fp32=0.1,
+            peak_tflops_bf16=0.1,
             intra_node_gbps=0.8,
             inter_node_gbps=0.1,
             # gloo over loopback: a small 2-rank all-reduce takes 1-2.6 ms alone, but ~10 ms
@@ -134,6 +146,8 @@ BUILTIN_PROFILES: dict[str, DeviceProfile] = {
             # 989 TFLOPs dense bf16, ~495 TF32 peak (SXM); 40% sustained.
             tflops_fp32=198.0,
             tflops_bf16=396.0,
+            peak_tflops_fp32=494.7,
+            peak_tflops_bf16=989.4,
             intra_node_gbps=450.0,  # NVLink 4: 900 GB/s bidirectional
             inter_node_gbps=50.0,  # one 400 Gb/s InfiniBand NIC per GPU
             latency_us=10.0,
@@ -147,6 +161,8 @@ BUILTIN_PROFILES: dict[str, DeviceProfile] = {
             devices_per_node=8,
             tflops_fp32=198.0,
             tflops_bf16=396.0,
+            peak_tflops_fp32=494.7,
+            peak_tflops_bf16=989.4,
             intra_node_gbps=450.0,
             inter_node_gbps=50.0,
             latency_us=10.0,
@@ -161,6 +177,8 @@ BUILTIN_PROFILES: dict[str, DeviceProfile] = {
             # 190 TFLOPs bf16 per Trainium chip = 95 per NeuronCore; fp32 48 per core.
             tflops_fp32=19.0,
             tflops_bf16=38.0,
+            peak_tflops_fp32=47.5,
+            peak_tflops_bf16=95.0,
             intra_node_gbps=48.0,  # NeuronLink-v2, 768 GB/s per chip over 16 chips' rings
             inter_node_gbps=3.1,  # 800 Gb/s EFA per trn1.32xlarge over 32 cores
             latency_us=20.0,
@@ -175,6 +193,8 @@ BUILTIN_PROFILES: dict[str, DeviceProfile] = {
             # 667 TFLOPs dense bf16 per Trainium2 chip, 4 logical cores per chip.
             tflops_fp32=17.0,
             tflops_bf16=67.0,
+            peak_tflops_fp32=42.5,
+            peak_tflops_bf16=166.75,
             intra_node_gbps=64.0,  # NeuronLink-v3, 1 TB/s per chip
             inter_node_gbps=6.2,  # 3.2 Tb/s EFA per trn2.48xlarge over 64 logical cores
             latency_us=20.0,
@@ -184,6 +204,10 @@ BUILTIN_PROFILES: dict[str, DeviceProfile] = {
         ),
     )
 }
+
+
+# What a new profile may leave out: without peaks, its runs log no MFU.
+OPTIONAL_FIELDS = {"name", "note", "peak_tflops_fp32", "peak_tflops_bf16"}
 
 
 def device_profile(name: str, overrides: dict[str, dict[str, Any]] | None = None) -> DeviceProfile:
@@ -201,7 +225,7 @@ def device_profile(name: str, overrides: dict[str, dict[str, Any]] | None = None
     if name in BUILTIN_PROFILES:
         return dataclasses.replace(BUILTIN_PROFILES[name], **overrides.get(name, {}))
     if name in overrides:
-        missing = sorted(fields - {"name", "note"} - set(overrides[name]))
+        missing = sorted(fields - OPTIONAL_FIELDS - set(overrides[name]))
         if missing:
             raise ValueError(
                 f"planner.device_profiles.{name} defines a new device and needs every field; "

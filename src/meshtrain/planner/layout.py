@@ -26,7 +26,7 @@ from meshtrain.planner.checks import (
     resolve_sharded_data_parallel,
     resolve_zero_1,
 )
-from meshtrain.planner.cost import estimate_step_time
+from meshtrain.planner.cost import estimate_step_time, model_flops_per_token
 from meshtrain.planner.devices import DeviceProfile
 from meshtrain.planner.memory import ModelShape, StepShape, estimate_memory, gather_units
 from meshtrain.planner.types import LayoutError, Plan
@@ -94,6 +94,8 @@ def plan_one_layout(
             **time_estimate.to_dict(),
             "tokens_per_s": global_batch * block_size / time_estimate.step_s,
         },
+        model_flops_per_token=model_flops_per_token(shape, block_size),
+        peak_tflops_per_rank=device.peak_tflops(step.bf16),
     )
 
 

@@ -31,6 +31,17 @@ class Plan:
     time_estimate: dict[str, float] = field(default_factory=dict)
     # The other layouts the planner weighed: name, estimates, and why each lost.
     candidates: list[dict[str, Any]] = field(default_factory=list)
+    # The run's MFU: model FLOPs per token over the device's published peak (TFLOP/s per
+    # rank, in the training dtype; 0 where the profile has none).
+    model_flops_per_token: float = 0.0
+    peak_tflops_per_rank: float = 0.0
+
+    def mfu(self, tokens_per_s: float) -> float | None:
+        """Model FLOPs utilisation at `tokens_per_s` over the whole world (None: no peak)."""
+        if not self.peak_tflops_per_rank:
+            return None
+        peak = self.world_size * self.peak_tflops_per_rank * 1e12
+        return tokens_per_s * self.model_flops_per_token / peak
 
     def to_dict(self) -> dict[str, Any]:
         values = dataclasses.asdict(self)

@@ -82,6 +82,9 @@ def log_plan(plan: dict[str, Any], run_config: dict[str, Any]) -> None:
     params.update(flatten({"estimate.time": plan.get("time_estimate") or {}}))
     if plan.get("device"):
         params["estimate.device"] = plan["device"]
+    if plan.get("peak_tflops_per_rank"):  # the basis of the run's `mfu` metric
+        params["mfu.model_flops_per_token"] = str(plan["model_flops_per_token"])
+        params["mfu.peak_tflops_per_rank"] = str(plan["peak_tflops_per_rank"])
     client = MlflowClient()
     run_id = mlflow.active_run().info.run_id
     existing = client.get_run(run_id).data.params

@@ -297,6 +297,7 @@ _COLUMNS = {
     "val loss": "metrics.eval/val_loss",
     "val perplexity": "metrics.eval/val_perplexity",
     "tokens/s": "metrics.eval/train_tokens_per_s",
+    "MFU": "metrics.eval/train_mfu",
     "peak RSS rank 0 (MiB)": "metrics.memory/peak_rss_mb",
     "peak tensors (MiB)": "metrics.memory/peak_tensor_mb",
     "predicted peak (MiB)": "metrics.memory/predicted_peak_mb",

@@ -52,6 +52,7 @@ def evaluate(
             "initial_val_loss": initial,
             "initial_val_perplexity": math.exp(initial) if initial is not None else None,
             "train_tokens_per_s": training_summary.get("mean_tokens_per_s"),
+            "train_mfu": training_summary.get("mean_mfu"),
             "train_time_s": training_summary.get("train_time_s"),
             "model_dir": consolidation_summary["output_dir"],
             "lm_eval": scores,
