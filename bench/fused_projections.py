@@ -7,6 +7,9 @@ logits against the next token of random token ids, backward, fused `torch.optim.
 step, `zero_grad`. The sides:
 
 - `hf`: the Hugging Face model untouched (reference).
+- `hf+rms_norm` (asked for with `--sides`): the same with every RMSNorm computed by one
+  `torch.nn.functional.rms_norm` kernel instead of Hugging Face's five elementwise passes
+  (same arithmetic in fp32), compared with `hf`.
 - `separate`: each decoder layer's attention and MLP replaced by this file's modules with
   three Linears q, k, v and two Linears gate, up (the HF weights themselves).
 - `fused`: the same modules but ONE Linear for q, k, v (weight [q; k; v], as
@@ -19,7 +22,7 @@ step, `zero_grad`. The sides:
   `layer.compile()`d in place; compiled in the warm-up (its first step, reported as the
   compile time), never in the timed steps.
 
-Before timing, `separate` and `fused` (and `hf`) built from the same weights must give
+Before timing, `separate`, `fused`, `hf` and `hf+rms_norm`, built from the same weights, must give
 the same loss (1e-5 relative) and the same gradients (the fused ones against the
 concatenated separate ones, 1e-5 relative in norm) on one batch; else the script aborts.
 
@@ -49,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import os
 import statistics
 import sys
@@ -84,6 +88,8 @@ SHAPES: dict[str, tuple[int, ...]] = {
     "110m": (768, 3072, 12, 12, 4, 4096, 512, 2),
 }
 BASE_SIDES = ("hf", "separate", "fused", "separate again")
+# The Hugging Face model with meshtrain's one-kernel RMSNorm (models/llama/rms_norm.py).
+NORM_SIDE = "hf+rms_norm"
 COMPILE_SIDES = ("separate+compile", "fused+compile")
 
 
@@ -237,10 +243,24 @@ def base_model(config: PretrainedConfig) -> nn.Module:
     return model.train()
 
 
+def _one_kernel_norm(norm: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    return F.rms_norm(hidden_states, norm.weight.shape, norm.weight, norm.variance_epsilon)
+
+
+def fuse_rms_norms(model: nn.Module) -> None:
+    """Every RMSNorm of `model` as one `rms_norm` kernel (its weight and name kept)."""
+    for module in model.modules():
+        if type(module).__name__.endswith("RMSNorm"):
+            module.forward = functools.partial(_one_kernel_norm, module)
+
+
 def side_model(base: nn.Module, config: PretrainedConfig, side: str) -> nn.Module:
     """A copy of `base` with the side's attention and MLP, compiled per layer if asked."""
     model = copy.deepcopy(base)
     if side == "hf":
+        return model
+    if side == NORM_SIDE:
+        fuse_rms_norms(model)
         return model
     fused = side.startswith("fused")
     for layer in model.model.layers:
@@ -296,7 +316,8 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def check_equivalence(base: nn.Module, config: PretrainedConfig, ids: torch.Tensor) -> None:
     """Abort unless `fused` and `hf` give `separate`'s loss and gradients on `ids`."""
-    models = {side: side_model(base, config, side) for side in ("separate", "fused", "hf")}
+    sides = ("separate", "fused", "hf", NORM_SIDE)
+    models = {side: side_model(base, config, side) for side in sides}
     losses, grads = {}, {}
     for side, model in models.items():
         loss = lm_loss(model, ids)
@@ -305,7 +326,7 @@ def check_equivalence(base: nn.Module, config: PretrainedConfig, ids: torch.Tens
         grads[side] = grads_in_fused_layout(model)
     reference, failed = grads["separate"], False
     parts = [f"loss separate {losses['separate'].item():.6f}"]
-    for side in ("fused", "hf"):
+    for side in ("fused", "hf", NORM_SIDE):
         if set(grads[side]) != set(reference):
             raise SystemExit(f"check: {side}'s parameters do not map onto separate's")
         loss_error = relative(losses[side], losses["separate"])
@@ -414,6 +435,7 @@ def print_ratios(runners: list[Runner]) -> None:
         ("fused+compile", "separate"),
         ("fused+compile", "separate+compile"),
         ("hf", "separate"),
+        (NORM_SIDE, "hf"),
         ("separate again", "separate"),
     ]
     print("  ratios of tokens/s (above 1: the first is faster), overall | per round")
@@ -464,7 +486,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=2, help="warm-up steps per side")
     parser.add_argument("--sides", default=None, help="comma list; default: all")
     args = parser.parse_args()
-    known = (*BASE_SIDES, *COMPILE_SIDES)
+    known = (*BASE_SIDES, NORM_SIDE, *COMPILE_SIDES)
     default = [*BASE_SIDES, *(COMPILE_SIDES if args.compile else ())]
     args.side_list = args.sides.split(",") if args.sides else default
     if unknown := [side for side in args.side_list if side not in known]:

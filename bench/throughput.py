@@ -69,7 +69,8 @@ repeat; only ratios measured side by side mean anything on a shared machine.
 
 The machine's limit (`bench/machine_limit.py`): fp32 `torch.mm` of n = 1024 and 2048 in
 P concurrent processes of T threads, for each (processes, threads) a side runs, at
-the start and at the end of the invocation; their mean is the base of "MFU vs GEMM".
+the start of the invocation, before each repeat of its world (the rate moves by up to
+a fifth within minutes here) and at the end; their mean is the base of "MFU vs GEMM".
 Model FLOPs per token (issue #19): 6 x parameters without the input embedding (the
 untied LM head counts) + 12 x layers x hidden x block length. The tables give per side
 its layout, tokens/s per repeat, mean and at the median step time, model GFLOP/s (mean
@@ -672,10 +673,16 @@ def world_sides(world: int, args: argparse.Namespace) -> tuple[str, ...]:
 
 
 def run_world(
-    world: int, args: argparse.Namespace, root: Path, blocks_path: Path
+    world: int,
+    args: argparse.Namespace,
+    root: Path,
+    blocks_path: Path,
+    arrangement: tuple[int, int],
+    limits: list[dict],
 ) -> dict[str, dict[str, list]]:
     """Every side of `world`, `--repeats` times, the order reversed on odd repeats: per
-    side, its tokens/s, tokens/s at the median step, and layout, one per repeat."""
+    side, its tokens/s, tokens/s at the median step, and layout, one per repeat. Before
+    each repeat the GEMM rate of its `arrangement` is read into `limits`."""
     blocks = datasets.load_from_disk(str(blocks_path))
     job = {**vars(args), "world": world, "blocks": str(blocks_path), "work_dir": None}
     job.pop("worlds")
@@ -683,6 +690,8 @@ def run_world(
     runs: dict[str, dict[str, list]] = {side: defaultdict(list) for side in sides}
     for repeat in range(args.repeats):
         order = sides if repeat % 2 == 0 else tuple(reversed(sides))
+        limits.append(machine_limit.measure([arrangement]))
+        print("\n".join(machine_limit.describe(limits[-1])), flush=True)
         print(f"world {world}, repeat {repeat + 1}: {' -> '.join(order)}", flush=True)
         for side in order:
             tag = f"w{world}-r{repeat + 1}-{side}"
@@ -698,13 +707,16 @@ def throughput_tables(
     """The machine's GEMM rate, every world's sides, the GEMM rate again; the tables."""
     arrangements = {world: (world, _threads(vars(args), world)) for world in args.worlds}
     print(f"machine limit, start: fp32 GEMM at {sorted(set(arrangements.values()))}", flush=True)
-    start = machine_limit.measure(sorted(set(arrangements.values())))
-    print("\n".join(machine_limit.describe(start)), flush=True)
-    runs = {world: run_world(world, args, root, blocks_path) for world in args.worlds}
+    limits = [machine_limit.measure(sorted(set(arrangements.values())))]
+    print("\n".join(machine_limit.describe(limits[0])), flush=True)
+    runs = {
+        world: run_world(world, args, root, blocks_path, arrangements[world], limits)
+        for world in args.worlds
+    }
     print("machine limit, end", flush=True)
-    end = machine_limit.measure(sorted(set(arrangements.values())))
-    print("\n".join(machine_limit.describe(end)), flush=True)
-    return throughput_report.report(args, runs, (start, end), arrangements, flops_per_token, LABELS)
+    limits.append(machine_limit.measure(sorted(set(arrangements.values()))))
+    print("\n".join(machine_limit.describe(limits[-1])), flush=True)
+    return throughput_report.report(args, runs, limits, arrangements, flops_per_token, LABELS)
 
 
 # --------------------------------------------------------------------------- --profile

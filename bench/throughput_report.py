@@ -18,20 +18,25 @@ Limits = dict[tuple[int, int], dict[str, Any]]  # (processes, threads) -> a gemm
 def report(
     args: argparse.Namespace,
     runs: dict[int, Runs],
-    limits: tuple[Limits, Limits],
+    limits: list[Limits],
     arrangements: dict[int, tuple[int, int]],
     flops_per_token: int,
     labels: dict[str, str],
 ) -> list[str]:
-    """The machine limit, each world's table and ratios, then the verdicts."""
-    start, end = limits
-    gemm = {key: (start[key]["gflops"] + end[key]["gflops"]) / 2 for key in start}
+    """The machine limit, each world's table and ratios, then the verdicts. `limits`: the
+    GEMM readings in the order taken (start, before each repeat, end); an arrangement's
+    MFU base is the mean of its readings."""
+    readings: dict[tuple[int, int], list[float]] = {}
+    for limit in limits:
+        for key, rate in limit.items():
+            readings.setdefault(key, []).append(rate["gflops"])
+    gemm = {key: statistics.fmean(values) for key, values in readings.items()}
     lines = ["", "machine limit: fp32 torch.mm GFLOP/s, summed over concurrent processes"]
     for (processes, threads), rate in gemm.items():
+        taken = ", ".join(f"{value:,.1f}" for value in readings[processes, threads])
         lines.append(
-            f"  {processes} process(es) x {threads} thread(s): start "
-            f"{start[processes, threads]['gflops']:,.1f}, end "
-            f"{end[processes, threads]['gflops']:,.1f}, mean {rate:,.1f} (the MFU base)"
+            f"  {processes} process(es) x {threads} thread(s): {taken} (start, before each "
+            f"repeat, end); mean {rate:,.1f} (the MFU base)"
         )
     verdicts: list[str] = []
     for world, sides in runs.items():
