@@ -174,10 +174,11 @@ BUILTIN_PROFILES: dict[str, DeviceProfile] = {
             name="trn1",
             memory_gib=16.0,  # per NeuronCore-v2; 32 per trn1.32xlarge (16 chips x 2)
             devices_per_node=32,
-            # 190 TFLOPs bf16 per Trainium chip = 95 per NeuronCore; fp32 48 per core.
-            tflops_fp32=19.0,
+            # Per Trainium chip (two NeuronCore-v2): 190 TFLOPs bf16, 47.5 fp32 (AWS Neuron
+            # docs, "Trainium Architecture"); per core half of each.
+            tflops_fp32=9.5,
             tflops_bf16=38.0,
-            peak_tflops_fp32=47.5,
+            peak_tflops_fp32=23.75,
             peak_tflops_bf16=95.0,
             intra_node_gbps=48.0,  # NeuronLink-v2, 768 GB/s per chip over 16 chips' rings
             inter_node_gbps=3.1,  # 800 Gb/s EFA per trn1.32xlarge over 32 cores
@@ -190,10 +191,10 @@ BUILTIN_PROFILES: dict[str, DeviceProfile] = {
             name="trn2",
             memory_gib=24.0,  # per logical NeuronCore (LNC=2): 96 GiB per chip / 4
             devices_per_node=64,
-            # 667 TFLOPs dense bf16 per Trainium2 chip, 4 logical cores per chip.
-            tflops_fp32=17.0,
+            # Per Trainium2 chip: 667 TFLOPs dense bf16, 181 fp32; 4 logical cores per chip.
+            tflops_fp32=18.1,
             tflops_bf16=67.0,
-            peak_tflops_fp32=42.5,
+            peak_tflops_fp32=45.25,
             peak_tflops_bf16=166.75,
             intra_node_gbps=64.0,  # NeuronLink-v3, 1 TB/s per chip
             inter_node_gbps=6.2,  # 3.2 Tb/s EFA per trn2.48xlarge over 64 logical cores
