@@ -28,7 +28,7 @@ SHAPES: dict[str, dict[str, Any]] = {
     },
     "110m": {
         **dict(zip(SHAPE_FIELDS, (768, 3072, 12, 12, 4, 4096, 512, 2), strict=True)),
-        **dict(zip(RUN_FIELDS, (4, 1, 3, "auto", "tp2,pp2", True, False), strict=True)),
+        **dict(zip(RUN_FIELDS, (4, 2, 3, "auto", "tp2,pp2", True, False), strict=True)),
     },
 }
 # Issue #19's targets: meshtrain / HF Trainer at dp=2, meshtrain / bare loop in one

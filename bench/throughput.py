@@ -61,11 +61,13 @@ for the step's samples, first thing in a step -- `src/` is not changed; Trainer:
 tokens per step / (start[warmup + steps] - start[warmup])`: whole steps with everything
 a loop does between them (data, logging, host syncs, callbacks), without start-up,
 warm-up, the last step and what follows it. meshtrain's warm-up is at least 2 steps:
-its second step measures peak memory under a dispatch mode and is never timed (at
-`--shape 110m`, whose `--warmup` is 1, it once was). Each run also prints meshtrain's own
-`mean_tokens_per_s` and the Trainer's whole-run rate from `train_runtime`. Each
-configuration runs `--repeats` times, the order of the sides reversed on every other
-repeat; only ratios measured side by side mean anything on a shared machine.
+its second step measures peak memory under a dispatch mode and is never timed. Every
+preset's `--warmup` is 2, so that the other sides skip as many steps (with `--warmup 1`
+at 110M they timed their second step and meshtrain did not, a bias in its favour).
+Each run also prints meshtrain's own `mean_tokens_per_s` and the Trainer's whole-run
+rate from `train_runtime`. Each configuration runs `--repeats` times, the order of the
+sides reversed on every other repeat; only ratios measured side by side mean anything
+on a shared machine.
 
 The machine's limit (`bench/machine_limit.py`): fp32 `torch.mm` of n = 1024 and 2048 in
 P concurrent processes of T threads, for each (processes, threads) a side runs, at
