@@ -31,11 +31,11 @@ process (fine for a relative comparison: the sides share the process's allocator
 pool and machine noise). After `--warmup` steps per side, `--rounds` rounds each time a
 block of `--steps` steps per side, one step at a time, the order of the sides reversed
 on every other round. Per side: the median step time over all its timed steps,
-tokens/s (batch x sequence per step), the model FLOP rate (per token 6 x the parameters
-but the input embedding + 12 x layers x hidden x sequence) and its fraction of this
-process's fp32 GEMM rate at the same threads (`torch.mm` of 2048 x 2048, median of 10).
-Ratios are of tokens/s (above 1: faster than `separate`), overall (of the medians) and
-per round (of each round's block medians).
+tokens/s (batch x sequence per step), the model FLOP rate (per token as training runs
+count it for their `mfu`: 6 x the matmul weights + 12 x layers x hidden x sequence) and
+its fraction of this process's fp32 GEMM rate at the same threads (`torch.mm` of
+2048 x 2048, median of 10). Ratios are of tokens/s (above 1: faster than `separate`),
+overall (of the medians) and per round (of each round's block medians).
 
     .venv/bin/python bench/fused_projections.py [--shape 27m|110m|both] [--compile]
         [--threads 2] [--steps 3] [--rounds 4] [--warmup 2] [--sides hf,separate,...]
@@ -72,6 +72,7 @@ for _name, _value in {
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from shapes import model_flops_per_token  # noqa: E402
 from torch import nn  # noqa: E402
 from transformers import AutoModelForCausalLM, PretrainedConfig  # noqa: E402
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb  # noqa: E402
@@ -402,11 +403,6 @@ def gemm_gflops() -> float:
     return 2 * GEMM_SIZE**3 / statistics.median(times) / 1e9
 
 
-def flops_per_token(model: nn.Module, shape: Shape) -> int:
-    counted = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n)
-    return 6 * counted + 12 * shape.layers * shape.hidden * shape.seq
-
-
 # --------------------------------------------------------------------------- the report
 
 
@@ -468,7 +464,7 @@ def run_shape(shape: Shape, sides: list[str], args: argparse.Namespace, gemm: fl
     )
     check_equivalence(base, config, pool[0])
     runners = [make_runner(base, config, side) for side in sides]
-    flops = flops_per_token(runners[0].model, shape)
+    flops = model_flops_per_token(config, shape.seq)
     del base
     print(f"  model FLOPs per token: {flops / 1e6:.1f} M")
     time_sides(runners, pool, args)

@@ -9,7 +9,10 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-import torch
+from transformers import PretrainedConfig
+
+from meshtrain.planner import cost
+from meshtrain.planner.memory import ModelShape
 
 # The model and batch of each preset, then what a run at it defaults to when the flags
 # are not given: timed steps, warm-up steps, repeats, threads per process ("auto": the
@@ -117,8 +120,9 @@ def differs_from_preset(args: argparse.Namespace) -> bool:
     return any(getattr(args, name) != preset[name] for name in SHAPE_FIELDS)
 
 
-def model_flops_per_token(model: torch.nn.Module, layers: int, hidden: int, seq: int) -> int:
-    """Issue #19's model FLOPs per trained token: 6 x the parameters but the input
-    embedding (the untied LM head counts) + 12 x layers x hidden x sequence (attention)."""
-    counted = sum(p.numel() for name, p in model.named_parameters() if "embed_tokens" not in name)
-    return 6 * counted + 12 * layers * hidden * seq
+def model_flops_per_token(config: PretrainedConfig, seq: int) -> int:
+    """Issue #19's model FLOPs per trained token, as every training run counts them for
+    its `mfu` metric (`meshtrain.planner.cost.model_flops_per_token`): 6 x the matmul
+    weights (the untied LM head counts, the input embedding not) + 12 x layers x
+    attention width x sequence."""
+    return int(cost.model_flops_per_token(ModelShape.from_config(config), seq))

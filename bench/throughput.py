@@ -73,8 +73,9 @@ The machine's limit (`bench/machine_limit.py`): fp32 `torch.mm` of n = 1024 and 
 P concurrent processes of T threads, for each (processes, threads) a side runs, at
 the start of the invocation, before each repeat of its world (the rate moves by up to
 a fifth within minutes here) and at the end; their mean is the base of "MFU vs GEMM".
-Model FLOPs per token (issue #19): 6 x parameters without the input embedding (the
-untied LM head counts) + 12 x layers x hidden x block length. The tables give per side
+Model FLOPs per token (issue #19), as training runs count them for their `mfu`: 6 x
+the matmul weights (the untied LM head counts, the input embedding not) + 12 x layers
+x hidden x block length. The tables give per side
 its layout, tokens/s per repeat, mean and at the median step time, model GFLOP/s (mean
 tokens/s x FLOPs per token) and that over the GEMM rate; then meshtrain's ratio to each
 other side (mean, per repeat, at the median step) with the A/A beside it; then the
@@ -1010,7 +1011,7 @@ def main() -> None:
         config = build_model_config("llama", model_fields(args), vocab_size=args.vocab)
         model = build_model(config, seed=SEED)
         parameters = sum(p.numel() for p in model.parameters())
-        flops = model_flops_per_token(model, args.layers, args.hidden, args.block)
+        flops = model_flops_per_token(config, args.block)
         del model
         header = [
             f"Llama (--shape {args.shape}): hidden {args.hidden}, intermediate "
