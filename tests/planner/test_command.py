@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -95,6 +96,11 @@ def test_the_human_readable_table_names_the_choice_and_the_runners_up(capsys) ->
     assert "chosen: " in out
     assert "optimizer_states" in out
     assert "other layouts:" in out and "does not fit" in out
+    # The estimate as MFU against the H100's fp32 (TF32) peak: about the profile's
+    # sustained 40% (a little over: MFU counts attention whole, the time model its causal
+    # half).
+    mfu = float(re.search(r"MFU (\d\.\d\d) at that rate, of 8 x 494.7 TFLOP/s", out).group(1))
+    assert 0.35 < mfu < 0.45
 
 
 @pytest.mark.parametrize(

@@ -114,6 +114,12 @@ def describe(plan: Plan, args: argparse.Namespace) -> str:
         f"  step {time['step_s']:.2f} s, {time['tokens_per_s']:,.0f} tokens/s: "
         + ", ".join(f"{k[:-2].replace('_', ' ')} {time[k]:.2f} s" for k in TIME_PARTS if k in time)
     )
+    mfu = plan.mfu(time["tokens_per_s"])
+    if mfu is not None:
+        lines.append(
+            f"  MFU {mfu:.2f} at that rate, of {plan.world_size} x {plan.peak_tflops_per_rank:g} "
+            f"TFLOP/s ({plan.device}'s published peak; a run logs what it reaches as `mfu`)"
+        )
     if plan.layout.sharded:
         lines.append(_sharding_line(plan))
     if plan.candidates:
