@@ -85,12 +85,13 @@ MFU vs GEMM >= 0.85. Nothing is asserted.
 
 `--profile` adds where a step's time goes, per phase: a copy of the loop of
 `meshtrain.trainer.Trainer` (same components: `parallelize`, `FlatParameters`, the
-pieces of `ShardedAdamW.step`, `BlockStore`, `GlobalBatchSampler`) with timers around
-data, forward, loss, backward, gradient reduction, norm and clipping, AdamW, parameter
-all-gather, zero_grad and the logging sync; at dp > 1 also with the reduction after
-the backward, and with `zero_1` off; and the same timers around what the Trainer runs
-underneath (DDP, `clip_grad_norm_`, fused AdamW, `zero_grad(set_to_none=True)`). All
-columns run in one process group, warmed up, in alternating blocks of a few steps.
+pieces of `ShardedAdamW.reduce_gradients` and `apply`, `BlockStore`,
+`GlobalBatchSampler`) with timers around data, forward, loss, backward, gradient
+reduction, norm and clipping, AdamW, parameter all-gather, zero_grad and the logging
+sync; at dp > 1 also with the reduction after the backward, and with `zero_1` off;
+and the same timers around what the Trainer runs underneath (DDP, `clip_grad_norm_`,
+fused AdamW, `zero_grad(set_to_none=True)`). All columns run in one process group,
+warmed up, in alternating blocks of a few steps.
 
 Rough durations on the 2-core machine when it is quiet (estimated from short runs;
 two to three times longer with other jobs on it):

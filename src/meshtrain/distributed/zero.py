@@ -171,14 +171,6 @@ class ShardedAdamW:
             summary["gather_rounds_in_forward"] = self.gather.rounds_in_forward
         return summary
 
-    def step(self) -> torch.Tensor:
-        """Finish averaging the gradients, clip to the global norm, update, and wait for
-        the gathered parameters; returns the pre-clip norm."""
-        norm = self.reduce_gradients()
-        self.apply(norm)
-        self.wait_for_parameters()
-        return norm
-
     def wait_for_parameters(self) -> None:
         """Every parameter holds its updated value: the overlapped gather has arrived.
         Call before reading the parameters other than through the modules' forward."""
@@ -186,17 +178,17 @@ class ShardedAdamW:
             self.gather.wait_all()
 
     def reduce_gradients(self) -> torch.Tensor:
-        """The first half of `step`: finish averaging the gradients (into the fp32 copy
-        where they were reduced in bf16); returns their global norm. Nothing is updated
-        yet, so a caller can still refuse the step (a non-finite norm)."""
+        """The first half of an optimizer step: finish averaging the gradients (into the
+        fp32 copy where they were reduced in bf16); returns their global norm. Nothing is
+        updated yet, so a caller can still refuse the step (a non-finite norm)."""
         self.reducer.finish(self.grad_shard)
         if self.master_grad is not self.grad_shard:
             self.master_grad.copy_(self.grad_shard)
         return self.global_grad_norm()
 
     def apply(self, norm: torch.Tensor) -> None:
-        """The second half of `step`: clip to `norm`'s budget, update the owned range, and
-        all-gather it under ZeRO-1 (overlapped: only started)."""
+        """The second half of an optimizer step: clip to `norm`'s budget, update the owned
+        range, and all-gather it under ZeRO-1 (overlapped: only started)."""
         self.wait_for_parameters()  # the last gather still reads the owned range
         if self.max_grad_norm > 0:
             coef = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)

@@ -123,13 +123,17 @@ class TimeEstimate:
         return values | (self.sharding.to_dict() if self.sharding else {})
 
 
+def _layer_matmul_weights(m: ModelShape) -> int:
+    """The weights of one decoder layer's matmuls: q, o (hidden x heads' width), k, v
+    (hidden x KV heads' width), and the MLP's three."""
+    q, kv = m.heads * m.head_dim, m.kv_heads * m.head_dim
+    return m.hidden * (2 * q + 2 * kv) + 3 * m.hidden * m.intermediate
+
+
 def _layer_forward_flops(m: ModelShape, seq_len: int) -> float:
     """Forward FLOPs per token of one decoder layer."""
-    h, kv = m.hidden, m.kv_heads * m.head_dim
-    attention_weights = h * (2 * h + 2 * kv)  # q, o: h x h; k, v: h x kv
-    mlp_weights = 3 * h * m.intermediate
-    attention_scores = 2 * seq_len * h  # QK^T and AV, causal half
-    return 2 * (attention_weights + mlp_weights) + attention_scores
+    attention_scores = 2 * seq_len * m.heads * m.head_dim  # QK^T and AV, causal half
+    return 2 * _layer_matmul_weights(m) + attention_scores
 
 
 def training_flops_per_token(m: ModelShape, seq_len: int, checkpointing: str) -> float:
@@ -150,9 +154,8 @@ def model_flops_per_token(m: ModelShape, seq_len: int) -> float:
     embedding is a lookup) + 12 x layers x attention width x sequence for the scores and
     their weighted sum, counted whole. Recomputation is not counted: checkpointing does
     more work for the same model FLOPs."""
-    q, kv = m.heads * m.head_dim, m.kv_heads * m.head_dim
-    layer = m.hidden * (2 * q + 2 * kv) + 3 * m.hidden * m.intermediate
-    return 6 * (m.layers * layer + m.hidden * m.vocab) + 12 * m.layers * q * seq_len
+    weights = m.layers * _layer_matmul_weights(m) + m.hidden * m.vocab
+    return 6 * weights + 12 * m.layers * m.heads * m.head_dim * seq_len
 
 
 def busiest_stage_share(m: ModelShape, step: StepShape) -> float:
