@@ -89,14 +89,14 @@ def planned_side(
     return spec, plan
 
 
-def plan_on_blocks(run: RunConfig, config: Any, blocks: Any) -> Plan:
-    """The plan of `run` for `config` on these token blocks, planned for CPU."""
+def plan_on_blocks(run: RunConfig, config: Any, blocks: Any, cuda: bool = False) -> Plan:
+    """The plan of `run` for `config` on these token blocks, for CPU unless `cuda`."""
     return plan_run(
         run,
         config,
         num_train_blocks=len(blocks["train"]),
         num_validation_blocks=len(blocks["validation"]),
-        cuda_available=False,
+        cuda_available=cuda,
     )
 
 

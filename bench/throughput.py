@@ -414,6 +414,7 @@ def meshtrain_spec(
             "output_dir": str(out),
             "run_name": name,
             "grad_bucket_mb": job["bucket_mb"],
+            "mixed_precision": job.get("mixed_precision", "no"),
             **training,
         },
         launch={"nproc_per_node": world},
@@ -421,7 +422,7 @@ def meshtrain_spec(
         data={"block_size": job["block"], "vocab_size": job["vocab"]},
     )
     config = build_model_config("llama", model_fields(job), vocab_size=job["vocab"])
-    plan = plan_on_blocks(run, config, blocks)
+    plan = plan_on_blocks(run, config, blocks, cuda=job.get("device") == "cuda")
     assert plan.global_batch_size == job["batch"] * world, plan.global_batch_size
     layout = plan.layout
     sizes = (layout.data_parallel_size, layout.tensor_parallel_size, layout.pipeline_parallel_size)
@@ -532,14 +533,19 @@ def trainer_entry(job: dict[str, Any]) -> dict[str, Any] | None:
 
 @record
 def bare_entry(job: dict[str, Any]) -> dict[str, Any]:
-    """One process, no process group: HF model, torch AdamW, clip_grad_norm_."""
+    """One process, no process group: HF model, torch AdamW, clip_grad_norm_ (on the
+    job's device, under bf16 autocast where its `mixed_precision` is bf16)."""
     import transformers
 
     threads = _set_threads(job)
+    device = torch.device(job.get("device", "cpu"))
+    autocast = torch.autocast(
+        device.type, dtype=torch.bfloat16, enabled=job.get("mixed_precision", "no") == "bf16"
+    )
     torch.manual_seed(SEED)
     config = hf_config(job)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.train()
+    model.to(device).train()
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     optimizer = torch.optim.AdamW(
@@ -557,7 +563,7 @@ def bare_entry(job: dict[str, Any]) -> dict[str, Any]:
         partial(warmup_cosine, warmup_steps=job["warmup"], max_steps=total, min_ratio=0.1),
     )
     train = datasets.load_from_disk(job["blocks"])["train"].with_format("torch")
-    blocks = train[:]["input_ids"].long()  # preloaded: the loop reads no files
+    blocks = train[:]["input_ids"].long().to(device)  # preloaded: the loop reads no files
     batch = job["batch"]
     order = torch.randperm(len(blocks), generator=torch.Generator().manual_seed(SEED))
     vocab = config.vocab_size
@@ -565,9 +571,10 @@ def bare_entry(job: dict[str, Any]) -> dict[str, Any]:
     for step in range(total):
         starts.append(time.perf_counter())
         index = order[(torch.arange(batch) + step * batch) % len(blocks)]
-        ids = blocks[index]
-        logits = model(input_ids=ids).logits
-        loss = F.cross_entropy(logits[:, :-1].reshape(-1, vocab), ids[:, 1:].reshape(-1))
+        ids = blocks[index.to(device)]
+        with autocast:
+            logits = model(input_ids=ids).logits
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, vocab).float(), ids[:, 1:].reshape(-1))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), OPTIM["max_grad_norm"])
         optimizer.step()
