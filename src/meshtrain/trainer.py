@@ -414,6 +414,7 @@ class Trainer:
             "final_val_loss": final_val_loss,
             "mean_tokens_per_s": tokens_per_s,
             "mean_mfu": self.plan.mfu(tokens_per_s) if tokens_per_s else None,
+            "median_step_s": self.throughput.median_step_s,
             "train_time_s": train_time,
             "peak_rss_mb_rank0": rss_mb()[1],
             "model_states_bytes_rank0": self.model_states_bytes,

@@ -129,3 +129,69 @@ def test_a_plan_carries_its_mfu_basis_in_the_training_dtype(model_config) -> Non
     fields["tflops_fp32_by_shape"] = [list(row) for row in fields["tflops_fp32_by_shape"]]
     custom = {"device": "mycpu", "device_profiles": {"mycpu": fields}}
     assert _plan(model_config, planner=custom).mfu(tokens_per_s) is None
+
+
+def _pipeline_step(layers: tuple[int, ...], pp: int = 2, virtual: int = 1):
+    from meshtrain.planner.memory import StepShape
+
+    return StepShape(
+        dp=1,
+        tp=1,
+        pp=pp,
+        zero_1=False,
+        sequence_parallel=False,
+        activation_checkpointing="none",
+        activation_offloading=False,
+        microbatch_size=1,
+        microbatches=4,
+        schedule="1f1b",
+        virtual_stages=virtual,
+        stage_layers=layers,
+        seq_len=256,
+    )
+
+
+def test_the_bubble_is_the_other_ranks_microbatch_around_the_busiest() -> None:
+    """Balanced stages give the textbook (p-1)/v microbatch times; where the LM head makes
+    the last rank the busiest, the first rank's lighter microbatch is all the fill and
+    drain (tiny pp2's schedule picture: 16 ms of bubble around 39 ms microbatches)."""
+    from meshtrain.planner.cost import fill_and_drain, stage_shares
+    from meshtrain.planner.memory import ModelShape
+
+    tiny = ModelShape.from_config(
+        build_model_config(
+            "llama",
+            {"hidden_size": 128, "intermediate_size": 352, "num_hidden_layers": 4},
+            vocab_size=4096,
+        )
+    )
+    shares = stage_shares(tiny, _pipeline_step((2, 2)))
+    assert sum(shares) == pytest.approx(1.0) and shares[1] > 2 * shares[0]
+    assert fill_and_drain(tiny, _pipeline_step((2, 2))) == pytest.approx(shares[0] / shares[1])
+    # Without an LM head worth counting (a tiny vocabulary), the stages balance: (p-1)/v.
+    headless = dataclasses.replace(tiny, vocab=1)
+    assert fill_and_drain(headless, _pipeline_step((2, 2))) == pytest.approx(1.0, rel=1e-3)
+    four = _pipeline_step((1, 1, 1, 1, 1, 1, 1, 1), pp=4, virtual=2)
+    assert fill_and_drain(headless, four) == pytest.approx(3 / 2, rel=1e-3)
+
+
+def test_pipeline_sends_cost_the_point_to_point_latency(model_config) -> None:
+    """A stage boundary's send waits for no third rank: the cpu profile's p2p latency, not
+    its collective hop's, and a profile without one falls back to the hop."""
+
+    def pipeline_s(**cpu: float) -> float:
+        plan = _plan(
+            model_config,
+            launch={"nproc_per_node": 2},
+            parallel={"pipeline_parallel_size": 2, "pipeline_parallel_num_microbatches": 4},
+            planner={"device": "cpu", "device_profiles": {"cpu": cpu}},
+        )
+        return plan.time_estimate["pipeline_s"]
+
+    cpu = BUILTIN_PROFILES["cpu"]
+    assert cpu.send_latency_us < cpu.latency_us
+    fallback = pipeline_s(p2p_latency_us=0.0)
+    sends = 2 * 4  # one activation and one gradient per microbatch
+    assert fallback - pipeline_s() == pytest.approx(
+        sends * (cpu.latency_us - cpu.p2p_latency_us) * 1e-6
+    )

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import statistics
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -45,18 +46,25 @@ def memory_metrics(device: torch.device, model_states_bytes: int) -> dict[str, f
 @dataclass
 class Throughput:
     """Steady-state tokens/s: tokens over the wall time of the steps counted, not a mean of
-    per-step rates (that reads high)."""
+    per-step rates (that reads high); and the median step time, which one slow step (a
+    descheduled thread, a page-cache flush) does not move."""
 
     tokens: int = 0
     seconds: float = 0.0
+    step_seconds: list[float] = field(default_factory=list)
 
     def add(self, tokens: int, seconds: float) -> None:
         self.tokens += tokens
         self.seconds += seconds
+        self.step_seconds.append(seconds)
 
     @property
     def tokens_per_s(self) -> float | None:
         return self.tokens / self.seconds if self.seconds else None
+
+    @property
+    def median_step_s(self) -> float | None:
+        return statistics.median(self.step_seconds) if self.step_seconds else None
 
 
 def clock(seconds: float) -> str:

@@ -11,8 +11,10 @@
   activations forward and two backward (all-reduces; all-gathers and
   reduce-scatters under sequence parallelism, the same bytes), ring cost
   `2 (t-1)/t` bytes per all-reduce over the link, plus a latency per hop;
-- pipeline parallelism: the bubble, `(p-1)/v` microbatch times, and one
-  activation send and one gradient send per microbatch and stage boundary;
+- pipeline parallelism: the bubble, the other ranks' microbatch time around
+  the busiest rank's (`(p-1)/v` microbatch times when the stages are balanced),
+  and one activation send and one gradient send per microbatch and stage
+  boundary, at the device's point-to-point latency;
 - data parallelism: the gradient averaging (an all-reduce, or under ZeRO-1 a
   reduction to each range's owner: half the bytes), and under ZeRO-1 the
   parameter all-gather after the update. With `overlap_grad_reduce` the
@@ -158,11 +160,11 @@ def model_flops_per_token(m: ModelShape, seq_len: int) -> float:
     return 6 * weights + 12 * m.layers * m.heads * m.head_dim * seq_len
 
 
-def busiest_stage_share(m: ModelShape, step: StepShape) -> float:
-    """The share of the model's FLOPs the busiest pipeline rank computes: its stages'
-    layers, and the LM head on the rank of the last stage (1 without pp)."""
+def stage_shares(m: ModelShape, step: StepShape) -> list[float]:
+    """Each pipeline rank's share of the model's FLOPs: its stages' layers, and the LM head
+    on the rank of the last stage ([1.0] without pp)."""
     if step.pp == 1:
-        return 1.0
+        return [1.0]
     layer, head = _layer_forward_flops(m, step.seq_len), 2 * m.hidden * m.vocab
     stages = len(step.stage_layers)
     shares = []
@@ -170,7 +172,22 @@ def busiest_stage_share(m: ModelShape, step: StepShape) -> float:
         mine = range(rank, stages, step.pp)
         layers = sum(step.stage_layers[s] for s in mine)
         shares.append(layers * layer + (head if stages - 1 in mine else 0.0))
-    return max(shares) / (m.layers * layer + head)
+    return [share / (m.layers * layer + head) for share in shares]
+
+
+def busiest_stage_share(m: ModelShape, step: StepShape) -> float:
+    """The share of the model's FLOPs the busiest pipeline rank computes."""
+    return max(stage_shares(m, step))
+
+
+def fill_and_drain(m: ModelShape, step: StepShape) -> float:
+    """The pipeline bubble in microbatch times of the busiest rank: the busiest rank sets
+    the pace, and the other ranks' microbatch (forwards before its first, backwards after
+    its last) is the fill and drain around it, over the virtual stages. With balanced
+    stages this is the textbook `(p - 1) / v`; with the LM head making the last rank the
+    busiest, less (tiny pp2: 0.4, not 1, as its schedule's picture shows)."""
+    shares = stage_shares(m, step)
+    return (sum(shares) - max(shares)) / max(shares) / step.virtual_stages
 
 
 def matmul_width(m: ModelShape, step: StepShape) -> float:
@@ -235,9 +252,9 @@ def estimate_step_time(
             if group_span <= device.devices_per_node
             else device.inter_node_gbps
         )
-        send = activation_bytes / step.tp / (pp_link * 1e9) + device.latency_us * 1e-6
+        send = activation_bytes / step.tp / (pp_link * 1e9) + device.send_latency_us * 1e-6
         per_microbatch_time = (compute + tensor_parallel) / microbatches
-        bubble = (step.pp - 1) / step.virtual_stages * per_microbatch_time * accumulation
+        bubble = fill_and_drain(m, step) * per_microbatch_time * accumulation
         pipeline = bubble + 2 * send * microbatches
         if m.tied_embeddings:
             # The first and last stages sum their copies' gradients once per step.

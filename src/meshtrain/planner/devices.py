@@ -53,6 +53,9 @@ class DeviceProfile:
     # utilisation (MFU) a run logs; 0: unknown, no MFU. fp32 is TF32 on the GPUs.
     peak_tflops_fp32: float = 0.0
     peak_tflops_bf16: float = 0.0
+    # What one pipeline send/recv adds on the critical path, where it differs from a
+    # collective's hop (0: `latency_us`): a point-to-point transfer waits for no third rank.
+    p2p_latency_us: float = 0.0
     note: str = ""
 
     @property
@@ -75,6 +78,11 @@ class DeviceProfile:
             by_width.setdefault(w, []).append((t, rate))
         at_tokens = [(w, _interpolate_log2(sorted(p), tokens)) for w, p in by_width.items()]
         return _interpolate_log2(sorted(at_tokens), width)
+
+    @property
+    def send_latency_us(self) -> float:
+        """Microseconds of one pipeline send/recv beyond its bytes."""
+        return self.p2p_latency_us or self.latency_us
 
     def peak_tflops(self, bf16: bool) -> float:
         """The published peak a run's MFU is measured against (0: unknown)."""
@@ -130,6 +138,10 @@ BUILTIN_PROFILES: dict[str, DeviceProfile] = {
             # inside a training step (each collective also waits for the other rank, which
             # shares the two cores): fitted to the tp2 runs of planner_validation.py.
             latency_us=5000.0,
+            # gloo send/recv alone: 70-120 us one way (planner_validation.py --calibrate);
+            # inside a 1F1B step the receiving stage waits 1-2 ms between its spans (the
+            # schedule's picture of tiny pp2, 4 microbatches), the schedule's own work included.
+            p2p_latency_us=1000.0,
             memory_gbps=8.0,
             # A worker after importing torch, transformers and mlflow and joining the gloo
             # group: 521 MiB resident (measured on the project's 2-core machine).
@@ -208,7 +220,7 @@ BUILTIN_PROFILES: dict[str, DeviceProfile] = {
 
 
 # What a new profile may leave out: without peaks, its runs log no MFU.
-OPTIONAL_FIELDS = {"name", "note", "peak_tflops_fp32", "peak_tflops_bf16"}
+OPTIONAL_FIELDS = {"name", "note", "peak_tflops_fp32", "peak_tflops_bf16", "p2p_latency_us"}
 
 
 def device_profile(name: str, overrides: dict[str, dict[str, Any]] | None = None) -> DeviceProfile:
