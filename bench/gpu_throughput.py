@@ -42,7 +42,6 @@ import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
-import tempfile  # noqa: E402
 import time  # noqa: E402
 from collections import defaultdict  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -186,11 +185,7 @@ def main() -> None:
     shape = GPU_SHAPES[args.shape]
     bf16 = args.precision == "bf16"
     with contextlib.ExitStack() as stack:
-        if args.work_dir is None:
-            root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="mt-gpu-")))
-        else:
-            root = args.work_dir
-            root.mkdir(parents=True, exist_ok=True)
+        root = throughput.work_root(stack, args.work_dir, "mt-gpu-")
         shaped = argparse.Namespace(**shape)
         per_run = (args.warmup + args.steps + 3) * shape["batch"] * max(args.worlds)
         blocks_path = throughput.make_blocks(root, shaped, max(64, 2 * per_run))

@@ -1005,14 +1005,18 @@ def profile_tables(args: argparse.Namespace, root: Path, blocks_path: Path) -> l
     return lines
 
 
+def work_root(stack: contextlib.ExitStack, work_dir: Path | None, prefix: str) -> Path:
+    """`--work-dir`, created if missing, or a temporary directory `stack` removes."""
+    if work_dir is None:
+        return Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=prefix)))
+    work_dir.mkdir(parents=True, exist_ok=True)
+    return work_dir
+
+
 def main() -> None:
     args = parse_args()
     with contextlib.ExitStack() as stack:
-        if args.work_dir is None:
-            root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="mt-bench-")))
-        else:
-            root = args.work_dir
-            root.mkdir(parents=True, exist_ok=True)
+        root = work_root(stack, args.work_dir, "mt-bench-")
         total_steps = args.warmup + args.steps + 1
         num_train = max(1024, total_steps * args.batch * max(args.worlds) * 2)
         blocks_path = make_blocks(root, args, num_train)

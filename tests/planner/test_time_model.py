@@ -132,17 +132,11 @@ def test_a_plan_carries_its_mfu_basis_in_the_training_dtype(model_config) -> Non
 
 
 def _pipeline_step(layers: tuple[int, ...], pp: int = 2, virtual: int = 1):
-    from meshtrain.planner.memory import StepShape
+    from meshtrain.planner.memory import FP32
 
-    return StepShape(
-        dp=1,
-        tp=1,
+    return dataclasses.replace(
+        FP32,
         pp=pp,
-        zero_1=False,
-        sequence_parallel=False,
-        activation_checkpointing="none",
-        activation_offloading=False,
-        microbatch_size=1,
         microbatches=4,
         schedule="1f1b",
         virtual_stages=virtual,
