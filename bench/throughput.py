@@ -90,8 +90,11 @@ pieces of `ShardedAdamW.reduce_gradients` and `apply`, `BlockStore`,
 reduction, norm and clipping, AdamW, parameter all-gather, zero_grad and the logging
 sync; at dp > 1 also with the reduction after the backward, and with `zero_1` off;
 and the same timers around what the Trainer runs underneath (DDP, `clip_grad_norm_`,
-fused AdamW, `zero_grad(set_to_none=True)`). All columns run in one process group,
-warmed up, in alternating blocks of a few steps.
+fused AdamW, `zero_grad(set_to_none=True)`); in one process also the bare loop's step
+(torch AdamW at its defaults); with `--compile` the meshtrain copy with its decoder
+layers compiled, with `--control` the meshtrain copy twice (the A/A). All columns run in
+one process group, warmed up, in alternating blocks of a few steps: far less noisy than
+separate runs, since every column sees the same moments of the machine.
 
 Rough durations on the 2-core machine when it is quiet (estimated from short runs;
 two to three times longer with other jobs on it):
@@ -752,6 +755,9 @@ PROFILE_LABELS = {
     "after backward": "meshtrain, reduction after backward",
     "zero_1 flipped": "meshtrain, zero_1 the other way",
     "ddp": "DDP + fused AdamW (Trainer's step)",
+    "compiled": "meshtrain, training.compile=true",
+    "again": "meshtrain again (control)",
+    "bare": "bare loop's step (torch AdamW defaults)",
 }
 
 
@@ -790,7 +796,8 @@ def _meshtrain_copy(job: dict[str, Any], dims, blocks: BlockStore, variant: str 
     layout = plan.layout
     model = build_model(config_from_dict(plan.model_config), seed=SEED)
     autocast = partial(torch.autocast, device_type="cpu", dtype=torch.bfloat16, enabled=False)
-    pm = parallelize(model, dims, layout, torch.device("cpu"), autocast)
+    compiled = variant == "compiled"
+    pm = parallelize(model, dims, layout, torch.device("cpu"), autocast, compile_layers=compiled)
     pm.set_training(True)
     flat = FlatParameters(pm.parameters.items(), num_shards=dims.dp, sharding=pm.sharding)
     optimizer = ShardedAdamW(
@@ -849,9 +856,10 @@ def _meshtrain_copy(job: dict[str, Any], dims, blocks: BlockStore, variant: str 
     return step
 
 
-def _ddp_copy(job: dict[str, Any], dims, blocks: BlockStore):
+def _ddp_copy(job: dict[str, Any], dims, blocks: BlockStore, fused: bool = True):
     """What the Trainer runs underneath: DDP (bucketed all-reduce overlapping the
-    backward), `clip_grad_norm_`, fused torch AdamW, `zero_grad(set_to_none=True)`."""
+    backward), `clip_grad_norm_`, fused torch AdamW, `zero_grad(set_to_none=True)`; with
+    `fused` False, torch AdamW at its defaults, as the bare loop runs it."""
     import transformers
     from torch.nn.parallel import DistributedDataParallel
 
@@ -871,7 +879,7 @@ def _ddp_copy(job: dict[str, Any], dims, blocks: BlockStore):
         lr=OPTIM["learning_rate"],
         betas=(OPTIM["adam_beta1"], OPTIM["adam_beta2"]),
         eps=OPTIM["adam_epsilon"],
-        fused=True,
+        fused=fused or None,
     )
     sampler = GlobalBatchSampler(len(blocks), job["batch"] * dims.dp, SEED)
 
@@ -917,7 +925,13 @@ def profile_entry(job: dict[str, Any]) -> dict[str, Any] | None:
         if world > 1:
             steps["after backward"] = _meshtrain_copy(job, dims, blocks, "after backward")
             steps["zero_1 flipped"] = _meshtrain_copy(job, dims, blocks, "zero_1 flipped")
+        if job["compile"]:
+            steps["compiled"] = _meshtrain_copy(job, dims, blocks, "compiled")
+        if job["control"]:
+            steps["again"] = _meshtrain_copy(job, dims, blocks)
         steps["ddp"] = _ddp_copy(job, dims, blocks)
+        if world == 1:
+            steps["bare"] = _ddp_copy(job, dims, blocks, fused=False)
         timers = {name: _Timer() for name in steps}
         walls: dict[str, float] = defaultdict(float)
         for step in steps.values():  # warm-up, untimed
@@ -1000,6 +1014,11 @@ def profile_tables(args: argparse.Namespace, root: Path, blocks_path: Path) -> l
         lines.append(
             "| vs DDP copy | "
             + " | ".join(f"{walls['ddp'] / walls[name]:.3f}x" for name in names)
+            + " |"
+        )
+        lines.append(
+            "| meshtrain over this column | "
+            + " | ".join(f"{walls[name] / walls['meshtrain']:.3f}x" for name in names)
             + " |"
         )
     return lines
