@@ -50,17 +50,16 @@ class Throughput:
     descheduled thread, a page-cache flush) does not move."""
 
     tokens: int = 0
-    seconds: float = 0.0
     step_seconds: list[float] = field(default_factory=list)
 
     def add(self, tokens: int, seconds: float) -> None:
         self.tokens += tokens
-        self.seconds += seconds
         self.step_seconds.append(seconds)
 
     @property
     def tokens_per_s(self) -> float | None:
-        return self.tokens / self.seconds if self.seconds else None
+        seconds = sum(self.step_seconds)
+        return self.tokens / seconds if seconds else None
 
     @property
     def median_step_s(self) -> float | None:

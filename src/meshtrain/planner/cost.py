@@ -175,19 +175,14 @@ def stage_shares(m: ModelShape, step: StepShape) -> list[float]:
     return [share / (m.layers * layer + head) for share in shares]
 
 
-def busiest_stage_share(m: ModelShape, step: StepShape) -> float:
-    """The share of the model's FLOPs the busiest pipeline rank computes."""
-    return max(stage_shares(m, step))
-
-
-def fill_and_drain(m: ModelShape, step: StepShape) -> float:
-    """The pipeline bubble in microbatch times of the busiest rank: the busiest rank sets
-    the pace, and the other ranks' microbatch (forwards before its first, backwards after
-    its last) is the fill and drain around it, over the virtual stages. With balanced
-    stages this is the textbook `(p - 1) / v`; with the LM head making the last rank the
-    busiest, less (tiny pp2: 0.4, not 1, as its schedule's picture shows)."""
-    shares = stage_shares(m, step)
-    return (sum(shares) - max(shares)) / max(shares) / step.virtual_stages
+def fill_and_drain(shares: list[float], virtual_stages: int) -> float:
+    """The pipeline bubble in microbatch times of the busiest rank (`shares`: each rank's,
+    from `stage_shares`): the busiest rank sets the pace, and the other ranks' microbatch
+    (forwards before its first, backwards after its last) is the fill and drain around
+    it, over the virtual stages. With balanced stages this is the textbook `(p - 1) / v`;
+    with the LM head making the last rank the busiest, less (tiny pp2: 0.43, not 1, as
+    its schedule's picture shows)."""
+    return (sum(shares) - max(shares)) / max(shares) / virtual_stages
 
 
 def matmul_width(m: ModelShape, step: StepShape) -> float:
@@ -230,7 +225,8 @@ def estimate_step_time(
     tokens = tokens_per_microbatch * microbatches
     flops = tokens * training_flops_per_token(m, step.seq_len, step.activation_checkpointing)
     rate = device.tflops(step.bf16, width=matmul_width(m, step), tokens=tokens_per_microbatch)
-    compute = flops * busiest_stage_share(m, step) / step.tp / (rate * 1e12)
+    shares = stage_shares(m, step)
+    compute = flops * max(shares) / step.tp / (rate * 1e12)  # the busiest pipeline rank
 
     activation_bytes = tokens_per_microbatch * m.hidden * (BYTES_BF16 if step.bf16 else BYTES_FP32)
     tp_link = (
@@ -254,7 +250,7 @@ def estimate_step_time(
         )
         send = activation_bytes / step.tp / (pp_link * 1e9) + device.send_latency_us * 1e-6
         per_microbatch_time = (compute + tensor_parallel) / microbatches
-        bubble = fill_and_drain(m, step) * per_microbatch_time * accumulation
+        bubble = fill_and_drain(shares, step.virtual_stages) * per_microbatch_time * accumulation
         pipeline = bubble + 2 * send * microbatches
         if m.tied_embeddings:
             # The first and last stages sum their copies' gradients once per step.
