@@ -1,15 +1,19 @@
 """The machine's limit for fp32 training on CPU: the GEMM rate of P processes x T threads.
 
 P processes are spawned together (torch.multiprocessing, spawn), each with T intra-op
-threads; each builds two square fp32 matrices per size n, runs `warmup` untimed
-`torch.mm`s, waits at a barrier for the others, then times `repeats` calls one by one.
-A process's rate is 2 n^3 FLOPs over its median call; the arrangement's rate is the
-sum over its processes, per n. The GEMM rate of an arrangement is the best of its sizes:
+threads; each builds two square fp32 matrices per size n and, per GEMM library, runs
+`warmup` untimed products, waits at a barrier for the others, then times `repeats`
+calls one by one. The libraries are the two inside torch's x86-64 wheels: `blas`
+(`torch.mm`, MKL there) and `onednn` (the product meshtrain's Linear layers run on CPU
+where `training.cpu_matmul` picks it, `models/cpu_linear.py`). A process's rate is
+2 n^3 FLOPs over its median call; the arrangement's rate is the sum over its
+processes, per library and n. The GEMM rate of an arrangement is the best of them:
 what those cores reach on the operation a transformer step spends most of its FLOPs in.
 `bench/throughput.py` measures the arrangements its sides run, at its start and its end.
 
-    .venv/bin/python bench/machine_limit.py                  # 1x<cpus> and <cpus>x1, ~10-15 s
+    .venv/bin/python bench/machine_limit.py                  # 1x<cpus> and <cpus>x1, ~15-20 s
     .venv/bin/python bench/machine_limit.py --arrangements 1x1 2x1 --sizes 1024 2048 4096
+    .venv/bin/python bench/machine_limit.py --libraries blas
 """
 
 from __future__ import annotations
@@ -23,26 +27,45 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
+from meshtrain.models.cpu_linear import onednn_available, onednn_mm_nt
+
 SIZES = (1024, 2048)
+LIBRARIES = ("blas", "onednn") if onednn_available() else ("blas",)
 
 
-def _gemm_worker(threads: int, sizes: tuple[int, ...], warmup: int, repeats: int, barrier, queue):
-    """One process: per size, warm up, meet the others, time `repeats` mm calls."""
+def _product(library: str, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor):
+    """One n x n x n product on `library` (oneDNN's is a @ b.T, the same FLOPs)."""
+    if library == "onednn":
+        return lambda: onednn_mm_nt(a, b)
+    return lambda: torch.mm(a, b, out=out)
+
+
+def _gemm_worker(
+    threads: int,
+    sizes: tuple[int, ...],
+    libraries: tuple[str, ...],
+    warmup: int,
+    repeats: int,
+    barrier,
+    queue,
+):
+    """One process: per size and library, warm up, meet the others, time `repeats` calls."""
     os.environ["OMP_NUM_THREADS"] = str(threads)
     torch.set_num_threads(threads)
-    rates: dict[int, float] = {}
+    rates: dict[tuple[str, int], float] = {}
     for n in sizes:
-        a, b = torch.randn(n, n), torch.randn(n, n)
-        out = torch.empty(n, n)
-        for _ in range(warmup):
-            torch.mm(a, b, out=out)
-        barrier.wait()
-        seconds = []
-        for _ in range(repeats):
-            began = time.perf_counter()
-            torch.mm(a, b, out=out)
-            seconds.append(time.perf_counter() - began)
-        rates[n] = 2 * n**3 / statistics.median(seconds) / 1e9
+        a, b, out = torch.randn(n, n), torch.randn(n, n), torch.empty(n, n)
+        for library in libraries:
+            product = _product(library, a, b, out)
+            for _ in range(warmup):
+                product()
+            barrier.wait()
+            seconds = []
+            for _ in range(repeats):
+                began = time.perf_counter()
+                product()
+                seconds.append(time.perf_counter() - began)
+            rates[library, n] = 2 * n**3 / statistics.median(seconds) / 1e9
     queue.put(rates)
 
 
@@ -50,17 +73,17 @@ def gemm_rate(
     processes: int,
     threads: int,
     sizes: tuple[int, ...] = SIZES,
+    libraries: tuple[str, ...] = LIBRARIES,
     warmup: int = 2,
     repeats: int = 10,
 ) -> dict[str, Any]:
     """GFLOP/s summed over `processes` concurrent processes of `threads` threads each:
-    {"by_size": {n: GFLOP/s}, "gflops": the best size's}."""
+    {"by_library": {library: {n: GFLOP/s}}, "best_library": the fastest's name,
+    "gflops": the best library's best size}."""
     context = mp.get_context("spawn")
     barrier, queue = context.Barrier(processes), context.Queue()
-    workers = [
-        context.Process(target=_gemm_worker, args=(threads, sizes, warmup, repeats, barrier, queue))
-        for _ in range(processes)
-    ]
+    args = (threads, sizes, libraries, warmup, repeats, barrier, queue)
+    workers = [context.Process(target=_gemm_worker, args=args) for _ in range(processes)]
     for worker in workers:
         worker.start()
     results = [queue.get() for _ in workers]
@@ -68,8 +91,15 @@ def gemm_rate(
         worker.join()
         if worker.exitcode:
             raise RuntimeError(f"a GEMM process exited with {worker.exitcode}")
-    by_size = {n: sum(r[n] for r in results) for n in sizes}
-    return {"by_size": by_size, "gflops": max(by_size.values())}
+    by_library = {
+        library: {n: sum(r[library, n] for r in results) for n in sizes} for library in libraries
+    }
+    best = max(libraries, key=lambda library: max(by_library[library].values()))
+    return {
+        "by_library": by_library,
+        "best_library": best,
+        "gflops": max(by_library[best].values()),
+    }
 
 
 def measure(arrangements: list[tuple[int, int]], **kwargs: Any) -> dict[tuple[int, int], dict]:
@@ -78,11 +108,17 @@ def measure(arrangements: list[tuple[int, int]], **kwargs: Any) -> dict[tuple[in
 
 
 def describe(rates: dict[tuple[int, int], dict]) -> list[str]:
-    """One line per arrangement: the rate per size and the best."""
+    """One line per arrangement: the best rate, and per library the rate per size."""
     lines = []
     for (p, t), rate in rates.items():
-        sizes = ", ".join(f"n={n}: {g:,.1f}" for n, g in rate["by_size"].items())
-        lines.append(f"  {p} process(es) x {t} thread(s): {rate['gflops']:,.1f} GFLOP/s ({sizes})")
+        libraries = "; ".join(
+            f"{library} " + ", ".join(f"n={n}: {g:,.1f}" for n, g in by_size.items())
+            for library, by_size in rate["by_library"].items()
+        )
+        lines.append(
+            f"  {p} process(es) x {t} thread(s): {rate['gflops']:,.1f} GFLOP/s "
+            f"({rate['best_library']}; {libraries})"
+        )
     return lines
 
 
@@ -104,15 +140,22 @@ def main() -> None:
         help="processes x threads, e.g. 1x2 2x1 (default: 1x<cpus> and <cpus>x1)",
     )
     parser.add_argument("--sizes", type=int, nargs="+", default=list(SIZES))
+    parser.add_argument(
+        "--libraries", nargs="+", choices=LIBRARIES, default=list(LIBRARIES), help="GEMM libraries"
+    )
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=10)
     args = parser.parse_args()
     began = time.perf_counter()
     rates = measure(
-        args.arrangements, sizes=tuple(args.sizes), warmup=args.warmup, repeats=args.repeats
+        args.arrangements,
+        sizes=tuple(args.sizes),
+        libraries=tuple(args.libraries),
+        warmup=args.warmup,
+        repeats=args.repeats,
     )
     print(
-        f"fp32 torch.mm GFLOP/s, median of {args.repeats} calls per process after "
+        f"fp32 GEMM GFLOP/s, median of {args.repeats} calls per process after "
         f"{args.warmup} warm-up, summed over the processes; {cpus} CPUs, torch "
         f"{torch.__version__} ({time.perf_counter() - began:.0f}s)"
     )

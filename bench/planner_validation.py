@@ -349,8 +349,9 @@ def calibrate() -> None:
 
     Per matmul width (the models of CALIBRATION_MODELS) and tokens per forward (one
     sequence or 256 tokens, and the model's whole batch), the training rate of forward +
-    backward, in two fresh single-thread processes at once (as two ranks run); then
-    gloo's all-reduce latency and bandwidth between two processes.
+    backward (its Linear layers where `training.cpu_matmul: auto` puts them), in two
+    fresh single-thread processes at once (as two ranks run); then gloo's all-reduce
+    latency and bandwidth between two processes.
     """
     points = []
     for model in CALIBRATION_MODELS:
@@ -372,6 +373,7 @@ def _rate_probe(rank: int, model: str, tmp: str, steps: int = 6) -> None:
     256 tokens (or one sequence, if longer) and at the model's batch: median step times."""
     from transformers import AutoModelForCausalLM  # noqa: PLC0415
 
+    from meshtrain.models.cpu_linear import cpu_matmul_choice, route_linears_to_onednn  # noqa: PLC0415
     from meshtrain.planner.cost import training_flops_per_token  # noqa: PLC0415
     from meshtrain.planner.memory import ModelShape  # noqa: PLC0415
 
@@ -379,6 +381,8 @@ def _rate_probe(rank: int, model: str, tmp: str, steps: int = 6) -> None:
     shape = MODELS[model]
     config = build_model_config("llama", shape["fields"], vocab_size=shape["vocab"])
     net = AutoModelForCausalLM.from_config(config)
+    if cpu_matmul_choice("auto", torch.device("cpu")) == "onednn":  # as training runs it
+        route_linears_to_onednn([net])
     block = shape["block"]
     flops = training_flops_per_token(ModelShape.from_config(config), block, "none")
     rates = []

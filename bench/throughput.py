@@ -32,7 +32,10 @@ the same number of steps, as
     overlapped with the next forward (the default), with one all-gather after the update
     (`meshtrain_zero1_gather_after`) and again (`meshtrain_zero1_again`, the control).
     `--compile` adds `training.compile=true`; `--control` (on at 27m and 110m) runs
-    `meshtrain` once more, identical code: its ratio to `meshtrain` (A/A) is the noise;
+    `meshtrain` once more, identical code: its ratio to `meshtrain` (A/A) is the noise.
+    In one process also with `training.cpu_matmul=blas` (`meshtrain_blas`): its Linear
+    layers on `torch.mm` as the other sides', where the default (`auto`) routes them to
+    oneDNN on this CPU (`models/cpu_linear.py`), to show what that choice buys;
 (b) Hugging Face `Trainer` (transformers + accelerate), everything else at its defaults,
     launched with `run_workers` and an entry point that builds the `Trainer`: at dp=2
     accelerate reads the torch elastic env (DDP over gloo, `find_unused_parameters=True`
@@ -69,10 +72,11 @@ rate from `train_runtime`. Each configuration runs `--repeats` times, the order 
 sides reversed on every other repeat; only ratios measured side by side mean anything
 on a shared machine.
 
-The machine's limit (`bench/machine_limit.py`): fp32 `torch.mm` of n = 1024 and 2048 in
-P concurrent processes of T threads, for each (processes, threads) a side runs, at
-the start of the invocation, before each repeat of its world (the rate moves by up to
-a fifth within minutes here) and at the end; their mean is the base of "MFU vs GEMM".
+The machine's limit (`bench/machine_limit.py`): the faster of fp32 `torch.mm` and
+oneDNN's product, n = 1024 and 2048, in P concurrent processes of T threads, for each
+(processes, threads) a side runs, at the start of the invocation, before each repeat
+of its world (the rate moves by up to a fifth within minutes here) and at the end;
+their mean is the base of "MFU vs GEMM".
 Model FLOPs per token (issue #19), as training runs count them for their `mfu`: 6 x
 the matmul weights (the untied LM head counts, the input embedding not) + 12 x layers
 x hidden x block length. The tables give per side
@@ -189,7 +193,7 @@ LAUNCHER_ENV = (
 # after the backward instead of during it, to show what overlap buys.
 SIDES = {
     2: ("meshtrain", "trainer", "meshtrain_zero1"),
-    1: ("meshtrain", "trainer", "bare"),
+    1: ("meshtrain", "trainer", "bare", "meshtrain_blas"),
 }
 # meshtrain sides: (parallel.* overrides, training.* overrides) over the default layout.
 MESHTRAIN_SIDES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
@@ -200,6 +204,7 @@ MESHTRAIN_SIDES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "meshtrain_zero1_gather_after": ({"zero_1": True}, {"overlap_param_gather": False}),
     "meshtrain_after": ({}, {"overlap_grad_reduce": False}),
     "meshtrain_compile": ({}, {"compile": True}),
+    "meshtrain_blas": ({}, {"cpu_matmul": "blas"}),
     **{f"meshtrain_{name}": (parallel, {}) for name, parallel in LAYOUTS.items()},
 }
 LABELS = {
@@ -211,6 +216,7 @@ LABELS = {
     "meshtrain_tp2": "meshtrain, tp=2 (dp 1)",
     "meshtrain_pp2": "meshtrain, pp=2 (dp 1, 1F1B, 4 microbatches)",
     "meshtrain_compile": "meshtrain, training.compile=true",
+    "meshtrain_blas": "meshtrain, training.cpu_matmul=blas (torch.mm, as the others)",
     "meshtrain_again": "meshtrain again (control: identical code)",
     "trainer": "HF Trainer",
     "bare": "bare loop",
@@ -788,6 +794,7 @@ def _meshtrain_copy(job: dict[str, Any], dims, blocks: BlockStore, variant: str 
     from meshtrain.distributed.flat_buffer import FlatParameters
     from meshtrain.distributed.zero import ShardedAdamW
     from meshtrain.models import config_from_dict
+    from meshtrain.models.cpu_linear import cpu_matmul_choice
     from meshtrain.models.llama.parallelize import parallelize
     from meshtrain.models.parallel_model import causal_lm_loss
     from meshtrain.planner import Plan
@@ -797,7 +804,11 @@ def _meshtrain_copy(job: dict[str, Any], dims, blocks: BlockStore, variant: str 
     model = build_model(config_from_dict(plan.model_config), seed=SEED)
     autocast = partial(torch.autocast, device_type="cpu", dtype=torch.bfloat16, enabled=False)
     compiled = variant == "compiled"
-    pm = parallelize(model, dims, layout, torch.device("cpu"), autocast, compile_layers=compiled)
+    cpu = torch.device("cpu")
+    onednn = cpu_matmul_choice(RunConfig.from_params().training.cpu_matmul, cpu) == "onednn"
+    pm = parallelize(
+        model, dims, layout, cpu, autocast, compile_layers=compiled, onednn_linears=onednn
+    )
     pm.set_training(True)
     flat = FlatParameters(pm.parameters.items(), num_shards=dims.dp, sharding=pm.sharding)
     optimizer = ShardedAdamW(

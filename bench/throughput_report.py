@@ -31,7 +31,11 @@ def report(
         for key, rate in limit.items():
             readings.setdefault(key, []).append(rate["gflops"])
     gemm = {key: statistics.fmean(values) for key, values in readings.items()}
-    lines = ["", "machine limit: fp32 torch.mm GFLOP/s, summed over concurrent processes"]
+    lines = [
+        "",
+        "machine limit: fp32 GEMM GFLOP/s (the faster of torch.mm and oneDNN), summed over "
+        "concurrent processes",
+    ]
     for (processes, threads), rate in gemm.items():
         taken = ", ".join(f"{value:,.1f}" for value in readings[processes, threads])
         lines.append(

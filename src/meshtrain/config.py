@@ -141,6 +141,10 @@ class TrainingConfig:
     # torch.compile each decoder layer (after tensor parallelism and checkpointing):
     # fuses the elementwise work between the matmuls; pays a compile on the first steps.
     compile: bool = False
+    # Where the Linear layers' fp32 matmuls run on CPU: onednn (oneDNN, inside torch), blas
+    # (torch's default: MKL on x86-64), or auto: oneDNN on x86-64 CPUs not made by Intel,
+    # where MKL takes a generic path (models/cpu_linear.py). Accelerators ignore it.
+    cpu_matmul: Literal["auto", "onednn", "blas"] = AUTO
     max_steps: int = 200
     seed: int = 42
     # no: fp32 throughout. bf16: autocast over fp32 parameters (matmuls in bf16).

@@ -48,6 +48,7 @@ from meshtrain.data.sampler import GlobalBatchSampler
 from meshtrain.distributed.fsdp import mixed_precision_policy
 from meshtrain.distributed.parallel_dims import ParallelDims
 from meshtrain.models.builder import build_meta_model, config_from_dict, weight_source
+from meshtrain.models.cpu_linear import cpu_matmul_choice
 from meshtrain.models.llama.parallelize import parallelize
 from meshtrain.models.parallel_model import ParallelModel
 from meshtrain.planner import Plan
@@ -107,6 +108,7 @@ class Trainer:
             self.device.type,
             sdp=self.layout.sharded_data_parallel_degree,
         )
+        self.cpu_matmul = cpu_matmul_choice(self.cfg.cpu_matmul, self.device)
         self.pm = self._build_model()
         self.optimizer = build_optimizer(self.pm, training=self.cfg)
         self.start_step = self._restore()
@@ -161,6 +163,7 @@ class Trainer:
                 autocast,
                 weights=weights,
                 compile_layers=self.cfg.compile,
+                onednn_linears=self.cpu_matmul == "onednn",
                 fsdp_policy=mixed_precision_policy(
                     self.cfg.mixed_precision, self.cfg.grad_reduce_dtype
                 ),
@@ -415,6 +418,7 @@ class Trainer:
             "mean_tokens_per_s": tokens_per_s,
             "mean_mfu": self.plan.mfu(tokens_per_s) if tokens_per_s else None,
             "median_step_s": self.throughput.median_step_s,
+            "cpu_matmul": self.cpu_matmul,
             "train_time_s": train_time,
             "peak_rss_mb_rank0": rss_mb()[1],
             "model_states_bytes_rank0": self.model_states_bytes,

@@ -47,6 +47,9 @@ TRAINING = {
     "log_every": 1,
     "checkpoint_every": 100,
     "eval_batches": 2,
+    # Every layout runs its Linear layers on oneDNN, whichever CPU runs the tests (`auto`
+    # would leave Intel CPUs on MKL), against the reference's nn.Linear on torch.mm.
+    "cpu_matmul": "onednn",
 }
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from meshtrain.models.cpu_linear import onednn_available
 from tests.conftest import TINY_MODEL
 from tests.distributed.reference import (
     assert_matches_reference,
@@ -35,6 +36,11 @@ CASES = {
     "dp2-no-zero": (
         {"zero_1": False},
         {"per_device_train_batch_size": 4, "grad_bucket_mb": 0.02},
+    ),
+    # The Linear layers on torch.mm, as nn.Linear has them (every other case: oneDNN).
+    "dp2-no-zero-blas": (
+        {"zero_1": False},
+        {"per_device_train_batch_size": 4, "cpu_matmul": "blas"},
     ),
     # torch.compile'd decoder layers: the same arithmetic to 1e-5.
     "dp2-zero1-compile": ({"zero_1": True}, {"per_device_train_batch_size": 4, "compile": True}),
@@ -85,6 +91,8 @@ def test_dp2_with_and_without_zero1_match_one_process(tiny_blocks, tmp_path: Pat
             name, summary, expected_losses, expected_weights, tmp_path / f"{name}-hf"
         )
         assert summary["initial_val_loss"] > summary["final_val_loss"]
+        onednn = "onednn" if onednn_available() else "blas"
+        assert summary["cpu_matmul"] == training.get("cpu_matmul", onednn), name
         assert_memory_model_holds(name, summary)
         buckets = summary["gradient_buckets"]
         if training.get("grad_bucket_mb"):

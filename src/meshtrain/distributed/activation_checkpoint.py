@@ -47,6 +47,8 @@ def _saved_ops() -> set[Any]:
     for name in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "wait_tensor"):
         if hasattr(_functional, name):
             ops.add(getattr(_functional, name).default)
+    if hasattr(torch.ops.mkldnn, "_linear_pointwise"):  # Linear on oneDNN (models.cpu_linear)
+        ops.add(torch.ops.mkldnn._linear_pointwise.default)
     return ops
 
 

@@ -3,6 +3,7 @@
 1. activation checkpointing flags (on the whole model, so every layer has them),
 2. pipeline parallelism: keep only this rank's stages,
 3. tensor / sequence parallelism inside each stage (all of it on the meta device),
+   the Linear layers' CPU matmuls routed to oneDNN when asked (`models.cpu_linear`),
    then only this rank's shards are allocated and filled (`weights.materialize`),
 4. torch.compile of each decoder layer, when asked,
    (tied embeddings over stages: the first and last stage each keep a copy, whose
@@ -44,6 +45,7 @@ from meshtrain.distributed.tensor_parallel import (
     TensorParallelGradSync,
     unsharded,
 )
+from meshtrain.models.cpu_linear import route_linears_to_onednn
 from meshtrain.models.llama.parameter_names import EMBEDDING, LM_HEAD, stored_name
 from meshtrain.models.llama.stage import LlamaStage
 from meshtrain.models.llama.tensor_parallel import apply_tensor_parallel, decoder_layers
@@ -60,6 +62,7 @@ def parallelize(
     *,
     weights: WeightSource | None = None,
     compile_layers: bool = False,
+    onednn_linears: bool = False,
     fsdp_policy: MixedPrecisionPolicy | None = None,
 ) -> ParallelModel:
     """Apply the layout to a model built identically on every rank.
@@ -70,6 +73,7 @@ def parallelize(
     `compile_layers`: torch.compile every decoder layer last, in place (parameter
     names, and so checkpoints, stay those of the Hugging Face model), once its
     tensor-parallel sharding and checkpointing are set.
+    `onednn_linears`: the Linear layers' fp32 CPU matmuls run on oneDNN (`cpu_linear`).
     `fsdp_policy`: FSDP2's mixed precision under sharded data parallelism (its default,
     no dtype change, when None).
     """
@@ -80,6 +84,8 @@ def parallelize(
         kv_replication_factor(model.config.num_key_value_heads, dims.tp) if dims.tp > 1 else 1
     )
     sharding = shard_tensor_parallel(modules, dims, layout, kv_replication)
+    if onednn_linears:
+        route_linears_to_onednn(modules)
     if layout.sharded:
         # FSDP2 wraps the compiled layers (torchtitan's order); all of it on the meta
         # device, so materialising allocates only this rank's dp shard of its tp piece.

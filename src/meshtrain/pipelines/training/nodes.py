@@ -57,6 +57,8 @@ def train_model(
         tracking=tracking.active_target() if node0 else None,
     )
     if node0:
+        if summary.get("cpu_matmul"):  # what training.cpu_matmul resolved to
+            tracking.set_tag("meshtrain.cpu_matmul", summary["cpu_matmul"])
         tracking.log_loss_curve()
         tracking.log_memory_report(plan, summary)
     return summary

@@ -1,0 +1,161 @@
+"""Linear layers' fp32 matmuls on CPU through oneDNN rather than the BLAS torch links.
+
+Why: torch's x86-64 wheels run an fp32 `mm` through MKL, whose AVX-512 kernels are
+chosen on Intel CPUs only; on other x86-64 CPUs (AMD EPYC, this project's CI machines)
+MKL takes its generic path. oneDNN, also inside every x86-64 torch, picks its kernels
+by instruction set, and on those CPUs runs the same products 1.5-2.2x faster
+(`bench/machine_limit.py --library both`). A transformer's training step is mostly the
+matmuls of its Linear layers, so routing their forward and both backward products to
+oneDNN is most of a step's time. Attention's own matmuls (inside the fused kernel)
+stay where torch puts them.
+
+The swap changes a module's class, not its parameters: names, state dicts and
+checkpoints are those of `nn.Linear`, and a call the oneDNN path does not cover
+(another device or dtype, autocast, DTensor weights under tensor parallelism, a
+torch.compile'd layer) runs `nn.Linear`'s own forward.
+"""
+
+from __future__ import annotations
+
+import platform
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+
+def onednn_available() -> bool:
+    """oneDNN is compiled into this torch and exposes the dense-in, dense-out linear."""
+    return (
+        torch.backends.mkldnn.is_available()
+        and platform.machine().lower() in ("x86_64", "amd64")
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    )
+
+
+def cpu_vendor() -> str:
+    """The x86 vendor string (GenuineIntel, AuthenticAMD, ...); "" where unknown."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "vendor_id":
+            return value.strip()
+    return ""
+
+
+def cpu_matmul_choice(setting: str, device: torch.device) -> str | None:
+    """Where a run on `device` runs its Linear layers' matmuls: "onednn" or "blas" on a
+    CPU, None on an accelerator (this is a CPU path).
+
+    `auto`: oneDNN on x86-64 CPUs not made by Intel, where MKL's generic path is the slow
+    one (on Intel CPUs MKL's own kernels are kept: not measured here). `onednn`: on any
+    CPU where oneDNN is available. `blas`: never.
+    """
+    if device.type != "cpu":
+        return None
+    if setting == "blas" or not onednn_available():
+        return "blas"
+    if setting == "onednn" or cpu_vendor() not in ("GenuineIntel", ""):
+        return "onednn"
+    return "blas"
+
+
+def onednn_mm_nt(
+    a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """a @ b.T (+ bias) by oneDNN, for 2-D fp32 CPU tensors (b may be a transposed view)."""
+    return torch.ops.mkldnn._linear_pointwise(a, b, bias, "none", [], "")
+
+
+class _OneDnnLinearFunction(torch.autograd.Function):
+    """y = x W^T + b with the forward and both backward products on oneDNN."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        rows = x.reshape(-1, x.shape[-1])
+        return onednn_mm_nt(rows, weight, bias).view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        grad_rows = grad.reshape(-1, grad.shape[-1])
+        grad_x = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:  # dL/dx = g W
+            grad_x = onednn_mm_nt(grad_rows, weight.t()).view(x.shape)
+        if ctx.needs_input_grad[1]:  # dL/dW = g^T x
+            grad_weight = onednn_mm_nt(grad_rows.t(), x.reshape(-1, x.shape[-1]).t())
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = grad_rows.sum(0)
+        return grad_x, grad_weight, grad_bias
+
+
+def _covered(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """The oneDNN path's case: fp32 CPU tensors, no autocast, not being compiled (Inductor
+    lowers the op only with its own prepacked weights; it picks its own mm)."""
+    return (
+        not torch.compiler.is_compiling()
+        and x.device.type == "cpu"
+        and x.dtype == weight.dtype == torch.float32
+        and not torch.is_autocast_enabled("cpu")
+    )
+
+
+def _tensor_parallel_linear(
+    x: DTensor, weight: DTensor, bias: torch.Tensor | None
+) -> torch.Tensor | None:
+    """The two tensor-parallel Linears on their local shards, as DTensor would place them:
+    column-parallel (x replicated, W rows sharded -> y sharded on its last dim; x's
+    gradient is partial until the input's redistribution sums it) and row-parallel (x
+    sharded on its last dim, W columns sharded, no bias -> y partial, summed by the
+    output's redistribution). None for any other placement (DTensor's own path then)."""
+    mesh = weight.device_mesh
+    if mesh.ndim != 1 or x.device_mesh != mesh:
+        return None
+    last = Shard(x.ndim - 1)
+    if x.placements == (Replicate(),) and weight.placements == (Shard(0),):
+        if bias is not None and not (isinstance(bias, DTensor) and bias.placements == (Shard(0),)):
+            return None
+        local = _OneDnnLinearFunction.apply(
+            x.to_local(grad_placements=[Partial()]),
+            weight.to_local(),
+            None if bias is None else bias.to_local(),
+        )
+        return DTensor.from_local(local, mesh, [last], run_check=False)
+    if x.placements in ((last,), (Shard(-1),)) and weight.placements == (Shard(1),):
+        if bias is not None:
+            return None
+        local = _OneDnnLinearFunction.apply(x.to_local(), weight.to_local(), None)
+        return DTensor.from_local(local, mesh, [Partial()], run_check=False)
+    return None
+
+
+class OneDnnLinear(nn.Linear):
+    """`nn.Linear` whose fp32 CPU matmuls run on oneDNN; every other call is nn.Linear's."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _covered(x, self.weight):
+            if not isinstance(x, DTensor) and not isinstance(self.weight, DTensor):
+                return _OneDnnLinearFunction.apply(x, self.weight, self.bias)
+            if isinstance(x, DTensor) and isinstance(self.weight, DTensor):
+                out = _tensor_parallel_linear(x, self.weight, self.bias)
+                if out is not None:
+                    return out
+        return F.linear(x, self.weight, self.bias)
+
+
+def route_linears_to_onednn(modules: list[nn.Module]) -> int:
+    """Swap every plain `nn.Linear` under `modules` to `OneDnnLinear`, in place; how many."""
+    swapped = 0
+    for module in modules:
+        for layer in module.modules():
+            if type(layer) is nn.Linear:
+                layer.__class__ = OneDnnLinear
+                swapped += 1
+    return swapped

@@ -1,0 +1,111 @@
+"""The Linear layers' oneDNN path: the same products as nn.Linear, the same parameters,
+and nn.Linear's own forward wherever the path does not apply."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from meshtrain.models import build_model, build_model_config, cpu_linear
+from meshtrain.models.cpu_linear import (
+    OneDnnLinear,
+    cpu_matmul_choice,
+    onednn_available,
+    route_linears_to_onednn,
+)
+from tests.conftest import TINY_MODEL, TINY_VOCAB
+
+pytestmark = pytest.mark.skipif(not onednn_available(), reason="no oneDNN in this torch")
+
+CPU = torch.device("cpu")
+
+
+def _pair(bias: bool) -> tuple[nn.Linear, nn.Linear]:
+    torch.manual_seed(0)
+    plain = nn.Linear(48, 40, bias=bias)
+    routed = nn.Linear(48, 40, bias=bias)
+    routed.load_state_dict(plain.state_dict())
+    route_linears_to_onednn([routed])
+    return plain, routed
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_forward_and_both_gradients_match_nn_linear(bias: bool):
+    plain, routed = _pair(bias)
+    x = torch.randn(3, 7, 48)
+    x_plain, x_routed = x.clone().requires_grad_(), x.clone().requires_grad_()
+    grad = torch.randn(3, 7, 40)
+    out_plain, out_routed = plain(x_plain), routed(x_routed)
+    out_plain.backward(grad)
+    out_routed.backward(grad)
+    torch.testing.assert_close(out_routed, out_plain, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(x_routed.grad, x_plain.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(routed.weight.grad, plain.weight.grad, rtol=1e-5, atol=1e-5)
+    if bias:
+        torch.testing.assert_close(routed.bias.grad, plain.bias.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_frozen_input_and_frozen_weight_get_no_gradient():
+    _, routed = _pair(bias=False)
+    routed.weight.requires_grad_(False)
+    x = torch.randn(5, 48, requires_grad=True)
+    routed(x).sum().backward()
+    assert x.grad is not None and routed.weight.grad is None
+
+
+def test_calls_outside_the_path_run_nn_linear(monkeypatch: pytest.MonkeyPatch):
+    """float64, bf16 autocast: nn.Linear's forward (the oneDNN function is not called)."""
+    _, routed = _pair(bias=True)
+    calls = []
+    real = cpu_linear.onednn_mm_nt
+    monkeypatch.setattr(cpu_linear, "onednn_mm_nt", lambda *a: calls.append(1) or real(*a))
+    routed(torch.randn(2, 48))
+    assert len(calls) == 1
+    routed.double()(torch.randn(2, 48, dtype=torch.float64))
+    routed.float()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert routed(torch.randn(2, 48)).dtype == torch.bfloat16
+    assert len(calls) == 1
+
+
+def test_a_routed_model_keeps_its_parameter_names_and_trains_the_same():
+    """Only the class changes: state dict keys, and one training step's loss and gradients
+    against the untouched model (different kernels, so to fp32 rounding)."""
+    config = build_model_config("llama", TINY_MODEL, vocab_size=TINY_VOCAB)
+    plain, routed = build_model(config, seed=3), build_model(config, seed=3)
+    swapped = route_linears_to_onednn([routed])
+    assert swapped == 7 * config.num_hidden_layers + 1  # q k v o gate up down, LM head
+    assert list(routed.state_dict()) == list(plain.state_dict())
+    assert all(isinstance(m, OneDnnLinear) for m in routed.modules() if isinstance(m, nn.Linear))
+    ids = torch.randint(0, TINY_VOCAB, (2, 32))
+    losses = []
+    for model in (plain, routed):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss.item())
+    assert losses[1] == pytest.approx(losses[0], rel=1e-6)
+    for (name, p), q in zip(plain.named_parameters(), routed.parameters(), strict=True):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize(
+    ("setting", "vendor", "device", "expected"),
+    [
+        ("auto", "AuthenticAMD", "cpu", "onednn"),
+        ("auto", "GenuineIntel", "cpu", "blas"),
+        ("auto", "", "cpu", "blas"),
+        ("onednn", "GenuineIntel", "cpu", "onednn"),
+        ("blas", "AuthenticAMD", "cpu", "blas"),
+        ("onednn", "AuthenticAMD", "cuda", None),
+    ],
+)
+def test_the_choice_by_setting_vendor_and_device(
+    monkeypatch: pytest.MonkeyPatch, setting: str, vendor: str, device: str, expected: str | None
+):
+    monkeypatch.setattr(cpu_linear, "cpu_vendor", lambda: vendor)
+    assert cpu_matmul_choice(setting, torch.device(device)) == expected
+
+
+def test_the_vendor_is_read_from_this_machine():
+    assert isinstance(cpu_linear.cpu_vendor(), str)
