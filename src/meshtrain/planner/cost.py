@@ -6,7 +6,7 @@
   those of the busiest pipeline rank (its layers, plus the LM head on the
   last stage's rank); where the
   profile measures the rate per matmul size (CPU cores), at the rank's width
-  (hidden / tp) and tokens per forward;
+  (hidden / sqrt(tp): a tp shard is hidden x hidden/tp) and tokens per forward;
 - tensor parallelism: per layer and microbatch, two collectives of the
   activations forward and two backward (all-reduces; all-gathers and
   reduce-scatters under sequence parallelism, the same bytes), ring cost
@@ -47,6 +47,7 @@ Everything else runs one after the other, as meshtrain does.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from meshtrain.planner.devices import DeviceProfile
@@ -187,8 +188,12 @@ def fill_and_drain(shares: list[float], virtual_stages: int) -> float:
 
 def matmul_width(m: ModelShape, step: StepShape) -> float:
     """The width class of a rank's matmuls, as `DeviceProfile.tflops_fp32_by_shape` is
-    keyed: the hidden size over tp (column-parallel projections keep hidden x hidden/tp)."""
-    return m.hidden / step.tp
+    keyed (measured on unsharded models of hidden sizes w, whose projections are w x w):
+    the side of the square matmul as large as a rank's projection, hidden / sqrt(tp),
+    since a tp shard keeps the hidden size on one side (hidden x hidden/tp). Keyed at
+    hidden / tp instead, tp2 at 27M read the rate of a 256-wide model and came out 1.4x
+    slow once the matmuls ran on oneDNN (docs/planner.md)."""
+    return m.hidden / math.sqrt(step.tp)
 
 
 def _ring(bytes_: float, ranks: int, gbps: float, latency_us: float, factor: float) -> float:

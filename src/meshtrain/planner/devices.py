@@ -113,25 +113,28 @@ BUILTIN_PROFILES: dict[str, DeviceProfile] = {
             # Effective rate of forward + backward on one core while the other trains too,
             # elementwise work and framework overhead included, per matmul width (hidden /
             # tp) and tokens per forward: small matmuls leave the core waiting on memory
-            # and the framework (bench/planner_validation.py --calibrate, the mean of four
-            # invocations; the default model is width 128).
-            tflops_fp32=0.040,
+            # and the framework (bench/planner_validation.py --calibrate, the mean of two
+            # invocations; the default model is width 128). Measured with the Linear
+            # layers on oneDNN, where `training.cpu_matmul: auto` puts them on these AMD
+            # cores (on torch.mm they ran 1.2-1.9x slower: 0.036-0.066).
+            tflops_fp32=0.060,
             tflops_fp32_by_shape=(
-                (128, 256, 0.036),
-                (128, 1024, 0.040),
-                (256, 256, 0.049),
-                (256, 1024, 0.050),
-                (512, 256, 0.064),
-                (512, 1024, 0.066),
-                (768, 512, 0.061),
-                (768, 1024, 0.066),
+                (128, 256, 0.048),
+                (128, 1024, 0.060),
+                (256, 256, 0.077),
+                (256, 1024, 0.074),
+                (512, 256, 0.107),
+                (512, 1024, 0.116),
+                (768, 512, 0.114),
+                (768, 1024, 0.127),
             ),
             # No bf16 matmul units on these cores: autocast measured ~10x slower than fp32.
             tflops_bf16=0.003,
-            # One core's fp32 GEMM rate (bench/machine_limit.py: 96-103 GFLOP/s on one
-            # thread); bf16 has no faster units here, so the same rate is its ceiling.
-            peak_tflops_fp32=0.1,
-            peak_tflops_bf16=0.1,
+            # One core's fp32 GEMM rate, the faster library's (bench/machine_limit.py, 2x1:
+            # oneDNN 160-187 GFLOP/s per thread, torch.mm 73-103); bf16 has no faster units
+            # here, so the same rate is its ceiling.
+            peak_tflops_fp32=0.18,
+            peak_tflops_bf16=0.18,
             intra_node_gbps=0.8,
             inter_node_gbps=0.1,
             # gloo over loopback: a small 2-rank all-reduce takes 1-2.6 ms alone, but ~10 ms
