@@ -22,6 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from meshtrain.models.cpu_linear import cpu_matmul_choice
 from tests.conftest import child_processes
 from tests.kedro_project import (
     KEDRO,
@@ -99,7 +100,7 @@ def test_mlflow_run_holds_layout_params_and_metrics(project: Path, default_run):
     plan = json.loads((project / "data/05_model_input/plan.json").read_text())
     metrics = run.data.metrics
     peak = plan["world_size"] * plan["peak_tflops_per_rank"] * 1e12
-    assert plan["peak_tflops_per_rank"] == 0.1  # the cpu profile's fp32 peak per core
+    assert plan["peak_tflops_per_rank"] == 0.18  # the cpu profile's fp32 peak per core
     assert run.data.params["mfu.peak_tflops_per_rank"] == "0.18"
     mfu = metrics["eval/train_tokens_per_s"] * plan["model_flops_per_token"] / peak
     assert metrics["eval/train_mfu"] == pytest.approx(mfu, rel=1e-6)
@@ -107,6 +108,9 @@ def test_mlflow_run_holds_layout_params_and_metrics(project: Path, default_run):
     assert "eval/val_perplexity" in run.data.metrics
     assert "eval/meshtrain_python_basics/acc" in run.data.metrics
     assert run.data.tags["kedro.env"] == "local"
+    # Where `training.cpu_matmul: auto` put the Linear layers on this machine's CPU.
+    expected = cpu_matmul_choice("auto", torch.device("cpu"))
+    assert run.data.tags["meshtrain.cpu_matmul"] == expected
     assert run.data.tags["meshtrain.trains"] == "true"
     assert run.data.tags["meshtrain.pipelines"] == (
         "data_processing,planning,training,consolidation,evaluation"
