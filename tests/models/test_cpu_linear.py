@@ -109,3 +109,22 @@ def test_the_choice_by_setting_vendor_and_device(
 
 def test_the_vendor_is_read_from_this_machine():
     assert isinstance(cpu_linear.cpu_vendor(), str)
+
+
+def test_an_op_that_fails_its_check_leaves_the_run_on_torch_mm(monkeypatch: pytest.MonkeyPatch):
+    """Another torch release whose private op raises or computes something else: `auto`
+    and `onednn` both fall back to torch.mm rather than train on a wrong product."""
+
+    def wrong(a: torch.Tensor, b: torch.Tensor, bias=None) -> torch.Tensor:
+        return torch.zeros(a.shape[0], b.shape[0])
+
+    monkeypatch.setattr(cpu_linear, "cpu_vendor", lambda: "AuthenticAMD")
+    try:
+        monkeypatch.setattr(cpu_linear, "onednn_mm_nt", wrong)
+        onednn_available.cache_clear()
+        assert cpu_matmul_choice("onednn", CPU) == "blas"
+        assert cpu_matmul_choice("auto", CPU) == "blas"
+    finally:
+        monkeypatch.undo()
+        onednn_available.cache_clear()
+    assert onednn_available()

@@ -17,6 +17,7 @@ torch.compile'd layer) runs `nn.Linear`'s own forward.
 
 from __future__ import annotations
 
+import functools
 import platform
 from pathlib import Path
 
@@ -26,13 +27,22 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 
+@functools.cache
 def onednn_available() -> bool:
-    """oneDNN is compiled into this torch and exposes the dense-in, dense-out linear."""
-    return (
+    """oneDNN is compiled into this torch, exposes the dense-in, dense-out linear (a
+    private op), and that op computes a small product right: checked once per process,
+    so that another torch release that changed it falls back to torch.mm."""
+    if not (
         torch.backends.mkldnn.is_available()
         and platform.machine().lower() in ("x86_64", "amd64")
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-    )
+    ):
+        return False
+    a, b = torch.randn(3, 8), torch.randn(5, 8)
+    try:
+        return torch.allclose(onednn_mm_nt(a, b), a @ b.T, rtol=1e-5, atol=1e-5)
+    except RuntimeError:
+        return False
 
 
 def cpu_vendor() -> str:
