@@ -3,16 +3,17 @@
 Why: torch's x86-64 wheels run an fp32 `mm` through MKL, whose AVX-512 kernels are
 chosen on Intel CPUs only; on other x86-64 CPUs (AMD EPYC, this project's CI machines)
 MKL takes its generic path. oneDNN, also inside every x86-64 torch, picks its kernels
-by instruction set, and on those CPUs runs the same products 1.5-2.2x faster
-(`bench/machine_limit.py --library both`). A transformer's training step is mostly the
-matmuls of its Linear layers, so routing their forward and both backward products to
-oneDNN is most of a step's time. Attention's own matmuls (inside the fused kernel)
-stay where torch puts them.
+by instruction set, and on those CPUs runs the same products 1.3-2.5x faster
+(`bench/machine_limit.py` measures both; docs/speed.md). The Linear layers' products
+are most of a transformer's training step, so their forward and both backward
+products move to oneDNN; attention's own matmuls (inside the fused kernel) stay where
+torch puts them.
 
 The swap changes a module's class, not its parameters: names, state dicts and
-checkpoints are those of `nn.Linear`, and a call the oneDNN path does not cover
-(another device or dtype, autocast, DTensor weights under tensor parallelism, a
-torch.compile'd layer) runs `nn.Linear`'s own forward.
+checkpoints are those of `nn.Linear`. Tensor-parallel shards (DTensor column- and
+row-parallel) run the same products on their local shards; any other call (another
+device or dtype, autocast, other placements, a torch.compile'd layer) runs
+`nn.Linear`'s own forward.
 """
 
 from __future__ import annotations
