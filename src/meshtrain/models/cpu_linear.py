@@ -10,9 +10,8 @@ products move to oneDNN; attention's own matmuls (inside the fused kernel) stay 
 torch puts them.
 
 The swap changes a module's class, not its parameters: names, state dicts and
-checkpoints are those of `nn.Linear`. Tensor-parallel shards (DTensor column- and
-row-parallel) run the same products on their local shards; any other call (another
-device or dtype, autocast, other placements, a torch.compile'd layer) runs
+checkpoints are those of `nn.Linear`. Any other call (another device or dtype,
+autocast, DTensor shards under tensor parallelism, a torch.compile'd layer) runs
 `nn.Linear`'s own forward.
 """
 
@@ -25,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor
 
 
 @functools.cache
@@ -108,43 +107,19 @@ class _OneDnnLinearFunction(torch.autograd.Function):
 
 
 def _covered(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """The oneDNN path's case: fp32 CPU tensors, no autocast, not being compiled (Inductor
-    lowers the op only with its own prepacked weights; it picks its own mm)."""
+    """The oneDNN path's case: plain fp32 CPU tensors, no autocast, not being compiled
+    (Inductor lowers the op only with its own prepacked weights; it picks its own mm).
+    DTensor shards (tensor parallelism) keep DTensor's own path: run on their local
+    shards they matched it bitwise, but a tp2 x pp2 run crashed once in gloo's
+    reduce-scatter of such a gradient, unexplained, so they wait for a closer look."""
     return (
         not torch.compiler.is_compiling()
+        and not isinstance(x, DTensor)
+        and not isinstance(weight, DTensor)
         and x.device.type == "cpu"
         and x.dtype == weight.dtype == torch.float32
         and not torch.is_autocast_enabled("cpu")
     )
-
-
-def _tensor_parallel_linear(
-    x: DTensor, weight: DTensor, bias: torch.Tensor | None
-) -> torch.Tensor | None:
-    """The two tensor-parallel Linears on their local shards, as DTensor would place them:
-    column-parallel (x replicated, W rows sharded -> y sharded on its last dim; x's
-    gradient is partial until the input's redistribution sums it) and row-parallel (x
-    sharded on its last dim, W columns sharded, no bias -> y partial, summed by the
-    output's redistribution). None for any other placement (DTensor's own path then)."""
-    mesh = weight.device_mesh
-    if mesh.ndim != 1 or x.device_mesh != mesh:
-        return None
-    last = Shard(x.ndim - 1)
-    if x.placements == (Replicate(),) and weight.placements == (Shard(0),):
-        if bias is not None and not (isinstance(bias, DTensor) and bias.placements == (Shard(0),)):
-            return None
-        local = _OneDnnLinearFunction.apply(
-            x.to_local(grad_placements=[Partial()]),
-            weight.to_local(),
-            None if bias is None else bias.to_local(),
-        )
-        return DTensor.from_local(local, mesh, [last], run_check=False)
-    if x.placements in ((last,), (Shard(-1),)) and weight.placements == (Shard(1),):
-        if bias is not None:
-            return None
-        local = _OneDnnLinearFunction.apply(x.to_local(), weight.to_local(), None)
-        return DTensor.from_local(local, mesh, [Partial()], run_check=False)
-    return None
 
 
 class OneDnnLinear(nn.Linear):
@@ -152,12 +127,7 @@ class OneDnnLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if _covered(x, self.weight):
-            if not isinstance(x, DTensor) and not isinstance(self.weight, DTensor):
-                return _OneDnnLinearFunction.apply(x, self.weight, self.bias)
-            if isinstance(x, DTensor) and isinstance(self.weight, DTensor):
-                out = _tensor_parallel_linear(x, self.weight, self.bias)
-                if out is not None:
-                    return out
+            return _OneDnnLinearFunction.apply(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
