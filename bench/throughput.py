@@ -805,7 +805,8 @@ def _meshtrain_copy(job: dict[str, Any], dims, blocks: BlockStore, variant: str 
     autocast = partial(torch.autocast, device_type="cpu", dtype=torch.bfloat16, enabled=False)
     compiled = variant == "compiled"
     cpu = torch.device("cpu")
-    onednn = cpu_matmul_choice(RunConfig.from_params().training.cpu_matmul, cpu) == "onednn"
+    setting = RunConfig.from_params().training.cpu_matmul
+    onednn = cpu_matmul_choice(setting, cpu, tensor_parallel=dims.tp > 1) == "onednn"
     pm = parallelize(
         model, dims, layout, cpu, autocast, compile_layers=compiled, onednn_linears=onednn
     )

@@ -108,7 +108,9 @@ class Trainer:
             self.device.type,
             sdp=self.layout.sharded_data_parallel_degree,
         )
-        self.cpu_matmul = cpu_matmul_choice(self.cfg.cpu_matmul, self.device)
+        self.cpu_matmul = cpu_matmul_choice(
+            self.cfg.cpu_matmul, self.device, tensor_parallel=self.dims.tp > 1
+        )
         self.pm = self._build_model()
         self.optimizer = build_optimizer(self.pm, training=self.cfg)
         self.start_step = self._restore()

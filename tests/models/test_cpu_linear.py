@@ -107,6 +107,12 @@ def test_the_choice_by_setting_vendor_and_device(
     assert cpu_matmul_choice(setting, torch.device(device)) == expected
 
 
+def test_tensor_parallel_layouts_keep_dtensors_own_path(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(cpu_linear, "cpu_vendor", lambda: "AuthenticAMD")
+    assert cpu_matmul_choice("onednn", CPU, tensor_parallel=True) == "blas"
+    assert cpu_matmul_choice("auto", CPU, tensor_parallel=True) == "blas"
+
+
 def test_the_vendor_is_read_from_this_machine():
     assert isinstance(cpu_linear.cpu_vendor(), str)
 

@@ -58,17 +58,22 @@ def cpu_vendor() -> str:
     return ""
 
 
-def cpu_matmul_choice(setting: str, device: torch.device) -> str | None:
+def cpu_matmul_choice(
+    setting: str, device: torch.device, *, tensor_parallel: bool = False
+) -> str | None:
     """Where a run on `device` runs its Linear layers' matmuls: "onednn" or "blas" on a
     CPU, None on an accelerator (this is a CPU path).
 
     `auto`: oneDNN on x86-64 CPUs not made by Intel, where MKL's generic path is the slow
     one (on Intel CPUs MKL's own kernels are kept: not measured here). `onednn`: on any
-    CPU where oneDNN is available. `blas`: never.
+    CPU where oneDNN is available. `blas`: never. Under tensor parallelism always blas:
+    DTensor shards keep DTensor's own path (run on their local shards they matched it
+    bitwise, but a tp2 x pp2 run crashed once in gloo's reduce-scatter of such a
+    gradient, unexplained).
     """
     if device.type != "cpu":
         return None
-    if setting == "blas" or not onednn_available():
+    if setting == "blas" or tensor_parallel or not onednn_available():
         return "blas"
     if setting == "onednn" or cpu_vendor() not in ("GenuineIntel", ""):
         return "onednn"
@@ -107,11 +112,8 @@ class _OneDnnLinearFunction(torch.autograd.Function):
 
 
 def _covered(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """The oneDNN path's case: plain fp32 CPU tensors, no autocast, not being compiled
-    (Inductor lowers the op only with its own prepacked weights; it picks its own mm).
-    DTensor shards (tensor parallelism) keep DTensor's own path: run on their local
-    shards they matched it bitwise, but a tp2 x pp2 run crashed once in gloo's
-    reduce-scatter of such a gradient, unexplained, so they wait for a closer look."""
+    """The oneDNN path's case: plain fp32 CPU tensors (not DTensor shards), no autocast,
+    not being compiled (Inductor lowers the op only with its own prepacked weights)."""
     return (
         not torch.compiler.is_compiling()
         and not isinstance(x, DTensor)
