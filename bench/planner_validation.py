@@ -35,6 +35,7 @@ from meshtrain.offline import use_offline_defaults
 use_offline_defaults()
 
 import datasets  # noqa: E402
+import machine_limit  # noqa: E402  (bench/machine_limit.py)
 import torch  # noqa: E402
 from bench_runs import plan_on_blocks  # noqa: E402  (bench/bench_runs.py)
 from shapes import SHAPES, hf_fields  # noqa: E402  (bench/shapes.py)
@@ -215,6 +216,7 @@ def main() -> None:
         return
     layouts = TIME_MODEL_LAYOUTS if args.time_model else LAYOUTS
 
+    gemm_before = machine_limit.gemm_rate(2, 1)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -251,6 +253,26 @@ def main() -> None:
                 rows.append((model, world, plan, summary))
 
     print_table(rows, args.steps)
+    gemm_after = machine_limit.gemm_rate(2, 1)
+    print(
+        "the machine's fp32 GEMM rate, 2 processes x 1 thread, at the start / end: "
+        + " / ".join(_gemm_summary(rate) for rate in (gemm_before, gemm_after))
+        + f" GFLOP/s (the cpu profile was calibrated at {CALIBRATED_AT})"
+    )
+
+
+# The 2 x 1 GEMM rates of the machine when the cpu profile's tables were measured
+# (bench/machine_limit.py): its speed moves 20-40% between hours, the step times with it.
+CALIBRATED_AT = "oneDNN 320-374, torch.mm 147-155"
+
+
+def _gemm_summary(rate: dict[str, Any]) -> str:
+    """ "oneDNN X, torch.mm Y": each library's best size."""
+    names = {"onednn": "oneDNN", "blas": "torch.mm"}
+    return ", ".join(
+        f"{names[library]} {max(by_size.values()):.0f}"
+        for library, by_size in rate["by_library"].items()
+    )
 
 
 def planned_spec(
@@ -349,26 +371,41 @@ def calibrate() -> None:
 
     Per matmul width (the models of CALIBRATION_MODELS) and tokens per forward (one
     sequence or 256 tokens, and the model's whole batch), the training rate of forward +
-    backward (its Linear layers where `training.cpu_matmul: auto` puts them), in two
-    fresh single-thread processes at once (as two ranks run); then gloo's all-reduce
-    latency and bandwidth between two processes.
+    backward, in two fresh single-thread processes at once (as two ranks run): with the
+    Linear layers where `training.cpu_matmul: auto` puts them, and, where that is oneDNN,
+    again on torch.mm (the profile's BLAS table, for `blas` runs and tensor parallelism);
+    then gloo's all-reduce latency and bandwidth between two processes.
     """
-    points = []
-    for model in CALIBRATION_MODELS:
-        with tempfile.TemporaryDirectory() as tmp:
-            torch.multiprocessing.spawn(_rate_probe, args=(model, tmp), nprocs=2, join=True)
-            found = [json.loads(f.read_text()) for f in sorted(Path(tmp).glob("rate-*.json"))]
-        width = MODELS[model]["fields"]["hidden_size"]
-        for index, (tokens, _) in enumerate(found[0]):
-            rate = statistics.fmean(ranks[index][1] for ranks in found)
-            print(f"width {width} ({model}), {tokens} tokens: {rate:.4f} TFLOP/s per core")
-            points.append([width, tokens, round(rate, 4)])
-    print(f"planner.device_profiles: {{cpu: {{tflops_fp32_by_shape: {points}}}}}")
+    from meshtrain.models.cpu_linear import cpu_matmul_choice  # noqa: PLC0415
+
+    tables = {"tflops_fp32_by_shape": "auto"}
+    if cpu_matmul_choice("auto", torch.device("cpu")) == "onednn":
+        tables["blas_tflops_fp32_by_shape"] = "blas"
+    measured = {}
+    for field, setting in tables.items():
+        measured[field] = [_rate_points(model, setting) for model in CALIBRATION_MODELS]
+    rows = ", ".join(f"{f}: {sum(points, [])}" for f, points in measured.items())
+    print(f"planner.device_profiles: {{cpu: {{{rows}}}}}")
     with tempfile.TemporaryDirectory() as tmp:
         torch.multiprocessing.spawn(_gloo_probe, args=(tmp,), nprocs=2, join=True)
 
 
-def _rate_probe(rank: int, model: str, tmp: str, steps: int = 6) -> None:
+def _rate_points(model: str, setting: str) -> list[list[float]]:
+    """[[width, tokens, TFLOP/s per core]] of `model`, its Linear layers as `setting` of
+    `training.cpu_matmul` puts them; the mean of the two processes."""
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.multiprocessing.spawn(_rate_probe, args=(model, setting, tmp), nprocs=2, join=True)
+        found = [json.loads(f.read_text()) for f in sorted(Path(tmp).glob("rate-*.json"))]
+    width = MODELS[model]["fields"]["hidden_size"]
+    points = []
+    for index, (tokens, _) in enumerate(found[0]):
+        rate = statistics.fmean(ranks[index][1] for ranks in found)
+        print(f"cpu_matmul {setting}, width {width} ({model}), {tokens} tokens: {rate:.4f} TFLOP/s")
+        points.append([width, tokens, round(rate, 4)])
+    return points
+
+
+def _rate_probe(rank: int, model: str, setting: str, tmp: str, steps: int = 6) -> None:
     """[(tokens per forward, TFLOP/s)] of `model`'s forward + backward on one thread, at
     256 tokens (or one sequence, if longer) and at the model's batch: median step times."""
     from transformers import AutoModelForCausalLM  # noqa: PLC0415
@@ -381,7 +418,7 @@ def _rate_probe(rank: int, model: str, tmp: str, steps: int = 6) -> None:
     shape = MODELS[model]
     config = build_model_config("llama", shape["fields"], vocab_size=shape["vocab"])
     net = AutoModelForCausalLM.from_config(config)
-    if cpu_matmul_choice("auto", torch.device("cpu")) == "onednn":  # as training runs it
+    if cpu_matmul_choice(setting, torch.device("cpu")) == "onednn":  # as training runs it
         route_linears_to_onednn([net])
     block = shape["block"]
     flops = training_flops_per_token(ModelShape.from_config(config), block, "none")

@@ -10,6 +10,7 @@ from transformers import PretrainedConfig
 
 from meshtrain.config import RunConfig
 from meshtrain.models import build_model_config
+from meshtrain.models.cpu_linear import onednn_available
 from meshtrain.planner import Plan, plan_run
 from meshtrain.planner.devices import BUILTIN_PROFILES, device_profile
 
@@ -52,23 +53,58 @@ def test_the_rate_is_read_at_the_measured_sizes_and_interpolated_between() -> No
     assert cpu.tflops(False) == cpu.tflops_fp32
 
 
-def test_the_table_comes_from_yaml_as_lists() -> None:
+def test_the_tables_come_from_yaml_as_lists() -> None:
     rows = [[128, 256, 0.02], [512, 1024, 0.07]]
-    cpu = device_profile("cpu", {"cpu": {"tflops_fp32_by_shape": rows}})
+    blas_rows = [[128, 256, 0.01], [512, 1024, 0.03]]
+    tables = {"tflops_fp32_by_shape": rows, "blas_tflops_fp32_by_shape": blas_rows}
+    cpu = device_profile("cpu", {"cpu": tables})
     assert cpu.tflops_fp32_by_shape == ((128.0, 256.0, 0.02), (512.0, 1024.0, 0.07))
     assert cpu.tflops(False, width=512, tokens=1024) == pytest.approx(0.07)
+    assert cpu.tflops(False, width=512, tokens=1024, blas=True) == pytest.approx(0.03)
+
+
+def test_a_profile_without_blas_rates_reads_its_one_table_for_blas_runs() -> None:
+    h100 = BUILTIN_PROFILES["h100"]
+    assert h100.tflops(False, width=4096, tokens=4096, blas=True) == h100.tflops_fp32
+    cpu = dataclasses.replace(
+        BUILTIN_PROFILES["cpu"], tflops_fp32_by_shape=TABLE, blas_tflops_fp32_by_shape=()
+    )
+    assert cpu.tflops(False, width=512, tokens=1024, blas=True) == pytest.approx(0.07)
 
 
 def test_tensor_parallel_matmuls_are_narrower_and_slower_per_flop(model_config) -> None:
     """tp2 halves a rank's FLOPs, but its 512 x 256 matmuls (the width of a 362 x 362
-    square) run at a lower rate on CPU, so its compute is more than half of one rank's."""
-    one = _plan(model_config, launch={"nproc_per_node": 1})
-    tp2 = _plan(model_config, launch={"nproc_per_node": 2}, parallel={"tensor_parallel_size": 2})
+    square) run at a lower rate on CPU, so its compute is more than half of one rank's.
+    (Both on torch.mm, as tensor parallelism runs on CPU whatever `cpu_matmul` says.)"""
+    blas = {"cpu_matmul": "blas"}
+    one = _plan(model_config, launch={"nproc_per_node": 1}, training=blas)
+    tp2 = _plan(
+        model_config,
+        launch={"nproc_per_node": 2},
+        parallel={"tensor_parallel_size": 2},
+        training={"cpu_matmul": "onednn"},
+    )
     ratio = tp2.time_estimate["compute_s"] / one.time_estimate["compute_s"]
     cpu = BUILTIN_PROFILES["cpu"]
-    expected = 0.5 * cpu.tflops(False, 512, 1024) / cpu.tflops(False, 512 / 2**0.5, 1024)
-    assert ratio == pytest.approx(expected)
+    narrow = cpu.tflops(False, 512 / 2**0.5, 1024, blas=True)
+    assert ratio == pytest.approx(0.5 * cpu.tflops(False, 512, 1024, blas=True) / narrow)
     assert ratio > 0.5
+
+
+@pytest.mark.skipif(not onednn_available(), reason="oneDNN's fp32 linear is not in this torch")
+def test_linears_on_torch_mm_are_planned_at_the_profiles_blas_rates(model_config) -> None:
+    """On the CPUs the cpu profile was measured on, torch.mm runs the Linear layers
+    1.2-1.9x slower than oneDNN: a run that chooses it (`cpu_matmul: blas`) is planned at
+    the profile's BLAS rates, one on oneDNN at its main ones."""
+    one = {"nproc_per_node": 1}
+    onednn = _plan(model_config, launch=one, training={"cpu_matmul": "onednn"})
+    blas = _plan(model_config, launch=one, training={"cpu_matmul": "blas"})
+    ratio = blas.time_estimate["compute_s"] / onednn.time_estimate["compute_s"]
+    cpu = BUILTIN_PROFILES["cpu"]
+    assert ratio == pytest.approx(
+        cpu.tflops(False, 512, 1024) / cpu.tflops(False, 512, 1024, blas=True)
+    )
+    assert ratio > 1.5
 
 
 def test_on_cpu_the_gradient_averaging_is_not_hidden_behind_the_backward(model_config) -> None:

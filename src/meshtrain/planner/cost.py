@@ -229,7 +229,12 @@ def estimate_step_time(
     microbatches = step.microbatches * accumulation  # forwards per step per rank
     tokens = tokens_per_microbatch * microbatches
     flops = tokens * training_flops_per_token(m, step.seq_len, step.activation_checkpointing)
-    rate = device.tflops(step.bf16, width=matmul_width(m, step), tokens=tokens_per_microbatch)
+    rate = device.tflops(
+        step.bf16,
+        width=matmul_width(m, step),
+        tokens=tokens_per_microbatch,
+        blas=step.blas_matmuls,
+    )
     shares = stage_shares(m, step)
     compute = flops * max(shares) / step.tp / (rate * 1e12)  # the busiest pipeline rank
 

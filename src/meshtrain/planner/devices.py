@@ -45,10 +45,15 @@ class DeviceProfile:
     collective_overlap: float = 1.0
     # Where the rate depends on the matmul sizes (CPU cores: small matmuls leave the cores
     # waiting on memory and the framework), the fp32 rate measured per size class:
-    # (width, tokens, TFLOP/s), width being a rank's hidden size / tp and tokens those of
-    # one forward (a microbatch); interpolated in log2 of both, held beyond the points
-    # measured. Empty: `tflops_fp32` at every size.
+    # (width, tokens, TFLOP/s), width being a rank's matmul width (`cost.matmul_width`) and
+    # tokens those of one forward (a microbatch); interpolated in log2 of both, held
+    # beyond the points measured. Empty: `tflops_fp32` at every size.
     tflops_fp32_by_shape: tuple[tuple[float, float, float], ...] = ()
+    # The same table with the Linear layers on the BLAS's `torch.mm`, where a faster
+    # library is the default and a run may not use it (x86-64 CPUs not made by Intel:
+    # oneDNN by default, the BLAS under `training.cpu_matmul: blas` and under tensor
+    # parallelism, `models/cpu_linear.py`). Empty: `tflops_fp32_by_shape` either way.
+    blas_tflops_fp32_by_shape: tuple[tuple[float, float, float], ...] = ()
     # The published dense peak per device (TFLOP/s), the base of the model FLOPs
     # utilisation (MFU) a run logs; 0: unknown, no MFU. fp32 is TF32 on the GPUs.
     peak_tflops_fp32: float = 0.0
@@ -66,15 +71,24 @@ class DeviceProfile:
     def runtime_bytes(self) -> int:
         return int(self.runtime_gib * GIB)
 
-    def tflops(self, bf16: bool, width: float | None = None, tokens: float | None = None) -> float:
+    def tflops(
+        self,
+        bf16: bool,
+        width: float | None = None,
+        tokens: float | None = None,
+        *,
+        blas: bool = False,
+    ) -> float:
         """The sustained rate; fp32 at a rank's matmul `width` and `tokens` per forward from
-        `tflops_fp32_by_shape` where measured."""
+        `tflops_fp32_by_shape` where measured (`blas`: the Linear layers on torch.mm, from
+        `blas_tflops_fp32_by_shape` where the profile has it)."""
         if bf16:
             return self.tflops_bf16
-        if width is None or tokens is None or not self.tflops_fp32_by_shape:
+        table = (blas and self.blas_tflops_fp32_by_shape) or self.tflops_fp32_by_shape
+        if width is None or tokens is None or not table:
             return self.tflops_fp32
         by_width: dict[float, list[tuple[float, float]]] = {}
-        for w, t, rate in self.tflops_fp32_by_shape:
+        for w, t, rate in table:
             by_width.setdefault(w, []).append((t, rate))
         at_tokens = [(w, _interpolate_log2(sorted(p), tokens)) for w, p in by_width.items()]
         return _interpolate_log2(sorted(at_tokens), width)
@@ -111,8 +125,8 @@ BUILTIN_PROFILES: dict[str, DeviceProfile] = {
             memory_gib=8.0,
             devices_per_node=2,
             # Effective rate of forward + backward on one core while the other trains too,
-            # elementwise work and framework overhead included, per matmul width (hidden /
-            # tp) and tokens per forward: small matmuls leave the core waiting on memory
+            # elementwise work and framework overhead included, per matmul width (hidden
+            # size) and tokens per forward: small matmuls leave the core waiting on memory
             # and the framework (bench/planner_validation.py --calibrate, the mean of two
             # invocations; the default model is width 128). Measured with the Linear
             # layers on oneDNN, where `training.cpu_matmul: auto` puts them on these AMD
@@ -127,6 +141,21 @@ BUILTIN_PROFILES: dict[str, DeviceProfile] = {
                 (512, 1024, 0.116),
                 (768, 512, 0.114),
                 (768, 1024, 0.127),
+            ),
+            # With the Linear layers on torch.mm (MKL's generic path on these AMD cores), as
+            # `cpu_matmul: blas` and tensor-parallel layouts run them: the table above times
+            # the torch.mm / oneDNN ratio --calibrate measured side by side (0.61-0.71 by
+            # shape; the machine's own speed moves 20-40% between invocations, the ratio
+            # much less).
+            blas_tflops_fp32_by_shape=(
+                (128, 256, 0.031),
+                (128, 1024, 0.038),
+                (256, 256, 0.054),
+                (256, 1024, 0.050),
+                (512, 256, 0.071),
+                (512, 1024, 0.072),
+                (768, 512, 0.070),
+                (768, 1024, 0.078),
             ),
             # No bf16 matmul units on these cores: autocast measured ~10x slower than fp32.
             tflops_bf16=0.003,
@@ -223,7 +252,16 @@ BUILTIN_PROFILES: dict[str, DeviceProfile] = {
 
 
 # What a new profile may leave out: without peaks, its runs log no MFU.
-OPTIONAL_FIELDS = {"name", "note", "peak_tflops_fp32", "peak_tflops_bf16", "p2p_latency_us"}
+OPTIONAL_FIELDS = {
+    "name",
+    "note",
+    "peak_tflops_fp32",
+    "peak_tflops_bf16",
+    "p2p_latency_us",
+    "blas_tflops_fp32_by_shape",
+}
+# The fields given as lists of [width, tokens, TFLOP/s] rows.
+SHAPE_TABLES = ("tflops_fp32_by_shape", "blas_tflops_fp32_by_shape")
 
 
 def device_profile(name: str, overrides: dict[str, dict[str, Any]] | None = None) -> DeviceProfile:
@@ -255,11 +293,11 @@ def device_profile(name: str, overrides: dict[str, dict[str, Any]] | None = None
 
 
 def _tuples(values: dict[str, Any]) -> dict[str, Any]:
-    """YAML gives `tflops_fp32_by_shape` as a list of [width, tokens, TFLOP/s] lists."""
-    table = values.get("tflops_fp32_by_shape")
-    if table is None:
-        return values
-    return values | {"tflops_fp32_by_shape": tuple(tuple(map(float, row)) for row in table)}
+    """YAML gives the SHAPE_TABLES as lists of [width, tokens, TFLOP/s] lists."""
+    tables = {key: values[key] for key in SHAPE_TABLES if values.get(key) is not None}
+    return values | {
+        key: tuple(tuple(map(float, row)) for row in table) for key, table in tables.items()
+    }
 
 
 def resolve_device(name: str, overrides: dict[str, dict[str, Any]], cuda: bool) -> DeviceProfile:

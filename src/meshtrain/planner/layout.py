@@ -9,9 +9,11 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import torch
 from transformers import PretrainedConfig
 
 from meshtrain.config import AUTO, Layout, RunConfig
+from meshtrain.models.cpu_linear import cpu_matmul_choice
 from meshtrain.planner.checks import (
     check_activation_checkpointing,
     check_batch_vs_data,
@@ -30,6 +32,8 @@ from meshtrain.planner.cost import estimate_step_time, model_flops_per_token
 from meshtrain.planner.devices import DeviceProfile
 from meshtrain.planner.memory import ModelShape, StepShape, estimate_memory, gather_units
 from meshtrain.planner.types import LayoutError, Plan
+
+CPU = torch.device("cpu")
 
 
 def plan_one_layout(
@@ -56,7 +60,7 @@ def plan_one_layout(
     )
     train, block_size = run.training, run.data.block_size
     shape = ModelShape.from_config(model_config)
-    step = _step_shape(run, layout, model_config.num_hidden_layers, device)
+    step = _step_shape(run, layout, model_config.num_hidden_layers, device, cuda=cuda)
     memory = dataclasses.replace(estimate_memory(shapes, shape, step), runtime=device.runtime_bytes)
     time_estimate = estimate_step_time(
         shape,
@@ -157,7 +161,9 @@ def resolve_layout(
     return layout, backend, notes
 
 
-def _step_shape(run: RunConfig, layout: Layout, layers: int, device: DeviceProfile) -> StepShape:
+def _step_shape(
+    run: RunConfig, layout: Layout, layers: int, device: DeviceProfile, *, cuda: bool
+) -> StepShape:
     """What one rank runs per step under `layout`, as the memory and time models read it."""
     pp, microbatches = layout.pipeline_parallel_size, layout.pipeline_parallel_num_microbatches
     return StepShape(
@@ -179,4 +185,16 @@ def _step_shape(run: RunConfig, layout: Layout, layers: int, device: DeviceProfi
         grad_reduce_bf16=run.training.grad_reduce_dtype == "bf16",
         offload_effective=layout.activation_offloading and device.name != "cpu",
         sharded=layout.sharded_data_parallel_degree,
+        blas_matmuls=_linears_on_blas(run, layout, cuda),
     )
+
+
+def _linears_on_blas(run: RunConfig, layout: Layout, cuda: bool) -> bool:
+    """Whether a CPU run's Linear layers will run torch.mm rather than oneDNN, as the
+    trainer decides it (`cpu_matmul_choice`, on this host's CPU); the time model then
+    reads the profile's BLAS rates."""
+    if cuda:
+        return False
+    tensor_parallel = layout.tensor_parallel_size > 1
+    choice = cpu_matmul_choice(run.training.cpu_matmul, CPU, tensor_parallel=tensor_parallel)
+    return choice == "blas"

@@ -193,6 +193,7 @@ class StepShape:
     master_weights: bool = False  # bf16 parameters and activations, fp32 master in AdamW
     grad_reduce_bf16: bool = False  # bf16 gradients (only with master_weights)
     sharded: int = 1  # sharded data parallel degree N (1: off; dp: full; else hybrid)
+    blas_matmuls: bool = False  # CPU Linear layers on torch.mm, not oneDNN (cpu_linear.py)
 
     @property
     def parameter_bytes(self) -> int:
