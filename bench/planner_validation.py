@@ -267,7 +267,7 @@ CALIBRATED_AT = "oneDNN 320-374, torch.mm 147-155"
 
 
 def _gemm_summary(rate: dict[str, Any]) -> str:
-    """ "oneDNN X, torch.mm Y": each library's best size."""
+    """Each library's best rate over the sizes, as "oneDNN X, torch.mm Y"."""
     names = {"onednn": "oneDNN", "blas": "torch.mm"}
     return ", ".join(
         f"{names[library]} {max(by_size.values()):.0f}"

@@ -130,7 +130,7 @@ BUILTIN_PROFILES: dict[str, DeviceProfile] = {
             # and the framework (bench/planner_validation.py --calibrate, the mean of two
             # invocations; the default model is width 128). Measured with the Linear
             # layers on oneDNN, where `training.cpu_matmul: auto` puts them on these AMD
-            # cores (on torch.mm they ran 1.2-1.9x slower: 0.036-0.066).
+            # cores (torch.mm's rates are the next table).
             tflops_fp32=0.060,
             tflops_fp32_by_shape=(
                 (128, 256, 0.048),
