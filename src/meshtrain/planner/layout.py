@@ -33,8 +33,6 @@ from meshtrain.planner.devices import DeviceProfile
 from meshtrain.planner.memory import ModelShape, StepShape, estimate_memory, gather_units
 from meshtrain.planner.types import LayoutError, Plan
 
-CPU = torch.device("cpu")
-
 
 def plan_one_layout(
     run: RunConfig,
@@ -191,10 +189,9 @@ def _step_shape(
 
 def _linears_on_blas(run: RunConfig, layout: Layout, cuda: bool) -> bool:
     """Whether a CPU run's Linear layers will run torch.mm rather than oneDNN, as the
-    trainer decides it (`cpu_matmul_choice`, on this host's CPU); the time model then
-    reads the profile's BLAS rates."""
-    if cuda:
-        return False
+    trainer decides it (`cpu_matmul_choice`, on this host's CPU; no choice on a GPU);
+    the time model then reads the profile's BLAS rates."""
+    device = torch.device("cuda" if cuda else "cpu")
     tensor_parallel = layout.tensor_parallel_size > 1
-    choice = cpu_matmul_choice(run.training.cpu_matmul, CPU, tensor_parallel=tensor_parallel)
+    choice = cpu_matmul_choice(run.training.cpu_matmul, device, tensor_parallel=tensor_parallel)
     return choice == "blas"
