@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from meshtrain.checkpoint.load import restore_checkpoint
 from meshtrain.checkpoint.save import save_checkpoint
@@ -269,11 +270,13 @@ class Trainer:
         )
         with self.timeline.around(step), self.memory_probe.around(step):
             loss_sum = self.forward_backward_step(microbatches)
-            grad_norm = self.optimizer.reduce_gradients()
+            with record_function("meshtrain.reduce"):
+                grad_norm = self.optimizer.reduce_gradients()
             # Every rank agrees on a stop signal, and refuses a non-finite step, before
             # the update.
             stop_signal = agree_on_step(loss_sum, grad_norm, self.stop, step=step + 1)
-            self.optimizer.apply(grad_norm)
+            with record_function("meshtrain.optimizer"):
+                self.optimizer.apply(grad_norm)
         self.lr_scheduler.step()
         self.optimizer.zero_grad()
         return StepOutcome(loss_sum, grad_norm, started, stop_signal)
@@ -421,6 +424,9 @@ class Trainer:
             "mean_mfu": self.plan.mfu(tokens_per_s) if tokens_per_s else None,
             "median_step_s": self.throughput.median_step_s,
             "cpu_matmul": self.cpu_matmul,
+            # Where and in what precision it trained: evaluation loads the model the same way.
+            "backend": self.plan.backend,
+            "mixed_precision": self.cfg.mixed_precision,
             "train_time_s": train_time,
             "peak_rss_mb_rank0": rss_mb()[1],
             "model_states_bytes_rank0": self.model_states_bytes,

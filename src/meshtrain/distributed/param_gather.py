@@ -26,6 +26,7 @@ from functools import partial
 
 import torch.distributed as dist
 from torch import nn
+from torch.profiler import record_function
 
 from meshtrain.distributed.data_parallel import Bucket
 from meshtrain.distributed.flat_buffer import FlatParameters
@@ -112,7 +113,8 @@ class ParameterGather:
             self._send_through(self._place[b] + 1 + self.prefetch)
             work = self._works.pop(b, None)
             if work is not None:
-                work.wait()
+                with record_function("meshtrain.gather"):
+                    work.wait()
                 self._waited += 1
         if self._sent == len(self.order) and not self._works:
             self._active = False
@@ -122,8 +124,9 @@ class ParameterGather:
         """Every bucket's new values in place (before reading the parameters elsewhere)."""
         if self._active:
             self._send_through(len(self.order))
-        for work in self._works.values():
-            work.wait()
+        with record_function("meshtrain.gather"):
+            for work in self._works.values():
+                work.wait()
         self._works.clear()
         self._active = False
         self._sent = 0

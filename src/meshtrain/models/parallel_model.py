@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.profiler import record_function
 from torch.distributed.tensor.parallel import loss_parallel
 from transformers import PretrainedConfig
 
@@ -71,10 +72,12 @@ class ParallelModel:
         """
         with self.loss_context(), self.offload():
             if self.runner is not None:
-                with self.autocast():
+                with self.autocast(), record_function("meshtrain.pipeline"):
                     return self.runner.train_step(input_ids, accumulation_steps)
-            loss = self._loss(input_ids) / accumulation_steps
-            loss.backward()
+            with record_function("meshtrain.forward"):
+                loss = self._loss(input_ids) / accumulation_steps
+            with record_function("meshtrain.backward"):
+                loss.backward()
         return as_local(loss.detach())
 
     def _loss(self, input_ids: torch.Tensor) -> torch.Tensor:
