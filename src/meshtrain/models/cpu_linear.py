@@ -13,18 +13,30 @@ The swap changes a module's class, not its parameters: names, state dicts and
 checkpoints are those of `nn.Linear`. Any other call (another device or dtype,
 autocast, DTensor shards under tensor parallelism, a torch.compile'd layer) runs
 `nn.Linear`'s own forward.
+
+It is a model converter (`models.converters`): this module is the one place that
+reads `training.cpu_matmul`, and the planner knows the path only by the converter's
+name, which selects the device profile's rate table for it.
 """
 
 from __future__ import annotations
 
 import functools
 import platform
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
+
+if TYPE_CHECKING:
+    from meshtrain.config import TrainingConfig
+
+# The converter's name: in the device profiles' rate tables, run summaries and MLflow tags.
+NAME = "onednn_linear"
 
 
 @functools.cache
@@ -142,3 +154,31 @@ def route_linears_to_onednn(modules: list[nn.Module]) -> int:
                 layer.__class__ = OneDnnLinear
                 swapped += 1
     return swapped
+
+
+@dataclass(frozen=True)
+class OneDnnLinearConverter:
+    """The model converter that routes the Linear layers' fp32 CPU matmuls to oneDNN.
+
+    Selective activation checkpointing must keep its op's outputs (`saved_ops`), as it
+    keeps every other matmul's, or the recompute would run the products twice."""
+
+    name: str = NAME
+
+    @property
+    def saved_ops(self) -> frozenset:
+        return frozenset({torch.ops.mkldnn._linear_pointwise.default})
+
+    def convert(self, model: nn.Module) -> None:
+        route_linears_to_onednn([model])
+
+
+def linear_converter(
+    training: TrainingConfig, device_type: str, *, tensor_parallel: bool
+) -> OneDnnLinearConverter | None:
+    """The converter a run on `device_type` goes through, per `training.cpu_matmul`
+    (`cpu_matmul_choice`), or None where its Linear layers stay on torch's own path."""
+    choice = cpu_matmul_choice(
+        training.cpu_matmul, torch.device(device_type), tensor_parallel=tensor_parallel
+    )
+    return OneDnnLinearConverter() if choice == "onednn" else None
