@@ -13,8 +13,15 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from meshtrain.config_parsing import ConfigError, parse
+from meshtrain.config_parsing import ConfigError, check_ranges, out_of_range, parse
 from meshtrain.config_parsing import Refused as Refused  # the refusals' base, re-exported
+from meshtrain.config_ranges import (
+    DATA_RANGES,
+    EVALUATION_RANGES,
+    LAUNCH_RANGES,
+    PLANNER_RANGES,
+    TRAINING_RANGES,
+)
 
 AUTO = "auto"
 # c10d's own default port, used when launch.rdzv_endpoint names no port (as torchrun does).
@@ -244,22 +251,7 @@ def check_launch(launch: LaunchConfig) -> None:
                 )
         except ConfigError as error:
             problems.append(str(error))
-    if launch.max_restarts < 0:
-        problems.append(
-            f"`launch.max_restarts={launch.max_restarts}`: use 0 (a failed worker ends the "
-            "job) or more (torch elastic restarts the workers that many times)."
-        )
-    if not launch.monitor_interval > 0:
-        problems.append(
-            f"`launch.monitor_interval={launch.monitor_interval}`: torch elastic polls the "
-            "workers every this many seconds; use a value above 0, e.g. 0.5."
-        )
-    for name in ("shutdown_grace_s", "collective_timeout_s"):
-        if not getattr(launch, name) > 0:
-            problems.append(
-                f"`launch.{name}={getattr(launch, name)}`: use a number of seconds above 0 "
-                f"(default {getattr(LaunchConfig, name):g})."
-            )
+    problems += out_of_range(launch, LAUNCH_RANGES)
     if launch.nnodes > 1 and not launch.rdzv_id.strip():
         problems.append(
             "`launch.rdzv_id` is empty: with several nodes it must be the same on every "
@@ -300,6 +292,14 @@ class DataConfig:
     num_proc: int | None = 2
 
 
+# The byte-level BPE tokenizer trained when `data.tokenizer` is null (data/tokenizer.py
+# builds it from these): a token per byte and the special tokens, before any merge.
+BYTE_ALPHABET_SIZE = 256
+EOS_TOKEN = "<|endoftext|>"
+"""Separates documents when packing; also serves as bos and pad (blocks never pad)."""
+SPECIAL_TOKENS = (EOS_TOKEN,)
+
+
 def check_data(data: DataConfig) -> None:
     """Refuse the `data.*` values whose kinds are right but which cannot make a corpus or
     blocks, before any data is read or written."""
@@ -313,38 +313,16 @@ def check_data(data: DataConfig) -> None:
             "`data.source=hub` needs `data.hub_dataset`, a Hugging Face dataset id, e.g. "
             "data.hub_dataset=Salesforce/wikitext with data.hub_config=wikitext-103-raw-v1."
         )
-    if data.block_size < 2:
-        raise ConfigError(
-            f"`data.block_size` is {data.block_size}; a block needs at least an input and its "
-            "next-token target: use 2 or more, e.g. 128."
-        )
-    if not 0 < data.validation_fraction < 1:
-        raise ConfigError(
-            f"`data.validation_fraction` is {data.validation_fraction}; use a fraction strictly "
-            "between 0 and 1, e.g. 0.05 (both splits need documents)."
-        )
-    if data.num_proc is not None and data.num_proc < 1:
-        raise ConfigError(
-            f"`data.num_proc` is {data.num_proc}; use 1 or more worker processes, or null "
-            "(tokenize in this process)."
-        )
-    if data.builtin_max_chars is not None and data.builtin_max_chars < 1:
-        raise ConfigError(
-            f"`data.builtin_max_chars` is {data.builtin_max_chars}; use a number of characters "
-            "above 0, e.g. 300000, or null for the whole built-in corpus."
-        )
+    check_ranges(data, DATA_RANGES)
     if not data.text_column.strip():
         raise ConfigError("`data.text_column` is empty; name the corpus column, e.g. text.")
-    if data.tokenizer is None:
-        from meshtrain.data.tokenizer import BYTE_ALPHABET_SIZE, SPECIAL_TOKENS  # noqa: PLC0415
-
-        minimum = BYTE_ALPHABET_SIZE + len(SPECIAL_TOKENS) + 1
-        if data.vocab_size < minimum:
-            raise ConfigError(
-                f"`data.vocab_size` is {data.vocab_size}; the byte-level tokenizer trained here "
-                f"needs at least {minimum} (256 byte tokens, {len(SPECIAL_TOKENS)} special, one "
-                "merge), e.g. 4096."
-            )
+    minimum = BYTE_ALPHABET_SIZE + len(SPECIAL_TOKENS) + 1
+    if data.tokenizer is None and data.vocab_size < minimum:
+        raise ConfigError(
+            f"`data.vocab_size` is {data.vocab_size}; the byte-level tokenizer trained here "
+            f"needs at least {minimum} (256 byte tokens, {len(SPECIAL_TOKENS)} special, one "
+            "merge), e.g. 4096."
+        )
 
 
 @dataclass(frozen=True)
@@ -403,89 +381,17 @@ def check_evaluation(evaluation: EvaluationConfig) -> None:
             f"`evaluation.device` is {evaluation.device!r}; use auto (where the model "
             "trained), cpu, cuda or cuda:N."
         )
-    for name in ("num_samples", "prompt_tokens", "lm_eval_batch_size"):
-        if getattr(evaluation, name) < 1:
-            raise ConfigError(
-                f"`evaluation.{name}` must be at least 1, got {getattr(evaluation, name)}."
-            )
-    if evaluation.lm_eval_limit is not None and evaluation.lm_eval_limit < 1:
-        raise ConfigError(
-            f"`evaluation.lm_eval_limit` is {evaluation.lm_eval_limit}; use null (every "
-            "item) or at least 1."
-        )
-    if not evaluation.temperature > 0:
-        raise ConfigError(
-            f"`evaluation.temperature` is {evaluation.temperature}; use a value above 0, "
-            "e.g. 0.8 (or evaluation.do_sample=false for greedy)."
-        )
-    if not 0 < evaluation.top_p <= 1:
-        raise ConfigError(f"`evaluation.top_p` is {evaluation.top_p}; use a value in (0, 1].")
-    if not evaluation.repetition_penalty > 0:
-        raise ConfigError(
-            f"`evaluation.repetition_penalty` is {evaluation.repetition_penalty}; use a value "
-            "above 0 (1.0: none)."
-        )
+    check_ranges(evaluation, EVALUATION_RANGES)
 
 
 def check_training(training: TrainingConfig) -> None:
     """Refuse the `training.*` values whose kinds are right but which cannot mean anything."""
-    if not training.grad_bucket_mb > 0:
-        raise ConfigError(
-            f"`training.grad_bucket_mb` is {training.grad_bucket_mb}; use a size in "
-            "MiB above 0, e.g. 25 (DDP's default) or 1-4 for models of a few million "
-            "parameters."
-        )
-    if training.learning_rate < 0:
-        raise ConfigError(
-            f"`training.learning_rate` is {training.learning_rate}; use a rate of 0 or more, "
-            "e.g. 3e-4 (0 trains nothing, which can check a start from model.init_from)."
-        )
-    if training.max_grad_norm < 0:
-        raise ConfigError(
-            f"`training.max_grad_norm` is {training.max_grad_norm}; use a norm above 0 to "
-            "clip gradients to it, e.g. 1.0, or 0 for no clipping."
-        )
+    check_ranges(training, TRAINING_RANGES)
     if training.grad_reduce_dtype == "bf16" and training.mixed_precision != "bf16_master":
         raise ConfigError(
             f"`training.grad_reduce_dtype=bf16` needs `training.mixed_precision=bf16_master` "
             f"(it is {training.mixed_precision!r}): with fp32 parameters the gradients are "
             "fp32. Use grad_reduce_dtype=fp32, or mixed_precision=bf16_master."
-        )
-    if training.keep_last < 0:
-        raise ConfigError(
-            f"`training.keep_last` is {training.keep_last}; use the number of complete "
-            "checkpoints to keep, e.g. 2, or 0 to keep them all."
-        )
-    if training.warmup_steps < 0:
-        raise ConfigError(
-            f"`training.warmup_steps` is {training.warmup_steps}; use 0 (no warm-up) or more, "
-            "e.g. 20."
-        )
-    if training.weight_decay < 0:
-        raise ConfigError(
-            f"`training.weight_decay` is {training.weight_decay}; use 0 (none) or more, e.g. 0.1."
-        )
-    for beta in ("adam_beta1", "adam_beta2"):
-        value = getattr(training, beta)
-        if not 0 <= value < 1:
-            raise ConfigError(
-                f"`training.{beta}` is {value}; AdamW needs a decay in [0, 1), e.g. 0.9 for "
-                "adam_beta1 and 0.95 for adam_beta2."
-            )
-    if not training.adam_epsilon > 0:
-        raise ConfigError(
-            f"`training.adam_epsilon` is {training.adam_epsilon}; use a small number above 0, "
-            "e.g. 1e-8 (AdamW divides by sqrt(v) + epsilon)."
-        )
-    if not 0 <= training.min_learning_rate_ratio <= 1:
-        raise ConfigError(
-            f"`training.min_learning_rate_ratio` is {training.min_learning_rate_ratio}; the "
-            "cosine decay ends at this fraction of training.learning_rate, in [0, 1], e.g. 0.1."
-        )
-    if training.eval_batches < 0:
-        raise ConfigError(
-            f"`training.eval_batches` is {training.eval_batches}; use 0 (no validation) or "
-            "more, e.g. 8."
         )
     name = training.run_name
     if name is not None and (
@@ -522,11 +428,7 @@ class RunConfig:
         planner: dict | None = None,
     ) -> RunConfig:
         planner_config = parse(PlannerConfig, planner, "planner")
-        if not 0 <= planner_config.memory_margin < 1:
-            raise ConfigError(
-                f"`planner.memory_margin` is {planner_config.memory_margin}; use a fraction "
-                "in [0, 1), e.g. 0.1 to keep 10% of device memory free."
-            )
+        check_ranges(planner_config, PLANNER_RANGES)
         training_config = parse(TrainingConfig, training, "training")
         check_training(training_config)
         data_config = parse(DataConfig, data, "data")

@@ -163,3 +163,43 @@ def _describe(hint: Any) -> str:
         else:
             words.append(getattr(option, "__name__", str(option)))
     return " or ".join(words)
+
+
+@dataclasses.dataclass(frozen=True)
+class Bound:
+    """The interval a number parameter must lie in (None: unbounded on that side); NaN
+    lies in none."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+
+    def holds(self, value: float) -> bool:
+        above = self.low is None or (value > self.low if self.low_open else value >= self.low)
+        below = self.high is None or (value < self.high if self.high_open else value <= self.high)
+        return above and below
+
+
+# A row of a range table: the field, its bound, and the refusal, a template of `{value}`
+# (the value given) and `{default}` (the field's default).
+RangeRow = tuple[str, Bound, str]
+
+
+def out_of_range(config: Any, rows: tuple[RangeRow, ...]) -> list[str]:
+    """The refusals of `config`'s fields outside their bounds, in the rows' order; a
+    field at None (an optional one left unset) is never out of range."""
+    defaults = {f.name: f.default for f in dataclasses.fields(config)}
+    problems = []
+    for name, bound, message in rows:
+        value = getattr(config, name)
+        if value is not None and not bound.holds(value):
+            problems.append(message.format(value=value, default=defaults[name]))
+    return problems
+
+
+def check_ranges(config: Any, rows: tuple[RangeRow, ...]) -> None:
+    """Refuse the first of `config`'s fields outside its bound."""
+    problems = out_of_range(config, rows)
+    if problems:
+        raise ConfigError(problems[0])

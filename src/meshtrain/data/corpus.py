@@ -20,7 +20,7 @@ from pathlib import Path
 
 import datasets
 
-from meshtrain.config import ConfigError
+from meshtrain.config_parsing import ConfigError
 
 SOURCES = ("builtin", "text_files", "hub")
 DEFAULT_BUILTIN_MAX_CHARS = 3_000_000

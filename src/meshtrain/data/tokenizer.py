@@ -13,11 +13,9 @@ import datasets
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-EOS_TOKEN = "<|endoftext|>"
-"""Separates documents when packing; also serves as bos and pad (blocks never pad)."""
-
-SPECIAL_TOKENS = (EOS_TOKEN,)
-BYTE_ALPHABET_SIZE = 256
+# What the trained tokenizer is made of, declared beside `data.vocab_size` (whose check
+# needs them) so that config imports nothing from data.
+from meshtrain.config import BYTE_ALPHABET_SIZE, EOS_TOKEN, SPECIAL_TOKENS
 
 
 def train_tokenizer(
