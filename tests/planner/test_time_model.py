@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 from transformers import PretrainedConfig
 
-from meshtrain.config import RunConfig
+from meshtrain.config import RunConfig, TrainingConfig
 from meshtrain.models import build_model_config
-from meshtrain.models.cpu_linear import onednn_available
+from meshtrain.models.converters import converter_names
 from meshtrain.planner import Plan, plan_run
 from meshtrain.planner.devices import BUILTIN_PROFILES, device_profile
 
@@ -24,6 +24,8 @@ SHAPE = {
     "max_position_embeddings": 256,
 }
 TABLE = ((128, 256, 0.02), (128, 1024, 0.04), (512, 256, 0.05), (512, 1024, 0.07))
+# The CPU Linear layers' converter, whose rates the cpu profile measured apart.
+CONVERTER = ("onednn_linear",)
 
 
 @pytest.fixture(scope="module")
@@ -55,29 +57,51 @@ def test_the_rate_is_read_at_the_measured_sizes_and_interpolated_between() -> No
 
 def test_the_tables_come_from_yaml_as_lists() -> None:
     rows = [[128, 256, 0.02], [512, 1024, 0.07]]
-    blas_rows = [[128, 256, 0.01], [512, 1024, 0.03]]
-    tables = {"tflops_fp32_by_shape": rows, "blas_tflops_fp32_by_shape": blas_rows}
+    converter_rows = [[128, 256, 0.04], [512, 1024, 0.11]]
+    tables = {
+        "tflops_fp32_by_shape": rows,
+        "converter_tflops_fp32_by_shape": {"onednn_linear": converter_rows},
+    }
     cpu = device_profile("cpu", {"cpu": tables})
     assert cpu.tflops_fp32_by_shape == ((128.0, 256.0, 0.02), (512.0, 1024.0, 0.07))
+    assert cpu.converter_tflops_fp32_by_shape == {
+        "onednn_linear": ((128.0, 256.0, 0.04), (512.0, 1024.0, 0.11))
+    }
     assert cpu.tflops(False, width=512, tokens=1024) == pytest.approx(0.07)
-    assert cpu.tflops(False, width=512, tokens=1024, blas=True) == pytest.approx(0.03)
+    assert cpu.tflops(False, width=512, tokens=1024, converters=CONVERTER) == pytest.approx(0.11)
 
 
-def test_a_profile_without_blas_rates_reads_its_one_table_for_blas_runs() -> None:
+def test_the_old_torch_mm_table_key_is_refused_with_the_new_names() -> None:
+    """A profile override written for the release whose main table was oneDNN's would
+    silently swap the two tables' meanings: refused, naming the keys that replace it."""
+    old = {"cpu": {"blas_tflops_fp32_by_shape": [[128, 256, 0.01]]}}
+    with pytest.raises(ValueError, match="converter_tflops_fp32_by_shape") as error:
+        device_profile("cpu", old)
+    assert "own `tflops_fp32_by_shape`" in str(error.value)
+    with pytest.raises(ValueError, match="maps a converter's name"):
+        device_profile("cpu", {"cpu": {"converter_tflops_fp32_by_shape": [[128, 256, 0.1]]}})
+
+
+def test_a_profile_without_a_converters_rates_reads_its_own_table_for_its_runs() -> None:
     h100 = BUILTIN_PROFILES["h100"]
-    assert h100.tflops(False, width=4096, tokens=4096, blas=True) == h100.tflops_fp32
+    assert h100.tflops(False, width=4096, tokens=4096, converters=CONVERTER) == h100.tflops_fp32
     cpu = dataclasses.replace(
-        BUILTIN_PROFILES["cpu"], tflops_fp32_by_shape=TABLE, blas_tflops_fp32_by_shape=()
+        BUILTIN_PROFILES["cpu"], tflops_fp32_by_shape=TABLE, converter_tflops_fp32_by_shape={}
     )
-    assert cpu.tflops(False, width=512, tokens=1024, blas=True) == pytest.approx(0.07)
+    assert cpu.tflops(False, width=512, tokens=1024, converters=CONVERTER) == pytest.approx(0.07)
+    # A converter the profile has no table for leaves the rate the device's own.
+    assert BUILTIN_PROFILES["cpu"].tflops(
+        False, 512, 1024, converters=("other",)
+    ) == BUILTIN_PROFILES["cpu"].tflops(False, 512, 1024)
 
 
 def test_tensor_parallel_matmuls_are_narrower_and_slower_per_flop(model_config) -> None:
     """tp2 halves a rank's FLOPs, but its 512 x 256 matmuls (the width of a 362 x 362
     square) run at a lower rate on CPU, so its compute is more than half of one rank's.
-    (Both on torch.mm, as tensor parallelism runs on CPU whatever `cpu_matmul` says.)"""
-    blas = {"cpu_matmul": "blas"}
-    one = _plan(model_config, launch={"nproc_per_node": 1}, training=blas)
+    (Both on the device's own table: tp2 has no converter whatever `cpu_matmul` says.)"""
+    own_path = {"cpu_matmul": "blas"}
+    one = _plan(model_config, launch={"nproc_per_node": 1}, training=own_path)
+    assert converter_names(TrainingConfig(cpu_matmul="onednn"), "cpu", tensor_parallel=True) == ()
     tp2 = _plan(
         model_config,
         launch={"nproc_per_node": 2},
@@ -86,23 +110,28 @@ def test_tensor_parallel_matmuls_are_narrower_and_slower_per_flop(model_config) 
     )
     ratio = tp2.time_estimate["compute_s"] / one.time_estimate["compute_s"]
     cpu = BUILTIN_PROFILES["cpu"]
-    narrow = cpu.tflops(False, 512 / 2**0.5, 1024, blas=True)
-    assert ratio == pytest.approx(0.5 * cpu.tflops(False, 512, 1024, blas=True) / narrow)
+    narrow = cpu.tflops(False, 512 / 2**0.5, 1024)
+    assert ratio == pytest.approx(0.5 * cpu.tflops(False, 512, 1024) / narrow)
     assert ratio > 0.5
 
 
-@pytest.mark.skipif(not onednn_available(), reason="oneDNN's fp32 linear is not in this torch")
-def test_linears_on_torch_mm_are_planned_at_the_profiles_blas_rates(model_config) -> None:
+@pytest.mark.skipif(
+    converter_names(TrainingConfig(cpu_matmul="onednn"), "cpu", tensor_parallel=False) != CONVERTER,
+    reason="oneDNN's fp32 linear is not in this torch: no converter to plan for",
+)
+def test_a_converters_run_is_planned_at_its_table_and_one_without_at_the_devices(
+    model_config,
+) -> None:
     """On the CPUs the cpu profile was measured on, torch.mm runs the Linear layers
-    1.4-1.6x slower than oneDNN: a run that chooses it (`cpu_matmul: blas`) is planned at
-    the profile's BLAS rates, one on oneDNN at its main ones."""
+    1.4-1.6x slower than the oneDNN converter: a run without it (`cpu_matmul: blas`) is
+    planned at the profile's own rates, one through it at the converter's."""
     one = {"nproc_per_node": 1}
-    onednn = _plan(model_config, launch=one, training={"cpu_matmul": "onednn"})
-    blas = _plan(model_config, launch=one, training={"cpu_matmul": "blas"})
-    ratio = blas.time_estimate["compute_s"] / onednn.time_estimate["compute_s"]
+    converted = _plan(model_config, launch=one, training={"cpu_matmul": "onednn"})
+    own_path = _plan(model_config, launch=one, training={"cpu_matmul": "blas"})
+    ratio = own_path.time_estimate["compute_s"] / converted.time_estimate["compute_s"]
     cpu = BUILTIN_PROFILES["cpu"]
     assert ratio == pytest.approx(
-        cpu.tflops(False, 512, 1024) / cpu.tflops(False, 512, 1024, blas=True)
+        cpu.tflops(False, 512, 1024, converters=CONVERTER) / cpu.tflops(False, 512, 1024)
     )
     assert ratio > 1.5
 

@@ -6,7 +6,8 @@
   those of the busiest pipeline rank (its layers, plus the LM head on the
   last stage's rank); where the
   profile measures the rate per matmul size (CPU cores), at the rank's width
-  (hidden / sqrt(tp): a tp shard is hidden x hidden/tp) and tokens per forward;
+  (hidden / sqrt(tp): a tp shard is hidden x hidden/tp) and tokens per forward,
+  from the table of the run's model converter where the profile has one;
 - tensor parallelism: per layer and microbatch, two collectives of the
   activations forward and two backward (all-reduces; all-gathers and
   reduce-scatters under sequence parallelism, the same bytes), ring cost
@@ -192,7 +193,7 @@ def matmul_width(m: ModelShape, step: StepShape) -> float:
     the side of the square matmul as large as a rank's projection, hidden / sqrt(tp),
     since a tp shard keeps the hidden size on one side (hidden x hidden/tp). Keyed at
     hidden / tp instead, tp2 at 27M read the rate of a 256-wide model and came out 1.4x
-    slow once the matmuls ran on oneDNN (docs/planner.md)."""
+    slow on the faster table (docs/planner.md)."""
     return m.hidden / math.sqrt(step.tp)
 
 
@@ -233,15 +234,13 @@ def estimate_step_time(
         step.bf16,
         width=matmul_width(m, step),
         tokens=tokens_per_microbatch,
-        blas=step.blas_matmuls,
+        converters=step.converters,
     )
     shares = stage_shares(m, step)
     compute = flops * max(shares) / step.tp / (rate * 1e12)  # the busiest pipeline rank
 
     activation_bytes = tokens_per_microbatch * m.hidden * (BYTES_BF16 if step.bf16 else BYTES_FP32)
-    tp_link = (
-        device.intra_node_gbps if step.tp <= device.devices_per_node else device.inter_node_gbps
-    )
+    tp_link = _link(device, step.tp)
     layers_per_rank = m.layers / step.pp
     # Four all-reduce-sized collectives per layer (two forward, two backward), plus the
     # embedding's and the vocabulary-parallel head's.
@@ -252,12 +251,7 @@ def estimate_step_time(
 
     pipeline = 0.0
     if step.pp > 1:
-        group_span = step.tp * step.pp
-        pp_link = (
-            device.intra_node_gbps
-            if group_span <= device.devices_per_node
-            else device.inter_node_gbps
-        )
+        pp_link = _link(device, step.tp * step.pp)
         send = activation_bytes / step.tp / (pp_link * 1e9) + device.send_latency_us * 1e-6
         per_microbatch_time = (compute + tensor_parallel) / microbatches
         bubble = fill_and_drain(shares, step.virtual_stages) * per_microbatch_time * accumulation

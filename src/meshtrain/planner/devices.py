@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -47,13 +47,15 @@ class DeviceProfile:
     # waiting on memory and the framework), the fp32 rate measured per size class:
     # (width, tokens, TFLOP/s), width being a rank's matmul width (`cost.matmul_width`) and
     # tokens those of one forward (a microbatch); interpolated in log2 of both, held
-    # beyond the points measured. Empty: `tflops_fp32` at every size.
+    # beyond the points measured. Empty: `tflops_fp32` at every size. Measured on the
+    # device's own path: the layers as torch runs them, no model converter.
     tflops_fp32_by_shape: tuple[tuple[float, float, float], ...] = ()
-    # The same table with the Linear layers on the BLAS's `torch.mm`, where a faster
-    # library is the default and a run may not use it (x86-64 CPUs not made by Intel:
-    # oneDNN by default, the BLAS under `training.cpu_matmul: blas` and under tensor
-    # parallelism, `models/cpu_linear.py`). Empty: `tflops_fp32_by_shape` either way.
-    blas_tflops_fp32_by_shape: tuple[tuple[float, float, float], ...] = ()
+    # The same kind of table per model converter that changes the rate of the layers it
+    # runs (`models/converters.py`), by the converter's name: a run through one is timed
+    # on its table. A converter without one here: `tflops_fp32_by_shape`.
+    converter_tflops_fp32_by_shape: dict[str, tuple[tuple[float, float, float], ...]] = field(
+        default_factory=dict, hash=False
+    )
     # The published dense peak per device (TFLOP/s), the base of the model FLOPs
     # utilisation (MFU) a run logs; 0: unknown, no MFU. fp32 is TF32 on the GPUs.
     peak_tflops_fp32: float = 0.0
@@ -77,14 +79,15 @@ class DeviceProfile:
         width: float | None = None,
         tokens: float | None = None,
         *,
-        blas: bool = False,
+        converters: tuple[str, ...] = (),
     ) -> float:
         """The sustained rate; fp32 at a rank's matmul `width` and `tokens` per forward from
-        `tflops_fp32_by_shape` where measured (`blas`: the Linear layers on torch.mm, from
-        `blas_tflops_fp32_by_shape` where the profile has it)."""
+        the table of the first of the run's `converters` the profile measured, else from
+        `tflops_fp32_by_shape`, where measured (converters change what the cores run)."""
         if bf16:
             return self.tflops_bf16
-        table = (blas and self.blas_tflops_fp32_by_shape) or self.tflops_fp32_by_shape
+        tables = self.converter_tflops_fp32_by_shape
+        table = next((tables[c] for c in converters if tables.get(c)), self.tflops_fp32_by_shape)
         if width is None or tokens is None or not table:
             return self.tflops_fp32
         by_width: dict[float, list[tuple[float, float]]] = {}
@@ -127,27 +130,15 @@ BUILTIN_PROFILES: dict[str, DeviceProfile] = {
             # Effective rate of forward + backward on one core while the other trains too,
             # elementwise work and framework overhead included, per matmul width (hidden
             # size) and tokens per forward: small matmuls leave the core waiting on memory
-            # and the framework (bench/planner_validation.py --calibrate, the mean of two
-            # invocations; the default model is width 128). Measured with the Linear
-            # layers on oneDNN, where `training.cpu_matmul: auto` puts them on these AMD
-            # cores (torch.mm's rates are the next table).
+            # and the framework (bench/planner_validation.py --calibrate; the default model
+            # is width 128). The flat rate is the 128-wide one through the oneDNN converter.
             tflops_fp32=0.060,
+            # The Linear layers on torch.mm (MKL's generic path on these AMD cores), as runs
+            # without the converter (`training.cpu_matmul: blas`, tensor-parallel layouts)
+            # run them: the converter's table below times the torch.mm / oneDNN ratio
+            # --calibrate measured side by side (0.61-0.71 by shape; the machine's own
+            # speed moves 20-40% between invocations, the ratio much less).
             tflops_fp32_by_shape=(
-                (128, 256, 0.048),
-                (128, 1024, 0.060),
-                (256, 256, 0.077),
-                (256, 1024, 0.074),
-                (512, 256, 0.107),
-                (512, 1024, 0.116),
-                (768, 512, 0.114),
-                (768, 1024, 0.127),
-            ),
-            # With the Linear layers on torch.mm (MKL's generic path on these AMD cores), as
-            # `cpu_matmul: blas` and tensor-parallel layouts run them: the table above times
-            # the torch.mm / oneDNN ratio --calibrate measured side by side (0.61-0.71 by
-            # shape; the machine's own speed moves 20-40% between invocations, the ratio
-            # much less).
-            blas_tflops_fp32_by_shape=(
                 (128, 256, 0.031),
                 (128, 1024, 0.038),
                 (256, 256, 0.054),
@@ -157,6 +148,21 @@ BUILTIN_PROFILES: dict[str, DeviceProfile] = {
                 (768, 512, 0.070),
                 (768, 1024, 0.078),
             ),
+            # With the Linear layers on oneDNN (`models/cpu_linear.py`), where
+            # `training.cpu_matmul: auto` puts them on these AMD cores: the mean of two
+            # invocations.
+            converter_tflops_fp32_by_shape={
+                "onednn_linear": (
+                    (128, 256, 0.048),
+                    (128, 1024, 0.060),
+                    (256, 256, 0.077),
+                    (256, 1024, 0.074),
+                    (512, 256, 0.107),
+                    (512, 1024, 0.116),
+                    (768, 512, 0.114),
+                    (768, 1024, 0.127),
+                ),
+            },
             # No bf16 matmul units on these cores: autocast measured ~10x slower than fp32.
             tflops_bf16=0.003,
             # One core's fp32 GEMM rate, the faster library's (bench/machine_limit.py, 2x1:
@@ -258,10 +264,16 @@ OPTIONAL_FIELDS = {
     "peak_tflops_fp32",
     "peak_tflops_bf16",
     "p2p_latency_us",
-    "blas_tflops_fp32_by_shape",
+    "converter_tflops_fp32_by_shape",
 }
-# The fields given as lists of [width, tokens, TFLOP/s] rows.
-SHAPE_TABLES = ("tflops_fp32_by_shape", "blas_tflops_fp32_by_shape")
+# Keys of older releases, and what replaced them.
+RENAMED_FIELDS = {
+    "blas_tflops_fp32_by_shape": (
+        "the Linear layers' torch.mm rates are now the device's own `tflops_fp32_by_shape`, "
+        "and the oneDNN ones `converter_tflops_fp32_by_shape: {onednn_linear: [[width, "
+        "tokens, TFLOP/s], ...]}`"
+    ),
+}
 
 
 def device_profile(name: str, overrides: dict[str, dict[str, Any]] | None = None) -> DeviceProfile:
@@ -269,13 +281,19 @@ def device_profile(name: str, overrides: dict[str, dict[str, Any]] | None = None
     overrides = overrides or {}
     fields = {f.name for f in dataclasses.fields(DeviceProfile)}
     for profile_name, values in overrides.items():
+        renamed = sorted(set(values) & set(RENAMED_FIELDS))
+        if renamed:
+            raise ValueError(
+                f"planner.device_profiles.{profile_name}.{renamed[0]} is no longer read: "
+                f"{RENAMED_FIELDS[renamed[0]]}"
+            )
         unknown = sorted(set(values) - fields)
         if unknown:
             raise ValueError(
                 f"planner.device_profiles.{profile_name}.{unknown[0]} is not a profile field; "
                 f"known: {', '.join(sorted(fields - {'name'}))}."
             )
-    overrides = {key: _tuples(values) for key, values in overrides.items()}
+    overrides = {key: _tuples(key, values) for key, values in overrides.items()}
     if name in BUILTIN_PROFILES:
         return dataclasses.replace(BUILTIN_PROFILES[name], **overrides.get(name, {}))
     if name in overrides:
@@ -292,12 +310,28 @@ def device_profile(name: str, overrides: dict[str, dict[str, Any]] | None = None
     )
 
 
-def _tuples(values: dict[str, Any]) -> dict[str, Any]:
-    """YAML gives the SHAPE_TABLES as lists of [width, tokens, TFLOP/s] lists."""
-    tables = {key: values[key] for key in SHAPE_TABLES if values.get(key) is not None}
-    return values | {
-        key: tuple(tuple(map(float, row)) for row in table) for key, table in tables.items()
-    }
+def _tuples(profile: str, values: dict[str, Any]) -> dict[str, Any]:
+    """YAML gives the rate tables as lists of [width, tokens, TFLOP/s] lists (the
+    converters' as a mapping of converter name to such a list)."""
+    found = dict(values)
+    if found.get("tflops_fp32_by_shape") is not None:
+        found["tflops_fp32_by_shape"] = _rows(found["tflops_fp32_by_shape"])
+    by_converter = found.get("converter_tflops_fp32_by_shape")
+    if by_converter is not None:
+        if not isinstance(by_converter, dict):
+            raise ValueError(
+                f"planner.device_profiles.{profile}.converter_tflops_fp32_by_shape maps a "
+                "converter's name to its [[width, tokens, TFLOP/s], ...] rows; got "
+                f"{type(by_converter).__name__}."
+            )
+        found["converter_tflops_fp32_by_shape"] = {
+            str(converter): _rows(rows) for converter, rows in by_converter.items()
+        }
+    return found
+
+
+def _rows(table: Any) -> tuple[tuple[float, float, float], ...]:
+    return tuple(tuple(map(float, row)) for row in table)
 
 
 def resolve_device(name: str, overrides: dict[str, dict[str, Any]], cuda: bool) -> DeviceProfile:

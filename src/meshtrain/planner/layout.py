@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from dataclasses import dataclass
 
-import torch
 from transformers import PretrainedConfig
 
 from meshtrain.config import AUTO, Layout, RunConfig
-from meshtrain.models.cpu_linear import cpu_matmul_choice
+from meshtrain.models.converters import converter_names
 from meshtrain.planner.checks import (
     check_activation_checkpointing,
     check_batch_vs_data,
@@ -34,31 +34,29 @@ from meshtrain.planner.memory import ModelShape, StepShape, estimate_memory, gat
 from meshtrain.planner.types import LayoutError, Plan
 
 
-def plan_one_layout(
-    run: RunConfig,
-    model_config: PretrainedConfig,
-    *,
-    num_train_blocks: int,
-    num_validation_blocks: int,
-    tokenizer_size: int | None,
-    cuda: bool,
-    cuda_devices: int,
-    device: DeviceProfile,
-    shapes: dict[str, tuple[int, ...]],
-) -> Plan:
+@dataclass(frozen=True)
+class PlanContext:
+    """What every layout of one planner run is weighed against (the model, the data, the
+    machine): built once by `plan_run` and handed down whole, so that a new fact about
+    the run is added here rather than threaded through each function as a keyword."""
+
+    model_config: PretrainedConfig
+    shapes: dict[str, tuple[int, ...]]  # every parameter's shape (`llama_family_shapes`)
+    num_train_blocks: int
+    num_validation_blocks: int
+    tokenizer_size: int | None
+    cuda: bool
+    cuda_devices: int
+    device: DeviceProfile
+
+
+def plan_one_layout(run: RunConfig, context: PlanContext) -> Plan:
     """Validate one layout (only dp may be `auto`) and estimate its memory and step time."""
-    layout, backend, notes = resolve_layout(
-        run,
-        model_config,
-        num_train_blocks=num_train_blocks,
-        num_validation_blocks=num_validation_blocks,
-        tokenizer_size=tokenizer_size,
-        cuda=cuda,
-        cuda_devices=cuda_devices,
-    )
+    layout, backend, notes = resolve_layout(run, context)
+    model_config, shapes, device = context.model_config, context.shapes, context.device
     train, block_size = run.training, run.data.block_size
     shape = ModelShape.from_config(model_config)
-    step = _step_shape(run, layout, model_config.num_hidden_layers, device, cuda=cuda)
+    step = _step_shape(run, layout, context)
     memory = dataclasses.replace(estimate_memory(shapes, shape, step), runtime=device.runtime_bytes)
     time_estimate = estimate_step_time(
         shape,
@@ -86,8 +84,8 @@ def plan_one_layout(
         num_parameters=sum(math.prod(s) for s in shapes.values()),
         memory_estimate_per_rank=memory.to_dict(),
         model_config=model_config.to_dict(),
-        num_train_blocks=num_train_blocks,
-        num_validation_blocks=num_validation_blocks,
+        num_train_blocks=context.num_train_blocks,
+        num_validation_blocks=context.num_validation_blocks,
         notes=notes,
         device=device.name,
         per_device_train_batch_size=train.per_device_train_batch_size,
@@ -101,17 +99,9 @@ def plan_one_layout(
     )
 
 
-def resolve_layout(
-    run: RunConfig,
-    model_config: PretrainedConfig,
-    *,
-    num_train_blocks: int,
-    num_validation_blocks: int,
-    tokenizer_size: int | None,
-    cuda: bool,
-    cuda_devices: int,
-) -> tuple[Layout, str, list[str]]:
+def resolve_layout(run: RunConfig, context: PlanContext) -> tuple[Layout, str, list[str]]:
     """The layout, its backend and the notes; every check runs, then all refusals are raised."""
+    model_config = context.model_config
     par, train, launch = run.parallel, run.training, run.launch
     world = launch.world_size
     tp = 1 if par.tensor_parallel_size == AUTO else par.tensor_parallel_size
@@ -132,12 +122,15 @@ def resolve_layout(
     notes += found_notes
     refusals += check_activation_checkpointing(par.activation_checkpointing)
     found, found_notes = check_batch_vs_data(
-        train, dp, num_train_blocks=num_train_blocks, num_validation_blocks=num_validation_blocks
+        train,
+        dp,
+        num_train_blocks=context.num_train_blocks,
+        num_validation_blocks=context.num_validation_blocks,
     )
     refusals += found
     notes += found_notes
-    refusals += check_model_vs_data(run.data, model_config, tokenizer_size)
-    backend, found = resolve_backend(launch, cuda, cuda_devices)
+    refusals += check_model_vs_data(run.data, model_config, context.tokenizer_size)
+    backend, found = resolve_backend(launch, context.cuda, context.cuda_devices)
     refusals += found
     if refusals:
         raise LayoutError(refusals)
@@ -159,9 +152,7 @@ def resolve_layout(
     return layout, backend, notes
 
 
-def _step_shape(
-    run: RunConfig, layout: Layout, layers: int, device: DeviceProfile, *, cuda: bool
-) -> StepShape:
+def _step_shape(run: RunConfig, layout: Layout, context: PlanContext) -> StepShape:
     """What one rank runs per step under `layout`, as the memory and time models read it."""
     pp, microbatches = layout.pipeline_parallel_size, layout.pipeline_parallel_num_microbatches
     return StepShape(
@@ -176,22 +167,19 @@ def _step_shape(
         microbatches=microbatches,
         schedule=layout.pipeline_schedule if pp > 1 else "none",
         virtual_stages=layout.pipeline_parallel_virtual_stages,
-        stage_layers=tuple(layout.pipeline_parallel_layers or [layers]),
+        stage_layers=tuple(
+            layout.pipeline_parallel_layers or [context.model_config.num_hidden_layers]
+        ),
         seq_len=run.data.block_size,
         bf16=run.training.mixed_precision in ("bf16", "bf16_master"),
         master_weights=run.training.mixed_precision == "bf16_master",
         grad_reduce_bf16=run.training.grad_reduce_dtype == "bf16",
-        offload_effective=layout.activation_offloading and device.name != "cpu",
+        offload_effective=layout.activation_offloading and context.device.name != "cpu",
         sharded=layout.sharded_data_parallel_degree,
-        blas_matmuls=_linears_on_blas(run, layout, cuda),
+        # The profile times the layers a converter runs on that converter's table.
+        converters=converter_names(
+            run.training,
+            "cuda" if context.cuda else "cpu",
+            tensor_parallel=layout.tensor_parallel_size > 1,
+        ),
     )
-
-
-def _linears_on_blas(run: RunConfig, layout: Layout, cuda: bool) -> bool:
-    """Whether a CPU run's Linear layers will run torch.mm rather than oneDNN, as the
-    trainer decides it (`cpu_matmul_choice`, on this host's CPU; no choice on a GPU);
-    the time model then reads the profile's BLAS rates."""
-    device = torch.device("cuda" if cuda else "cpu")
-    tensor_parallel = layout.tensor_parallel_size > 1
-    choice = cpu_matmul_choice(run.training.cpu_matmul, device, tensor_parallel=tensor_parallel)
-    return choice == "blas"

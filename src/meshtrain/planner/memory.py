@@ -193,7 +193,7 @@ class StepShape:
     master_weights: bool = False  # bf16 parameters and activations, fp32 master in AdamW
     grad_reduce_bf16: bool = False  # bf16 gradients (only with master_weights)
     sharded: int = 1  # sharded data parallel degree N (1: off; dp: full; else hybrid)
-    blas_matmuls: bool = False  # CPU Linear layers on torch.mm, not oneDNN (cpu_linear.py)
+    converters: tuple[str, ...] = ()  # the run's model converters (`models/converters.py`)
 
     @property
     def parameter_bytes(self) -> int:
@@ -322,9 +322,7 @@ def gathered_bytes(step: StepShape, *, local: int, layer: int, layers: int) -> i
     step. Under pp the stage keeps its parameters gathered and accumulates unsharded
     gradients until the last microbatch of the schedule step, whose backward reduces
     group after group: the first one copies its gradients into a flat reduce-scatter
-    buffer while every other group is still gathered."""
-    if step.sharded <= 1:
-        return 0
+    buffer while every other group is still gathered. (Only under sharding, N > 1.)"""
     per_element = step.parameter_bytes + step.gradient_bytes
     root = local - layers * layer
     if step.pp > 1:
@@ -394,7 +392,7 @@ def layer_activation_elements(m: ModelShape, step: StepShape) -> tuple[float, fl
     """
     t = step.tp
     h, i, a = m.hidden, m.intermediate, m.heads
-    kv = max(m.kv_heads // t, 1) * m.head_dim if t > 1 else m.kv_heads * m.head_dim
+    kv = max(m.kv_heads // t, 1) * m.head_dim  # under tp at least one (replicated) head
     q_and_out = 2 * h / t  # q after rotary, attention output (= o_proj input)
     mlp = 4 * i / t  # gate, up, SiLU(gate), their product
     per_head = a / t  # log-sum-exp
@@ -410,14 +408,11 @@ def layer_activation_elements(m: ModelShape, step: StepShape) -> tuple[float, fl
         if step.sequence_parallel:
             return h / t, core + 2 * h + 2 * h / t
         return h, core + 2 * h
-    if t == 1:
-        # fp32: input, normed input, residual, normed residual; matmul side: the two norm
-        # outputs as the matmuls keep them, q, attention output, k, v, the MLP.
-        return 4 * h, 2 * h + q_and_out + 2 * kv + mlp + per_head
-    if step.sequence_parallel:
-        # The same four sequence-sharded; the two all-gathered norm outputs whole.
-        return 4 * h / t, 2 * h + q_and_out + 2 * kv + mlp + per_head
-    return 4 * h, 2 * h + q_and_out + 2 * kv + mlp + per_head
+    # fp32: input, normed input, residual, normed residual (sequence-sharded under SP,
+    # which needs tp > 1); matmul side: the two norm outputs as the matmuls keep them
+    # (whole: all-gathered under SP), q, attention output, k, v, the MLP.
+    kept = 4 * h / t if step.sequence_parallel else 4 * h
+    return kept, 2 * h + q_and_out + 2 * kv + mlp + per_head
 
 
 def estimate_memory(
@@ -453,8 +448,10 @@ def estimate_memory(
 def in_flight_microbatches(step: StepShape, rank: int) -> int:
     """Model chunks x microbatches whose activations a pipeline rank holds at once."""
     m, p = step.microbatches, step.pp
-    if p == 1 or step.schedule == "gpipe":
-        return m * step.virtual_stages if p > 1 else 1
+    if p == 1:
+        return 1
+    if step.schedule == "gpipe":  # one model chunk per rank: virtual stages interleave only
+        return m
     if step.schedule == "interleaved_1f1b":
         warmup = (step.virtual_stages - 1) * p + 2 * (p - 1 - rank)
         return min(m * step.virtual_stages, warmup + 1)
@@ -501,11 +498,7 @@ def _activations_on_rank(
         per_microbatch += tokens * h / shard * stream
     if holds_last:
         # Final norm: its input and normed input (sharded under SP), its output whole.
-        norm_bytes = (
-            (2 * kept_bytes * h / shard + stream * h)
-            if step.master_weights
-            else ((2 * h / shard + h) * BYTES_FP32)
-        )
+        norm_bytes = 2 * kept_bytes * h / shard + stream * h
         per_microbatch += tokens * norm_bytes / chunks
     activations = int(per_microbatch * in_flight_microbatches(step, rank))
 
@@ -526,16 +519,13 @@ def _activations_on_rank(
 
 
 def _last_stage_in_flight(step: StepShape) -> int:
-    last_rank = (len(step.stage_layers) - 1) % step.pp
-    if step.pp == 1:
+    """Microbatches whose logits the last stage's rank holds at once."""
+    if step.pp == 1 or step.schedule == "1f1b":
         return 1
     if step.schedule == "gpipe":
         return step.microbatches
-    return (
-        1
-        if step.schedule == "1f1b"
-        else in_flight_microbatches(step, last_rank) // max(1, step.virtual_stages)
-    )
+    last_rank = (len(step.stage_layers) - 1) % step.pp
+    return in_flight_microbatches(step, last_rank) // step.virtual_stages
 
 
 def _backward_working_set(m: ModelShape, step: StepShape, tokens: int) -> int:

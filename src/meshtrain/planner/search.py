@@ -25,7 +25,7 @@ from meshtrain.planner.checks import (
 )
 from meshtrain.planner.devices import GIB, DeviceProfile, resolve_device
 from meshtrain.planner.explain import TIE, candidates, sharding_note, speed
-from meshtrain.planner.layout import plan_one_layout
+from meshtrain.planner.layout import PlanContext, plan_one_layout
 from meshtrain.planner.types import LayoutError, Plan, Refusal, divisors
 
 # Less recomputation first, among layouts as fast.
@@ -54,8 +54,7 @@ def plan_run(
     cuda = torch.cuda.is_available() if cuda_available is None else cuda_available
     device = resolve_device(run.planner.device, run.planner.device_profiles, cuda)
     budget = device.memory_bytes * (1 - run.planner.memory_margin)
-    plan = functools.partial(
-        plan_one_layout,
+    context = PlanContext(
         model_config=model_config,
         shapes=llama_family_shapes(model_config),
         num_train_blocks=num_train_blocks,
@@ -65,6 +64,7 @@ def plan_run(
         cuda_devices=torch.cuda.device_count() if cuda else 0,
         device=device,
     )
+    plan = functools.partial(plan_one_layout, context=context)
     plan = functools.partial(_zero_1_where_needed, plan, budget=budget)
     variants = _search_space(run, model_config)
     if len(variants) == 1:
