@@ -1,12 +1,21 @@
-"""What the training benchmarks share: learnable token blocks, a planned worker spec for
-one side, and running that side in its own spawned group.
+"""What the training benchmarks share: token blocks, a planned worker spec for one side,
+running that side in its own spawned group, and the real `Trainer` driven step by step
+inside a rank (timed, or under `torch.profiler`).
 
-Imported by the scripts beside it (`python bench/<script>.py` puts this folder on the
-path); not a benchmark itself.
+Every meshtrain side is `meshtrain.trainer.Trainer`, built from the spec `kedro run`
+would make; nothing here copies its set-up or its step. Imported by the scripts beside
+it (`python bench/<script>.py` puts this folder on the path); not a benchmark itself.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +24,7 @@ from meshtrain.offline import use_offline_defaults
 use_offline_defaults()
 
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 from shapes import hf_fields  # noqa: E402  (bench/shapes.py)
 
 from meshtrain.config import LaunchConfig, RunConfig  # noqa: E402
@@ -24,27 +34,35 @@ from meshtrain.launch.job import make_worker_spec  # noqa: E402
 from meshtrain.launch.worker import worker_main_sequence  # noqa: E402
 from meshtrain.models import build_model_config  # noqa: E402
 from meshtrain.planner import Plan, plan_run  # noqa: E402
-from meshtrain.trainer import WorkerSpec  # noqa: E402
+from meshtrain.trainer import Trainer, WorkerSpec  # noqa: E402
 
 # The 27M-parameter Llama of the speed issue (#19).
 SHAPE_27M = hf_fields("27m")
 MIB = 2**20
+# The ranges the real step carries (models/parallel_model.py, trainer.py,
+# distributed/param_gather.py); `gather` runs inside `forward` (its waits are hooks).
+RANGES = ("forward", "backward", "pipeline", "reduce", "optimizer", "gather")
 
 
-def learnable_blocks(out: Path, count: int, vocab: int, block: int, validation: int = 4):
-    """`count` blocks of arithmetic sequences mod the vocabulary (so losses move), the
-    last `validation` of them the validation split; saved and memory-mapped back."""
+def token_blocks(out: Path, count: int, vocab: int, block: int, *, learnable: bool = True):
+    """`count` blocks saved with `datasets` and memory-mapped back, the last 4 the
+    validation split: arithmetic sequences mod the vocabulary (so losses move), or
+    uniform random tokens (`learnable=False`, the throughput benches')."""
     import datasets  # noqa: PLC0415
 
     datasets.disable_progress_bars()
     generator = torch.Generator().manual_seed(0)
-    start = torch.randint(0, vocab, (count, 1), generator=generator)
-    stride = torch.randint(1, 8, (count, 1), generator=generator)
-    ids = ((start + stride * torch.arange(block)) % vocab).int()
+    if learnable:
+        start = torch.randint(0, vocab, (count, 1), generator=generator)
+        stride = torch.randint(1, 8, (count, 1), generator=generator)
+        ids = ((start + stride * torch.arange(block)) % vocab).int()
+    else:
+        ids = torch.randint(0, vocab, (count, block), generator=generator).int()
+    features = datasets.Features({"input_ids": datasets.List(datasets.Value("int32"), block)})
     blocks = datasets.DatasetDict(
         {
-            "train": datasets.Dataset.from_dict({"input_ids": ids[:-validation].tolist()}),
-            "validation": datasets.Dataset.from_dict({"input_ids": ids[-validation:].tolist()}),
+            name: datasets.Dataset.from_dict({"input_ids": part.numpy()}, features=features)
+            for name, part in (("train", ids[:-4]), ("validation", ids[-4:]))
         }
     )
     blocks.save_to_disk(str(out))
@@ -62,9 +80,11 @@ def planned_side(
     shape: dict[str, Any],
     vocab: int,
     block: int,
+    init_from: str | None = None,
+    cuda: bool = False,
 ) -> tuple[WorkerSpec, Plan]:
     """The worker spec and plan of one side, as `kedro run` would make them (no
-    validation, no checkpoint but the last)."""
+    validation, no checkpoint but the last unless `training` says otherwise)."""
     run = RunConfig.from_params(
         parallel=parallel,
         training={
@@ -78,11 +98,11 @@ def planned_side(
             "run_name": name,
         },
         launch={"nproc_per_node": world},
-        model={"architecture": "llama", "config": shape},
-        data={"block_size": block},
+        model={"architecture": "llama", "config": shape, "init_from": init_from},
+        data={"block_size": block, "vocab_size": vocab},
     )
-    config = build_model_config("llama", shape, vocab_size=vocab)
-    plan = plan_on_blocks(run, config, blocks)
+    config = build_model_config("llama", shape, vocab_size=vocab, init_from=init_from)
+    plan = plan_on_blocks(run, config, blocks, cuda=cuda)
     spec = make_worker_spec(
         run, plan, train_files=arrow_files(blocks["train"]), validation_files=[], tokenizer_dir=None
     )
@@ -101,7 +121,8 @@ def plan_on_blocks(run: RunConfig, config: Any, blocks: Any, cuda: bool = False)
 
 
 def run_side(spec: WorkerSpec, world: int, root: Path, name: str) -> dict[str, Any]:
-    """Train one side in its own group of `world` spawned ranks; rank 0's summary."""
+    """Train one side with meshtrain's own worker in its own group of `world` spawned
+    ranks; rank 0's summary."""
     print(f"== {name}", flush=True)
     (summary,) = run_workers(
         worker_main_sequence,
@@ -111,6 +132,90 @@ def run_side(spec: WorkerSpec, world: int, root: Path, name: str) -> dict[str, A
         run_id=name,
     )[0]
     return summary
+
+
+@contextlib.contextmanager
+def trainer_group(spec: WorkerSpec, threads: int | None = None) -> Iterator[None]:
+    """Join the process group as meshtrain's worker does (its device, its share of the
+    cores unless `threads` says otherwise), and leave it."""
+    plan = Plan.from_dict(spec.plan)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if plan.backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    else:
+        torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // local_world))
+    timeout = RunConfig.from_dict(spec.run).launch.collective_timeout_s
+    dist.init_process_group(plan.backend, timeout=timedelta(seconds=timeout))
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def step_and_log(trainer: Trainer, step: int) -> None:
+    """One step of the real Trainer with its logging (the loss sync), as `train` runs it."""
+    outcome = trainer.train_step(step)
+    done = step + 1
+    if done % trainer.cfg.log_every == 0 or done == trainer.cfg.max_steps:
+        trainer.log_step(done, outcome)
+
+
+def timed_run(trainer: Trainer) -> tuple[list[float], dict[str, Any] | None]:
+    """All the Trainer's steps, noting the wall clock at the start of each (and after the
+    last); rank 0's summary as `train` would return it (no validation, no checkpoint)."""
+    trainer.train_start = time.perf_counter()  # what `train` notes for its progress lines
+    starts = []
+    for step in range(trainer.start_step, trainer.cfg.max_steps):
+        starts.append(time.perf_counter())
+        step_and_log(trainer, step)
+    starts.append(time.perf_counter())
+    trainer.optimizer.wait_for_parameters()
+    peaks = trainer.gather_peak_memory()
+    if dist.get_rank() != 0:
+        return starts, None
+    return starts, {**trainer.summary(None, None, starts[-1] - starts[0]), **peaks}
+
+
+def profiled_steps(trainers: dict[str, Trainer], warmup: int, steps: int, block: int = 4):
+    """Each Trainer's steps under `torch.profiler`, the trainers taking turns in blocks of
+    `block` steps (the order alternating), after `warmup` untimed steps each: per
+    trainer, the wall seconds of its profiled steps and the seconds in each range."""
+    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+
+    walls: dict[str, float] = defaultdict(float)
+    ranges: dict[str, dict[str, float]] = {name: defaultdict(float) for name in trainers}
+    for trainer in trainers.values():
+        trainer.train_start = time.perf_counter()
+        for step in range(warmup - 1):
+            step_and_log(trainer, step)
+        with profile(activities=[ProfilerActivity.CPU]):  # the profiler's own start-up
+            step_and_log(trainer, warmup - 1)
+    done = dict.fromkeys(trainers, warmup)
+    for turn in range(-(-steps // block)):
+        order = list(trainers) if turn % 2 == 0 else list(reversed(trainers))
+        for name in order:
+            count = min(block, warmup + steps - done[name])
+            dist.barrier()
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                began = time.perf_counter()
+                for step in range(done[name], done[name] + count):
+                    step_and_log(trainers[name], step)
+                walls[name] += time.perf_counter() - began
+            done[name] += count
+            for event in prof.key_averages():
+                if event.key.startswith("meshtrain."):
+                    ranges[name][event.key.removeprefix("meshtrain.")] += event.cpu_time_total / 1e6
+    for trainer in trainers.values():
+        trainer.optimizer.wait_for_parameters()
+    return dict(walls), {name: dict(seconds) for name, seconds in ranges.items()}
+
+
+def work_root(stack: contextlib.ExitStack, work_dir: Path | None, prefix: str) -> Path:
+    """`--work-dir`, created if missing, or a temporary directory `stack` removes."""
+    if work_dir is None:
+        return Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=prefix)))
+    work_dir.mkdir(parents=True, exist_ok=True)
+    return work_dir
 
 
 def print_side_table(rows: list[tuple[str, dict[str, Any], Plan]]) -> tuple[dict, dict]:

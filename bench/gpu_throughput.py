@@ -49,6 +49,7 @@ from pathlib import Path  # noqa: E402
 import datasets  # noqa: E402
 import throughput  # noqa: E402  (bench/throughput.py: the sides' entry points and timing)
 import torch  # noqa: E402
+from bench_runs import token_blocks, work_root  # noqa: E402  (bench/bench_runs.py)
 from shapes import SHAPE_FIELDS, SHAPES, model_flops_per_token  # noqa: E402
 
 from meshtrain.config import RunConfig  # noqa: E402
@@ -187,10 +188,13 @@ def main() -> None:
     shape = GPU_SHAPES[args.shape]
     bf16 = args.precision == "bf16"
     with contextlib.ExitStack() as stack:
-        root = throughput.work_root(stack, args.work_dir, "mt-gpu-")
-        shaped = argparse.Namespace(**shape)
+        root = work_root(stack, args.work_dir, "mt-gpu-")
         per_run = (args.warmup + args.steps + 3) * shape["batch"] * max(args.worlds)
-        blocks_path = throughput.make_blocks(root, shaped, max(64, 2 * per_run))
+        blocks_path = root / "blocks"
+        token_blocks(
+            blocks_path, max(64, 2 * per_run), shape["vocab"], shape["block"], learnable=False
+        )
+        (root / "runs").mkdir()
         config = build_model_config(
             "llama", throughput.model_fields(shape), vocab_size=shape["vocab"]
         )

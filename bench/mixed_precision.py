@@ -25,10 +25,10 @@ from typing import Any
 
 from bench_runs import (
     SHAPE_27M,
-    learnable_blocks,
     planned_side,
     print_side_table,
     run_side,
+    token_blocks,
 )
 
 VOCAB, BLOCK, WORLD, PER_DEVICE = 4096, 256, 2, 4
@@ -42,9 +42,7 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        blocks = learnable_blocks(
-            root / "blocks", WORLD * PER_DEVICE * args.steps + 8, VOCAB, BLOCK
-        )
+        blocks = token_blocks(root / "blocks", WORLD * PER_DEVICE * args.steps + 8, VOCAB, BLOCK)
         for i, precision in enumerate(args.sides.split(",")):
             name = f"{i}-{precision}"
             spec, plan = planned_side(

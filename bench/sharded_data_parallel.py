@@ -23,7 +23,7 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from bench_runs import SHAPE_27M, learnable_blocks, planned_side, print_side_table, run_side
+from bench_runs import SHAPE_27M, planned_side, print_side_table, run_side, token_blocks
 
 VOCAB, BLOCK = 4096, 256
 SDP = "sharded_data_parallel_degree"
@@ -54,7 +54,7 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        blocks = learnable_blocks(root / "blocks", 8 * args.steps + 8, VOCAB, BLOCK)
+        blocks = token_blocks(root / "blocks", 8 * args.steps + 8, VOCAB, BLOCK)
         for name in args.sides.split(","):
             world, parallel, per_device = SIDES[name]
             spec, plan = planned_side(
