@@ -22,7 +22,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from meshtrain.models.cpu_linear import cpu_matmul_choice
+from meshtrain.config import TrainingConfig
+from meshtrain.models.converters import converter_names
 from tests.conftest import child_processes
 from tests.kedro_project import (
     KEDRO,
@@ -108,9 +109,10 @@ def test_mlflow_run_holds_layout_params_and_metrics(project: Path, default_run):
     assert "eval/val_perplexity" in run.data.metrics
     assert "eval/meshtrain_python_basics/acc" in run.data.metrics
     assert run.data.tags["kedro.env"] == "local"
-    # Where `training.cpu_matmul: auto` put the Linear layers on this machine's CPU.
-    expected = cpu_matmul_choice("auto", torch.device("cpu"))
-    assert run.data.tags["meshtrain.cpu_matmul"] == expected
+    # What changed the model's modules in this run: the converters `training.cpu_matmul:
+    # auto` chose for a dp2 (not tensor-parallel) run on this machine's CPU, or none.
+    expected = converter_names(TrainingConfig(), "cpu", tensor_parallel=False)
+    assert run.data.tags["meshtrain.converters"] == (",".join(expected) or "none")
     assert run.data.tags["meshtrain.trains"] == "true"
     assert run.data.tags["meshtrain.pipelines"] == (
         "data_processing,planning,training,consolidation,evaluation"

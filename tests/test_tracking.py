@@ -93,12 +93,12 @@ def test_runs_are_named_after_the_pipelines_they_ran_unless_they_train():
         "training": {"train_model"},
         "evaluation": {"evaluate"},
     }
-    name, tags = tracking.describe_run({"plan_layout"}, registered, "train_model")
+    name, tags = tracking.describe_run({"plan_layout"}, registered, trains=False)
     assert (name, tags) == (
         "planning",
         {"meshtrain.pipelines": "planning", "meshtrain.trains": "false"},
     )
-    name, tags = tracking.describe_run({"plan_layout", "train_model"}, registered, "train_model")
+    name, tags = tracking.describe_run({"plan_layout", "train_model"}, registered, trains=True)
     assert tags == {"meshtrain.pipelines": "planning,training", "meshtrain.trains": "true"}
 
 

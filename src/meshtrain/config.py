@@ -448,3 +448,7 @@ class RunConfig:
     @classmethod
     def from_dict(cls, values: dict[str, dict[str, Any]]) -> RunConfig:
         return cls.from_params(**values)
+
+
+# The parameter groups a `RunConfig` is made of, in its order.
+RUN_GROUPS = tuple(f.name for f in dataclasses.fields(RunConfig))

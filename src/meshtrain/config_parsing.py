@@ -18,8 +18,9 @@ class Refused(Exception):
     """meshtrain refused an input on purpose; the message names it, why, and what works.
 
     The base of every deliberate refusal (configuration, layout, data, checkpoints,
-    launch), so `kedro run` can end with the message alone (`hooks.show_refusals_plainly`)
-    while unexpected errors keep their tracebacks."""
+    launch), so `kedro run` can end with the message alone
+    (`project.refusals.show_refusals_plainly`) while unexpected errors keep their
+    tracebacks."""
 
 
 class ConfigError(Refused, ValueError):

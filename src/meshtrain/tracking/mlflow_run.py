@@ -110,15 +110,15 @@ def mark_model_training(experiment_id: str) -> None:
 
 
 def describe_run(
-    run_nodes: set[str], registered: dict[str, set[str]], training_node: str
+    run_nodes: set[str], registered: dict[str, set[str]], *, trains: bool
 ) -> tuple[str, dict[str, str]]:
-    """The name and tags of a run of `run_nodes`, given each registered pipeline's nodes.
+    """The name and tags of a run of `run_nodes` (one that `trains`, or not), given each
+    registered pipeline's nodes.
 
     A run that trains starts named after its pipelines and is renamed after its layout by
     `log_plan`; any other run is named after the pipelines it ran (`planning`,
     `consolidation+evaluation`), and tagged with them either way."""
     ran = [name for name, nodes in registered.items() if nodes & run_nodes]
-    trains = training_node in run_nodes
     name = "+".join(ran) if ran else "no pipeline"
     return name, {"meshtrain.pipelines": ",".join(ran), TRAINS_TAG: str(trains).lower()}
 

@@ -17,12 +17,10 @@ def evaluate(
     consolidation_summary: dict[str, Any],
     packed_blocks: datasets.DatasetDict,
     training_summary: dict[str, Any],
-    plan: dict[str, Any],
-    training: dict[str, Any],
     evaluation: dict[str, Any],
 ) -> dict[str, Any]:
-    """Args: where the model is, the blocks, the training summary, the plan (where it
-    trained), `params:training` (in what precision), `params:evaluation`.
+    """Args: where the model is, the blocks, the training summary (also where and in what
+    precision it trained), `params:evaluation`.
 
     Returns: `metrics.json`: validation loss and perplexity before and after training,
     the throughput of the run, the samples and the lm-evaluation-harness scores.
@@ -33,8 +31,8 @@ def evaluate(
         consolidation_summary["output_dir"],
         packed_blocks["validation"],
         cfg,
-        backend=plan.get("backend"),
-        mixed_precision=(training or {}).get("mixed_precision"),
+        backend=training_summary.get("backend"),
+        mixed_precision=training_summary.get("mixed_precision"),
     )
     scores = run_lm_eval(
         model,

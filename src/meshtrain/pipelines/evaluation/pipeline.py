@@ -3,6 +3,7 @@
 from kedro.pipeline import Pipeline, node
 
 from meshtrain.pipelines.evaluation.nodes import evaluate
+from meshtrain.pipelines.run_config import EVALUATES
 
 
 def create_pipeline(**kwargs) -> Pipeline:
@@ -14,12 +15,11 @@ def create_pipeline(**kwargs) -> Pipeline:
                     "consolidation_summary",
                     "packed_blocks",
                     "training_summary",
-                    "plan",
-                    "params:training",
                     "params:evaluation",
                 ],
                 "metrics",
                 name="evaluate",
+                tags=[EVALUATES],
             )
         ]
     )

@@ -6,28 +6,20 @@ from typing import Any
 
 import datasets
 
-from meshtrain.config import RunConfig
+from meshtrain.pipelines.run_config import run_config
 from meshtrain.planner.resolve import plan_for_run
 from meshtrain.tracking import mlflow_run as tracking
 
 
 def plan_layout(
-    tokenizer: Any,
-    packed_blocks: datasets.DatasetDict,
-    parallel: dict[str, Any],
-    training: dict[str, Any],
-    launch: dict[str, Any],
-    model: dict[str, Any],
-    data: dict[str, Any],
-    planner: dict[str, Any],
+    tokenizer: Any, packed_blocks: datasets.DatasetDict, **parameters: dict[str, Any]
 ) -> dict[str, Any]:
-    """Args: tokenizer, blocks and the parameter groups. Returns: `plan.json`'s content.
+    """Args: tokenizer, blocks and the run's parameter groups (`params:parallel`, ...).
 
+    Returns: `plan.json`'s content, with the hash of what it was made from.
     Raises `LayoutError` naming each refused parameter and a value that works.
     """
-    run = RunConfig.from_params(
-        parallel=parallel, training=training, launch=launch, model=model, data=data, planner=planner
-    )
+    run = run_config(parameters)
     plan = plan_for_run(
         run,
         tokenizer,

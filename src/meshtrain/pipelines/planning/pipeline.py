@@ -3,6 +3,7 @@
 from kedro.pipeline import Pipeline, node
 
 from meshtrain.pipelines.planning.nodes import plan_layout
+from meshtrain.pipelines.run_config import with_run_parameters
 
 
 def create_pipeline(**kwargs) -> Pipeline:
@@ -10,16 +11,7 @@ def create_pipeline(**kwargs) -> Pipeline:
         [
             node(
                 plan_layout,
-                [
-                    "tokenizer",
-                    "packed_blocks",
-                    "params:parallel",
-                    "params:training",
-                    "params:launch",
-                    "params:model",
-                    "params:data",
-                    "params:planner",
-                ],
+                with_run_parameters(tokenizer="tokenizer", packed_blocks="packed_blocks"),
                 "plan",
                 name="plan_layout",
             )

@@ -11,12 +11,12 @@ from typing import Any
 
 import datasets
 
-from meshtrain.config import RunConfig
 from meshtrain.data.blocks import arrow_files
 from meshtrain.launch.backends import check_backend_available
 from meshtrain.launch.job import run_training
+from meshtrain.pipelines.run_config import run_config
 from meshtrain.planner import Plan
-from meshtrain.planner.resolve import check_plan_is_current, plan_for_run
+from meshtrain.planner.resolve import check_plan_matches, plan_inputs_hash
 from meshtrain.tracking import mlflow_run as tracking
 
 
@@ -24,25 +24,23 @@ def train_model(
     plan: dict[str, Any],
     packed_blocks: datasets.DatasetDict,
     tokenizer: Any,
-    parallel: dict[str, Any],
-    training: dict[str, Any],
-    launch: dict[str, Any],
-    model: dict[str, Any],
-    data: dict[str, Any],
-    planner: dict[str, Any],
+    **parameters: dict[str, Any],
 ) -> dict[str, Any]:
-    """Args: the plan, blocks, tokenizer and parameters. Returns: the training summary."""
-    run = RunConfig.from_params(
-        parallel=parallel, training=training, launch=launch, model=model, data=data, planner=planner
-    )
+    """Args: the plan, blocks, tokenizer and the run's parameter groups (`params:parallel`,
+    ...). Returns: the training summary.
+
+    Refuses a plan.json made from other parameters or data (its hash differs), before
+    any worker starts; the planner does not run again here.
+    """
+    run = run_config(parameters)
     resolved = Plan.from_dict(plan)
-    replanned = plan_for_run(
+    current = plan_inputs_hash(
         run,
         tokenizer,
         num_train_blocks=len(packed_blocks["train"]),
         num_validation_blocks=len(packed_blocks["validation"]),
     )
-    check_plan_is_current(resolved, replanned)
+    check_plan_matches(resolved, current)
     check_backend_available(resolved.backend)  # e.g. neuron without the AWS packages
     node0 = run.launch.node_rank == 0
     if node0:
@@ -57,8 +55,8 @@ def train_model(
         tracking=tracking.active_target() if node0 else None,
     )
     if node0:
-        if summary.get("cpu_matmul"):  # what training.cpu_matmul resolved to
-            tracking.set_tag("meshtrain.cpu_matmul", summary["cpu_matmul"])
+        # What changed the model's modules in this run (e.g. onednn_linear), or none.
+        tracking.set_tag("meshtrain.converters", ",".join(summary.get("converters", [])) or "none")
         tracking.log_loss_curve()
         tracking.log_memory_report(plan, summary)
     return summary

@@ -2,6 +2,7 @@
 
 from kedro.pipeline import Pipeline, node
 
+from meshtrain.pipelines.run_config import TRAINS, with_run_parameters
 from meshtrain.pipelines.training.nodes import train_model
 
 
@@ -10,19 +11,12 @@ def create_pipeline(**kwargs) -> Pipeline:
         [
             node(
                 train_model,
-                [
-                    "plan",
-                    "packed_blocks",
-                    "tokenizer",
-                    "params:parallel",
-                    "params:training",
-                    "params:launch",
-                    "params:model",
-                    "params:data",
-                    "params:planner",
-                ],
+                with_run_parameters(
+                    plan="plan", packed_blocks="packed_blocks", tokenizer="tokenizer"
+                ),
                 "training_summary",
                 name="train_model",
+                tags=[TRAINS],
             )
         ]
     )

@@ -1,0 +1,196 @@
+"""One MLflow run per `kedro run`, opened before the first node and closed after the last.
+
+The nodes (and rank 0 of the training workers, through the run id) log into it;
+where it goes is `project.tracking_server`'s choice. MLflow's system metrics
+(CPU, memory, and GPU where one is visible) are sampled from this process while
+the run is open (`log_system_metrics`). The hook knows the nodes by their tags
+(`pipelines.run_config.TRAINS`, `EVALUATES`) and the data by dataset name.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import mlflow
+from kedro.config import OmegaConfigLoader
+from kedro.framework.hooks import hook_impl
+
+from meshtrain.pipelines.run_config import EVALUATES, TRAINS
+from meshtrain.project.refusals import refusal_in, show_refusals_plainly
+from meshtrain.project.tracking_server import (
+    DEFAULTS,
+    mlflow_settings,
+    project_tracking_server,
+    server_refusals,
+    use_tracking_server,
+)
+from meshtrain.tracking import mlflow_run as tracking
+from meshtrain.tracking.datasets import log_packed_blocks
+from meshtrain.tracking.model_logging import log_consolidated_model
+from meshtrain.tracking.servers import URI_VARIABLE, redact
+
+logger = logging.getLogger(__name__)
+
+SAMPLING_VARIABLE = "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL"
+
+
+def git_commit(project_path: Path) -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=project_path,
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=True,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+def describe(pipeline_name: str, pipeline: Any) -> tuple[str, dict[str, str]]:
+    """The run's name and its `meshtrain.pipelines` / `meshtrain.trains` tags: it trains
+    when one of its nodes has the TRAINS tag."""
+    from kedro.framework.project import pipelines as registered  # noqa: PLC0415
+
+    nodes = {
+        name: {node.name for node in registered[name].nodes}
+        for name in registered
+        if name != "__default__"
+    }
+    trains = any(TRAINS in node.tags for node in pipeline.nodes)
+    name, tags = tracking.describe_run({node.name for node in pipeline.nodes}, nodes, trains=trains)
+    return (pipeline_name if trains else name), tags
+
+
+class MlflowRunHook:
+    def __init__(self) -> None:
+        self.settings: dict[str, Any] = dict(DEFAULTS)
+        self.project_path = Path.cwd()
+        self.env: str | None = None
+        self.config_loader: OmegaConfigLoader | None = None
+        self.node_rank = 0
+        self.started = False
+        self.training_started = False
+        self.logged_data = False
+
+    @hook_impl
+    def after_context_created(self, context) -> None:
+        show_refusals_plainly()
+        self.settings = mlflow_settings(context.config_loader, context.env)
+        self.project_path = Path(context.project_path)
+        self.env = context.env
+        self.config_loader = context.config_loader
+        # On several nodes only node 0 records the run (its rank 0 logs the metrics); the
+        # other nodes' `kedro run --pipeline training` would open empty runs.
+        launch = (context.params or {}).get("launch") or {}
+        try:
+            self.node_rank = int(launch.get("node_rank", 0) or 0)
+        except (TypeError, ValueError):
+            self.node_rank = 0  # the config check names the bad value before any worker
+
+    def _tags(self, run_params: dict[str, Any], pipeline_name: str) -> dict[str, str]:
+        """The Kedro run's own tags: pipeline, env, session, commit, --params."""
+        tags = {
+            "kedro.pipeline": pipeline_name,
+            "kedro.env": run_params.get("env") or self.env or "local",
+            "kedro.session_id": run_params.get("session_id", ""),
+        }
+        commit = git_commit(self.project_path)
+        if commit:
+            tags["mlflow.source.git.commit"] = commit
+        if run_params.get("runtime_params"):
+            tags["kedro.runtime_params"] = str(run_params["runtime_params"])
+        return tags
+
+    @hook_impl
+    def before_pipeline_run(self, run_params: dict[str, Any], pipeline: Any) -> None:
+        if not self.settings["enabled"]:
+            return
+        if self.node_rank > 0:
+            logger.info("launch.node_rank=%d: node 0 records this run in MLflow", self.node_rank)
+            return
+        # Credentials are read here, not when the context is created: this runs after the
+        # catalog and parameters are built, so reading conf/local's credentials (a second
+        # config loader) cannot disturb them, and other kedro commands never need them.
+        server = project_tracking_server(
+            self.config_loader, self.env, self.project_path, self.settings
+        )
+        # (before mlflow.set_tracking_uri, which sets the variable for the workers)
+        entry = None if os.environ.get(URI_VARIABLE) else self.settings.get("credentials")
+        use_tracking_server(server)
+        with server_refusals(server.uri, self.settings, entry):
+            experiment = mlflow.set_experiment(self.settings["experiment_name"])
+            tracking.mark_model_training(experiment.experiment_id)
+        if mlflow.active_run() is not None:
+            mlflow.end_run()
+        pipeline_name = run_params.get("pipeline_name") or ",".join(
+            run_params.get("pipeline_names") or ["__default__"]
+        )
+        run_name, tags = describe(pipeline_name, pipeline)
+        tags |= self._tags(run_params, pipeline_name)
+        log_system_metrics = bool(self.settings["log_system_metrics"])
+        interval = self.settings["system_metrics_sampling_interval"]
+        if log_system_metrics and interval and not os.environ.get(SAMPLING_VARIABLE):
+            mlflow.set_system_metrics_sampling_interval(float(interval))
+        with server_refusals(server.uri, self.settings, entry):
+            mlflow.start_run(run_name=run_name, tags=tags, log_system_metrics=log_system_metrics)
+        self.started = True
+        self.training_started = False
+        self.logged_data = False
+        logger.info(
+            "MLflow run %s in %s",
+            mlflow.active_run().info.run_id,
+            redact(mlflow.get_tracking_uri()),
+        )
+
+    @hook_impl
+    def after_pipeline_run(self) -> None:
+        if self.started:
+            mlflow.end_run("FINISHED")
+            self.started = False
+
+    @hook_impl
+    def before_node_run(self, node: Any, inputs: dict[str, Any]) -> None:
+        """Before training: its data as the run's dataset inputs. Before evaluation: the
+        consolidated model as the run's MLflow model, so the evaluation's metrics link to
+        it (and, without training in this run, the validation split it is scored on)."""
+        if not self.started:
+            return
+        if TRAINS in node.tags:
+            self.training_started = True
+            log_packed_blocks(inputs["packed_blocks"], inputs.get("params:data") or {})
+            self.logged_data = True
+        elif EVALUATES in node.tags:
+            if not self.logged_data:
+                log_packed_blocks(inputs["packed_blocks"], {}, splits=("validation",))
+            self._log_model(inputs)
+
+    def _log_model(self, inputs: dict[str, Any]) -> None:
+        evaluation = inputs.get("params:evaluation") or {}
+        if str(evaluation.get("log_model", True)).lower() == "false":
+            return
+        layout = (inputs.get("training_summary") or {}).get("layout_name")
+        log_consolidated_model(
+            inputs["consolidation_summary"]["output_dir"],
+            registered_model_name=self.settings.get("registered_model_name"),
+            tags={"meshtrain.layout": layout} if layout else {},
+        )
+
+    @hook_impl
+    def on_pipeline_error(self, error: Exception) -> None:
+        if not self.started:
+            return
+        self.started = False
+        refusal = refusal_in(error)
+        if refusal is not None and not self.training_started:
+            # A mistake refused before training (an impossible layout, a stale plan):
+            # no run left in the runs list (docs/tracking.md).
+            tracking.discard_refused_run(refusal)
+        else:
+            mlflow.end_run("FAILED")
