@@ -24,9 +24,8 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from meshtrain.checkpoint.load import restore_checkpoint
-from meshtrain.checkpoint.save import save_checkpoint
-from meshtrain.components.lr_schedule import build_lr_scheduler
+from meshtrain.checkpoint.checkpointer import Checkpointer
+from meshtrain.components.lr_schedule import LearningRateSchedule
 from meshtrain.components.metrics import (
     Throughput,
     cuda_peak_mb,
@@ -49,7 +48,7 @@ from meshtrain.data.sampler import GlobalBatchSampler
 from meshtrain.distributed.fsdp import mixed_precision_policy
 from meshtrain.distributed.parallel_dims import ParallelDims
 from meshtrain.models.builder import build_meta_model, config_from_dict, weight_source
-from meshtrain.models.cpu_linear import cpu_matmul_choice
+from meshtrain.models.converters import build_converters
 from meshtrain.models.llama.parallelize import parallelize
 from meshtrain.models.parallel_model import ParallelModel
 from meshtrain.planner import Plan
@@ -109,15 +108,17 @@ class Trainer:
             self.device.type,
             sdp=self.layout.sharded_data_parallel_degree,
         )
-        self.cpu_matmul = cpu_matmul_choice(
-            self.cfg.cpu_matmul, self.device, tensor_parallel=self.dims.tp > 1
+        self.converters = build_converters(
+            self.cfg, self.device.type, tensor_parallel=self.dims.tp > 1
         )
         self.pm = self._build_model()
-        self.optimizer = build_optimizer(self.pm, training=self.cfg)
-        self.start_step = self._restore()
-        self.lr_scheduler = build_lr_scheduler(
-            self.optimizer.optimizer, self.cfg, start_step=self.start_step
+        accumulation = self.plan.global_batch_size // (self.dims.dp * self.per_device)
+        self.optimizer = build_optimizer(
+            self.pm, training=self.cfg, accumulation_steps=accumulation
         )
+        self.checkpointer = self._checkpointer()
+        self.start_step = self._restore()
+        self.lr_schedule = LearningRateSchedule(self.cfg)
         self.train_blocks = BlockStore(spec.train_files)
         self.validation_blocks = (
             BlockStore(spec.validation_files) if spec.validation_files else None
@@ -166,7 +167,7 @@ class Trainer:
                 autocast,
                 weights=weights,
                 compile_layers=self.cfg.compile,
-                onednn_linears=self.cpu_matmul == "onednn",
+                converters=self.converters,
                 fsdp_policy=mixed_precision_policy(
                     self.cfg.mixed_precision, self.cfg.grad_reduce_dtype
                 ),
@@ -174,19 +175,32 @@ class Trainer:
         pm.set_training(True)
         return pm
 
+    def _checkpointer(self) -> Checkpointer:
+        """The owner of this run's checkpoints, with what each of them holds."""
+        return Checkpointer(
+            self.run_dir,
+            parameters=self.pm.parameters,
+            sharding=self.pm.sharding,
+            tied_copies=self.pm.tied_copies,
+            optimizer=self.optimizer,
+            dims=self.dims,
+            model_config=self.pm.hf_config,
+            run_state={
+                "layout": self.layout.to_dict(),
+                "layout_name": self.layout.name,
+                "global_batch_size": self.plan.global_batch_size,
+                "seed": self.cfg.seed,
+                "num_train_blocks": self.plan.num_train_blocks,
+            },
+            tokenizer_dir=Path(self.spec.tokenizer_dir) if self.spec.tokenizer_dir else None,
+            keep_last=self.cfg.keep_last,
+        )
+
     def _restore(self) -> int:
         """Load `spec.resume_from` into this rank's layout; the step to start from."""
         if not self.spec.resume_from:
             return 0
-        resumed = restore_checkpoint(
-            Path(self.spec.resume_from),
-            parameters=self.pm.parameters,
-            sharding=self.pm.sharding,
-            optimizer=self.optimizer,
-            dims=self.dims,
-            tied_copies=self.pm.tied_copies,
-        )
-        return resumed["step"]
+        return self.checkpointer.restore(Path(self.spec.resume_from))["step"]
 
     def _set_up_probes(self) -> None:
         # Peak tensor memory is measured on one step once the optimizer's states exist; that
@@ -268,6 +282,7 @@ class Trainer:
         microbatches = self.sampler.rank_microbatches(
             step, self.dims.dp_rank, self.dims.dp, self.per_device
         )
+        self.optimizer.set_learning_rate(self.lr_schedule.rate(step))
         with self.timeline.around(step), self.memory_probe.around(step):
             loss_sum = self.forward_backward_step(microbatches)
             with record_function("meshtrain.reduce"):
@@ -277,14 +292,12 @@ class Trainer:
             stop_signal = agree_on_step(loss_sum, grad_norm, self.stop, step=step + 1)
             with record_function("meshtrain.optimizer"):
                 self.optimizer.apply(grad_norm)
-        self.lr_scheduler.step()
         self.optimizer.zero_grad()
         return StepOutcome(loss_sum, grad_norm, started, stop_signal)
 
     def forward_backward_step(self, microbatches: list[list[int]]) -> torch.Tensor:
         """Forward and backward of every microbatch, accumulating into the flat gradients;
         the gradient averaging starts from the backward as buckets fill."""
-        self.optimizer.expect_backward(len(microbatches) * self.pm.backward_passes_per_batch)
         loss_sum = torch.zeros((), device=self.device)
         for indices in microbatches:
             input_ids = self.train_blocks.batch(indices).to(self.device, non_blocking=True)
@@ -309,7 +322,8 @@ class Trainer:
         self.losses.append((done, loss))
         if done > self.start_step + 1 and done - 1 != self.memory_probe.step:
             self.throughput.add(self.plan.tokens_per_step, elapsed)
-        lr, grad_norm = self.lr_scheduler.get_last_lr()[0], float(outcome.grad_norm)
+        # The rate of the next step, as a scheduler stepped after the update reports it.
+        lr, grad_norm = self.lr_schedule.rate(done), float(outcome.grad_norm)
         mfu = self.plan.mfu(tokens_per_s)
         self.tracker.log(
             {
@@ -361,26 +375,7 @@ class Trainer:
     def checkpoint(self, step: int) -> Path:
         """Save a complete checkpoint of step `step`; returns its folder. Collective."""
         self.optimizer.wait_for_parameters()
-        return save_checkpoint(
-            self.run_dir,
-            step,
-            parameters=self.pm.parameters,
-            sharding=self.pm.sharding,
-            optimizer=self.optimizer,
-            dims=self.dims,
-            trainer_state={
-                "step": step,
-                "layout": self.layout.to_dict(),
-                "layout_name": self.layout.name,
-                "global_batch_size": self.plan.global_batch_size,
-                "seed": self.cfg.seed,
-                "num_train_blocks": self.plan.num_train_blocks,
-            },
-            model_config=self.pm.hf_config,
-            tokenizer_dir=Path(self.spec.tokenizer_dir) if self.spec.tokenizer_dir else None,
-            keep_last=self.cfg.keep_last,
-            tied_copies=self.pm.tied_copies,
-        )
+        return self.checkpointer.save(step)
 
     def gather_peak_memory(self) -> dict[str, list[float]]:
         """Every rank's peak resident memory at start-up and over the run (and the CUDA
@@ -423,7 +418,7 @@ class Trainer:
             "mean_tokens_per_s": tokens_per_s,
             "mean_mfu": self.plan.mfu(tokens_per_s) if tokens_per_s else None,
             "median_step_s": self.throughput.median_step_s,
-            "cpu_matmul": self.cpu_matmul,
+            "converters": [converter.name for converter in self.converters],
             # Where and in what precision it trained: evaluation loads the model the same way.
             "backend": self.plan.backend,
             "mixed_precision": self.cfg.mixed_precision,

@@ -91,8 +91,9 @@ def test_dp2_with_and_without_zero1_match_one_process(tiny_blocks, tmp_path: Pat
             name, summary, expected_losses, expected_weights, tmp_path / f"{name}-hf"
         )
         assert summary["initial_val_loss"] > summary["final_val_loss"]
-        onednn = "onednn" if onednn_available() else "blas"
-        assert summary["cpu_matmul"] == training.get("cpu_matmul", onednn), name
+        # The oneDNN converter ran where the run asked for it and this torch has oneDNN.
+        on_onednn = training.get("cpu_matmul", "onednn") == "onednn" and onednn_available()
+        assert summary["converters"] == (["onednn_linear"] if on_onednn else []), name
         assert_memory_model_holds(name, summary)
         buckets = summary["gradient_buckets"]
         if training.get("grad_bucket_mb"):

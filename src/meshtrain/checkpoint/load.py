@@ -1,4 +1,4 @@
-"""Resume from a checkpoint, on the layout it was saved with or on any other.
+"""Read a checkpoint back, on the layout it was saved with or on any other.
 
 Every tensor (a parameter, or one of AdamW's moments for it) is rebuilt at
 its full Hugging Face shape from the saved pieces, one tensor at a time,
@@ -12,22 +12,18 @@ bitwise exact.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file
 
 from meshtrain.checkpoint import files
 from meshtrain.checkpoint.manifest import CheckpointError, read_manifest
-from meshtrain.checkpoint.sharded_state import restore_sharded
-from meshtrain.distributed.fsdp_optimizer import FSDPAdamW
 from meshtrain.distributed.kv_heads import drop_kv_copies
-from meshtrain.distributed.parallel_dims import ParallelDims
 from meshtrain.distributed.tensor_parallel import ParameterSharding
-from meshtrain.distributed.zero import ShardedAdamW
 
 
 def assemble_full(meta: dict[str, Any], tp: int, piece) -> torch.Tensor:
@@ -138,9 +134,9 @@ def check_same_model(root: Path, shapes: dict[str, tuple[int, ...]]) -> None:
 
 def check_compatible(
     manifest: dict[str, Any],
-    parameters: dict[str, torch.Tensor],
-    sharding: dict[str, ParameterSharding],
-    tied_copies: dict[str, str] | None = None,
+    parameters: Mapping[str, torch.Tensor],
+    sharding: Mapping[str, ParameterSharding],
+    tied_copies: Mapping[str, str] | None = None,
 ) -> None:
     """Refuse a checkpoint of another model, naming the first tensor that differs."""
     saved = manifest["tensors"]
@@ -154,69 +150,6 @@ def check_compatible(
                 f"tensor {name} is {saved[name]['shape']} in the checkpoint but {shape} in the "
                 "model being trained: the checkpoint is of another model shape"
             )
-
-
-def restore_checkpoint(
-    root: Path,
-    *,
-    parameters: dict[str, torch.Tensor],
-    sharding: dict[str, ParameterSharding],
-    optimizer: ShardedAdamW | FSDPAdamW,
-    dims: ParallelDims,
-    tied_copies: dict[str, str] | None = None,
-) -> dict[str, Any]:
-    """Load parameters and optimizer state into this rank's (possibly new) layout.
-
-    `tied_copies`: parameters stored under another name (a tied LM head's copy on the
-    last pipeline stage -> the embedding). Returns the saved trainer state (step,
-    layout, sample stream). Collective-free: each rank reads what it needs.
-    """
-    manifest = read_manifest(root, verify=True)
-    stored_as = tied_copies or {}
-    check_compatible(manifest, parameters, sharding, stored_as)
-    with ExitStack() as stack:
-        reader = CheckpointReader(root, manifest, stack)
-        if isinstance(optimizer, FSDPAdamW):
-            restore_sharded(reader, parameters, sharding, optimizer, dims, stored_as)
-        else:
-            restore_flat(reader, sharding, optimizer, dims, stored_as)
-    state = json.loads((root / files.TRAINER_STATE).read_text())
-    rng = files.rng_file(root, torch.distributed.get_rank())
-    if manifest["world_size"] == torch.distributed.get_world_size() and rng.is_file():
-        torch.set_rng_state(load_file(rng)["cpu"])
-    return state
-
-
-def restore_flat(
-    reader: CheckpointReader,
-    sharding: dict[str, ParameterSharding],
-    optimizer: ShardedAdamW,
-    dims: ParallelDims,
-    stored_as: dict[str, str],
-) -> None:
-    """Fill the flat buffer, and the moments (and masters) of the owned range."""
-    flat = optimizer.flat
-    start, end = optimizer.start, optimizer.end
-    exp_avg = torch.zeros(end - start, dtype=optimizer.state_dtype)
-    exp_avg_sq = torch.zeros_like(exp_avg)
-    for slot in flat.slots:
-        spec, name = sharding[slot.name], stored_as.get(slot.name, slot.name)
-        full = reader.parameter(name)
-        local = spec.local_piece(full, dims.tp_rank, dims.tp).reshape(-1)
-        flat.params[slot.offset : slot.offset + slot.numel].copy_(local)
-        lo, hi = max(slot.offset, start), min(slot.offset + slot.numel, end)
-        if lo >= hi:
-            continue
-        if optimizer.master is not None:
-            # At the precision stored: fp32 masters (or an fp32 run's weights) stay exact.
-            kept = local[lo - slot.offset : hi - slot.offset]
-            optimizer.master[lo - start : hi - start] = kept
-        for key, target in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
-            moment = spec.local_piece(reader.moment(name, key), dims.tp_rank, dims.tp)
-            flat_moment = moment.reshape(-1)
-            target[lo - start : hi - start] = flat_moment[lo - slot.offset : hi - slot.offset]
-    step = reader.step()
-    optimizer.load_moments(exp_avg, exp_avg_sq, step)
 
 
 def check_resumable(

@@ -15,12 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import torch
-
 from meshtrain.checkpoint.manifest import CheckpointError, list_checkpoints
-from meshtrain.distributed.parallel_dims import ParallelDims
-from meshtrain.distributed.tensor_parallel import local_tensor
-from meshtrain.distributed.zero import ShardedAdamW
 
 MB = 10**6
 # Besides the tensors: headers, the manifest, config and trainer state, RNG states.
@@ -31,20 +26,6 @@ _DISK_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.ERO
 
 class CheckpointSpaceError(CheckpointError):
     """A checkpoint could not be written (no room, no permission); nothing was lost."""
-
-
-def rank_checkpoint_bytes(
-    parameters: dict[str, torch.Tensor], optimizer: ShardedAdamW, dims: ParallelDims
-) -> int:
-    """The tensor bytes this rank writes: its coordinate's weights (dp rank 0) at the
-    stored precision, and its range of the optimizer's moments."""
-    itemsize = optimizer.state_dtype.itemsize
-    total = 0
-    if dims.dp_rank == 0:
-        total += sum(local_tensor(p).numel() for p in parameters.values()) * itemsize
-    if optimizer.zero_1 or dims.dp_rank == 0:
-        total += 2 * optimizer.owned_numel * itemsize
-    return total
 
 
 def folder_bytes(folder: Path | None) -> int:

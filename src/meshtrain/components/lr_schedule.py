@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import math
-from functools import partial
-
-import torch
+from dataclasses import dataclass
 
 from meshtrain.config import TrainingConfig
 
@@ -19,20 +17,19 @@ def warmup_cosine(step: int, *, warmup_steps: int, max_steps: int, min_ratio: fl
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def build_lr_scheduler(
-    optimizer: torch.optim.Optimizer, training: TrainingConfig, *, start_step: int
-) -> torch.optim.lr_scheduler.LambdaLR:
-    """The schedule positioned at `start_step` (a resumed run's rate follows from the step
-    alone, so checkpoints need not store the scheduler)."""
-    for group in optimizer.param_groups:
-        group.setdefault("initial_lr", group["lr"])
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer,
-        partial(
-            warmup_cosine,
-            warmup_steps=training.warmup_steps,
-            max_steps=training.max_steps,
-            min_ratio=training.min_learning_rate_ratio,
-        ),
-        last_epoch=start_step - 1,
-    )
+@dataclass(frozen=True)
+class LearningRateSchedule:
+    """The rate of every optimizer step, from the step alone: a resumed run needs no
+    scheduler state in its checkpoint."""
+
+    training: TrainingConfig
+
+    def rate(self, step: int) -> float:
+        """The learning rate of optimizer step `step` (0-based)."""
+        t = self.training
+        return t.learning_rate * warmup_cosine(
+            step,
+            warmup_steps=t.warmup_steps,
+            max_steps=t.max_steps,
+            min_ratio=t.min_learning_rate_ratio,
+        )

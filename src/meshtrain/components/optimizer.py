@@ -1,27 +1,69 @@
-"""The optimizer of a run: AdamW over the flat buffer (ZeRO-1 when the layout says so;
-fp32 master weights and gradients under bf16 parameters), or, under sharded data
-parallelism, AdamW over FSDP2's shards."""
+"""The optimizer of a run, and the contract every one of them keeps.
+
+AdamW over the flat buffer (ZeRO-1 when the layout says so; fp32 master
+weights and gradients under bf16 parameters), or, under sharded data
+parallelism, AdamW over FSDP2's shards. The trainer and the Checkpointer talk
+to either through `ModelOptimizer` alone: the step in two halves (so a
+non-finite norm can still refuse the update), and each optimizer writing and
+reading its own pieces of a checkpoint.
+"""
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 from torch.distributed.fsdp import FSDPModule
 
+from meshtrain.checkpoint.checkpointer import OptimizerState
 from meshtrain.config import TrainingConfig
 from meshtrain.distributed.flat_buffer import FlatParameters
 from meshtrain.distributed.fsdp_optimizer import FSDPAdamW
 from meshtrain.distributed.zero import ShardedAdamW
 from meshtrain.models.parallel_model import ParallelModel
 
-# Both keep the same step interface: expect_backward, reduce_gradients, apply, zero_grad,
-# wait_for_parameters.
-ModelOptimizer = ShardedAdamW | FSDPAdamW
+
+class ModelOptimizer(OptimizerState, Protocol):
+    """What the training loop asks of a run's optimizer, besides what the Checkpointer
+    does (`OptimizerState`: each optimizer writes and reads its own pieces)."""
+
+    # -- the step ---------------------------------------------------------------------------
+    def reduce_gradients(self) -> torch.Tensor:
+        """Finish averaging this step's gradients; their global norm. Updates nothing."""
+        ...
+
+    def apply(self, grad_norm: torch.Tensor) -> None:
+        """Clip to the norm's budget and update the parameters."""
+        ...
+
+    def zero_grad(self) -> None:
+        """Clear the gradients, ready for the next step's backward."""
+        ...
+
+    def set_learning_rate(self, lr: float) -> None: ...
+
+    def wait_for_parameters(self) -> None:
+        """Every parameter holds its updated value (an overlapped gather has arrived)."""
+        ...
+
+    # -- what the loop reports and checks -----------------------------------------------------
+    @property
+    def model_states_bytes(self) -> int: ...
+
+    def held_tensors(self) -> list[torch.Tensor]: ...
+
+    def bucket_summary(self) -> dict[str, int]: ...
+
+    def check_views(self) -> None: ...
 
 
-def build_optimizer(pm: ParallelModel, *, training: TrainingConfig) -> ModelOptimizer:
+def build_optimizer(
+    pm: ParallelModel, *, training: TrainingConfig, accumulation_steps: int = 1
+) -> ModelOptimizer:
     """AdamW for this rank's parameters, with the global gradient norm summed over the tp
     and pp groups: FSDP2's shards under sharded data parallelism, else the flat buffer
-    (ZeRO-1 over dp when the layout says so)."""
+    (ZeRO-1 over dp when the layout says so). `accumulation_steps`: microbatches of a
+    step on this rank (each gradient is final after that many backward passes)."""
     dims = pm.dims
     norm_groups = tuple(
         dims.mesh.get_group(name) for name in ("tp", "pp") if dims.mesh[name].size() > 1
@@ -48,6 +90,7 @@ def build_optimizer(pm: ParallelModel, *, training: TrainingConfig) -> ModelOpti
         zero_1=pm.layout.zero_1,
         overlap_reduction=training.overlap_grad_reduce,
         bucket_bytes=int(training.grad_bucket_mb * 2**20),
+        backward_passes=accumulation_steps * pm.backward_passes_per_batch,
         reduce_after_backward=pm.gradients_finished_after_backward,
         master_weights=master_weights,
         gather_modules=pm.modules if training.gathers_under_forward else None,

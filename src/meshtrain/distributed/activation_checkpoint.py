@@ -47,32 +47,35 @@ def _saved_ops() -> set[Any]:
     for name in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "wait_tensor"):
         if hasattr(_functional, name):
             ops.add(getattr(_functional, name).default)
-    if hasattr(torch.ops.mkldnn, "_linear_pointwise"):  # Linear on oneDNN (models.cpu_linear)
-        ops.add(torch.ops.mkldnn._linear_pointwise.default)
     return ops
 
 
 SAVED_OPS = _saved_ops()
 
 
-def _keep_matmuls_and_attention(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    if func in SAVED_OPS:
-        return CheckpointPolicy.MUST_SAVE
-    return CheckpointPolicy.PREFER_RECOMPUTE
+def _keep(saved: frozenset, ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if func in saved else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def selective_checkpoint_context() -> tuple[AbstractContextManager, AbstractContextManager]:
-    """The `context_fn` for `torch.utils.checkpoint.checkpoint` (a fresh pair per call)."""
-    return create_selective_checkpoint_contexts(_keep_matmuls_and_attention)
+def selective_checkpoint_context(
+    extra_saved_ops: frozenset = frozenset(),
+) -> tuple[AbstractContextManager, AbstractContextManager]:
+    """The `context_fn` for `torch.utils.checkpoint.checkpoint` (a fresh pair per call):
+    keep the matmuls', attention's and collectives' outputs, and `extra_saved_ops`'
+    (a model converter's own matmul kernels)."""
+    return create_selective_checkpoint_contexts(partial(_keep, SAVED_OPS | extra_saved_ops))
 
 
-def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
-    """Checkpoint every decoder layer of a Hugging Face model: `none`, `full` or `selective`."""
+def apply_activation_checkpointing(
+    model: nn.Module, mode: str, extra_saved_ops: frozenset = frozenset()
+) -> None:
+    """Checkpoint every decoder layer of a Hugging Face model: `none`, `full` or `selective`
+    (which also keeps the outputs of `extra_saved_ops`)."""
     if mode == "none":
         return
     kwargs: dict[str, Any] = {"use_reentrant": False}
     if mode == "selective":
-        kwargs["context_fn"] = selective_checkpoint_context
+        kwargs["context_fn"] = partial(selective_checkpoint_context, frozenset(extra_saved_ops))
     elif mode != "full":
         raise ValueError(f"parallel.activation_checkpointing={mode!r}: use none, full or selective")
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)

@@ -135,6 +135,7 @@ class GradientReducer:
         self._next = 0
         self._works: list[dist.Work] = []
         self.started_in_backward = 0  # buckets the last step's backward started
+        self._started = 0  # ... and the current step's, so far
         self._hooks: list[RemovableHandle] = []
         if self.overlap:
             for i, parameter in enumerate(flat.parameters):
@@ -150,7 +151,7 @@ class GradientReducer:
         self._remaining = [backward_passes] * len(self.flat.slots)
         self._pending = [len(b.slots) for b in self.buckets]
         self._next = 0
-        self.started_in_backward = 0
+        self._started = 0
 
     def _on_gradient(self, index: int, _parameter: torch.Tensor) -> None:
         if not self._armed:
@@ -166,7 +167,7 @@ class GradientReducer:
                 break
             self._launch(b)
             self._next += 1
-            self.started_in_backward += 1
+            self._started += 1
 
     def _launch(self, b: int) -> None:
         bucket = self.buckets[b]
@@ -193,6 +194,7 @@ class GradientReducer:
                     "more backward passes than announced to GradientReducer.expect()"
                 )
         start = self._next if self._armed else 0
+        self.started_in_backward = self._started if self._armed else 0
         for b in self.launch_order[start:]:
             self._launch(b)
         for work in self._works:

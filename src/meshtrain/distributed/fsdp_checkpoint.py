@@ -1,4 +1,5 @@
-"""Checkpoints of sharded data parallelism, in the format every other layout writes.
+"""What `fsdp_optimizer.FSDPAdamW` writes into a checkpoint, and how it reads it back:
+the format every other layout writes.
 
 A sharded run's checkpoint is indistinguishable from a plain data-parallel
 one: per (tp, pp) coordinate, one weights file of its tensor-parallel pieces,
@@ -14,8 +15,9 @@ tp piece, then to its FSDP shard.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -24,9 +26,12 @@ from meshtrain.checkpoint import files
 from meshtrain.checkpoint.manifest import write_json_atomic
 from meshtrain.checkpoint.safetensors_format import SafetensorsWriter, TensorSpec
 from meshtrain.distributed.fsdp import shard_piece
-from meshtrain.distributed.fsdp_optimizer import FSDPAdamW
 from meshtrain.distributed.parallel_dims import ParallelDims
 from meshtrain.distributed.tensor_parallel import ParameterSharding, local_tensor
+
+if TYPE_CHECKING:
+    from meshtrain.checkpoint.load import CheckpointReader
+    from meshtrain.distributed.fsdp_optimizer import FSDPAdamW
 
 
 def tp_local_shape(parameter: torch.Tensor, spec: ParameterSharding, tp: int) -> tuple[int, ...]:
@@ -55,11 +60,11 @@ def gather_piece(shard: torch.Tensor, shape: tuple[int, ...], dims: ParallelDims
     return whole[:rows] if root else None
 
 
-def write_sharded_tensors(
-    root: Path,
-    parameters: dict[str, torch.Tensor],
-    sharding: dict[str, ParameterSharding],
+def save_state(
     optimizer: FSDPAdamW,
+    root: Path,
+    parameters: Mapping[str, torch.Tensor],
+    sharding: Mapping[str, ParameterSharding],
     dims: ParallelDims,
 ) -> None:
     """This rank's part of a sharded run's checkpoint: the first replica's shard group
@@ -117,10 +122,10 @@ def flat_index(shapes: dict[str, tuple[int, ...]]) -> dict:
     return {"numel": offset, "padded_numel": offset, "slots": slots}
 
 
-def sharded_checkpoint_bytes(
-    parameters: dict[str, torch.Tensor],
-    sharding: dict[str, ParameterSharding],
+def checkpoint_bytes(
     optimizer: FSDPAdamW,
+    parameters: Mapping[str, torch.Tensor],
+    sharding: Mapping[str, ParameterSharding],
     dims: ParallelDims,
 ) -> int:
     """What this rank writes: on dp rank 0, its coordinate's weights and two moments."""
@@ -132,13 +137,12 @@ def sharded_checkpoint_bytes(
     return 3 * numel * optimizer.state_dtype.itemsize
 
 
-def restore_sharded(
-    reader,
-    parameters: dict[str, torch.Tensor],
-    sharding: dict[str, ParameterSharding],
+def load_state(
     optimizer: FSDPAdamW,
+    reader: CheckpointReader,
+    sharding: Mapping[str, ParameterSharding],
     dims: ParallelDims,
-    stored_as: dict[str, str],
+    stored_as: Mapping[str, str],
 ) -> None:
     """Fill this rank's FSDP shards of the parameters and moments from `reader` (a
     `load.CheckpointReader` of a checkpoint of any layout), one tensor at a time."""
@@ -148,7 +152,7 @@ def restore_sharded(
 
     moments: dict[str, dict[str, torch.Tensor]] = {}
     with torch.no_grad():
-        for name, p in parameters.items():
+        for name, p in optimizer.parameters.items():
             spec, stored = sharding[name], stored_as.get(name, name)
             local_tensor(p).copy_(mine(reader.parameter(stored), spec))
             moments[name] = {

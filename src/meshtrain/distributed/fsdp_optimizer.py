@@ -9,18 +9,28 @@ dividing out tensor-parallel copies, summed over the shard group and the tp
 and pp groups; replicas hold the same shard and are not summed), clipping,
 and AdamW, which is elementwise, so updating shards is updating the whole.
 
-This class mirrors `zero.ShardedAdamW`'s step interface (`reduce_gradients`,
-`apply`, `zero_grad`, the byte counts) so the training loop does not branch.
+It keeps the run's optimizer contract (`components.optimizer.ModelOptimizer`),
+as `zero.ShardedAdamW` does, so neither the training loop nor the checkpoints
+branch on which one a run has.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from meshtrain.distributed import fsdp_checkpoint
+from meshtrain.distributed.grad_norm import clip_gradients_, global_grad_norm
 from meshtrain.distributed.parallel_dims import ParallelDims
 from meshtrain.distributed.tensor_parallel import ParameterSharding, local_tensor
+
+if TYPE_CHECKING:
+    from meshtrain.checkpoint.load import CheckpointReader
 
 
 class FSDPAdamW:
@@ -65,37 +75,33 @@ class FSDPAdamW:
 
     # -- the step -------------------------------------------------------------------------
 
-    def expect_backward(self, backward_passes: int) -> None:
-        """FSDP2's own hooks reduce each group after its backward: nothing to arm."""
-
     def reduce_gradients(self) -> torch.Tensor:
         """The backward already left the mean gradient shards: their global norm."""
         return self.global_grad_norm()
 
     def apply(self, norm: torch.Tensor) -> None:
         """Clip to `norm`'s budget and update the shards."""
-        if self.max_grad_norm > 0:
-            coef = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
-            for grad in self._local_grads().values():
-                grad.mul_(coef)
+        clip_gradients_(self._local_grads().values(), self.max_grad_norm, norm)
         self.optimizer.step()
 
     def wait_for_parameters(self) -> None:
         """Nothing to wait for: each rank updated its own shards in place."""
 
     def zero_grad(self) -> None:
-        # FSDP2 writes each step's reduced shard into a fresh `.grad`.
+        # FSDP2 writes each step's reduced shard into a fresh `.grad`; its own hooks reduce
+        # each group after its backward, so there is nothing to arm.
         self.optimizer.zero_grad(set_to_none=True)
 
+    def set_learning_rate(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
     def global_grad_norm(self) -> torch.Tensor:
-        squares = torch.zeros((), dtype=torch.float32, device=self.device)
-        for name, grad in self._local_grads().items():
-            squares += torch.linalg.vector_norm(grad, dtype=torch.float32) ** 2 / self._copies[name]
-        if self.shard_group is not None:
-            dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=self.shard_group)
-        for group in self.norm_groups:
-            dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=group)
-        return squares.sqrt()
+        """The shards' squares (tp copies weighted down), summed over the shard group and
+        the `norm_groups`; replicas hold the same shards and are not summed."""
+        pieces = ((g, 1.0 / self._copies[n]) for n, g in self._local_grads().items())
+        shard = (self.shard_group,) if self.shard_group is not None else ()
+        return global_grad_norm(pieces, shard + tuple(self.norm_groups), device=self.device)
 
     def _local_grads(self) -> dict[str, torch.Tensor]:
         return {
@@ -154,3 +160,31 @@ class FSDPAdamW:
                 local_tensor(value).copy_(moments[name][key])
                 state[key] = value
             self.optimizer.state[p] = state
+
+    # -- checkpoints (the format: `fsdp_checkpoint`) -----------------------------------------
+
+    def checkpoint_bytes(
+        self,
+        parameters: Mapping[str, torch.Tensor],
+        sharding: Mapping[str, ParameterSharding],
+        dims: ParallelDims,
+    ) -> int:
+        return fsdp_checkpoint.checkpoint_bytes(self, parameters, sharding, dims)
+
+    def save_state(
+        self,
+        root: Path,
+        parameters: Mapping[str, torch.Tensor],
+        sharding: Mapping[str, ParameterSharding],
+        dims: ParallelDims,
+    ) -> None:
+        fsdp_checkpoint.save_state(self, root, parameters, sharding, dims)
+
+    def load_state(
+        self,
+        reader: CheckpointReader,
+        sharding: Mapping[str, ParameterSharding],
+        dims: ParallelDims,
+        stored_as: Mapping[str, str],
+    ) -> None:
+        fsdp_checkpoint.load_state(self, reader, sharding, dims, stored_as)

@@ -28,15 +28,24 @@ dp by ZeRO-1.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from meshtrain.distributed import zero_checkpoint
 from meshtrain.distributed.data_parallel import GradientReducer
 from meshtrain.distributed.flat_buffer import FlatParameters, Slot
+from meshtrain.distributed.grad_norm import clip_gradients_, global_grad_norm
+from meshtrain.distributed.parallel_dims import ParallelDims
 from meshtrain.distributed.param_gather import ParameterGather
+from meshtrain.distributed.tensor_parallel import ParameterSharding
+
+if TYPE_CHECKING:
+    from meshtrain.checkpoint.load import CheckpointReader
 
 
 class ShardedAdamW:
@@ -54,11 +63,14 @@ class ShardedAdamW:
         max_grad_norm: float,
         overlap_reduction: bool,
         bucket_bytes: int,
+        backward_passes: int = 1,
         reduce_after_backward: Collection[str] = (),
         master_weights: bool = False,
         gather_modules: Iterable[nn.Module] | None = None,
     ) -> None:
-        """`reduce_after_backward`: names of parameters whose gradients are completed
+        """`backward_passes`: how often a step's backward accumulates into each gradient
+        (microbatches, accumulation steps): its bucket is reduced after the last;
+        `reduce_after_backward`: names of parameters whose gradients are completed
         after the backward (tensor parallelism's sums) and so reduced after it;
         `master_weights`: keep and update an fp32 copy of the owned range (bf16 parameters);
         `gather_modules`: the modules holding `flat`'s parameters, to overlap ZeRO-1's
@@ -87,6 +99,8 @@ class ShardedAdamW:
             overlap=overlap_reduction,
             deferred_names=reduce_after_backward,
         )
+        self.backward_passes = backward_passes
+        self.reducer.expect(backward_passes)
         self.gather = None
         if zero_1 and size > 1 and gather_modules is not None:
             self.gather = ParameterGather(flat, group, self.reducer.buckets, gather_modules)
@@ -151,12 +165,14 @@ class ShardedAdamW:
             tensors.extend(v for v in state.values() if isinstance(v, torch.Tensor))
         return tensors
 
-    def expect_backward(self, backward_passes: int) -> None:
-        """Arm the bucket reductions for a step of `backward_passes` backward passes."""
-        self.reducer.expect(backward_passes)
-
     def zero_grad(self) -> None:
+        """Clear the gradients and arm the bucket reductions for the next step's backward."""
         self.flat.zero_grad()
+        self.reducer.expect(self.backward_passes)
+
+    def set_learning_rate(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
 
     def check_views(self) -> None:
         self.flat.check_views()
@@ -190,9 +206,7 @@ class ShardedAdamW:
         """The second half of an optimizer step: clip to `norm`'s budget, update the owned
         range, and all-gather it under ZeRO-1 (overlapped: only started)."""
         self.wait_for_parameters()  # the last gather still reads the owned range
-        if self.max_grad_norm > 0:
-            coef = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
-            self.master_grad.mul_(coef)
+        clip_gradients_([self.master_grad], self.max_grad_norm, norm)
         self.optimizer.step()
         if self.master is not None:
             self.flat.params[self.start : self.end].copy_(self.master)
@@ -232,24 +246,14 @@ class ShardedAdamW:
         return None
 
     def global_grad_norm(self) -> torch.Tensor:
-        """L2 norm of the whole model's averaged gradient.
-
-        Each rank sums the squares of the range it owns, dividing out the
-        elements that several tp ranks hold (replicated norms, copied KV
-        heads), then the sums are added over the data-parallel ranks (when
-        ZeRO-1 split the range) and the `norm_groups` (tp, pp).
-        """
-        squares = self.master_grad.new_zeros((), dtype=torch.float32)
-        for lo, hi, weight in self._norm_pieces:
-            # vector_norm reduces without materialising the squares (no buffer-sized temporary).
-            squares += (
-                torch.linalg.vector_norm(self.master_grad[lo:hi], dtype=torch.float32) ** 2 * weight
-            )
-        if self.zero_1 and self.group is not None:
-            dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=self.group)
-        for group in self.norm_groups:
-            dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=group)
-        return squares.sqrt()
+        """L2 norm of the whole model's averaged gradient: the squares of the owned range
+        (elements several tp ranks hold weighted down), summed over the dp ranks when
+        ZeRO-1 split the range, and over the `norm_groups` (tp, pp)."""
+        pieces = ((self.master_grad[lo:hi], weight) for lo, hi, weight in self._norm_pieces)
+        groups = ((self.group,) if self.zero_1 and self.group is not None else ()) + tuple(
+            self.norm_groups
+        )
+        return global_grad_norm(pieces, groups, device=self.master_grad.device)
 
     def moment_pieces(self, key: str) -> list[torch.Tensor]:
         """AdamW's moment `key` ("exp_avg" or "exp_avg_sq") over the whole owned range, as
@@ -290,3 +294,31 @@ class ShardedAdamW:
                 "exp_avg": exp_avg[lo:hi].to(self.master_grad.device, copy=True),
                 "exp_avg_sq": exp_avg_sq[lo:hi].to(self.master_grad.device, copy=True),
             }
+
+    # -- checkpoints (the format: `zero_checkpoint`) -----------------------------------------
+
+    def checkpoint_bytes(
+        self,
+        parameters: Mapping[str, torch.Tensor],
+        sharding: Mapping[str, ParameterSharding],
+        dims: ParallelDims,
+    ) -> int:
+        return zero_checkpoint.checkpoint_bytes(self, parameters, dims)
+
+    def save_state(
+        self,
+        root: Path,
+        parameters: Mapping[str, torch.Tensor],
+        sharding: Mapping[str, ParameterSharding],
+        dims: ParallelDims,
+    ) -> None:
+        zero_checkpoint.save_state(self, root, parameters, dims)
+
+    def load_state(
+        self,
+        reader: CheckpointReader,
+        sharding: Mapping[str, ParameterSharding],
+        dims: ParallelDims,
+        stored_as: Mapping[str, str],
+    ) -> None:
+        zero_checkpoint.load_state(self, reader, sharding, dims, stored_as)

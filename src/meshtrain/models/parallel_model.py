@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.profiler import record_function
 from torch.distributed.tensor.parallel import loss_parallel
+from torch.profiler import record_function
 from transformers import PretrainedConfig
 
 from meshtrain.config import Layout
@@ -40,17 +40,17 @@ def as_local(value: torch.Tensor) -> torch.Tensor:
     return value.full_tensor() if isinstance(value, DTensor) else value
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ParallelModel:
     modules: list[nn.Module]  # this rank's stages (one module without pipeline parallelism)
     parameters: dict[str, torch.Tensor]  # Hugging Face name -> parameter (maybe a DTensor)
     sharding: dict[str, ParameterSharding]
     hf_config: PretrainedConfig
     dims: ParallelDims
-    tp_sync: TensorParallelGradSync | None
-    runner: PipelineRunner | None
-    autocast: Callable[[], AbstractContextManager]
     layout: Layout
+    autocast: Callable[[], AbstractContextManager]
+    tp_sync: TensorParallelGradSync | None = None  # tensor parallelism's partial gradients
+    runner: PipelineRunner | None = None  # the pipeline schedule over this rank's stages
     offload: Callable[[], AbstractContextManager] = nullcontext
     # Tied embeddings over pipeline stages: the copies' gradient sum, and on the last stage
     # the name of its copy -> the name the checkpoint stores the one weight under.

@@ -1,23 +1,19 @@
-"""Apply a layout to one rank's Llama-family model, in a fixed and documented order.
+"""Apply a layout to one rank's Llama-family model, in one fixed order for every layout.
 
-1. activation checkpointing flags (on the whole model, so every layer has them),
-2. pipeline parallelism: keep only this rank's stages,
-3. tensor / sequence parallelism inside each stage (all of it on the meta device),
-   the Linear layers' CPU matmuls routed to oneDNN when asked (`models.cpu_linear`),
-   then only this rank's shards are allocated and filled (`weights.materialize`),
-4. torch.compile of each decoder layer, when asked,
-   (tied embeddings over stages: the first and last stage each keep a copy, whose
-   gradients `SharedWeightSync` sums after the backward),
-5. (then the trainer lays the parameters into the flat buffer for data
-   parallelism and ZeRO-1: `meshtrain.components.optimizer`),
-   or, under sharded data parallelism, FSDP2 over the dp shard mesh between 3's
-   sharding and its materialisation (`shard_data_parallel`), with 4 before it.
+On the meta device, the model goes through the run's converters, is split into
+this rank's pipeline stages (each built knowing its tp mesh and which of its
+weights are tied copies), and each stage is then sharded for tensor / sequence
+parallelism, given activation checkpointing, compiled and wrapped by FSDP2, in
+that order (torchtitan's); only then are this rank's shards allocated and filled,
+and the runtime that drives them (`ParallelModel`) built. The flat buffer of
+plain data parallelism and ZeRO-1 comes after, with the optimizer
+(`meshtrain.components.optimizer`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 
 import torch
@@ -45,7 +41,7 @@ from meshtrain.distributed.tensor_parallel import (
     TensorParallelGradSync,
     unsharded,
 )
-from meshtrain.models.cpu_linear import route_linears_to_onednn
+from meshtrain.models.converters import ModelConverter
 from meshtrain.models.llama.parameter_names import EMBEDDING, LM_HEAD, stored_name
 from meshtrain.models.llama.stage import LlamaStage
 from meshtrain.models.llama.tensor_parallel import apply_tensor_parallel, decoder_layers
@@ -62,36 +58,36 @@ def parallelize(
     *,
     weights: WeightSource | None = None,
     compile_layers: bool = False,
-    onednn_linears: bool = False,
+    converters: Sequence[ModelConverter] = (),
     fsdp_policy: MixedPrecisionPolicy | None = None,
 ) -> ParallelModel:
-    """Apply the layout to a model built identically on every rank.
+    """Apply the layout to a model built identically on every rank: converters, pipeline
+    stages, then per stage TP -> activation checkpointing -> compile -> FSDP, then the
+    weights, then the runtime.
 
     `weights`: the model is on the meta device; once it is cut into this rank's stages
-    and tensor-parallel shards, only those are allocated on `device` and filled from
-    `weights` (without, the model already holds its weights, on `device`).
-    `compile_layers`: torch.compile every decoder layer last, in place (parameter
-    names, and so checkpoints, stay those of the Hugging Face model), once its
-    tensor-parallel sharding and checkpointing are set.
-    `onednn_linears`: the Linear layers' fp32 CPU matmuls run on oneDNN (`cpu_linear`).
+    and shards, only those are allocated on `device` and filled from `weights`
+    (without, the model already holds its weights, on `device`).
+    `compile_layers`: torch.compile every decoder layer in place (parameter names, and
+    so checkpoints, stay those of the Hugging Face model).
+    `converters`: the run's model converters (`models.converters`), applied first.
     `fsdp_policy`: FSDP2's mixed precision under sharded data parallelism (its default,
     no dtype change, when None).
     """
-    fsdp_policy = fsdp_policy or MixedPrecisionPolicy()
-    apply_activation_checkpointing(model, layout.activation_checkpointing)
+    for converter in converters:
+        converter.convert(model)
     stage_ids, modules = pipeline_stages(model, dims, layout)
+    tied = tied_embedding_names(model.config, modules, dims)
     kv_replication = (
         kv_replication_factor(model.config.num_key_value_heads, dims.tp) if dims.tp > 1 else 1
     )
-    sharding = shard_tensor_parallel(modules, dims, layout, kv_replication)
-    if onednn_linears:
-        route_linears_to_onednn(modules)
+    sharding = shard_tensor_parallel(modules, dims, layout, kv_replication, tied=tied)
+    saved_ops = frozenset().union(*(converter.saved_ops for converter in converters))
+    apply_activation_checkpointing(model, layout.activation_checkpointing, saved_ops)
+    if compile_layers:
+        compile_decoder_layers(modules)
     if layout.sharded:
-        # FSDP2 wraps the compiled layers (torchtitan's order); all of it on the meta
-        # device, so materialising allocates only this rank's dp shard of its tp piece.
-        if compile_layers:
-            compile_decoder_layers(modules)
-        shard_data_parallel(modules, dims, layout, fsdp_policy)
+        shard_data_parallel(modules, dims, layout, fsdp_policy or MixedPrecisionPolicy())
     if weights is not None:
         materialize(
             modules,
@@ -102,32 +98,55 @@ def parallelize(
             tp=dims.tp,
             dp_shard=(dims.shard_rank, dims.sdp),
         )
-    if compile_layers and not layout.sharded:
-        compile_decoder_layers(modules)
+    return _runtime(
+        model.config,
+        modules,
+        stage_ids,
+        sharding,
+        dims,
+        layout,
+        device,
+        autocast=autocast,
+        tied=tied,
+        kv_replication=kv_replication,
+    )
+
+
+def _runtime(
+    config: PretrainedConfig,
+    modules: list[nn.Module],
+    stage_ids: list[int],
+    sharding: dict[str, ParameterSharding],
+    dims: ParallelDims,
+    layout: Layout,
+    device: torch.device,
+    *,
+    autocast: Callable[[], AbstractContextManager],
+    tied: frozenset[str],
+    kv_replication: int,
+) -> ParallelModel:
+    """What drives the parallelised stages: the gradient sums the backward leaves to do
+    (tensor parallelism's, the tied copies'), the pipeline schedule, the loss."""
     parameters = {n: p for m in modules for n, p in m.named_parameters()}
-    tied = tied_embedding_copies(model.config, parameters, dims)
-    for name in tied or {}:
-        # Each copy counts half in the gradient norm: the weight counts once.
-        sharding[name] = dataclasses.replace(sharding[name], copies=sharding[name].copies * 2)
     tp_sync = (
         TensorParallelGradSync(parameters, sharding, dims.mesh, kv_replication)
         if dims.tp > 1
         else None
     )
-    runner = pipeline_runner(modules, stage_ids, dims, layout, device) if dims.pp > 1 else None
+    copies = {name: parameters[name] for name in tied}
     return ParallelModel(
-        modules,
-        parameters,
-        sharding,
-        model.config,
-        dims,
-        tp_sync,
-        runner,
-        autocast,
-        layout,
+        modules=modules,
+        parameters=parameters,
+        sharding=sharding,
+        hf_config=config,
+        dims=dims,
+        layout=layout,
+        autocast=autocast,
+        tp_sync=tp_sync,
+        runner=pipeline_runner(modules, stage_ids, dims, layout, device) if dims.pp > 1 else None,
         offload=offload_context(layout.activation_offloading, device),
-        shared_sync=SharedWeightSync(tied, dims.mesh) if tied is not None else None,
-        tied_copies=stored_elsewhere(parameters, model.config),
+        shared_sync=SharedWeightSync(copies, dims.mesh) if dims.pp > 1 and _tied(config) else None,
+        tied_copies=stored_elsewhere(parameters, config),
     )
 
 
@@ -156,15 +175,20 @@ def stored_elsewhere(
     return {name: stored for name, stored in names.items() if stored != name}
 
 
-def tied_embedding_copies(
-    config: PretrainedConfig, parameters: dict[str, torch.Tensor], dims: ParallelDims
-) -> dict[str, torch.Tensor] | None:
+def _tied(config: PretrainedConfig) -> bool:
+    return bool(getattr(config, "tie_word_embeddings", False))
+
+
+def tied_embedding_names(
+    config: PretrainedConfig, modules: list[nn.Module], dims: ParallelDims
+) -> frozenset[str]:
     """With tied embeddings cut over pipeline stages, this rank's copies of the one weight:
-    the embedding on the first stage, the LM head on the last, none in between. None when
-    nothing is shared across stages (no pipeline, or untied embeddings)."""
-    if dims.pp == 1 or not getattr(config, "tie_word_embeddings", False):
-        return None
-    return {name: parameters[name] for name in (EMBEDDING, LM_HEAD) if name in parameters}
+    the embedding on the first stage, the LM head on the last, none in between (nor
+    without a pipeline, or with untied embeddings)."""
+    if dims.pp == 1 or not _tied(config):
+        return frozenset()
+    names = {name for module in modules for name, _ in module.named_parameters()}
+    return frozenset(name for name in (EMBEDDING, LM_HEAD) if name in names)
 
 
 def pipeline_stages(
@@ -176,30 +200,46 @@ def pipeline_stages(
     stage_ids = stage_ids_of_rank(dims.pp_rank, dims.pp, layout.pipeline_parallel_virtual_stages)
     ranges = stage_layer_ranges(layout.pipeline_parallel_layers)
     last = layout.num_stages - 1
-    modules = [LlamaStage(model, ranges[i], is_first=i == 0, is_last=i == last) for i in stage_ids]
+    tp_mesh = dims.mesh["tp"] if dims.tp > 1 else None
+    modules = [
+        LlamaStage(
+            model,
+            ranges[i],
+            is_first=i == 0,
+            is_last=i == last,
+            tp_mesh=tp_mesh,
+            sequence_parallel=layout.sequence_parallel,
+        )
+        for i in stage_ids
+    ]
     return stage_ids, modules
 
 
 def shard_tensor_parallel(
-    modules: list[nn.Module], dims: ParallelDims, layout: Layout, kv_replication: int
+    modules: list[nn.Module],
+    dims: ParallelDims,
+    layout: Layout,
+    kv_replication: int,
+    *,
+    tied: frozenset[str] = frozenset(),
 ) -> dict[str, ParameterSharding]:
-    """Shard every stage over the tp mesh (in place); each parameter's sharding by name."""
-    if dims.tp == 1:
-        return {name: spec for module in modules for name, spec in unsharded(module).items()}
-    tp_mesh = dims.mesh["tp"]
+    """Shard every stage over the tp mesh (in place); each parameter's sharding by name,
+    a tied copy counting half in the gradient norm (the weight counts once)."""
     sharding: dict[str, ParameterSharding] = {}
     for module in modules:
+        if dims.tp == 1:
+            sharding.update(unsharded(module))
+            continue
         sharding.update(
             apply_tensor_parallel(
                 module,
-                tp_mesh,
+                dims.mesh["tp"],
                 sequence_parallel=layout.sequence_parallel,
                 kv_replication=kv_replication,
             )
         )
-        if isinstance(module, LlamaStage):
-            module.tp_mesh = tp_mesh
-            module.sequence_parallel = layout.sequence_parallel
+    for name in tied:
+        sharding[name] = dataclasses.replace(sharding[name], copies=sharding[name].copies * 2)
     return sharding
 
 

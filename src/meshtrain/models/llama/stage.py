@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 
@@ -19,8 +20,17 @@ class LlamaStage(nn.Module):
     """
 
     def __init__(
-        self, model: nn.Module, layer_ids: range, *, is_first: bool, is_last: bool
+        self,
+        model: nn.Module,
+        layer_ids: range,
+        *,
+        is_first: bool,
+        is_last: bool,
+        tp_mesh: DeviceMesh | None = None,
+        sequence_parallel: bool = False,
     ) -> None:
+        """`tp_mesh`, `sequence_parallel`: how the stage's input arrives from the one
+        before (this rank's sequence shard, under sequence parallelism)."""
         super().__init__()
         self.config = model.config
         self.is_first, self.is_last = is_first, is_last
@@ -32,8 +42,8 @@ class LlamaStage(nn.Module):
         if is_last:
             self.model.norm = model.model.norm
             self.lm_head = model.lm_head
-        self.tp_mesh = None
-        self.sequence_parallel = False
+        self.tp_mesh = tp_mesh
+        self.sequence_parallel = sequence_parallel and tp_mesh is not None
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         if self.is_first:
