@@ -37,35 +37,26 @@ use_offline_defaults()
 import datasets  # noqa: E402
 import machine_limit  # noqa: E402  (bench/machine_limit.py)
 import torch  # noqa: E402
-from bench_runs import plan_on_blocks  # noqa: E402  (bench/bench_runs.py)
+from bench_runs import planned_side  # noqa: E402  (bench/bench_runs.py)
 from shapes import SHAPES, hf_fields  # noqa: E402  (bench/shapes.py)
 
-from meshtrain.config import LaunchConfig, RunConfig  # noqa: E402
-from meshtrain.data.blocks import arrow_files  # noqa: E402
+from meshtrain.config import LaunchConfig, TrainingConfig  # noqa: E402
 from meshtrain.launch.elastic import run_workers  # noqa: E402
-from meshtrain.launch.job import make_worker_spec  # noqa: E402
 from meshtrain.launch.worker import worker_main_sequence  # noqa: E402
 from meshtrain.models import build_model_config  # noqa: E402
-from meshtrain.planner import plan_run  # noqa: E402
+from meshtrain.models.converters import build_converters, converter_names  # noqa: E402
+
+
+def _preset(name: str) -> dict[str, Any]:
+    """A bench/shapes.py preset as this script's model entry."""
+    return {"fields": hf_fields(name), **{k: SHAPES[name][k] for k in ("vocab", "block", "batch")}}
+
 
 MODELS = {
-    # The project's default shape.
-    "tiny": {
-        "fields": {
-            "hidden_size": 128,
-            "intermediate_size": 352,
-            "num_hidden_layers": 4,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "max_position_embeddings": 512,
-        },
-        "vocab": 4096,
-        "block": 128,
-        "batch": 8,
-        # Its steps take a quarter of a second: five times `--steps` of them cost little
-        # and steady the median step time, which one descheduled step moves by a third.
-        "step_factor": 5,
-    },
+    # The project's default shape. Its steps take a quarter of a second: five times
+    # `--steps` of them cost little and steady the median step time, which one
+    # descheduled step moves by a third.
+    "tiny": {**_preset("default"), "step_factor": 5},
     "small": {
         "fields": {
             "hidden_size": 256,
@@ -80,70 +71,54 @@ MODELS = {
         "batch": 4,
     },
     # The sizes where compute dominates (issue #19): bench/throughput.py's --shape presets.
-    **{
-        name: {
-            "fields": hf_fields(name),
-            **{key: SHAPES[name][key] for key in ("vocab", "block", "batch")},
-        }
-        for name in ("27m", "110m")
-    },
+    "27m": _preset("27m"),
+    "110m": _preset("110m"),
 }
 
+TP2, PP2 = {"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}
+FULL, SELECTIVE = {"activation_checkpointing": "full"}, {"activation_checkpointing": "selective"}
 # (model, world size, parallel overrides[, training overrides])
 LAYOUTS: list[tuple] = [
     ("tiny", 1, {}),
-    ("tiny", 1, {"activation_checkpointing": "full"}),
-    ("tiny", 1, {"activation_checkpointing": "selective"}),
+    ("tiny", 1, FULL),
+    ("tiny", 1, SELECTIVE),
     ("tiny", 2, {"data_parallel_size": 2}),
     ("tiny", 2, {"data_parallel_size": 2, "zero_1": False}),
-    ("tiny", 2, {"tensor_parallel_size": 2, "sequence_parallel": False}),
-    ("tiny", 2, {"tensor_parallel_size": 2}),
-    ("tiny", 2, {"pipeline_parallel_size": 2, "pipeline_schedule": "1f1b"}),
-    ("tiny", 2, {"pipeline_parallel_size": 2, "pipeline_schedule": "gpipe"}),
+    ("tiny", 2, {**TP2, "sequence_parallel": False}),
+    ("tiny", 2, TP2),
+    ("tiny", 2, {**PP2, "pipeline_schedule": "1f1b"}),
+    ("tiny", 2, {**PP2, "pipeline_schedule": "gpipe"}),
     ("small", 1, {}),
     ("small", 2, {"data_parallel_size": 2}),
-    ("small", 2, {"tensor_parallel_size": 2}),
-    ("small", 2, {"tensor_parallel_size": 2, "activation_checkpointing": "full"}),
-    ("small", 2, {"pipeline_parallel_size": 2, "pipeline_parallel_num_microbatches": 2}),
-    ("small", 4, {"data_parallel_size": 2, "tensor_parallel_size": 2}),
-    ("small", 4, {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}),
-    ("small", 2, {"tensor_parallel_size": 2, "activation_checkpointing": "selective"}),
-    (
-        "small",
-        2,
-        {
-            "tensor_parallel_size": 2,
-            "sequence_parallel": False,
-            "activation_checkpointing": "selective",
-        },
-    ),
-    ("tiny", 1, {"activation_checkpointing": "selective"}, {"mixed_precision": "bf16"}),
+    ("small", 2, TP2),
+    ("small", 2, {**TP2, **FULL}),
+    ("small", 2, {**PP2, "pipeline_parallel_num_microbatches": 2}),
+    ("small", 4, {"data_parallel_size": 2, **TP2}),
+    ("small", 4, {**TP2, **PP2}),
+    ("small", 2, {**TP2, **SELECTIVE}),
+    ("small", 2, {**TP2, "sequence_parallel": False, **SELECTIVE}),
+    ("tiny", 1, SELECTIVE, {"mixed_precision": "bf16"}),
     ("tiny", 1, {}, {"mixed_precision": "bf16"}),
     (
         "small",
         2,
-        {
-            "pipeline_parallel_size": 2,
-            "pipeline_schedule": "interleaved_1f1b",
-            "pipeline_parallel_num_microbatches": 4,
-        },
+        {**PP2, "pipeline_schedule": "interleaved_1f1b", "pipeline_parallel_num_microbatches": 4},
     ),
 ]
-
-
 # The time model's check: dp2, tp2 and pp2 (1F1B) at the three sizes, predicted step time
 # within 20% of the measured (`--time-model`).
 TIME_MODEL_LAYOUTS: list[tuple] = [
     (model, 2, parallel)
     for model in ("tiny", "27m", "110m")
-    for parallel in (
-        {"data_parallel_size": 2},
-        {"tensor_parallel_size": 2},
-        {"pipeline_parallel_size": 2, "pipeline_schedule": "1f1b"},
-    )
+    for parallel in ({"data_parallel_size": 2}, TP2, {**PP2, "pipeline_schedule": "1f1b"})
 ]
 # Matmul widths the cpu profile's rate is measured at (`--calibrate`): the models above.
 CALIBRATION_MODELS = ("tiny", "small", "27m", "110m")
+# The planner's own choice, to compare with the fastest layout measured.
+ALL_AUTO = {"tensor_parallel_size": "auto", "pipeline_parallel_size": "auto"}
+# The 2 x 1 GEMM rates of the machine when the cpu profile's tables were measured
+# (bench/machine_limit.py): its speed moves 20-40% between hours, the step times with it.
+CALIBRATED_AT = "oneDNN 320-374, torch.mm 147-155"
 
 
 def random_blocks(vocab: int, block: int, count: int, out: Path) -> datasets.DatasetDict:
@@ -159,35 +134,24 @@ def random_blocks(vocab: int, block: int, count: int, out: Path) -> datasets.Dat
     return datasets.load_from_disk(str(out))
 
 
-def run_config(
-    model: str,
-    world: int,
-    parallel: dict[str, Any],
-    steps: int,
-    out: Path,
-    training: dict[str, Any] | None = None,
-):
+def planned(model: str, world: int, parallel: dict, training: dict, root: Path, blocks, name: str):
+    """(worker spec, plan) of one layout's run of `model` (bench_runs.planned_side)."""
     shape = MODELS[model]
-    defaults = {
-        "data_parallel_size": "auto",
-        "tensor_parallel_size": 1,
-        "pipeline_parallel_size": 1,
-    }
-    return RunConfig.from_params(
-        parallel={**defaults, **parallel},
-        training={
-            "per_device_train_batch_size": shape["batch"],
-            "max_steps": steps,
-            "warmup_steps": 1,
-            "eval_batches": 0,
-            "checkpoint_every": 10_000,
-            "keep_last": 1,
-            "output_dir": str(out),
-            **(training or {}),
-        },
-        launch={"nproc_per_node": world},
-        model={"architecture": "llama", "config": shape["fields"]},
-        data={"block_size": shape["block"]},
+    return planned_side(
+        blocks,
+        root,
+        name,
+        world=world,
+        parallel={
+            "data_parallel_size": "auto",
+            "tensor_parallel_size": 1,
+            "pipeline_parallel_size": 1,
+        }
+        | parallel,
+        training={"per_device_train_batch_size": shape["batch"], **training},
+        shape=shape["fields"],
+        vocab=shape["vocab"],
+        block=shape["block"],
     )
 
 
@@ -195,9 +159,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--only", choices=sorted(MODELS), default=None)
-    parser.add_argument(
-        "--match", default=None, help="only layouts whose overrides name this parameter"
-    )
+    parser.add_argument("--match", help="only layouts whose overrides name this parameter")
     parser.add_argument(
         "--calibrate",
         action="store_true",
@@ -214,45 +176,16 @@ def main() -> None:
     if args.calibrate:
         calibrate()
         return
-    layouts = TIME_MODEL_LAYOUTS if args.time_model else LAYOUTS
-
+    layouts = [
+        (model, world, parallel, rest[0] if rest else {})
+        for model, world, parallel, *rest in (TIME_MODEL_LAYOUTS if args.time_model else LAYOUTS)
+        if (not args.only or model == args.only)
+        and (not args.match or args.match in {**parallel, **(rest[0] if rest else {})})
+    ]
     gemm_before = machine_limit.gemm_rate(2, 1)
-    rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
-        groups: dict[tuple[str, int], list[tuple[dict, Any]]] = {}
-        blocks_of = {}
-        for model, world, parallel, *rest in layouts:
-            training = rest[0] if rest else {}
-            named = {**parallel, **training}
-            if (args.only and model != args.only) or (args.match and args.match not in named):
-                continue
-            steps = args.steps * MODELS[model].get("step_factor", 1)
-            if model not in blocks_of:
-                shape = MODELS[model]
-                count = shape["batch"] * 4 * (steps + 2) + 8
-                blocks_of[model] = random_blocks(
-                    shape["vocab"], shape["block"], count, root / f"blocks-{model}"
-                )
-            plan, spec = planned_spec(
-                model, world, parallel, training, steps, root, blocks_of[model]
-            )
-            groups.setdefault((model, world), []).append((plan.to_dict(), spec))
-        for (model, world), items in groups.items():
-            started = time.perf_counter()
-            summaries = run_workers(
-                worker_main_sequence,
-                ([spec for _, spec in items],),
-                LaunchConfig(nproc_per_node=world),
-                log_dir=root / "logs",
-                run_id=f"validation-{model}-{world}",
-            )[0]
-            seconds = time.perf_counter() - started
-            print(f"[{model} world {world}: {len(items)} runs in {seconds:.0f}s]", file=sys.stderr)
-            for (plan, _), summary in zip(items, summaries, strict=True):
-                rows.append((model, world, plan, summary))
-
-    print_table(rows, args.steps)
+        rows, choices = run_layouts(layouts, args.steps, Path(tmp))
+    print_table(rows, args.steps, choices)
     gemm_after = machine_limit.gemm_rate(2, 1)
     print(
         "the machine's fp32 GEMM rate, 2 processes x 1 thread, at the start / end: "
@@ -261,9 +194,44 @@ def main() -> None:
     )
 
 
-# The 2 x 1 GEMM rates of the machine when the cpu profile's tables were measured
-# (bench/machine_limit.py): its speed moves 20-40% between hours, the step times with it.
-CALIBRATED_AT = "oneDNN 320-374, torch.mm 147-155"
+def run_layouts(
+    layouts: list[tuple], steps: int, root: Path
+) -> tuple[list[tuple[str, int, str, dict, dict]], dict[tuple[str, int], str]]:
+    """Train every layout, those of one model and world size in one spawned group
+    (start-up dominates): (model, world, label, plan, summary) rows, and the planner's
+    own choice per model and world size."""
+    groups: dict[tuple[str, int], list[tuple[str, dict, Any]]] = {}
+    choices: dict[tuple[str, int], str] = {}
+    blocks_of = {}
+    for index, (model, world, parallel, training) in enumerate(layouts):
+        shape = MODELS[model]
+        model_steps = steps * shape.get("step_factor", 1)
+        if model not in blocks_of:
+            count = shape["batch"] * 4 * (model_steps + 2) + 8
+            out = root / f"blocks-{model}"
+            blocks_of[model] = random_blocks(shape["vocab"], shape["block"], count, out)
+        blocks, fixed = blocks_of[model], {"max_steps": model_steps, **training}
+        spec, plan = planned(model, world, parallel, fixed, root, blocks, f"{model}-{index}")
+        label = plan.layout.name + "".join(f" {k}={v}" for k, v in training.items())
+        groups.setdefault((model, world), []).append((label, plan.to_dict(), spec))
+        if world > 1 and (model, world) not in choices:
+            choice = planned(model, world, ALL_AUTO, {"max_steps": 10}, root, blocks, "choice")
+            choices[model, world] = choice[1].layout.name
+    rows = []
+    for (model, world), items in groups.items():
+        started = time.perf_counter()
+        summaries = run_workers(
+            worker_main_sequence,
+            ([spec for *_, spec in items],),
+            LaunchConfig(nproc_per_node=world),
+            log_dir=root / "logs",
+            run_id=f"validation-{model}-{world}",
+        )[0]
+        seconds = time.perf_counter() - started
+        print(f"[{model} world {world}: {len(items)} runs in {seconds:.0f}s]", file=sys.stderr)
+        for (label, plan, _), summary in zip(items, summaries, strict=True):
+            rows.append((model, world, label, plan, summary))
+    return rows, choices
 
 
 def _gemm_summary(rate: dict[str, Any]) -> str:
@@ -275,36 +243,19 @@ def _gemm_summary(rate: dict[str, Any]) -> str:
     )
 
 
-def planned_spec(
-    model: str,
-    world: int,
-    parallel: dict[str, Any],
-    training: dict[str, Any],
+def print_table(
+    rows: list[tuple[str, int, str, dict, dict]],
     steps: int,
-    root: Path,
-    blocks: datasets.DatasetDict,
-) -> tuple[Any, Any]:
-    """The plan and the worker spec of one layout's run, named after its layout."""
-    shape = MODELS[model]
-    run = run_config(model, world, parallel, steps, root / "runs", training)
-    config = build_model_config("llama", shape["fields"], vocab_size=shape["vocab"])
-    plan = plan_on_blocks(run, config, blocks)
-    values = run.to_dict()
-    named = {**values["training"], "run_name": f"{model}-{plan.layout.name}"}
-    run = RunConfig.from_params(**{**values, "training": named})
-    spec = make_worker_spec(
-        run, plan, train_files=arrow_files(blocks["train"]), validation_files=[], tokenizer_dir=None
-    )
-    return plan, spec
-
-
-def print_table(rows: list[tuple[str, int, dict, dict]], steps: int) -> None:
+    choices: dict[tuple[str, int], str],
+) -> None:
+    """Predicted / measured memory and step time per layout, then the planner's choice
+    against the fastest layout measured."""
     print(
         f"{'model':6} {'layout':32} {'memory MiB: pred':>16} {'meas':>7} {'ratio':>6} "
         f"{'step ms: pred':>14} {'meas':>7} {'ratio':>6}"
     )
     worst = worst_time = 0.0
-    for model, _, plan, summary in rows:
+    for model, _, label, plan, summary in rows:
         predicted = plan["memory_estimate_per_rank"]["total"]
         measured = summary["measured_peak_memory"]["peak_bytes"]
         worst = max(worst, abs(predicted / measured - 1))
@@ -313,8 +264,7 @@ def print_table(rows: list[tuple[str, int, dict, dict]], steps: int) -> None:
         step_meas = median * 1e3 if median else float("nan")
         worst_time = max(worst_time, abs(step_pred / step_meas - 1))
         print(
-            f"{model:6} {Path(summary['run_dir']).name.removeprefix(model + '-'):32} "
-            f"{predicted / 2**20:16.1f} "
+            f"{model:6} {label:32} {predicted / 2**20:16.1f} "
             f"{measured / 2**20:7.1f} {predicted / measured:6.2f} "
             f"{step_pred:14.0f} {step_meas:7.0f} {step_pred / step_meas:6.2f}"
         )
@@ -328,42 +278,24 @@ def print_table(rows: list[tuple[str, int, dict, dict]], steps: int) -> None:
         f"{more}; measured step: the median of the steady steps)"
     )
     print(f"largest step time error: {worst_time:.1%} (target for the time model: 20%)")
-
-    # The planner's own choice (tp, pp and dp all auto) against the fastest measured.
-    groups: dict[tuple[str, int], list[tuple[dict, dict]]] = {}
-    for model, world, plan, summary in rows:
-        groups.setdefault((model, world), []).append((plan, summary))
-    for (model, world), items in groups.items():
-        if world == 1 or len(items) < 2:
-            continue
+    for (model, world), choice in choices.items():
         # Throughput, not step time: dp changes the global batch, so steps differ in tokens.
-        measured = {p["layout_name"]: s["mean_tokens_per_s"] for p, s in items}
-        choice = planner_choice(model, world)
+        measured = {
+            p["layout_name"]: s["mean_tokens_per_s"]
+            for m, w, _, p, s in rows
+            if (m, w) == (model, world)
+        }
+        if len(measured) < 2:
+            continue
         fastest = max(measured, key=measured.get)
-        if choice in measured:
-            verdict = f"{measured[choice] / measured[fastest]:.2f}x the fastest tokens/s"
-        else:
-            verdict = "not among the measured layouts"
+        verdict = (
+            f"{measured[choice] / measured[fastest]:.2f}x the fastest tokens/s"
+            if choice in measured
+            else "not among the measured layouts"
+        )
         print(
             f"{model} world {world}: planner chose {choice}; fastest measured {fastest}; {verdict}"
         )
-
-
-def planner_choice(model: str, world: int) -> str:
-    shape = MODELS[model]
-    run = run_config(
-        model,
-        world,
-        {"tensor_parallel_size": "auto", "pipeline_parallel_size": "auto"},
-        10,
-        Path(tempfile.gettempdir()),
-    )
-    config = build_model_config("llama", shape["fields"], vocab_size=shape["vocab"])
-    blocks = shape["batch"] * world * 100
-    plan = plan_run(
-        run, config, num_train_blocks=blocks, num_validation_blocks=8, cuda_available=False
-    )
-    return plan.layout.name
 
 
 def calibrate() -> None:
@@ -371,46 +303,47 @@ def calibrate() -> None:
 
     Per matmul width (the models of CALIBRATION_MODELS) and tokens per forward (one
     sequence or 256 tokens, and the model's whole batch), the training rate of forward +
-    backward, in two fresh single-thread processes at once (as two ranks run): with the
-    Linear layers where `training.cpu_matmul: auto` puts them, and, where that is oneDNN,
-    again on torch.mm (the profile's BLAS table, for `blas` runs and tensor parallelism);
-    then gloo's all-reduce latency and bandwidth between two processes.
+    backward, in two fresh single-thread processes at once (as two ranks run): on the
+    device's own path (`tflops_fp32_by_shape`) and through each model converter a
+    default CPU run goes through (`converter_tflops_fp32_by_shape`); then gloo's
+    all-reduce latency and bandwidth between two processes.
     """
-    from meshtrain.models.cpu_linear import cpu_matmul_choice  # noqa: PLC0415
-
-    tables = {"tflops_fp32_by_shape": "auto"}
-    if cpu_matmul_choice("auto", torch.device("cpu")) == "onednn":
-        tables["blas_tflops_fp32_by_shape"] = "blas"
-    measured = {}
-    for field, setting in tables.items():
-        measured[field] = [_rate_points(model, setting) for model in CALIBRATION_MODELS]
-    rows = ", ".join(f"{f}: {sum(points, [])}" for f, points in measured.items())
-    print(f"planner.device_profiles: {{cpu: {{{rows}}}}}")
+    names = converter_names(TrainingConfig(), "cpu", tensor_parallel=False)
+    rates = {
+        name: sum((_rate_points(model, name) for model in CALIBRATION_MODELS), [])
+        for name in (None, *names)
+    }
+    own = rates.pop(None)
+    by_converter = ", ".join(f"{name}: {points}" for name, points in rates.items())
+    print(
+        f"planner.device_profiles: {{cpu: {{tflops_fp32_by_shape: {own}, "
+        f"converter_tflops_fp32_by_shape: {{{by_converter}}}}}}}"
+    )
     with tempfile.TemporaryDirectory() as tmp:
         torch.multiprocessing.spawn(_gloo_probe, args=(tmp,), nprocs=2, join=True)
 
 
-def _rate_points(model: str, setting: str) -> list[list[float]]:
-    """[[width, tokens, TFLOP/s per core]] of `model`, its Linear layers as `setting` of
-    `training.cpu_matmul` puts them; the mean of the two processes."""
+def _rate_points(model: str, converter: str | None) -> list[list[float]]:
+    """[[width, tokens, TFLOP/s per core]] of `model` on the device's own path, or through
+    the named model converter; the mean of the two processes."""
     with tempfile.TemporaryDirectory() as tmp:
-        torch.multiprocessing.spawn(_rate_probe, args=(model, setting, tmp), nprocs=2, join=True)
+        torch.multiprocessing.spawn(_rate_probe, args=(model, converter, tmp), nprocs=2, join=True)
         found = [json.loads(f.read_text()) for f in sorted(Path(tmp).glob("rate-*.json"))]
     width = MODELS[model]["fields"]["hidden_size"]
     points = []
     for index, (tokens, _) in enumerate(found[0]):
         rate = statistics.fmean(ranks[index][1] for ranks in found)
-        print(f"cpu_matmul {setting}, width {width} ({model}), {tokens} tokens: {rate:.4f} TFLOP/s")
+        path = converter or "own path"
+        print(f"{path}, width {width} ({model}), {tokens} tokens: {rate:.4f} TFLOP/s")
         points.append([width, tokens, round(rate, 4)])
     return points
 
 
-def _rate_probe(rank: int, model: str, setting: str, tmp: str, steps: int = 6) -> None:
+def _rate_probe(rank: int, model: str, converter: str | None, tmp: str, steps: int = 6) -> None:
     """[(tokens per forward, TFLOP/s)] of `model`'s forward + backward on one thread, at
     256 tokens (or one sequence, if longer) and at the model's batch: median step times."""
     from transformers import AutoModelForCausalLM  # noqa: PLC0415
 
-    from meshtrain.models.cpu_linear import cpu_matmul_choice, route_linears_to_onednn  # noqa: PLC0415
     from meshtrain.planner.cost import training_flops_per_token  # noqa: PLC0415
     from meshtrain.planner.memory import ModelShape  # noqa: PLC0415
 
@@ -418,8 +351,9 @@ def _rate_probe(rank: int, model: str, setting: str, tmp: str, steps: int = 6) -
     shape = MODELS[model]
     config = build_model_config("llama", shape["fields"], vocab_size=shape["vocab"])
     net = AutoModelForCausalLM.from_config(config)
-    if cpu_matmul_choice(setting, torch.device("cpu")) == "onednn":  # as training runs it
-        route_linears_to_onednn([net])
+    for found in build_converters(TrainingConfig(), "cpu", tensor_parallel=False):
+        if found.name == converter:  # as training applies it
+            found.convert(net)
     block = shape["block"]
     flops = training_flops_per_token(ModelShape.from_config(config), block, "none")
     rates = []
