@@ -11,7 +11,7 @@ from transformers import PretrainedConfig
 from meshtrain.config import RunConfig, TrainingConfig
 from meshtrain.models import build_model_config
 from meshtrain.models.converters import converter_names
-from meshtrain.planner import Plan, plan_run
+from meshtrain.planner import LayoutError, Plan, plan_run
 from meshtrain.planner.devices import BUILTIN_PROFILES, device_profile
 
 # A 512-wide model, so that tp2's matmuls fall in another width class.
@@ -71,13 +71,18 @@ def test_the_tables_come_from_yaml_as_lists() -> None:
     assert cpu.tflops(False, width=512, tokens=1024, converters=CONVERTER) == pytest.approx(0.11)
 
 
-def test_the_old_torch_mm_table_key_is_refused_with_the_new_names() -> None:
+def test_the_old_torch_mm_table_key_is_refused_with_the_new_names(model_config) -> None:
     """A profile override written for the release whose main table was oneDNN's would
     silently swap the two tables' meanings: refused, naming the keys that replace it."""
     old = {"cpu": {"blas_tflops_fp32_by_shape": [[128, 256, 0.01]]}}
     with pytest.raises(ValueError, match="converter_tflops_fp32_by_shape") as error:
         device_profile("cpu", old)
-    assert "own `tflops_fp32_by_shape`" in str(error.value)
+    assert "`tflops_fp32_by_shape` (the device's own path)" in str(error.value)
+    with pytest.raises(LayoutError) as refused:
+        _plan(model_config, planner={"device": "cpu", "device_profiles": old})
+    (refusal,) = refused.value.refusals
+    assert refusal.parameter == "planner.device_profiles.cpu"
+    assert refusal.value == "blas_tflops_fp32_by_shape"
     with pytest.raises(ValueError, match="maps a converter's name"):
         device_profile("cpu", {"cpu": {"converter_tflops_fp32_by_shape": [[128, 256, 0.1]]}})
 

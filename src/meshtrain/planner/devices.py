@@ -269,11 +269,20 @@ OPTIONAL_FIELDS = {
 # Keys of older releases, and what replaced them.
 RENAMED_FIELDS = {
     "blas_tflops_fp32_by_shape": (
-        "the Linear layers' torch.mm rates are now the device's own `tflops_fp32_by_shape`, "
-        "and the oneDNN ones `converter_tflops_fp32_by_shape: {onednn_linear: [[width, "
-        "tokens, TFLOP/s], ...]}`"
+        "Put the Linear layers' torch.mm rates in `tflops_fp32_by_shape` (the device's own "
+        "path) and the oneDNN ones in `converter_tflops_fp32_by_shape: {onednn_linear: "
+        "[[width, tokens, TFLOP/s], ...]}` (docs/planner.md)."
     ),
 }
+
+
+class RenamedFieldError(ValueError):
+    """A profile override uses a key of an earlier release."""
+
+    def __init__(self, profile: str, key: str) -> None:
+        self.parameter = f"planner.device_profiles.{profile}"
+        self.key, self.fix = key, RENAMED_FIELDS[key]
+        super().__init__(f"{self.parameter}.{key} is no longer read. {self.fix}")
 
 
 def device_profile(name: str, overrides: dict[str, dict[str, Any]] | None = None) -> DeviceProfile:
@@ -283,10 +292,7 @@ def device_profile(name: str, overrides: dict[str, dict[str, Any]] | None = None
     for profile_name, values in overrides.items():
         renamed = sorted(set(values) & set(RENAMED_FIELDS))
         if renamed:
-            raise ValueError(
-                f"planner.device_profiles.{profile_name}.{renamed[0]} is no longer read: "
-                f"{RENAMED_FIELDS[renamed[0]]}"
-            )
+            raise RenamedFieldError(profile_name, renamed[0])
         unknown = sorted(set(values) - fields)
         if unknown:
             raise ValueError(
@@ -344,6 +350,11 @@ def resolve_device(name: str, overrides: dict[str, dict[str, Any]], cuda: bool) 
             name = "h200" if "h200" in gpu else "h100"
     try:
         return device_profile(name, overrides)
+    except RenamedFieldError as error:
+        refusal = Refusal(
+            error.parameter, error.key, "a key this release no longer reads", error.fix
+        )
+        raise LayoutError([refusal]) from None
     except ValueError as error:
         reason = str(error).rstrip(".")
         fix = "Or define it in planner.device_profiles (docs/planner.md)."
