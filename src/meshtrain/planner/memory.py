@@ -392,7 +392,7 @@ def layer_activation_elements(m: ModelShape, step: StepShape) -> tuple[float, fl
     """
     t = step.tp
     h, i, a = m.hidden, m.intermediate, m.heads
-    kv = max(m.kv_heads // t, 1) * m.head_dim  # under tp at least one (replicated) head
+    kv = max(m.kv_heads // t, 1) * m.head_dim  # a tp rank keeps a KV head at least (replicated)
     q_and_out = 2 * h / t  # q after rotary, attention output (= o_proj input)
     mlp = 4 * i / t  # gate, up, SiLU(gate), their product
     per_head = a / t  # log-sum-exp
