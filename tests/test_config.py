@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ast
+import dataclasses
 import json
 from pathlib import Path
 
@@ -16,10 +18,21 @@ from meshtrain.config import (
     EvaluationConfig,
     LaunchConfig,
     ParallelConfig,
+    PlannerConfig,
     RunConfig,
     TrainingConfig,
     parse,
 )
+from meshtrain.config_parsing import Bound
+from meshtrain.config_ranges import (
+    DATA_RANGES,
+    EVALUATION_RANGES,
+    LAUNCH_RANGES,
+    PLANNER_RANGES,
+    TRAINING_RANGES,
+)
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "meshtrain"
 
 
 def test_defaults_when_nothing_is_given() -> None:
@@ -268,3 +281,45 @@ def test_from_dict_refuses_unknown_keys_too() -> None:
     values["launch"]["nproc_per_nod"] = 2
     with pytest.raises(ConfigError, match=r"`launch\.nproc_per_nod`.*`launch\.nproc_per_node`"):
         RunConfig.from_dict(values)
+
+
+@pytest.mark.parametrize(
+    ("cls", "rows"),
+    [
+        (TrainingConfig, TRAINING_RANGES),
+        (DataConfig, DATA_RANGES),
+        (EvaluationConfig, EVALUATION_RANGES),
+        (LaunchConfig, LAUNCH_RANGES),
+        (PlannerConfig, PLANNER_RANGES),
+    ],
+)
+def test_every_range_row_names_a_field_and_its_refusal_names_it(cls: type, rows) -> None:
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for name, bound, message in rows:
+        assert name in fields, name
+        assert f".{name}" in message, message
+        assert fields[name].default is None or bound.holds(fields[name].default), name
+
+
+def test_a_bound_refuses_nan_and_keeps_its_open_ends() -> None:
+    fraction = Bound(low=0, high=1, high_open=True)
+    assert fraction.holds(0) and fraction.holds(0.5)
+    assert not fraction.holds(1) and not fraction.holds(float("nan"))
+    assert Bound(low=0, low_open=True).holds(1e-9) and not Bound(low=0, low_open=True).holds(0)
+
+
+def test_config_imports_nothing_from_the_layers_above_it() -> None:
+    """config (and its parsing and ranges) sit below data, models and the rest: they import
+    only from each other, so no import runs back up."""
+    own = {"meshtrain.config", "meshtrain.config_parsing", "meshtrain.config_ranges"}
+    for name in own:
+        tree = ast.parse((SRC / f"{name.split('.')[1]}.py").read_text())
+        for node in ast.walk(tree):
+            modules = []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                modules = [node.module]
+            elif isinstance(node, ast.Import):
+                modules = [alias.name for alias in node.names]
+            for module in modules:
+                if module.startswith("meshtrain"):
+                    assert module in own, f"{name} imports {module}"

@@ -35,7 +35,7 @@ class Plan:
     # rank, in the training dtype; 0 where the profile has none).
     model_flops_per_token: float = 0.0
     peak_tflops_per_rank: float = 0.0
-    # sha256 of what the plan was made from (`planner.resolve.plan_inputs_hash`): training
+    # sha256 of what the plan was made from (`planner.plan_inputs.plan_inputs_hash`): training
     # compares it with its own instead of planning again ("": a plan from before the hash).
     config_hash: str = ""
 

@@ -16,7 +16,7 @@ from meshtrain.launch.backends import check_backend_available
 from meshtrain.launch.job import run_training
 from meshtrain.pipelines.run_config import run_config
 from meshtrain.planner import Plan
-from meshtrain.planner.resolve import check_plan_matches, plan_inputs_hash
+from meshtrain.planner.plan_inputs import check_plan_matches, plan_inputs_hash
 from meshtrain.tracking import mlflow_run as tracking
 
 
