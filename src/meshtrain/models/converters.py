@@ -1,7 +1,8 @@
 """Model converters: changes a run makes to the model's modules before it is parallelised.
 
-A converter swaps or rewraps layers in place (the CPU Linear layers on oneDNN today;
-LoRA adapters and other kernels tomorrow) without changing parameter names, so
+A converter swaps or rewraps layers in place (the CPU Linear layers on a faster
+kernel library today; LoRA adapters and other kernels tomorrow) without changing
+parameter names, so
 checkpoints and consolidation never know it ran. The run's list is decided here, in
 one place, from its training configuration; `parallelize` applies the list first,
 on the meta model, and the planner reads only the names, to pick the device
