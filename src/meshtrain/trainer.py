@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from meshtrain.checkpoint.checkpointer import Checkpointer
+from meshtrain.checkpoint.checkpointer import Checkpointer, OptimizerState
 from meshtrain.components.lr_schedule import LearningRateSchedule
 from meshtrain.components.metrics import (
     Throughput,
@@ -113,10 +113,10 @@ class Trainer:
         )
         self.pm = self._build_model()
         accumulation = self.plan.global_batch_size // (self.dims.dp * self.per_device)
-        self.optimizer = build_optimizer(
+        self.optimizer, optimizer_state = build_optimizer(
             self.pm, training=self.cfg, accumulation_steps=accumulation
         )
-        self.checkpointer = self._checkpointer()
+        self.checkpointer = self._checkpointer(optimizer_state)
         self.start_step = self._restore()
         self.lr_schedule = LearningRateSchedule(self.cfg)
         self.train_blocks = BlockStore(spec.train_files)
@@ -175,14 +175,14 @@ class Trainer:
         pm.set_training(True)
         return pm
 
-    def _checkpointer(self) -> Checkpointer:
+    def _checkpointer(self, optimizer_state: OptimizerState) -> Checkpointer:
         """The owner of this run's checkpoints, with what each of them holds."""
         return Checkpointer(
             self.run_dir,
             parameters=self.pm.parameters,
             sharding=self.pm.sharding,
             tied_copies=self.pm.tied_copies,
-            optimizer=self.optimizer,
+            optimizer=optimizer_state,
             dims=self.dims,
             model_config=self.pm.hf_config,
             run_state={

@@ -5,7 +5,9 @@ weights and gradients under bf16 parameters), or, under sharded data
 parallelism, AdamW over FSDP2's shards. The trainer and the Checkpointer talk
 to either through `ModelOptimizer` alone: the step in two halves (so a
 non-finite norm can still refuse the update), and each optimizer writing and
-reading its own pieces of a checkpoint.
+reading its own pieces of a checkpoint (`zero_state`, `fsdp_state`: what
+`checkpoint.checkpointer.OptimizerState` asks, beside the optimizer, so the
+optimizers know nothing of checkpoint files and checkpoint/ nothing of them).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 
 from meshtrain.checkpoint.checkpointer import OptimizerState
+from meshtrain.components.fsdp_state import FSDPState
+from meshtrain.components.zero_state import ZeroState
 from meshtrain.config import TrainingConfig
 from meshtrain.distributed.flat_buffer import FlatParameters
 from meshtrain.distributed.fsdp_optimizer import FSDPAdamW
@@ -23,9 +27,8 @@ from meshtrain.distributed.zero import ShardedAdamW
 from meshtrain.models.parallel_model import ParallelModel
 
 
-class ModelOptimizer(OptimizerState, Protocol):
-    """What the training loop asks of a run's optimizer, besides what the Checkpointer
-    does (`OptimizerState`: each optimizer writes and reads its own pieces)."""
+class ModelOptimizer(Protocol):
+    """What the training loop asks of a run's optimizer."""
 
     # -- the step ---------------------------------------------------------------------------
     def reduce_gradients(self) -> torch.Tensor:
@@ -59,11 +62,12 @@ class ModelOptimizer(OptimizerState, Protocol):
 
 def build_optimizer(
     pm: ParallelModel, *, training: TrainingConfig, accumulation_steps: int = 1
-) -> ModelOptimizer:
+) -> tuple[ModelOptimizer, OptimizerState]:
     """AdamW for this rank's parameters, with the global gradient norm summed over the tp
     and pp groups: FSDP2's shards under sharded data parallelism, else the flat buffer
-    (ZeRO-1 over dp when the layout says so). `accumulation_steps`: microbatches of a
-    step on this rank (each gradient is final after that many backward passes)."""
+    (ZeRO-1 over dp when the layout says so); and its side of a checkpoint.
+    `accumulation_steps`: microbatches of a step on this rank (each gradient is final
+    after that many backward passes)."""
     dims = pm.dims
     norm_groups = tuple(
         dims.mesh.get_group(name) for name in ("tp", "pp") if dims.mesh[name].size() > 1
@@ -78,13 +82,14 @@ def build_optimizer(
     }
     if pm.layout.sharded:
         groups = sum(isinstance(m, FSDPModule) for stage in pm.modules for m in stage.modules())
-        return FSDPAdamW(pm.parameters, pm.sharding, dims, groups=groups, **adam)
+        sharded = FSDPAdamW(pm.parameters, pm.sharding, dims, groups=groups, **adam)
+        return sharded, FSDPState(sharded)
     master_weights = training.mixed_precision == "bf16_master"
     grad_dtype = torch.float32 if master_weights and training.grad_reduce_dtype == "fp32" else None
     flat = FlatParameters(
         pm.parameters.items(), num_shards=dims.dp, sharding=pm.sharding, grad_dtype=grad_dtype
     )
-    return ShardedAdamW(
+    optimizer = ShardedAdamW(
         flat,
         dims.dp_group,
         zero_1=pm.layout.zero_1,
@@ -96,3 +101,4 @@ def build_optimizer(
         gather_modules=pm.modules if training.gathers_under_forward else None,
         **adam,
     )
+    return optimizer, ZeroState(optimizer)

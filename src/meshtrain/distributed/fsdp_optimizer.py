@@ -10,27 +10,19 @@ and pp groups; replicas hold the same shard and are not summed), clipping,
 and AdamW, which is elementwise, so updating shards is updating the whole.
 
 It keeps the run's optimizer contract (`components.optimizer.ModelOptimizer`),
-as `zero.ShardedAdamW` does, so neither the training loop nor the checkpoints
-branch on which one a run has.
+as `zero.ShardedAdamW` does, so the training loop does not branch on which one
+a run has; what it puts in a checkpoint is `components.fsdp_state`.
 """
 
 from __future__ import annotations
-
-from collections.abc import Mapping
-from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from meshtrain.distributed import fsdp_checkpoint
 from meshtrain.distributed.grad_norm import clip_gradients_, global_grad_norm
 from meshtrain.distributed.parallel_dims import ParallelDims
 from meshtrain.distributed.tensor_parallel import ParameterSharding, local_tensor
-
-if TYPE_CHECKING:
-    from meshtrain.checkpoint.load import CheckpointReader
 
 
 class FSDPAdamW:
@@ -160,31 +152,3 @@ class FSDPAdamW:
                 local_tensor(value).copy_(moments[name][key])
                 state[key] = value
             self.optimizer.state[p] = state
-
-    # -- checkpoints (the format: `fsdp_checkpoint`) -----------------------------------------
-
-    def checkpoint_bytes(
-        self,
-        parameters: Mapping[str, torch.Tensor],
-        sharding: Mapping[str, ParameterSharding],
-        dims: ParallelDims,
-    ) -> int:
-        return fsdp_checkpoint.checkpoint_bytes(self, parameters, sharding, dims)
-
-    def save_state(
-        self,
-        root: Path,
-        parameters: Mapping[str, torch.Tensor],
-        sharding: Mapping[str, ParameterSharding],
-        dims: ParallelDims,
-    ) -> None:
-        fsdp_checkpoint.save_state(self, root, parameters, sharding, dims)
-
-    def load_state(
-        self,
-        reader: CheckpointReader,
-        sharding: Mapping[str, ParameterSharding],
-        dims: ParallelDims,
-        stored_as: Mapping[str, str],
-    ) -> None:
-        fsdp_checkpoint.load_state(self, reader, sharding, dims, stored_as)

@@ -28,24 +28,16 @@ dp by ZeRO-1.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping
-from pathlib import Path
-from typing import TYPE_CHECKING
+from collections.abc import Collection, Iterable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshtrain.distributed import zero_checkpoint
 from meshtrain.distributed.data_parallel import GradientReducer
 from meshtrain.distributed.flat_buffer import FlatParameters, Slot
 from meshtrain.distributed.grad_norm import clip_gradients_, global_grad_norm
-from meshtrain.distributed.parallel_dims import ParallelDims
 from meshtrain.distributed.param_gather import ParameterGather
-from meshtrain.distributed.tensor_parallel import ParameterSharding
-
-if TYPE_CHECKING:
-    from meshtrain.checkpoint.load import CheckpointReader
 
 
 class ShardedAdamW:
@@ -294,31 +286,3 @@ class ShardedAdamW:
                 "exp_avg": exp_avg[lo:hi].to(self.master_grad.device, copy=True),
                 "exp_avg_sq": exp_avg_sq[lo:hi].to(self.master_grad.device, copy=True),
             }
-
-    # -- checkpoints (the format: `zero_checkpoint`) -----------------------------------------
-
-    def checkpoint_bytes(
-        self,
-        parameters: Mapping[str, torch.Tensor],
-        sharding: Mapping[str, ParameterSharding],
-        dims: ParallelDims,
-    ) -> int:
-        return zero_checkpoint.checkpoint_bytes(self, parameters, dims)
-
-    def save_state(
-        self,
-        root: Path,
-        parameters: Mapping[str, torch.Tensor],
-        sharding: Mapping[str, ParameterSharding],
-        dims: ParallelDims,
-    ) -> None:
-        zero_checkpoint.save_state(self, root, parameters, dims)
-
-    def load_state(
-        self,
-        reader: CheckpointReader,
-        sharding: Mapping[str, ParameterSharding],
-        dims: ParallelDims,
-        stored_as: Mapping[str, str],
-    ) -> None:
-        zero_checkpoint.load_state(self, reader, sharding, dims, stored_as)

@@ -1,4 +1,4 @@
-"""What `zero.ShardedAdamW` writes into a checkpoint, and how it reads it back.
+"""What `distributed.zero.ShardedAdamW` writes into a checkpoint, and how it reads it back.
 
 Per (tp, pp) coordinate, dp rank 0 writes the parameters (the fp32 master
 weights under bf16 parameters, gathered from their ZeRO-1 owners one tensor
@@ -12,20 +12,18 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from meshtrain.checkpoint import files
+from meshtrain.checkpoint.load import CheckpointReader
 from meshtrain.checkpoint.manifest import write_json_atomic
 from meshtrain.checkpoint.safetensors_format import SafetensorsWriter, TensorSpec, save_safetensors
 from meshtrain.distributed.parallel_dims import ParallelDims
 from meshtrain.distributed.tensor_parallel import ParameterSharding, local_tensor
-
-if TYPE_CHECKING:
-    from meshtrain.checkpoint.load import CheckpointReader
-    from meshtrain.distributed.zero import ShardedAdamW
+from meshtrain.distributed.zero import ShardedAdamW
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -136,3 +134,40 @@ def load_state(
             moment = spec.local_piece(reader.moment(name, key), dims.tp_rank, dims.tp).reshape(-1)
             target[lo - start : hi - start] = moment[lo - slot.offset : hi - slot.offset]
     optimizer.load_moments(moments["exp_avg"], moments["exp_avg_sq"], reader.step())
+
+
+@dataclass(frozen=True)
+class ZeroState:
+    """`ShardedAdamW`'s side of a checkpoint (`checkpoint.checkpointer.OptimizerState`)."""
+
+    optimizer: ShardedAdamW
+
+    @property
+    def state_dtype(self) -> torch.dtype:
+        return self.optimizer.state_dtype
+
+    def checkpoint_bytes(
+        self,
+        parameters: Mapping[str, torch.Tensor],
+        sharding: Mapping[str, ParameterSharding],
+        dims: ParallelDims,
+    ) -> int:
+        return checkpoint_bytes(self.optimizer, parameters, dims)
+
+    def save_state(
+        self,
+        root: Path,
+        parameters: Mapping[str, torch.Tensor],
+        sharding: Mapping[str, ParameterSharding],
+        dims: ParallelDims,
+    ) -> None:
+        save_state(self.optimizer, root, parameters, dims)
+
+    def load_state(
+        self,
+        reader: CheckpointReader,
+        sharding: Mapping[str, ParameterSharding],
+        dims: ParallelDims,
+        stored_as: Mapping[str, str],
+    ) -> None:
+        load_state(self.optimizer, reader, sharding, dims, stored_as)

@@ -1,4 +1,4 @@
-"""What `fsdp_optimizer.FSDPAdamW` writes into a checkpoint, and how it reads it back:
+"""What `distributed.fsdp_optimizer.FSDPAdamW` writes into a checkpoint, and how it reads it back:
 the format every other layout writes.
 
 A sharded run's checkpoint is indistinguishable from a plain data-parallel
@@ -16,22 +16,20 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from meshtrain.checkpoint import files
+from meshtrain.checkpoint.load import CheckpointReader
 from meshtrain.checkpoint.manifest import write_json_atomic
 from meshtrain.checkpoint.safetensors_format import SafetensorsWriter, TensorSpec
 from meshtrain.distributed.fsdp import shard_piece
+from meshtrain.distributed.fsdp_optimizer import FSDPAdamW
 from meshtrain.distributed.parallel_dims import ParallelDims
 from meshtrain.distributed.tensor_parallel import ParameterSharding, local_tensor
-
-if TYPE_CHECKING:
-    from meshtrain.checkpoint.load import CheckpointReader
-    from meshtrain.distributed.fsdp_optimizer import FSDPAdamW
 
 
 def tp_local_shape(parameter: torch.Tensor, spec: ParameterSharding, tp: int) -> tuple[int, ...]:
@@ -160,3 +158,40 @@ def load_state(
                 for key in ("exp_avg", "exp_avg_sq")
             }
     optimizer.load_moments(moments, reader.step())
+
+
+@dataclass(frozen=True)
+class FSDPState:
+    """`FSDPAdamW`'s side of a checkpoint (`checkpoint.checkpointer.OptimizerState`)."""
+
+    optimizer: FSDPAdamW
+
+    @property
+    def state_dtype(self) -> torch.dtype:
+        return self.optimizer.state_dtype
+
+    def checkpoint_bytes(
+        self,
+        parameters: Mapping[str, torch.Tensor],
+        sharding: Mapping[str, ParameterSharding],
+        dims: ParallelDims,
+    ) -> int:
+        return checkpoint_bytes(self.optimizer, parameters, sharding, dims)
+
+    def save_state(
+        self,
+        root: Path,
+        parameters: Mapping[str, torch.Tensor],
+        sharding: Mapping[str, ParameterSharding],
+        dims: ParallelDims,
+    ) -> None:
+        save_state(self.optimizer, root, parameters, sharding, dims)
+
+    def load_state(
+        self,
+        reader: CheckpointReader,
+        sharding: Mapping[str, ParameterSharding],
+        dims: ParallelDims,
+        stored_as: Mapping[str, str],
+    ) -> None:
+        load_state(self.optimizer, reader, sharding, dims, stored_as)
