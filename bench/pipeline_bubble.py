@@ -4,12 +4,11 @@ For each pipeline size pp (world size = pp, dp = tp = 1) one process group is
 spawned with `meshtrain.launch.elastic.run_workers` (process start-up costs more than a
 measurement, so every schedule and microbatch count of that pp runs inside the
 same group). For each schedule -- GPipe, 1F1B and interleaved 1F1B with v
-virtual stages per rank -- and each microbatch count m in {pp, 2pp, 4pp}, the
-model is built and parallelised as `meshtrain.trainer.Trainer` does
-(`build_model` -> `meshtrain.models.llama.parallelize.parallelize` with a `Layout` whose
-stages are balanced), then trained on one random token batch per step:
-`--warmup` steps first, then `--steps` measured steps with the runner's
-`SpanRecorder` on. The bubble of a step is, per rank, the share of the step's
+virtual stages per rank -- and each microbatch count m in {pp, 2pp, 4pp}, the real
+`meshtrain.trainer.Trainer` is built from the spec `kedro run` would make (balanced
+stages) and trains: 3 steps first (past its memory and timeline probes), then
+`--steps` measured `train_step`s with the runner's `SpanRecorder` on. The bubble of
+a step is, per rank, the share of the step's
 wall window (first forward start to last backward end, over all ranks) spent
 outside any forward or backward chunk (`idle_fraction`); it is averaged over
 the measured steps and shown beside `theoretical_bubble`:
@@ -27,6 +26,7 @@ One timeline picture per (pp, schedule) at m = 2pp is written to `--out`
 fails only if a rank fails.
 
     .venv/bin/python bench/pipeline_bubble.py [--hidden 256] [--layers 8] [--seq 128] ...
+    .venv/bin/python bench/pipeline_bubble.py --hidden 64 --layers 4 --seq 32 --pp 2 --steps 1
 """
 
 from __future__ import annotations
@@ -44,32 +44,26 @@ import statistics  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
-from contextlib import nullcontext, suppress  # noqa: E402
+from contextlib import suppress  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from bench_runs import planned_side, step_and_log, token_blocks, trainer_group  # noqa: E402
 from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
 
-from meshtrain.config import LaunchConfig, Layout  # noqa: E402
-from meshtrain.distributed.parallel_dims import ParallelDims  # noqa: E402
+from meshtrain.config import LaunchConfig  # noqa: E402
 from meshtrain.distributed.pipeline_parallel import (  # noqa: E402
     Span,
     idle_fraction,
     theoretical_bubble,
 )
 from meshtrain.launch.elastic import run_workers  # noqa: E402
-from meshtrain.models import build_model, build_model_config  # noqa: E402
-from meshtrain.models.llama.parallelize import parallelize  # noqa: E402
-from meshtrain.planner.checks import balanced_split  # noqa: E402
+from meshtrain.trainer import Trainer  # noqa: E402
 
-SEED = 1234
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
-ENV_PREFIX = (
-    "KEDRO_DISABLE_TELEMETRY=true DO_NOT_TRACK=true MLFLOW_DISABLE_TELEMETRY=true "
-    "HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1"
-)
+PROBED = 3  # the Trainer's own probes run on its steps 1 (memory) and 2 (timeline)
 
 
 def microbatch_counts(pp: int) -> list[int]:
@@ -94,62 +88,36 @@ def combinations(pp: int, layers: int, virtual: int) -> tuple[list[tuple[str, in
 # --------------------------------------------------------------------------- on every rank
 
 
-def measure(job: dict[str, Any], dims: ParallelDims, schedule: str, v: int, m: int) -> dict:
-    """Warm up, then time `steps` training steps of one (schedule, v, m); rank 0 gets the
-    spans of every rank and step, the other ranks None."""
-    pp = dims.pp
-    layout = Layout(
-        data_parallel_size=1,
-        tensor_parallel_size=1,
-        pipeline_parallel_size=pp,
-        pipeline_parallel_num_microbatches=m,
-        pipeline_schedule=schedule,
-        sequence_parallel=False,
-        zero_1=False,
-        activation_checkpointing="none",
-        activation_offloading=False,
-        pipeline_parallel_virtual_stages=v,
-        pipeline_parallel_layers=balanced_split(job["layers"], pp * v),
-    )
-    config = build_model_config("llama", job["model"], vocab_size=job["vocab"])
-    model = build_model(config, seed=SEED)
-    pm = parallelize(model, dims, layout, torch.device("cpu"), nullcontext)
-    del model
-    pm.set_training(True)
-    # The same batch on every rank (only the first and last stages read it).
-    generator = torch.Generator().manual_seed(SEED)
-    input_ids = torch.randint(0, job["vocab"], (job["batch"], job["seq"]), generator=generator)
-
-    steps: list[tuple[list[Span], float]] = []
-    for step in range(job["warmup"] + job["steps"]):
-        measured = step >= job["warmup"]
-        pm.runner.recorder.spans = []
-        pm.runner.recorder.enabled = measured
+def measure(spec: Any, steps: int) -> dict | None:
+    """The real Trainer of one (schedule, v, m): its probed steps, then `steps` measured
+    ones; rank 0 gets the spans of every rank and step, the other ranks None."""
+    trainer = Trainer(spec)
+    trainer.train_start = time.perf_counter()
+    for step in range(PROBED):
+        step_and_log(trainer, step)
+    recorder = trainer.pm.runner.recorder
+    measured: list[tuple[list[Span], float]] = []
+    for step in range(PROBED, PROBED + steps):
+        recorder.spans, recorder.enabled = [], True
         dist.barrier()  # every rank starts the step together
         start = time.perf_counter()
-        pm.train_batch(input_ids, accumulation_steps=1)
-        elapsed = time.perf_counter() - start
-        pm.runner.recorder.enabled = False
-        for parameter in pm.parameters.values():
-            if parameter.grad is not None:
-                parameter.grad.zero_()
-        if measured:
-            steps.append((list(pm.runner.recorder.spans), elapsed))
-
+        trainer.train_step(step)
+        measured.append((list(recorder.spans), time.perf_counter() - start))
+        recorder.enabled = False
     gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (dims.pp_rank, steps))
-    del pm
+    dist.all_gather_object(gathered, (trainer.dims.pp_rank, measured))
+    layout = trainer.layout
     if dist.get_rank() != 0:
         return None
     by_rank = dict(gathered)
     return {
-        "schedule": schedule,
-        "v": v,
-        "m": m,
+        "schedule": layout.pipeline_schedule,
+        "v": layout.pipeline_parallel_virtual_stages,
+        "m": layout.pipeline_parallel_num_microbatches,
         # [step] -> {pp rank: spans}
-        "spans": [{r: by_rank[r][i][0] for r in by_rank} for i in range(job["steps"])],
+        "spans": [{r: by_rank[r][i][0] for r in by_rank} for i in range(steps)],
         # the step's time: the slowest rank's, from the common start
-        "step_s": [max(by_rank[r][i][1] for r in by_rank) for i in range(job["steps"])],
+        "step_s": [max(by_rank[r][i][1] for r in by_rank) for i in range(steps)],
     }
 
 
@@ -175,26 +143,20 @@ def one_way_send_ms(shape: tuple[int, ...], rounds: int = 20) -> float | None:
 
 
 @record
-def bench_worker(job: dict[str, Any]) -> list[dict[str, Any]] | None:
+def bench_worker(specs: list[Any], job: dict[str, Any]) -> list[dict[str, Any]] | None:
     """Entry point of a spawned rank: every (schedule, m) of this pipeline size."""
-    torch.set_num_threads(1)  # one core per rank; the ranks must not fight over threads
-    dist.init_process_group("gloo")
-    try:
-        dims = ParallelDims.build(1, 1, job["pp"], "cpu")
+    with trainer_group(specs[0], threads=1):  # one core per rank: no fight over threads
         sizes = sorted({job["batch"] // m for _, _, m in job["runs"]})
-        shapes = {size: (size, job["seq"], job["model"]["hidden_size"]) for size in sizes}
+        shapes = {size: (size, job["seq"], job["hidden"]) for size in sizes}
         send_ms = {size: one_way_send_ms(shape) for size, shape in shapes.items()}
         results = []
-        for schedule, v, m in job["runs"]:
-            result = measure(job, dims, schedule, v, m)
-            if dist.get_rank() == 0:
-                print(f"  pp={job['pp']} {schedule} v={v} m={m} done", flush=True)
+        for spec, (schedule, v, m) in zip(specs, job["runs"], strict=True):
+            result = measure(spec, job["steps"])
             if result is not None:
+                print(f"  pp={job['pp']} {schedule} v={v} m={m} done", flush=True)
                 result["send_ms"] = send_ms[job["batch"] // m]
             results.append(result)
         return results if dist.get_rank() == 0 else None
-    finally:
-        dist.destroy_process_group()
 
 
 # --------------------------------------------------------------------------- summary
@@ -315,7 +277,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--pp", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--virtual", type=int, default=2, help="v of interleaved 1F1B")
-    parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument(
         "--out",
@@ -330,6 +291,34 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return options
 
 
+def pp_specs(pp: int, runs: list, options: argparse.Namespace, model: dict, root: Path):
+    """One planned spec per (schedule, v, m) of this pipeline size, on shared blocks."""
+    count = (PROBED + options.steps + 1) * options.batch + 4
+    blocks = token_blocks(root / f"blocks-pp{pp}", count, options.vocab, options.seq)
+    return [
+        planned_side(
+            blocks,
+            root,
+            f"pp{pp}-{schedule}-m{m}",
+            world=pp,
+            parallel={
+                "pipeline_parallel_size": pp,
+                "pipeline_schedule": schedule,
+                "pipeline_parallel_num_microbatches": m,
+                "pipeline_parallel_virtual_stages": v,
+            },
+            training={
+                "per_device_train_batch_size": options.batch,
+                "max_steps": PROBED + options.steps,
+            },
+            shape=model,
+            vocab=options.vocab,
+            block=options.seq,
+        )[0]
+        for schedule, v, m in runs
+    ]
+
+
 def main(argv: list[str] | None = None) -> None:
     options = parse_args(argv)
     intermediate = options.intermediate or int(round(options.hidden * 8 / 3 / 64)) * 64
@@ -339,50 +328,31 @@ def main(argv: list[str] | None = None) -> None:
         "num_attention_heads": options.heads,
         "num_key_value_heads": options.kv_heads,
         "intermediate_size": intermediate,
-        "max_position_embeddings": options.seq,
+        "max_position_embeddings": max(512, options.seq),
         "tie_word_embeddings": False,
     }
-    spelled = [
-        *("--hidden", options.hidden, "--layers", options.layers, "--heads", options.heads),
-        *("--kv-heads", options.kv_heads, "--intermediate", intermediate),
-        *("--vocab", options.vocab, "--seq", options.seq, "--batch", options.batch),
-        *("--pp", *options.pp, "--virtual", options.virtual),
-        *("--warmup", options.warmup, "--steps", options.steps, "--out", options.out),
-    ]
-    command = " ".join(shlex.quote(str(a)) for a in [".venv/bin/python", sys.argv[0], *spelled])
-    print(f"reproduce: {ENV_PREFIX} {command}")
+    print(f"command: .venv/bin/python {shlex.join(sys.argv)}")
     print(
-        f"llama: hidden {options.hidden}, {options.layers} layers, {options.heads} heads "
-        f"({options.kv_heads} kv), intermediate {intermediate}, vocab {options.vocab}, "
-        f"seq {options.seq}; torch {torch.__version__}, {os.cpu_count()} cpu cores, "
-        f"1 thread per rank, gloo; warm-up {options.warmup}, measured {options.steps} steps"
+        f"llama: {model}, vocab {options.vocab}, seq {options.seq}; torch {torch.__version__}, "
+        f"{os.cpu_count()} cpu cores, 1 thread per rank, gloo; measured {options.steps} steps"
     )
-
     rows: list[dict[str, Any]] = []
     pictures: list[Path] = []
-    with tempfile.TemporaryDirectory(prefix="meshtrain-bench-") as logs:
+    with tempfile.TemporaryDirectory(prefix="meshtrain-bench-") as tmp:
         for pp in options.pp:
             runs, skipped = combinations(pp, options.layers, options.virtual)
             for schedule, v, m, why in skipped:
                 print(f"pp={pp}: skipping {schedule} v={v} m={m}: {why}")
-            job = {
-                "pp": pp,
-                "runs": runs,
-                "model": model,
-                "layers": options.layers,
-                "vocab": options.vocab,
-                "seq": options.seq,
-                "batch": options.batch,
-                "warmup": options.warmup,
-                "steps": options.steps,
-            }
+            specs = pp_specs(pp, runs, options, model, Path(tmp))
+            job = {"pp": pp, "runs": runs, "hidden": options.hidden, "seq": options.seq}
+            job |= {"batch": options.batch, "steps": options.steps}
             print(f"pp={pp}: {pp} ranks, batch {options.batch} x {options.seq} tokens per step")
             before = cpu_seconds()
             results = run_workers(
                 bench_worker,
-                (job,),
+                (specs, job),
                 LaunchConfig(nproc_per_node=pp),
-                log_dir=Path(logs) / f"pp{pp}",
+                log_dir=Path(tmp) / "logs" / f"pp{pp}",
                 run_id=f"bench-pp{pp}",
             )[0]
             print(f"pp={pp}: {describe_cpu(before, cpu_seconds())}")
@@ -390,18 +360,14 @@ def main(argv: list[str] | None = None) -> None:
                 rows.append(summarise(pp, result))
                 if result["m"] == 2 * pp:
                     pictures.append(draw_timeline(pp, result, options.out))
-
-    print()
     print(
-        "bubble: per-rank idle share of the step window (mean over ranks and measured steps; "
+        "\nbubble: per-rank idle share of the step window (mean over ranks and measured steps; "
         "min-max over ranks); theory: ((p-1)/v)/(m+(p-1)/v); diff: bubble - theory in "
         "points; step s: slowest rank, mean; fwd/bwd ms: mean chunk time; send ms: one-way "
         "gloo send of one microbatch's activation (median ping-pong / 2)"
     )
     print_table(rows)
-    print()
-    for path in pictures:
-        print(f"timeline: {path}")
+    print("\n".join(f"timeline: {path}" for path in pictures))
 
 
 if __name__ == "__main__":
