@@ -44,9 +44,11 @@ MIB = 2**20
 RANGES = ("forward", "backward", "pipeline", "reduce", "optimizer", "gather")
 
 
-def token_blocks(out: Path, count: int, vocab: int, block: int, *, learnable: bool = True):
-    """`count` blocks saved with `datasets` and memory-mapped back, the last 4 the
-    validation split: arithmetic sequences mod the vocabulary (so losses move), or
+def token_blocks(
+    out: Path, count: int, vocab: int, block: int, *, learnable: bool = True, validation: int = 4
+):
+    """`count` blocks saved with `datasets` and memory-mapped back, the last `validation`
+    of them the validation split: arithmetic sequences mod the vocabulary (so losses move), or
     uniform random tokens (`learnable=False`, the throughput benches')."""
     import datasets  # noqa: PLC0415
 
@@ -62,7 +64,7 @@ def token_blocks(out: Path, count: int, vocab: int, block: int, *, learnable: bo
     blocks = datasets.DatasetDict(
         {
             name: datasets.Dataset.from_dict({"input_ids": part.numpy()}, features=features)
-            for name, part in (("train", ids[:-4]), ("validation", ids[-4:]))
+            for name, part in (("train", ids[:-validation]), ("validation", ids[-validation:]))
         }
     )
     blocks.save_to_disk(str(out))

@@ -44,7 +44,7 @@ from meshtrain.offline import use_offline_defaults
 
 use_offline_defaults()
 
-import torch  # noqa: E402
+from bench_runs import token_blocks  # noqa: E402  (bench/bench_runs.py)
 
 from meshtrain.checkpoint.manifest import is_complete  # noqa: E402
 from meshtrain.config import RunConfig  # noqa: E402
@@ -67,25 +67,6 @@ def base_parameters() -> dict[str, Any]:
     for path in sorted((REPO / "conf" / "base").glob("parameters*.yml")):
         params.update(yaml.safe_load(path.read_text()) or {})
     return params
-
-
-def _blocks(out: Path, vocab: int, block: int):
-    import datasets  # noqa: PLC0415
-
-    datasets.disable_progress_bars()
-    generator = torch.Generator().manual_seed(0)
-    count = TRAIN_BLOCKS + VALIDATION_BLOCKS
-    start = torch.randint(0, vocab, (count, 1), generator=generator)
-    stride = torch.randint(1, 8, (count, 1), generator=generator)
-    ids = ((start + stride * torch.arange(block)) % vocab).int()
-    blocks = datasets.DatasetDict(
-        {
-            "train": datasets.Dataset.from_dict({"input_ids": ids[:TRAIN_BLOCKS].tolist()}),
-            "validation": datasets.Dataset.from_dict({"input_ids": ids[TRAIN_BLOCKS:].tolist()}),
-        }
-    )
-    blocks.save_to_disk(str(out))
-    return datasets.load_from_disk(str(out))
 
 
 # --- the sampler ------------------------------------------------------------------------
@@ -272,8 +253,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="meshtrain-soak-") as tmp:
         root = Path(tmp)
         params = base_parameters()
-        blocks = _blocks(
-            root / "blocks", params["data"]["vocab_size"], params["data"]["block_size"]
+        data = params["data"]
+        blocks = token_blocks(
+            root / "blocks",
+            TRAIN_BLOCKS + VALIDATION_BLOCKS,
+            data["vocab_size"],
+            data["block_size"],
+            validation=VALIDATION_BLOCKS,
         )
         tracking = None if args.no_mlflow else _mlflow_run(root)
         run, plan, spec = _spec(root, blocks, args.steps, tracking)
