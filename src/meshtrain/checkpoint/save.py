@@ -1,9 +1,11 @@
-"""What every checkpoint holds besides the optimizer's pieces: the room check before it,
-the manifest entries and manifest, and the pruning of old ones after it."""
+"""The pieces of a checkpoint beside the Checkpointer: the room check before it, the
+optimizer files' format, the manifest entries and manifest, and the pruning after it."""
 
 from __future__ import annotations
 
+import json
 import shutil
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from meshtrain.checkpoint.manifest import FORMAT, FORMAT_VERSION, describe_files, list_checkpoints
+from meshtrain.checkpoint.safetensors_format import SafetensorsWriter, TensorSpec
 from meshtrain.checkpoint.space import CheckpointSpaceError, room_problem
 from meshtrain.distributed.tensor_parallel import ParameterSharding
 
@@ -27,6 +30,31 @@ def check_room(run_dir: Path, root: Path, mine: int, shared: int) -> None:
     dist.broadcast_object_list(verdict, src=0)
     if verdict[0]:
         raise CheckpointSpaceError(verdict[0])
+
+
+def write_moments(
+    path: Path,
+    *,
+    dtype: torch.dtype,
+    elements: tuple[int, int],
+    pieces: Callable[[str], torch.Tensor | Iterable[torch.Tensor]],
+    step: float,
+) -> None:
+    """One optimizer file: AdamW's moments over `elements` [start, end) of a (tp, pp)
+    coordinate's flat parameter order, each streamed from `pieces("exp_avg")` and
+    `pieces("exp_avg_sq")` (no copy of the optimizer is made to save it), and the step
+    count."""
+    start, end = elements
+    specs = [
+        TensorSpec("exp_avg", dtype, (end - start,)),
+        TensorSpec("exp_avg_sq", dtype, (end - start,)),
+        TensorSpec("step", torch.float32, (1,)),
+    ]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with SafetensorsWriter(path, specs, metadata={"range": json.dumps([start, end])}) as writer:
+        for key in ("exp_avg", "exp_avg_sq"):
+            writer.write(key, pieces(key))
+        writer.write("step", torch.tensor([step], dtype=torch.float32))
 
 
 def manifest_of(

@@ -1,5 +1,5 @@
-"""What `distributed.fsdp_optimizer.FSDPAdamW` writes into a checkpoint, and how it reads it back:
-the format every other layout writes.
+"""What `distributed.fsdp_optimizer.FSDPAdamW` writes into a checkpoint, and how it
+reads it back: the format every other layout writes.
 
 A sharded run's checkpoint is indistinguishable from a plain data-parallel
 one: per (tp, pp) coordinate, one weights file of its tensor-parallel pieces,
@@ -14,7 +14,6 @@ tp piece, then to its FSDP shard.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +25,7 @@ from meshtrain.checkpoint import files
 from meshtrain.checkpoint.load import CheckpointReader
 from meshtrain.checkpoint.manifest import write_json_atomic
 from meshtrain.checkpoint.safetensors_format import SafetensorsWriter, TensorSpec
+from meshtrain.checkpoint.save import write_moments
 from meshtrain.distributed.fsdp import shard_piece
 from meshtrain.distributed.fsdp_optimizer import FSDPAdamW
 from meshtrain.distributed.parallel_dims import ParallelDims
@@ -58,57 +58,6 @@ def gather_piece(shard: torch.Tensor, shape: tuple[int, ...], dims: ParallelDims
     return whole[:rows] if root else None
 
 
-def save_state(
-    optimizer: FSDPAdamW,
-    root: Path,
-    parameters: Mapping[str, torch.Tensor],
-    sharding: Mapping[str, ParameterSharding],
-    dims: ParallelDims,
-) -> None:
-    """This rank's part of a sharded run's checkpoint: the first replica's shard group
-    gathers each tensor to its dp rank 0, which writes it (other replicas hold the same)."""
-    if dims.dp_rank >= dims.sdp:
-        return  # not in the first replica: its shards are copies of the first's
-    shapes = {n: tp_local_shape(p, sharding[n], dims.tp) for n, p in parameters.items()}
-    names = list(parameters)
-
-    def gathered(key: str | None) -> Iterator[tuple[str, torch.Tensor | None]]:
-        for name in names:
-            shard = (
-                local_tensor(parameters[name]).detach()
-                if key is None
-                else optimizer.local_moment(name, key)
-            )
-            yield name, gather_piece(shard, shapes[name], dims)
-
-    if dims.dp_rank != 0:
-        for key in (None, "exp_avg", "exp_avg_sq"):
-            for _ in gathered(key):
-                pass  # this rank's sends
-        return
-    dtype = optimizer.state_dtype
-    weights = files.shard_weights(root, dims.tp_rank, dims.pp_rank)
-    weights.parent.mkdir(parents=True, exist_ok=True)
-    specs = [TensorSpec(name, dtype, shapes[name]) for name in names]
-    with SafetensorsWriter(weights, specs, metadata={"format": "pt"}) as writer:
-        for name, piece in gathered(None):
-            writer.write(name, piece)
-    write_json_atomic(files.flat_index(root, dims.tp_rank, dims.pp_rank), flat_index(shapes))
-    numel = sum(torch.Size(shape).numel() for shape in shapes.values())
-    opt_dir = root / files.OPTIMIZER
-    opt_dir.mkdir(parents=True, exist_ok=True)
-    path = opt_dir / files.optimizer_file_name(0, dims.tp_rank, dims.pp_rank)
-    moment_specs = [
-        TensorSpec("exp_avg", dtype, (numel,)),
-        TensorSpec("exp_avg_sq", dtype, (numel,)),
-        TensorSpec("step", torch.float32, (1,)),
-    ]
-    with SafetensorsWriter(path, moment_specs, metadata={"range": json.dumps([0, numel])}) as w:
-        for key in ("exp_avg", "exp_avg_sq"):
-            w.write(key, (piece for _, piece in gathered(key)))
-        w.write("step", torch.tensor([optimizer.step_count()], dtype=torch.float32))
-
-
 def flat_index(shapes: dict[str, tuple[int, ...]]) -> dict:
     """Where each tensor's moments sit in the optimizer file: one after another, in
     parameter order (the flat buffer's index format, without its padding)."""
@@ -118,46 +67,6 @@ def flat_index(shapes: dict[str, tuple[int, ...]]) -> dict:
         slots.append([name, offset, numel, list(shape)])
         offset += numel
     return {"numel": offset, "padded_numel": offset, "slots": slots}
-
-
-def checkpoint_bytes(
-    optimizer: FSDPAdamW,
-    parameters: Mapping[str, torch.Tensor],
-    sharding: Mapping[str, ParameterSharding],
-    dims: ParallelDims,
-) -> int:
-    """What this rank writes: on dp rank 0, its coordinate's weights and two moments."""
-    if dims.dp_rank != 0:
-        return 0
-    numel = sum(
-        torch.Size(tp_local_shape(p, sharding[n], dims.tp)).numel() for n, p in parameters.items()
-    )
-    return 3 * numel * optimizer.state_dtype.itemsize
-
-
-def load_state(
-    optimizer: FSDPAdamW,
-    reader: CheckpointReader,
-    sharding: Mapping[str, ParameterSharding],
-    dims: ParallelDims,
-    stored_as: Mapping[str, str],
-) -> None:
-    """Fill this rank's FSDP shards of the parameters and moments from `reader` (a
-    `load.CheckpointReader` of a checkpoint of any layout), one tensor at a time."""
-
-    def mine(full: torch.Tensor, spec: ParameterSharding) -> torch.Tensor:
-        return shard_piece(spec.local_piece(full, dims.tp_rank, dims.tp), dims.shard_rank, dims.sdp)
-
-    moments: dict[str, dict[str, torch.Tensor]] = {}
-    with torch.no_grad():
-        for name, p in optimizer.parameters.items():
-            spec, stored = sharding[name], stored_as.get(name, name)
-            local_tensor(p).copy_(mine(reader.parameter(stored), spec))
-            moments[name] = {
-                key: mine(reader.moment(stored, key), spec).clone()
-                for key in ("exp_avg", "exp_avg_sq")
-            }
-    optimizer.load_moments(moments, reader.step())
 
 
 @dataclass(frozen=True)
@@ -176,7 +85,11 @@ class FSDPState:
         sharding: Mapping[str, ParameterSharding],
         dims: ParallelDims,
     ) -> int:
-        return checkpoint_bytes(self.optimizer, parameters, sharding, dims)
+        """On dp rank 0, its coordinate's weights and two moments; nothing elsewhere."""
+        if dims.dp_rank != 0:
+            return 0
+        shapes = (tp_local_shape(p, sharding[n], dims.tp) for n, p in parameters.items())
+        return 3 * sum(torch.Size(s).numel() for s in shapes) * self.state_dtype.itemsize
 
     def save_state(
         self,
@@ -185,7 +98,41 @@ class FSDPState:
         sharding: Mapping[str, ParameterSharding],
         dims: ParallelDims,
     ) -> None:
-        save_state(self.optimizer, root, parameters, sharding, dims)
+        """The first replica's shard group gathers each tensor to its dp rank 0, which
+        writes it (other replicas hold the same shards)."""
+        if dims.dp_rank >= dims.sdp:
+            return  # not in the first replica: its shards are copies of the first's
+        shapes = {n: tp_local_shape(p, sharding[n], dims.tp) for n, p in parameters.items()}
+
+        def gathered(key: str | None) -> Iterator[torch.Tensor | None]:
+            for name, p in parameters.items():
+                shard = (
+                    local_tensor(p).detach()
+                    if key is None
+                    else self.optimizer.local_moment(name, key)
+                )
+                yield gather_piece(shard, shapes[name], dims)
+
+        if dims.dp_rank != 0:
+            for key in (None, "exp_avg", "exp_avg_sq"):
+                for _ in gathered(key):
+                    pass  # this rank's sends
+            return
+        weights = files.shard_weights(root, dims.tp_rank, dims.pp_rank)
+        weights.parent.mkdir(parents=True, exist_ok=True)
+        specs = [TensorSpec(name, self.state_dtype, shape) for name, shape in shapes.items()]
+        with SafetensorsWriter(weights, specs, metadata={"format": "pt"}) as writer:
+            for name, piece in zip(shapes, gathered(None), strict=True):
+                writer.write(name, piece)
+        write_json_atomic(files.flat_index(root, dims.tp_rank, dims.pp_rank), flat_index(shapes))
+        numel = sum(torch.Size(shape).numel() for shape in shapes.values())
+        write_moments(
+            root / files.OPTIMIZER / files.optimizer_file_name(0, dims.tp_rank, dims.pp_rank),
+            dtype=self.state_dtype,
+            elements=(0, numel),
+            pieces=gathered,
+            step=self.optimizer.step_count(),
+        )
 
     def load_state(
         self,
@@ -194,4 +141,20 @@ class FSDPState:
         dims: ParallelDims,
         stored_as: Mapping[str, str],
     ) -> None:
-        load_state(self.optimizer, reader, sharding, dims, stored_as)
+        """Fill this rank's FSDP shards of the parameters and moments from `reader` (a
+        checkpoint of any layout), one tensor at a time."""
+
+        def mine(full: torch.Tensor, spec: ParameterSharding) -> torch.Tensor:
+            piece = spec.local_piece(full, dims.tp_rank, dims.tp)
+            return shard_piece(piece, dims.shard_rank, dims.sdp)
+
+        moments: dict[str, dict[str, torch.Tensor]] = {}
+        with torch.no_grad():
+            for name, p in self.optimizer.parameters.items():
+                spec, stored = sharding[name], stored_as.get(name, name)
+                local_tensor(p).copy_(mine(reader.parameter(stored), spec))
+                moments[name] = {
+                    key: mine(reader.moment(stored, key), spec).clone()
+                    for key in ("exp_avg", "exp_avg_sq")
+                }
+        self.optimizer.load_moments(moments, reader.step())
