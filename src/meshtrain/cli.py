@@ -25,8 +25,8 @@ from kedro.framework.startup import ProjectMetadata
 from mlflow.tracking import MlflowClient
 
 from meshtrain.config import ConfigError
-from meshtrain.project.tracking_server import mlflow_settings as project_mlflow_settings
-from meshtrain.project.tracking_server import project_tracking_server, use_tracking_server
+from meshtrain.hooks.tracking_server import mlflow_settings as project_mlflow_settings
+from meshtrain.hooks.tracking_server import project_tracking_server, use_tracking_server
 from meshtrain.tracking import sweep as sweeps
 from meshtrain.tracking.servers import redact
 

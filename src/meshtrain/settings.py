@@ -22,6 +22,6 @@ CONFIG_LOADER_ARGS = {
     },
 }
 
-# meshtrain opens its own MLflow run (meshtrain.project.mlflow_hook); if kedro-mlflow is
+# meshtrain opens its own MLflow run (meshtrain.hooks.mlflow_hook); if kedro-mlflow is
 # installed too, keep it from opening a second one from the same mlflow.yml.
 DISABLE_HOOKS_FOR_PLUGINS = ("kedro-mlflow",)

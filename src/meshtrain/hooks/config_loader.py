@@ -10,7 +10,7 @@ from typing import Any
 from kedro.config import OmegaConfigLoader
 
 from meshtrain.config import Refused
-from meshtrain.project.refusals import show_refusals_plainly
+from meshtrain.hooks.refusals import show_refusals_plainly
 
 
 def quiet_kedro_resolver_warnings() -> None:

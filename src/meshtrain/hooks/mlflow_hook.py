@@ -19,15 +19,15 @@ import mlflow
 from kedro.config import OmegaConfigLoader
 from kedro.framework.hooks import hook_impl
 
-from meshtrain.pipelines.run_config import EVALUATES, TRAINS
-from meshtrain.project.refusals import refusal_in, show_refusals_plainly
-from meshtrain.project.tracking_server import (
+from meshtrain.hooks.refusals import refusal_in, show_refusals_plainly
+from meshtrain.hooks.tracking_server import (
     DEFAULTS,
     mlflow_settings,
     project_tracking_server,
     server_refusals,
     use_tracking_server,
 )
+from meshtrain.pipelines.run_config import EVALUATES, TRAINS
 from meshtrain.tracking import mlflow_run as tracking
 from meshtrain.tracking.datasets import log_packed_blocks
 from meshtrain.tracking.model_logging import log_consolidated_model

@@ -1,5 +1,5 @@
 """The project's Kedro hooks, as `settings.py` registers them, and the names the tests
-import from here. Each concern has its own module in `meshtrain.project`:
+import from here. Each concern has its own module here:
 
 - `mlflow_hook`: one MLflow run per `kedro run` (`MlflowRunHook`);
 - `run_checks`: parameters and inputs checked before a pipeline starts (`RunChecksHook`);
@@ -11,10 +11,10 @@ import from here. Each concern has its own module in `meshtrain.project`:
 from __future__ import annotations
 
 from meshtrain.config import RUN_GROUPS
-from meshtrain.project.config_loader import ProjectConfigLoader
-from meshtrain.project.mlflow_hook import MlflowRunHook
-from meshtrain.project.refusals import TRACEBACK_VARIABLE, refusal_in, show_refusals_plainly
-from meshtrain.project.run_checks import RunChecksHook, check_parameters
+from meshtrain.hooks.config_loader import ProjectConfigLoader
+from meshtrain.hooks.mlflow_hook import MlflowRunHook
+from meshtrain.hooks.refusals import TRACEBACK_VARIABLE, refusal_in, show_refusals_plainly
+from meshtrain.hooks.run_checks import RunChecksHook, check_parameters
 from meshtrain.tracking.servers import TrackingConfigError, TrackingServer, choose_tracking_server
 
 __all__ = [
