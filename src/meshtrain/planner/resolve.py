@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Any
 
 from meshtrain.config import RunConfig
 from meshtrain.models import build_model_config
 from meshtrain.models.builder import resolve_init_from
 from meshtrain.models.llama.pretrained import check_pretrained
-from meshtrain.planner.plan_inputs import RE_PLAN, StalePlanError, plan_inputs_hash
+from meshtrain.planner.plan_inputs import StalePlanError, plan_inputs_hash
 from meshtrain.planner.search import plan_run
 from meshtrain.planner.types import Plan
 
-__all__ = ["StalePlanError", "check_plan_is_current", "plan_for_run"]
+__all__ = ["StalePlanError", "plan_for_run"]
 
 
 def plan_for_run(
@@ -59,27 +58,3 @@ def plan_for_run(
         num_validation_blocks=num_validation_blocks,
     )
     return dataclasses.replace(plan, config_hash=config_hash)
-
-
-def check_plan_is_current(plan: Plan, replanned: Plan) -> None:
-    """Refuse to train on a plan.json made from other parameters or data than today's."""
-
-    def normalized(p: Plan) -> dict[str, Any]:
-        return json.loads(json.dumps(p.to_dict(), sort_keys=True, default=str))
-
-    old, new = normalized(plan), normalized(replanned)
-    keys = (
-        "layout",
-        "world_size",
-        "backend",
-        "global_batch_size",
-        "tokens_per_step",
-        "model_config",
-        "num_train_blocks",
-    )
-    stale = [key for key in keys if old[key] != new[key]]
-    if stale:
-        raise StalePlanError(
-            f"plan.json no longer matches the parameters or data ({', '.join(stale)} differ): "
-            + RE_PLAN
-        )
