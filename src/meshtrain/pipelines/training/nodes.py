@@ -55,7 +55,7 @@ def train_model(
         tracking=tracking.active_target() if node0 else None,
     )
     if node0:
-        # What changed the model's modules in this run (e.g. onednn_linear), or none.
+        # The model converters this run applied (models/converters.py), or none.
         tracking.set_tag("meshtrain.converters", ",".join(summary.get("converters", [])) or "none")
         tracking.log_loss_curve()
         tracking.log_memory_report(plan, summary)
