@@ -109,10 +109,17 @@ class ShardedAdamW:
             if self.grad_shard.dtype == self.state_dtype
             else torch.zeros_like(self.grad_shard, dtype=self.state_dtype)
         )
-        # The owned range, cut where the runs change; padding is never updated.
+        groups = self._owned_runs(updated, weight_decay)
+        # Fused: one kernel over each owned run instead of a dozen elementwise passes.
+        self.optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=True)
+
+    def _owned_runs(self, updated: torch.Tensor, weight_decay: float) -> list[dict]:
+        """AdamW's parameter groups: the owned range cut where the flat buffer's runs change
+        (weight decay or not, tp copies), each a view of `updated` with its gradient view;
+        padding is never updated. Also each run's weight in the gradient norm."""
         groups = []
         self._norm_pieces: list[tuple[int, int, float]] = []
-        for run in flat.runs:
+        for run in self.flat.runs:
             lo, hi = max(self.start, run.start), min(self.end, run.end)
             if hi <= lo:
                 continue
@@ -121,8 +128,7 @@ class ShardedAdamW:
             decay = weight_decay if run.weight_decay else 0.0
             groups.append({"params": [master], "weight_decay": decay, "range": (lo, hi)})
             self._norm_pieces.append((lo - self.start, hi - self.start, 1.0 / run.copies))
-        # Fused: one kernel over each owned run instead of a dozen elementwise passes.
-        self.optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=True)
+        return groups
 
     @property
     def owned_numel(self) -> int:
