@@ -136,6 +136,9 @@ class Trainer:
         # high-water mark: what the machine feels, not a count of tensors).
         self.startup_peak_rss_mb = rss_mb()[1]
         self.losses: list[tuple[int, float]] = []
+        # When training started (progress lines count from it); `train` restarts it after
+        # the first validation, a caller driving `train_step` itself keeps this one.
+        self.train_start = time.perf_counter()
         self.throughput = Throughput()
         self.last_checkpoint: Path | None = None
         self.stop = StopSignals()
