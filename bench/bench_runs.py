@@ -1,16 +1,18 @@
-"""What the training benchmarks share: token blocks, a planned worker spec for one side,
-running that side in its own spawned group, and the real `Trainer` driven step by step
-inside a rank (timed, or under `torch.profiler`).
+"""What the benchmarks share: model flags, token blocks, a planned worker spec for one
+side, running it in its own spawned group, the real `Trainer` driven step by step in a
+rank (timed, or under `torch.profiler`), a gloo ping-pong, the memory table.
 
 Every meshtrain side is `meshtrain.trainer.Trainer`, built from the spec `kedro run`
 would make; nothing here copies its set-up or its step. Imported by the scripts beside
-it (`python bench/<script>.py` puts this folder on the path); not a benchmark itself.
+it; not a benchmark itself.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
+import statistics
 import tempfile
 import time
 from collections import defaultdict
@@ -42,6 +44,31 @@ MIB = 2**20
 # The ranges the real step carries (models/parallel_model.py, trainer.py,
 # distributed/param_gather.py); `gather` runs inside `forward` (its waits are hooks).
 RANGES = ("forward", "backward", "pipeline", "reduce", "optimizer", "gather")
+ENV_PREFIX = (
+    "KEDRO_DISABLE_TELEMETRY=true DO_NOT_TRACK=true MLFLOW_DISABLE_TELEMETRY=true "
+    "HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false"
+)
+MODEL_FLAGS = ("hidden", "intermediate", "layers", "heads", "kv_heads", "vocab", "seq", "batch")
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, *defaults: int | None) -> None:
+    """`--hidden ... --batch` (MODEL_FLAGS, in order) with these defaults."""
+    for name, default in zip(MODEL_FLAGS, defaults, strict=True):
+        parser.add_argument("--" + name.replace("_", "-"), type=int, default=default)
+
+
+def llama_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """The Llama config fields of MODEL_FLAGS (untied LM head; intermediate ~8/3 hidden
+    when not given)."""
+    return {
+        "hidden_size": args.hidden,
+        "intermediate_size": args.intermediate or round(args.hidden * 8 / 3 / 64) * 64,
+        "num_hidden_layers": args.layers,
+        "num_attention_heads": args.heads,
+        "num_key_value_heads": args.kv_heads,
+        "max_position_embeddings": max(512, args.seq),
+        "tie_word_embeddings": False,
+    }
 
 
 def token_blocks(
@@ -165,7 +192,6 @@ def step_and_log(trainer: Trainer, step: int) -> None:
 def timed_run(trainer: Trainer) -> tuple[list[float], dict[str, Any] | None]:
     """All the Trainer's steps, noting the wall clock at the start of each (and after the
     last); rank 0's summary as `train` would return it (no validation, no checkpoint)."""
-    trainer.train_start = time.perf_counter()  # what `train` notes for its progress lines
     starts = []
     for step in range(trainer.start_step, trainer.cfg.max_steps):
         starts.append(time.perf_counter())
@@ -187,7 +213,6 @@ def profiled_steps(trainers: dict[str, Trainer], warmup: int, steps: int, block:
     walls: dict[str, float] = defaultdict(float)
     ranges: dict[str, dict[str, float]] = {name: defaultdict(float) for name in trainers}
     for trainer in trainers.values():
-        trainer.train_start = time.perf_counter()
         for step in range(warmup - 1):
             step_and_log(trainer, step)
         with profile(activities=[ProfilerActivity.CPU]):  # the profiler's own start-up
@@ -212,6 +237,23 @@ def profiled_steps(trainers: dict[str, Trainer], warmup: int, steps: int, block:
     return dict(walls), {name: dict(seconds) for name, seconds in ranges.items()}
 
 
+def one_way_send_s(shape: tuple[int, ...], rounds: int = 20) -> float | None:
+    """Median one-way seconds (half a ping-pong) of a tensor of `shape` between ranks 0
+    and 1 with plain gloo send/recv, as a pipeline stage boundary sends. Collective; rank
+    0 gets the time, the others None."""
+    rank, buffer, times = dist.get_rank(), torch.randn(shape), []
+    dist.barrier()
+    for _ in range(3 + rounds):
+        start = time.perf_counter()
+        if rank in (0, 1):
+            peer = 1 - rank
+            (dist.send, dist.recv)[rank](buffer, peer)
+            (dist.recv, dist.send)[rank](buffer, peer)
+        times.append(time.perf_counter() - start)
+    dist.barrier()
+    return statistics.median(times[3:]) / 2 if rank == 0 else None
+
+
 def work_root(stack: contextlib.ExitStack, work_dir: Path | None, prefix: str) -> Path:
     """`--work-dir`, created if missing, or a temporary directory `stack` removes."""
     if work_dir is None:
@@ -220,29 +262,29 @@ def work_root(stack: contextlib.ExitStack, work_dir: Path | None, prefix: str) -
     return work_dir
 
 
-def print_side_table(rows: list[tuple[str, dict[str, Any], Plan]]) -> tuple[dict, dict]:
-    """One line per side: model states (counted from the tensors) beside the planner's
-    figure, the step's measured peak of live tensors beside the predicted one, the peak
-    resident set over the ranks at start-up and over the run, tokens/s, the last loss.
-    Returns the model states and tokens/s by side, for the ratios."""
+def print_side_table(rows: list[tuple[str, dict[str, Any], Plan]]) -> dict[str, tuple]:
+    """One line per side: model states (counted from the tensors), the step's peak of live
+    tensors and the peak resident set over the ranks, each beside the planner's figure;
+    the start-up RSS, tokens/s, the last loss. Returns per side (model states, step peak,
+    run RSS, tokens/s), for the ratios."""
     print(
         f"\n{'side':<18}{'model states MiB':>17}{'planner':>9}{'step peak MiB':>14}"
-        f"{'planner':>9}{'start RSS':>10}{'RSS MiB':>9}{'tokens/s':>10}{'last loss':>11}"
+        f"{'planner':>9}{'start RSS':>10}{'RSS MiB':>9}{'planner':>9}{'tokens/s':>10}"
+        f"{'last loss':>11}"
     )
-    states, speed = {}, {}
+    table = {}
     for name, summary, plan in rows:
         memory = plan.memory_estimate_per_rank
-        predicted_states = memory["parameters"] + memory["gradients"] + memory["optimizer_states"]
-        measured = summary["measured_peak_memory"]
-        states[name] = summary["model_states_bytes_rank0"]
-        speed[name] = summary["mean_tokens_per_s"]
+        predicted = memory["parameters"] + memory["gradients"] + memory["optimizer_states"]
+        peak = summary["measured_peak_memory"]
+        rss = max(summary["peak_rss_mb_per_rank"])
+        states, speed = summary["model_states_bytes_rank0"], summary["mean_tokens_per_s"]
+        table[name] = (states, peak["peak_bytes"], rss, speed)
         print(
-            f"{name:<18}{states[name] / MIB:>17,.1f}{predicted_states / MIB:>9,.1f}"
-            f"{measured['peak_bytes'] / MIB:>14,.1f}"
-            f"{measured['predicted_peak_bytes'] / MIB:>9,.1f}"
-            f"{max(summary['startup_peak_rss_mb_per_rank']):>10,.0f}"
-            f"{max(summary['peak_rss_mb_per_rank']):>9,.0f}{speed[name]:>10,.0f}"
-            f"{summary['final_loss']:>11.4f}"
+            f"{name:<18}{states / MIB:>17,.1f}{predicted / MIB:>9,.1f}"
+            f"{peak['peak_bytes'] / MIB:>14,.1f}{peak['predicted_peak_bytes'] / MIB:>9,.1f}"
+            f"{max(summary['startup_peak_rss_mb_per_rank']):>10,.0f}{rss:>9,.0f}"
+            f"{memory['process_total'] / MIB:>9,.0f}{speed:>10,.0f}{summary['final_loss']:>11.4f}"
         )
     print()
-    return states, speed
+    return table

@@ -1,66 +1,49 @@
 """Pipeline-parallel bubble benchmark: measured idle fraction beside theory.
 
-For each pipeline size pp (world size = pp, dp = tp = 1) one process group is
-spawned with `meshtrain.launch.elastic.run_workers` (process start-up costs more than a
-measurement, so every schedule and microbatch count of that pp runs inside the
-same group). For each schedule -- GPipe, 1F1B and interleaved 1F1B with v
-virtual stages per rank -- and each microbatch count m in {pp, 2pp, 4pp}, the real
-`meshtrain.trainer.Trainer` is built from the spec `kedro run` would make (balanced
-stages) and trains: 3 steps first (past its memory and timeline probes), then
-`--steps` measured `train_step`s with the runner's `SpanRecorder` on. The bubble of
-a step is, per rank, the share of the step's
-wall window (first forward start to last backward end, over all ranks) spent
-outside any forward or backward chunk (`idle_fraction`); it is averaged over
-the measured steps and shown beside `theoretical_bubble`:
-(p-1)/(m+p-1) for GPipe and 1F1B, ((p-1)/v)/(m+(p-1)/v) interleaved.
-
-Everything outside a chunk counts as idle: waiting for a neighbour (the bubble
-proper), the point-to-point sends and receives, the schedule's own Python, and
-the loss on the last stage (torch computes it between the last stage's forward
-and backward chunks). The model must therefore be large enough that a chunk
-takes much longer than a send; the vocabulary is kept small so that the first
-(embedding) and last (norm, LM head) stages cost about what the others do.
-
-One timeline picture per (pp, schedule) at m = 2pp is written to `--out`
-(a folder outside the repository by default). Nothing is asserted; the script
-fails only if a rank fails.
+Per pipeline size pp (world = pp, dp = tp = 1) one spawned gloo group; in it, per
+schedule (GPipe, 1F1B, interleaved 1F1B with v virtual stages) and microbatch count m
+in {pp, 2pp, 4pp}, the real `Trainer` (balanced stages) trains past its probed steps,
+then `--steps` `train_step`s with the runner's `SpanRecorder` on. A rank's bubble is
+its idle share of the step's window (first chunk start to last chunk end, over the
+ranks), beside `theoretical_bubble`; docs/benchmarks.md ("Pipeline parallelism") says
+what counts as idle. One timeline picture per (pp, schedule) at m = 2pp goes to `--out`.
 
     .venv/bin/python bench/pipeline_bubble.py [--hidden 256] [--layers 8] [--seq 128] ...
-    .venv/bin/python bench/pipeline_bubble.py --hidden 64 --layers 4 --seq 32 --pp 2 --steps 1
+    .venv/bin/python bench/pipeline_bubble.py --hidden 64 --layers 4 --seq 32 --batch 8 \\
+        --pp 2 --steps 1                                          # the smoke run
 """
 
 from __future__ import annotations
 
+import argparse
 import os
+import resource
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from contextlib import suppress
+from pathlib import Path
+from typing import Any
 
-from meshtrain.offline import use_offline_defaults
-
-use_offline_defaults()
-
-import argparse  # noqa: E402
-import resource  # noqa: E402
-import shlex  # noqa: E402
-import statistics  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from contextlib import suppress  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from bench_runs import planned_side, step_and_log, token_blocks, trainer_group  # noqa: E402
-from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
-
-from meshtrain.config import LaunchConfig  # noqa: E402
-from meshtrain.distributed.pipeline_parallel import (  # noqa: E402
-    Span,
-    idle_fraction,
-    theoretical_bubble,
+import torch
+import torch.distributed as dist
+from bench_runs import (  # (bench/bench_runs.py, which sets the offline defaults)
+    add_model_arguments,
+    llama_fields,
+    one_way_send_s,
+    planned_side,
+    step_and_log,
+    token_blocks,
+    trainer_group,
 )
-from meshtrain.launch.elastic import run_workers  # noqa: E402
-from meshtrain.trainer import Trainer  # noqa: E402
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from meshtrain.config import LaunchConfig
+from meshtrain.distributed.pipeline_parallel import Span, idle_fraction, theoretical_bubble
+from meshtrain.launch.elastic import run_workers
+from meshtrain.trainer import Trainer
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 PROBED = 3  # the Trainer's own probes run on its steps 1 (memory) and 2 (timeline)
@@ -85,14 +68,10 @@ def combinations(pp: int, layers: int, virtual: int) -> tuple[list[tuple[str, in
     return runs, skipped
 
 
-# --------------------------------------------------------------------------- on every rank
-
-
 def measure(spec: Any, steps: int) -> dict | None:
     """The real Trainer of one (schedule, v, m): its probed steps, then `steps` measured
     ones; rank 0 gets the spans of every rank and step, the other ranks None."""
     trainer = Trainer(spec)
-    trainer.train_start = time.perf_counter()
     for step in range(PROBED):
         step_and_log(trainer, step)
     recorder = trainer.pm.runner.recorder
@@ -121,45 +100,21 @@ def measure(spec: Any, steps: int) -> dict | None:
     }
 
 
-def one_way_send_ms(shape: tuple[int, ...], rounds: int = 20) -> float | None:
-    """Median one-way time (half a round trip) of one activation of `shape` between ranks 0
-    and 1 with plain gloo send/recv: the floor under every hop between stages. Collective;
-    rank 0 gets the time, the others None."""
-    rank = dist.get_rank()
-    buffer = torch.randn(shape)
-    times = []
-    dist.barrier()
-    for _ in range(3 + rounds):
-        start = time.perf_counter()
-        if rank == 0:
-            dist.send(buffer, 1)
-            dist.recv(buffer, 1)
-        elif rank == 1:
-            dist.recv(buffer, 0)
-            dist.send(buffer, 0)
-        times.append(time.perf_counter() - start)
-    dist.barrier()
-    return 1e3 * statistics.median(times[3:]) / 2 if rank == 0 else None
-
-
 @record
 def bench_worker(specs: list[Any], job: dict[str, Any]) -> list[dict[str, Any]] | None:
     """Entry point of a spawned rank: every (schedule, m) of this pipeline size."""
     with trainer_group(specs[0], threads=1):  # one core per rank: no fight over threads
         sizes = sorted({job["batch"] // m for _, _, m in job["runs"]})
         shapes = {size: (size, job["seq"], job["hidden"]) for size in sizes}
-        send_ms = {size: one_way_send_ms(shape) for size, shape in shapes.items()}
+        send_s = {size: one_way_send_s(shape) for size, shape in shapes.items()}
         results = []
         for spec, (schedule, v, m) in zip(specs, job["runs"], strict=True):
             result = measure(spec, job["steps"])
             if result is not None:
                 print(f"  pp={job['pp']} {schedule} v={v} m={m} done", flush=True)
-                result["send_ms"] = send_ms[job["batch"] // m]
+                result["send_ms"] = 1e3 * send_s[job["batch"] // m]
             results.append(result)
         return results if dist.get_rank() == 0 else None
-
-
-# --------------------------------------------------------------------------- summary
 
 
 def summarise(pp: int, result: dict[str, Any]) -> dict[str, Any]:
@@ -223,58 +178,32 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         )
 
 
-# --------------------------------------------------------------------------- main
-
-
 def cpu_seconds() -> tuple[float, float | None, float]:
-    """(wall clock, CPU seconds the whole machine spent busy or None off Linux, CPU seconds
-    this process and its finished children used)."""
+    """(wall clock, CPU seconds the machine spent busy, or None off Linux; CPU seconds this
+    process and its finished children used)."""
     machine = None
-    with suppress(OSError, ValueError):
-        with open("/proc/stat") as handle:
-            fields = [int(x) for x in handle.readline().split()[1:]]
-        # user nice system idle iowait irq softirq steal ...: busy = all but idle and iowait
+    with suppress(OSError, ValueError), open("/proc/stat") as handle:
+        fields = [int(x) for x in handle.readline().split()[1:]]
+        # user nice system idle iowait irq softirq steal: busy = all but idle and iowait
         machine = (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
-    ours = sum(
-        usage.ru_utime + usage.ru_stime
-        for usage in (
-            resource.getrusage(resource.RUSAGE_SELF),
-            resource.getrusage(resource.RUSAGE_CHILDREN),
-        )
-    )
-    return time.perf_counter(), machine, ours
+    usage = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    return time.perf_counter(), machine, sum(u.ru_utime + u.ru_stime for u in usage)
 
 
 def describe_cpu(before: tuple, after: tuple) -> str:
-    """Wall time of a group and how much of the machine other processes took meanwhile:
-    a shared machine stretches chunks and so moves the measured bubble."""
-    wall = after[0] - before[0]
+    """A group's wall time and the share of the cores other processes took meanwhile (a
+    shared machine stretches chunks, and so moves the measured bubble)."""
+    wall, cores = after[0] - before[0], os.cpu_count() or 1
     text = f"{wall:.0f}s with process start-up"
     if before[1] is not None and after[1] is not None:
         others = max(0.0, (after[1] - before[1]) - (after[2] - before[2]))
-        text += (
-            f"; other processes used {others / (wall * (os.cpu_count() or 1)):.0%} of "
-            f"the {os.cpu_count()} cores meanwhile"
-        )
+        text += f"; other processes used {others / (wall * cores):.0%} of the {cores} cores"
     return text
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--kv-heads", type=int, default=4)
-    parser.add_argument("--intermediate", type=int, default=None, help="default ~8/3 hidden")
-    parser.add_argument("--vocab", type=int, default=512)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument(
-        "--batch",
-        type=int,
-        default=16,
-        help="sequences per step, the same for every pp; must be divisible by 4*pp "
-        "(at pp=2: 8 sequences per microbatch at m=2, 2 at m=8)",
-    )
+    add_model_arguments(parser, 256, None, 8, 4, 4, 512, 128, 16)  # --batch: for every pp
     parser.add_argument("--pp", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--virtual", type=int, default=2, help="v of interleaved 1F1B")
     parser.add_argument("--steps", type=int, default=3)
@@ -282,7 +211,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--out",
         type=Path,
         default=Path(tempfile.gettempdir()) / "meshtrain-bench" / "pipeline_bubble",
-        help="folder for the timeline pictures (bench/out/ is not git-ignored)",
+        help="folder for the timeline pictures",
     )
     options = parser.parse_args(argv)
     for pp in options.pp:
@@ -321,16 +250,7 @@ def pp_specs(pp: int, runs: list, options: argparse.Namespace, model: dict, root
 
 def main(argv: list[str] | None = None) -> None:
     options = parse_args(argv)
-    intermediate = options.intermediate or int(round(options.hidden * 8 / 3 / 64)) * 64
-    model = {
-        "hidden_size": options.hidden,
-        "num_hidden_layers": options.layers,
-        "num_attention_heads": options.heads,
-        "num_key_value_heads": options.kv_heads,
-        "intermediate_size": intermediate,
-        "max_position_embeddings": max(512, options.seq),
-        "tie_word_embeddings": False,
-    }
+    model = llama_fields(options)
     print(f"command: .venv/bin/python {shlex.join(sys.argv)}")
     print(
         f"llama: {model}, vocab {options.vocab}, seq {options.seq}; torch {torch.__version__}, "

@@ -1,14 +1,10 @@
 """Tensor parallelism: per-rank model states, step peak and collectives for tp = 1, 2, 4.
 
-Per tensor-parallel size (world = tp, dp = pp = 1), with and without sequence
-parallelism, one spawned group runs the real `meshtrain.trainer.Trainer` built from
-the spec `kedro run` would make: two steps (the second is the Trainer's own memory
-probe: the step's peak of live tensors, beside the planner's prediction), then one
-`train_step` under `CommDebugMode`, extended to note each collective's phase (forward
-with the loss, backward, or the step's own `torch.distributed` calls: the gradient
-norm) and the bytes of its tensors, beside Megatron's count for the same layout.
-Model states are the Trainer's own count (flat buffers and AdamW states) beside the
-planner's. Nothing is asserted.
+Per tp (world = tp), with and without sequence parallelism, one spawned group runs the
+real `Trainer`: two steps (the second its memory probe: the step's peak beside the
+planner's), then one `train_step` under `CommDebugMode`, each collective noted with its
+phase and bytes, beside Megatron's count for the layout (docs/benchmarks.md, "Tensor
+parallelism"). Nothing is asserted.
 
     .venv/bin/python bench/tensor_parallel.py [--hidden 512] [--layers 4] [--tp 1 2 4]
 """
@@ -26,7 +22,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from bench_runs import MIB, planned_side, step_and_log, token_blocks, trainer_group
+from bench_runs import (
+    MIB,
+    add_model_arguments,
+    llama_fields,
+    planned_side,
+    step_and_log,
+    token_blocks,
+    trainer_group,
+)
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.tensor.debug import CommDebugMode
 
@@ -37,17 +41,18 @@ from meshtrain.trainer import Trainer
 
 PHASES = ("fwd", "bwd", "step")  # forward + loss, backward, the step's own collectives
 KINDS = ("AR", "AG", "RS", "A2A", "other")
+KIND_NAMES = {
+    "AR": ("all_reduce", "allreduce"),
+    "AG": ("all_gather", "allgather"),
+    "RS": ("reduce_scatter",),
+    "A2A": ("all_to_all", "alltoall"),
+}
 
 
 def _collective_kind(name: str) -> str:
-    if "all_reduce" in name or "allreduce" in name:
-        return "AR"
-    if "all_gather" in name or "allgather" in name:
-        return "AG"
-    if "reduce_scatter" in name:
-        return "RS"
-    if "all_to_all" in name or "alltoall" in name:
-        return "A2A"
+    for kind, words in KIND_NAMES.items():
+        if any(word in name for word in words):
+            return kind
     return "other"
 
 
@@ -64,14 +69,9 @@ def _nbytes(tensor: torch.Tensor) -> int:
 
 
 def _payload(kind: str, func_name: str, args: tuple, group_size: int) -> int:
-    """Bytes of the whole tensor a collective works on.
-
-    all-reduce: the reduced tensor; all-gather: the gathered (output) tensor;
-    reduce-scatter: the input before scattering; all-to-all: the input.
-    Functional collectives (what DTensor issues) receive only the input, so a
-    gather's output is the input times the group size; c10d ops (meshtrain's own
-    `torch.distributed` calls) receive their output and input buffers.
-    """
+    """Bytes of the whole tensor a collective works on: the reduced tensor, the gathered
+    output, the input before scattering. Functional collectives (DTensor's) receive only
+    the input; c10d ops (meshtrain's own calls) their output and input buffers."""
     tensors = _tensors(args)
     if not tensors:
         return 0
@@ -93,13 +93,9 @@ def ring_bytes(kind: str, payload: int, group_size: int) -> float:
 
 
 class RecordingCommMode(CommDebugMode):
-    """CommDebugMode that also notes, per collective, its phase and tensor bytes.
-
-    Phase: backward while autograd runs a graph task (`is_bw`); otherwise meshtrain's
-    own `torch.distributed` calls (c10d ops: the gradient norm, the ranks' agreement on
-    the step, KV-copy sync) are the step's, DTensor's and loss_parallel's functional
-    collectives the forward's.
-    """
+    """CommDebugMode that also notes each collective's phase and bytes: backward while
+    autograd runs a graph task; else meshtrain's own c10d calls (gradient norm, the
+    ranks' agreement, KV-copy sync) the step's, DTensor's functional ones the forward's."""
 
     def __init__(self, tp: int) -> None:
         super().__init__()
@@ -143,7 +139,6 @@ def tp_worker(spec: Any) -> dict[str, Any] | None:
     warnings.filterwarnings("ignore", message=".*backward hook.*")
     with trainer_group(spec):
         trainer = Trainer(spec)
-        trainer.train_start = 0.0
         for step in range(2):
             step_and_log(trainer, step)
         comm = RecordingCommMode(trainer.dims.tp)
@@ -166,27 +161,12 @@ def theoretical(
     head_dim: int,
     kv_replication: int,
 ) -> dict[str, Any]:
-    """Megatron-style tensor-parallel collectives of one training step, with payloads.
-
-    Per decoder layer: without SP 2 all-reduces forward (after the attention
-    and MLP row-parallel projections) and 2 backward (before the fused
-    column-parallel q/k/v and gate/up); with SP each becomes a pair: all-gather
-    before and reduce-scatter after the block forward, reduce-scatter and
-    all-gather backward. Outside the layers:
-      * vocab-parallel embedding: fwd AR (SP: RS), bwd none (SP: AG);
-      * LM head, column-parallel on the replicated hidden state: fwd none
-        (SP: AG of the sequence), bwd AR (SP: RS);
-      * loss_parallel cross-entropy: 3 fwd ARs of one value per token (the max
-        logit, the sum of exponentials, the target logit), none backward;
-      * SP only: the RMSNorm weights (2 per layer + the final norm) see only their
-        sequence shard, so their gradients are all-reduced (H values each; Megatron
-        does it after the backward, DTensor during it: counted under bwd);
-      * meshtrain's step: 1 AR of the squared-gradient sum (a scalar) over tp, and 1 AR
-        in which the ranks agree on the step (at every tp);
-        with KV replication, 1 AR per replicated k/v weight (2 per layer) over the
-        ranks holding copies of one KV head (each rank holds one head: head_dim x H).
-    Payloads: a hidden-state collective moves B*S*H fp32 values, a loss one B*S.
-    """
+    """Megatron-style tensor-parallel collectives of one training step, with payloads
+    (the count per layer and outside them: docs/benchmarks.md, "Tensor parallelism").
+    Per layer 2 all-reduces forward and 2 backward (with SP: an all-gather and a
+    reduce-scatter each), plus the embedding / LM-head boundary, loss_parallel's 3
+    forward all-reduces, SP's norm-weight gradients, and the step's own: the gradient
+    norm, the ranks' agreement, one per replicated k/v weight."""
     counts: dict[str, Counter] = {phase: Counter() for phase in PHASES}
     payload: dict[str, float] = dict.fromkeys(PHASES, 0.0)
     ring: dict[str, float] = dict.fromkeys(PHASES, 0.0)
@@ -285,14 +265,7 @@ def collective_lines(rows: list[tuple[str, dict, Any]], args: argparse.Namespace
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--intermediate", type=int, default=1408)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--kv-heads", type=int, default=4)
-    parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--batch", type=int, default=4)
+    add_model_arguments(parser, 512, 1408, 4, 8, 4, 8192, 256, 4)
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4])
     args = parser.parse_args(argv)
     if args.tp[0] != 1:
@@ -302,15 +275,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    shape = {
-        "hidden_size": args.hidden,
-        "intermediate_size": args.intermediate,
-        "num_hidden_layers": args.layers,
-        "num_attention_heads": args.heads,
-        "num_key_value_heads": args.kv_heads,
-        "max_position_embeddings": max(512, args.seq),
-        "tie_word_embeddings": False,
-    }
+    shape = llama_fields(args)
     rows = []
     with tempfile.TemporaryDirectory(prefix="mt-tp-") as tmp:
         root = Path(tmp)

@@ -1,34 +1,14 @@
 """Training throughput: meshtrain's real Trainer, HF Trainer and a bare PyTorch loop.
 
-Each side's tokens/s beside the others', measured side by side in one invocation, and
-its model FLOP/s beside the fp32 GEMM rate of the same processes x threads
-(`bench/machine_limit.py`, read at the start, before every repeat and at the end).
-One invocation trains one Llama shape, `--shape` (`default` 1.8M, `27m`, `110m`;
-`bench/shapes.py`; each flag such as `--hidden` still overrides it), on the same random
-token blocks, global batch (per-device batch x world), AdamW settings (`OPTIM`), fp32:
-
-(a) meshtrain: `meshtrain.trainer.Trainer` itself, built from the spec `kedro run` would
-    make (as planned: each run prints its layout), in its own spawned group; the bench
-    calls the Trainer's `train_step` and `log_step` for every step (`log_every=1`: a
-    loss all-reduce and `.item()` per step), noting the time at each step's start. No
-    validation, no checkpoint. Other meshtrain sides change one setting
-    (`MESHTRAIN_SIDES`; `--sides` picks them, `--control` adds the identical A/A side);
-(b) Hugging Face `Trainer` (transformers + accelerate, DDP over gloo at dp=2), its
-    defaults otherwise (`adamw_torch_fused`, `logging_steps=1`), timed at
-    `on_step_begin`;
-(c) in one process only: a bare loop (`AutoModelForCausalLM`, torch AdamW,
-    `clip_grad_norm_`, the blocks preloaded, `.item()` every step).
-
-Tokens/s = `steps x tokens per step / (start[warmup + steps] - start[warmup])`: whole
-steps with everything between them. meshtrain's warm-up is at least 2 steps (its
-second measures peak memory under a dispatch mode). Every side is a fresh process
-group; the order of the sides is reversed on every other repeat. Nothing is asserted.
-
-`--profile` adds where the real Trainer's step goes: every meshtrain side of a world
-built as a `Trainer` in one process group, taking turns in blocks of 4 steps under
-`torch.profiler`; the table is ms per step in each `meshtrain.*` range the step carries
-(forward, backward, pipeline, reduce, optimizer; gather runs inside forward), the rest
-(data, logging, the LR step), and the step's wall time.
+Each side's tokens/s beside the others' in one invocation, and its model FLOP/s beside
+the fp32 GEMM rate of the same processes x threads (`bench/machine_limit.py`, read at
+the start, before every repeat and at the end), on one Llama shape (`--shape`,
+`bench/shapes.py`), the same random blocks, global batch and AdamW settings. meshtrain
+sides are `meshtrain.trainer.Trainer` itself, planned as `kedro run` would, its
+`train_step`/`log_step` timed per step; `MESHTRAIN_SIDES` each change one setting and
+`--control` adds the identical A/A side. `--profile` adds ms per step in each
+`meshtrain.*` range of the real step under `torch.profiler`. What each side is and how
+it is timed: docs/speed.md, "Training throughput". Nothing is asserted.
 
     .venv/bin/python bench/throughput.py                          # default shape, ~6-8 min
     .venv/bin/python bench/throughput.py --shape 27m --worlds 1   # one process, ~8 min
@@ -61,6 +41,7 @@ import throughput_report  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from bench_runs import (  # noqa: E402  (bench/bench_runs.py)
+    ENV_PREFIX,
     RANGES,
     planned_side,
     profiled_steps,
@@ -85,10 +66,6 @@ from meshtrain.models import build_model, build_model_config  # noqa: E402
 from meshtrain.trainer import Trainer  # noqa: E402
 
 SEED = 42
-ENV_PREFIX = (
-    "KEDRO_DISABLE_TELEMETRY=true DO_NOT_TRACK=true MLFLOW_DISABLE_TELEMETRY=true "
-    "HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false"
-)
 # The optimisation settings every side uses (meshtrain's defaults).
 OPTIM = {
     "learning_rate": 3e-3,
@@ -125,13 +102,13 @@ MESHTRAIN_SIDES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
 LABELS = {
     "meshtrain": "meshtrain",
     "meshtrain_zero1": "meshtrain, parallel.zero_1=true",
-    "meshtrain_zero1_again": "meshtrain, parallel.zero_1=true again (control)",
+    "meshtrain_zero1_again": "meshtrain, zero_1=true again (control)",
     "meshtrain_zero1_gather_after": "meshtrain, zero_1=true, one all-gather after the update",
     "meshtrain_after": "meshtrain, reduction after backward",
     "meshtrain_tp2": "meshtrain, tp=2 (dp 1)",
     "meshtrain_pp2": "meshtrain, pp=2 (dp 1, 1F1B, 4 microbatches)",
     "meshtrain_compile": "meshtrain, training.compile=true",
-    "meshtrain_blas": "meshtrain, training.cpu_matmul=blas (torch.mm, as the others)",
+    "meshtrain_blas": "meshtrain, training.cpu_matmul=blas (torch.mm)",
     "meshtrain_again": "meshtrain again (control: identical code)",
     "trainer": "HF Trainer",
     "bare": "bare loop",
@@ -232,9 +209,6 @@ def _throughput(
     )
 
 
-# --------------------------------------------------------------------------- (a) meshtrain
-
-
 def meshtrain_spec(job: dict[str, Any], blocks, root: Path, name: str, side: str, steps: int):
     """The worker spec of one meshtrain side, planned as `kedro run` would, for `steps`
     steps. The global batch is `batch x world` at every layout: at tp/pp the dp ranks
@@ -283,9 +257,6 @@ def meshtrain_entry(spec: Any, job: dict[str, Any]) -> dict[str, Any] | None:
     if summary is None:
         return None
     return {"starts": starts, "threads": torch.get_num_threads(), "summary": summary}
-
-
-# --------------------------------------------------------------------------- (b) Trainer
 
 
 def _collate(features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
@@ -361,9 +332,6 @@ def trainer_entry(job: dict[str, Any]) -> dict[str, Any] | None:
     }
 
 
-# --------------------------------------------------------------------------- (c) bare loop
-
-
 @record
 def bare_entry(job: dict[str, Any]) -> dict[str, Any]:
     """One process, no process group: HF model, torch AdamW, clip_grad_norm_ (on the
@@ -411,9 +379,6 @@ def bare_entry(job: dict[str, Any]) -> dict[str, Any]:
         optimizer.zero_grad()
         loss.item()
     return {"starts": starts, "threads": threads, "layout": "1 process, no group"}
-
-
-# --------------------------------------------------------------------------- driver
 
 
 @contextlib.contextmanager
@@ -534,9 +499,6 @@ def throughput_tables(args: argparse.Namespace, root: Path, blocks_path: Path, f
     limits.append(machine_limit.measure(every))
     print("machine limit, end\n" + "\n".join(machine_limit.describe(limits[-1])), flush=True)
     return throughput_report.report(args, runs, limits, arrangements, flops, LABELS)
-
-
-# --------------------------------------------------------------------------- --profile
 
 
 @record
