@@ -27,7 +27,7 @@ use_offline_defaults()
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from shapes import hf_fields  # noqa: E402  (bench/shapes.py)
+from shapes import SHAPES, hf_fields  # noqa: E402  (bench/shapes.py)
 
 from meshtrain.config import LaunchConfig, RunConfig  # noqa: E402
 from meshtrain.data.blocks import arrow_files  # noqa: E402
@@ -39,7 +39,7 @@ from meshtrain.planner import Plan, plan_run  # noqa: E402
 from meshtrain.trainer import Trainer, WorkerSpec  # noqa: E402
 
 # The 27M-parameter Llama of the speed issue (#19).
-SHAPE_27M = hf_fields("27m")
+SHAPE_27M = hf_fields(SHAPES["27m"])
 MIB = 2**20
 # The ranges the real step carries (models/parallel_model.py, trainer.py,
 # distributed/param_gather.py); `gather` runs inside `forward` (its waits are hooks).

@@ -1,35 +1,16 @@
 """Training throughput on GPUs: a ~1B Llama in bf16, meshtrain against a bare loop, as MFU.
 
-Issue #19's GPU measurement, prepared to run as one command on a machine with CUDA
-devices (nothing else requires one):
+Issue #19's GPU measurement as one command (docs/speed.md, "On a GPU"): conf/gpu's
+model (TinyLlama's shape), blocks of 2048, per-device batch 4, random blocks; the sides
+of `bench/throughput.py` run by its own entry points and timed the same way: meshtrain
+as planned (NCCL, bf16 autocast over fp32 master weights), the bare loop under bf16
+autocast, meshtrain again (A/A), and with N > 1 devices meshtrain at dp=N and tp=2.
+Beside each: model TFLOP/s over the published peak and over the bf16 GEMM measured on
+the device before every repeat and at the end.
 
     .venv/bin/python bench/gpu_throughput.py          # ~1.1B, bf16; ~6 min on one H100/H200
 
-The model is conf/gpu's (TinyLlama's published shape: hidden 2048, intermediate 5632,
-22 layers, 32 heads, 4 KV heads, vocabulary 32000), blocks of 2048, per-device batch
-4, on random token blocks, with the sides of `bench/throughput.py` run by its own
-entry points and timed the same way (the wall clock at the start of every step;
-tokens/s over `--steps` whole steps after the warm-up):
-
-* `meshtrain`: the real loop, planned as `kedro run --env gpu` would for the ranks
-  (the planner's h100/h200 profile, NCCL), `training.mixed_precision=bf16` (autocast,
-  fp32 master weights), logging every step;
-* `bare`: one process, `AutoModelForCausalLM.from_config` on the GPU, the forward under
-  bf16 autocast, torch AdamW, `clip_grad_norm_`, `.item()` of the loss every step;
-* `meshtrain_again`: meshtrain once more, identical (the A/A control);
-* with N > 1 devices visible, also at world N: meshtrain's default layout (dp=N) and
-  `meshtrain_tp2` (tp=2, dp=N/2).
-
-Repeats run the sides in alternating order. Beside each side: its model TFLOP/s (tokens/s
-x the model FLOPs per token every run logs its `mfu` with,
-`meshtrain.planner.cost.model_flops_per_token`) over the world's published peak (the
-planner's device profile: 989.4 TFLOP/s bf16 on an H100 or H200) and over the bf16 GEMM
-rate measured on the same device (8192^3 `torch.mm`, before every repeat and at the
-end). torchtitan reports 33-39% MFU for Llama-3-8B on H100 without float8.
-
-`--device cpu --shape default` runs the same code on this machine's CPUs (gloo, bf16
-autocast on the CPU): what the tests run, so that this script still works when a GPU
-session comes to run it.
+`--device cpu --shape default` runs the same code on CPUs (tests/test_gpu_bench.py).
 """
 
 from __future__ import annotations

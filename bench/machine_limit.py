@@ -1,19 +1,13 @@
 """The machine's limit for fp32 training on CPU: the GEMM rate of P processes x T threads.
 
-P processes are spawned together (torch.multiprocessing, spawn), each with T intra-op
-threads; each builds two square fp32 matrices per size n and, per GEMM library, runs
-`warmup` untimed products, waits at a barrier for the others, then times `repeats`
-calls one by one. The libraries are the two inside torch's x86-64 wheels: `blas`
-(`torch.mm`, MKL there) and `onednn` (the product meshtrain's Linear layers run on CPU
-where `training.cpu_matmul` picks it, `models/cpu_linear.py`). A process's rate is
-2 n^3 FLOPs over its median call; the arrangement's rate is the sum over its
-processes, per library and n. The GEMM rate of an arrangement is the best of them:
-what those cores reach on the operation a transformer step spends most of its FLOPs in.
-`bench/throughput.py` measures the arrangements its sides run, at its start and its end.
+P spawned processes of T intra-op threads each time n x n fp32 products per library
+(`blas`: `torch.mm`; `onednn`: what meshtrain's Linear layers run where
+`training.cpu_matmul` picks it), after a warm-up and a barrier; a process's rate is
+2 n^3 FLOPs over its median call, an arrangement's the sum over its processes, and its
+GEMM rate the best library and size. `bench/throughput.py` reads it for its MFU.
 
     .venv/bin/python bench/machine_limit.py                  # 1x<cpus> and <cpus>x1, ~15-20 s
     .venv/bin/python bench/machine_limit.py --arrangements 1x1 2x1 --sizes 1024 2048 4096
-    .venv/bin/python bench/machine_limit.py --libraries blas
 """
 
 from __future__ import annotations

@@ -42,7 +42,10 @@ from meshtrain.models.converters import build_converters, converter_names  # noq
 
 def _preset(name: str) -> dict[str, Any]:
     """A bench/shapes.py preset as this script's model entry."""
-    return {"fields": hf_fields(name), **{k: SHAPES[name][k] for k in ("vocab", "block", "batch")}}
+    return {
+        "fields": hf_fields(SHAPES[name]),
+        **{k: SHAPES[name][k] for k in ("vocab", "block", "batch")},
+    }
 
 
 MODELS = {

@@ -1,7 +1,5 @@
 """The model shapes `bench/throughput.py` measures, their run defaults and targets, and the
-model FLOPs per token its "MFU" columns count.
-
-Imported by the scripts beside it; not a benchmark itself.
+model FLOPs per token its "MFU" columns count. Not a benchmark itself.
 """
 
 from __future__ import annotations
@@ -53,10 +51,9 @@ LAYOUTS: dict[str, dict[str, Any]] = {
 }
 
 
-def hf_fields(name: str) -> dict[str, Any]:
-    """The preset's Llama config fields, as `meshtrain.models.build_model_config` takes them
-    (the vocabulary, blocks and batch stay in SHAPES)."""
-    shape = SHAPES[name]
+def hf_fields(shape: dict[str, Any]) -> dict[str, Any]:
+    """The Llama config fields of a shape (a SHAPES preset, or flags with their names), as
+    `build_model_config` takes them (the vocabulary, blocks and batch stay apart)."""
     return {
         "hidden_size": shape["hidden"],
         "intermediate_size": shape["intermediate"],

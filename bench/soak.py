@@ -1,29 +1,14 @@
 """Soak: 2,000 steps of the default model on 2 ranks (dp2, ZeRO-1), a checkpoint every
-20 steps with `keep_last` 2, and rank 0 logging every step into MLflow, as `kedro run`
-does; watched from outside the ranks.
+20 steps with `keep_last` 2, rank 0 logging every step into MLflow, watched from outside.
 
-The model, training and data parameters are conf/base's (hidden 128, 4 layers, vocab
-4096, blocks of 128, per-device batch 8, eval every 100 steps), with `max_steps`,
-`checkpoint_every` and `keep_last` set here. The blocks are synthetic and learnable
-(arithmetic sequences mod the vocabulary), saved with `datasets` like the other bench
-scripts; 2,400 of them, so every epoch (150 steps) reads all of their pages before
-step 200 and a memory-mapped file filling in cannot pass for growth.
-
-A thread of this (the launcher) process samples every 0.5 s, for each worker process
-(the launcher's children that run `spawn_main`, ranked by start time): VmRSS,
-RssAnon and RssFile of /proc/<pid>/status and the count of /proc/<pid>/fd; and every
-0.1 s the folders named checkpoint-* in the run folder (complete or not). A sample's
-step is the newest complete checkpoint present then (a lower bound, within 20 steps).
-"At step 200" is the median of the samples of steps 200-220, "at the end" that of the
-last 20 steps before the final checkpoint completes (the ranks still training); for the
-file descriptors, the most frequent count in those windows (a sample can catch a file
-being written, e.g. a checkpoint's, which the min-max column shows).
+conf/base's parameters with `max_steps`, `checkpoint_every` and `keep_last` set here, on
+2,400 synthetic learnable blocks (every page read before step 200). A thread of the
+launcher samples each worker's /proc (VmRSS, RssAnon, RssFile, open fds) every 0.5 s and
+the run folder's checkpoint-* every 0.1 s; a sample's step is the newest complete
+checkpoint. Prints the figures against issue #17's targets (RSS growth after step 200
+< 2%, constant fds, at most keep_last + 1 checkpoints; docs/benchmarks.md, "Soak").
 
     .venv/bin/python bench/soak.py [--steps 2000] [--no-mlflow] [--samples soak.csv]
-
-Prints the figures against the targets of issue #17 (RSS growth after step 200 < 2%,
-open file descriptors constant, at most keep_last + 1 checkpoint folders) with PASS/FAIL;
-asserts nothing. About 12 minutes on 2 cores (0.3-0.4 s a step).
 """
 
 from __future__ import annotations
@@ -34,6 +19,7 @@ import statistics
 import tempfile
 import threading
 import time
+from collections import namedtuple
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,7 +30,7 @@ from meshtrain.offline import use_offline_defaults
 
 use_offline_defaults()
 
-from bench_runs import token_blocks  # noqa: E402  (bench/bench_runs.py)
+from bench_runs import MIB, plan_on_blocks, token_blocks  # noqa: E402  (bench/bench_runs.py)
 
 from meshtrain.checkpoint.manifest import is_complete  # noqa: E402
 from meshtrain.config import RunConfig  # noqa: E402
@@ -53,12 +39,11 @@ from meshtrain.launch.elastic import run_workers  # noqa: E402
 from meshtrain.launch.job import make_worker_spec  # noqa: E402
 from meshtrain.launch.worker import worker_main_sequence  # noqa: E402
 from meshtrain.models import build_model_config  # noqa: E402
-from meshtrain.planner import plan_run  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 CHECKPOINT_EVERY, KEEP_LAST, FROM_STEP = 20, 2, 200
 TRAIN_BLOCKS, VALIDATION_BLOCKS = 2400, 64
-MIB = 2**20
+Sample = namedtuple("Sample", "time step rank pid rss anon file fds")
 
 
 def base_parameters() -> dict[str, Any]:
@@ -67,9 +52,6 @@ def base_parameters() -> dict[str, Any]:
     for path in sorted((REPO / "conf" / "base").glob("parameters*.yml")):
         params.update(yaml.safe_load(path.read_text()) or {})
     return params
-
-
-# --- the sampler ------------------------------------------------------------------------
 
 
 def _status(pid: int) -> dict[str, int]:
@@ -83,16 +65,10 @@ def _status(pid: int) -> dict[str, int]:
 
 
 def _workers(parent: int) -> list[int]:
-    """The pids, oldest first, of the live worker processes among `parent`'s children (read from
-    /proc as tests/conftest.py's child_processes does).
-
-    Torch elastic sets RANK inside the spawned child, after exec, so /proc/<pid>/environ
-    lacks it; it starts the workers in local-rank order, so their start times give it.
-    """
+    """The pids of `parent`'s live worker processes, oldest first: torch elastic starts
+    them in local-rank order (RANK is set after exec, so /proc/<pid>/environ lacks it)."""
     found = []
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
         try:
             stat = (entry / "stat").read_text()
             fields = stat[stat.rindex(")") + 2 :].split()
@@ -101,21 +77,9 @@ def _workers(parent: int) -> list[int]:
             if b"spawn_main" not in (entry / "cmdline").read_bytes():
                 continue  # multiprocessing's resource tracker
         except (OSError, ValueError):
-            continue
+            continue  # not a process, or gone
         found.append((int(fields[19]), int(entry.name)))  # field 22 of stat: start time
     return [pid for _, pid in sorted(found)]
-
-
-@dataclass
-class Sample:
-    time: float
-    step: int
-    rank: int
-    pid: int
-    rss: int
-    anon: int
-    file: int
-    fds: int
 
 
 @dataclass
@@ -156,18 +120,8 @@ class Sampler:
                 fds = len(list(Path(f"/proc/{pid}/fd").iterdir()))
             except (OSError, KeyError):
                 continue  # it exited meanwhile
-            self.samples.append(
-                Sample(
-                    now,
-                    self.step,
-                    rank,
-                    pid,
-                    status["VmRSS"],
-                    status.get("RssAnon", 0),
-                    status.get("RssFile", 0),
-                    fds,
-                )
-            )
+            memory = (status["VmRSS"], status.get("RssAnon", 0), status.get("RssFile", 0))
+            self.samples.append(Sample(now, self.step, rank, pid, *memory, fds))
 
     def run(self, parent: int) -> None:
         next_proc = 0.0
@@ -188,9 +142,6 @@ class Sampler:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
-
-
-# --- the run ----------------------------------------------------------------------------
 
 
 def _spec(root: Path, blocks, steps: int, tracking):
@@ -215,13 +166,7 @@ def _spec(root: Path, blocks, steps: int, tracking):
     config = build_model_config(
         model["architecture"], model["config"], vocab_size=params["data"]["vocab_size"]
     )
-    plan = plan_run(
-        run,
-        config,
-        num_train_blocks=len(blocks["train"]),
-        num_validation_blocks=len(blocks["validation"]),
-        cuda_available=False,
-    )
+    plan = plan_on_blocks(run, config, blocks)
     spec = make_worker_spec(
         run,
         plan,

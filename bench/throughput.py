@@ -55,6 +55,7 @@ from shapes import (  # noqa: E402
     add_run_arguments,
     add_shape_arguments,
     apply_shape,
+    hf_fields,
     model_flops_per_token,
 )
 from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
@@ -152,18 +153,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def model_fields(a: dict[str, Any]) -> dict[str, Any]:
-    """The Llama config fields of a job's shape."""
-    return {
-        "hidden_size": a["hidden"],
-        "intermediate_size": a["intermediate"],
-        "num_hidden_layers": a["layers"],
-        "num_attention_heads": a["heads"],
-        "num_key_value_heads": a["kv_heads"],
-        "max_position_embeddings": max(512, a["block"]),
-        "rms_norm_eps": 1e-5,
-        "tie_word_embeddings": False,
-    }
+def model_fields(job: dict[str, Any]) -> dict[str, Any]:
+    """The Llama config fields of a job's shape (untied LM head)."""
+    return {**hf_fields(job), "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
 
 
 def hf_config(job: dict[str, Any]):
@@ -517,8 +509,9 @@ def profile_entry(specs: dict[str, Any], job: dict[str, Any]) -> dict[str, Any] 
 
 def profile_lines(world: int, result: dict[str, Any], steps: int, tokens: int) -> list[str]:
     """ms per step in each range, the rest of the step, the step; tokens/s and ratios."""
-    names, walls, layouts = list(result["walls"]), result["walls"], result["layouts"]
-    ranges = [r for r in RANGES if any(r in result["ranges"][n] for n in names)]
+    names, walls, ranges = list(result["walls"]), result["walls"], result["ranges"]
+    layouts = result["layouts"]
+    rest = {n: walls[n] - sum(v for k, v in ranges[n].items() if k != "gather") for n in names}
     lines = [
         "",
         f"profile, {world} process(es): the real Trainer's step under torch.profiler, ms per "
@@ -527,34 +520,20 @@ def profile_lines(world: int, result: dict[str, Any], steps: int, tokens: int) -
         f"| range | {' | '.join(f'{LABELS[n]} ({layouts[n]})' for n in names)} |",
         "|---|" + "---:|" * len(names),
     ]
-    for name in ranges:
-        cells = [result["ranges"][n].get(name) for n in names]
-        lines.append(
-            f"| meshtrain.{name} | "
-            + " | ".join("-" if s is None else f"{1000 * s / steps:.1f}" for s in cells)
-            + " |"
-        )
-    rest = [
-        walls[n] - sum(v for k, v in result["ranges"][n].items() if k != "gather") for n in names
+    rows = [(f"meshtrain.{r}", {n: ranges[n].get(r) for n in names}, "{:.1f}") for r in RANGES]
+    rows += [
+        ("rest (data, logging, LR)", rest, "{:.1f}"),
+        ("**step (wall)**", walls, "**{:.1f}**"),
     ]
-    lines.append(
-        "| rest (data, logging, LR) | " + " | ".join(f"{1000 * s / steps:.1f}" for s in rest) + " |"
-    )
-    lines.append(
-        "| **step (wall)** | "
-        + " | ".join(f"**{1000 * walls[n] / steps:.1f}**" for n in names)
-        + " |"
-    )
-    lines.append(
-        "| tokens/s | " + " | ".join(f"{steps * tokens / walls[n]:,.0f}" for n in names) + " |"
-    )
-    first = names[0]
-    lines.append(
-        f"| {first} over this column | "
-        + " | ".join(f"{walls[n] / walls[first]:.3f}x" for n in names)
-        + " |"
-    )
-    return lines
+    for label, seconds, form in rows:
+        if any(value is not None for value in seconds.values()):
+            cells = [
+                form.format(1000 * v / steps) if v is not None else "-" for v in seconds.values()
+            ]
+            lines.append(f"| {label} | {' | '.join(cells)} |")
+    speed = " | ".join(f"{steps * tokens / walls[n]:,.0f}" for n in names)
+    ratio = " | ".join(f"{walls[n] / walls[names[0]]:.3f}x" for n in names)
+    return [*lines, f"| tokens/s | {speed} |", f"| {names[0]} over this column | {ratio} |"]
 
 
 def profile_tables(args: argparse.Namespace, root: Path, blocks_path: Path) -> list[str]:

@@ -1,7 +1,4 @@
-"""The tables, ratios and verdicts `bench/throughput.py` prints from its runs.
-
-Imported by the scripts beside it; not a benchmark itself.
-"""
+"""The tables, ratios and verdicts `bench/throughput.py` prints. Not a benchmark itself."""
 
 from __future__ import annotations
 
