@@ -276,15 +276,25 @@ def print_side_table(rows: list[tuple[str, dict[str, Any], Plan]]) -> dict[str, 
     for name, summary, plan in rows:
         memory = plan.memory_estimate_per_rank
         predicted = memory["parameters"] + memory["gradients"] + memory["optimizer_states"]
-        peak = summary["measured_peak_memory"]
+        peak = summary["measured_peak_memory"] or {}
         rss = max(summary["peak_rss_mb_per_rank"])
         states, speed = summary["model_states_bytes_rank0"], summary["mean_tokens_per_s"]
-        table[name] = (states, peak["peak_bytes"], rss, speed)
-        print(
-            f"{name:<18}{states / MIB:>17,.1f}{predicted / MIB:>9,.1f}"
-            f"{peak['peak_bytes'] / MIB:>14,.1f}{peak['predicted_peak_bytes'] / MIB:>9,.1f}"
-            f"{max(summary['startup_peak_rss_mb_per_rank']):>10,.0f}{rss:>9,.0f}"
-            f"{memory['process_total'] / MIB:>9,.0f}{speed:>10,.0f}{summary['final_loss']:>11.4f}"
+        table[name] = (states, peak.get("peak_bytes"), rss, speed)
+        cells = [
+            (states, 17, MIB, ".1f"),
+            (predicted, 9, MIB, ".1f"),
+            (peak.get("peak_bytes"), 14, MIB, ".1f"),
+            (peak.get("predicted_peak_bytes"), 9, MIB, ".1f"),
+            (max(summary["startup_peak_rss_mb_per_rank"]), 10, 1, ".0f"),
+            (rss, 9, 1, ".0f"),
+            (memory["process_total"], 9, MIB, ".0f"),
+            (speed, 10, 1, ".0f"),
+            (summary["final_loss"], 11, 1, ".4f"),
+        ]
+        text = "".join(
+            f"{'-' if v is None else format(v / unit, ',' + form):>{width}}"
+            for v, width, unit, form in cells
         )
+        print(f"{name:<18}{text}")
     print()
     return table

@@ -133,7 +133,8 @@ def report(rows: list, pairs: list[tuple[str, str]]) -> None:
             print(f"A/A control, {name} / first tokens/s: {table[name][3] / first[3]:.3f}")
     for side, against in pairs:
         if side in table and against in table:
-            ratios = [a / b for a, b in zip(table[side], table[against], strict=True)]
+            both = zip(table[side], table[against], strict=True)
+            ratios = [a / b if a and b else float("nan") for a, b in both]
             print(
                 f"{side} / {against}: model states {ratios[0]:.3f}, step peak {ratios[1]:.3f}, "
                 f"run RSS {ratios[2]:.3f}, tokens/s {ratios[3]:.3f}"

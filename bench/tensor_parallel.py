@@ -150,17 +150,7 @@ def tp_worker(spec: Any) -> dict[str, Any] | None:
         return {"summary": trainer.summary(None, None, 0.0), "events": comm.events}
 
 
-def theoretical(
-    tp: int,
-    sp: bool,
-    *,
-    layers: int,
-    batch: int,
-    seq: int,
-    hidden: int,
-    head_dim: int,
-    kv_replication: int,
-) -> dict[str, Any]:
+def theoretical(tp: int, sp: bool, args: argparse.Namespace) -> dict[str, Any]:
     """Megatron-style tensor-parallel collectives of one training step, with payloads
     (the count per layer and outside them: docs/benchmarks.md, "Tensor parallelism").
     Per layer 2 all-reduces forward and 2 backward (with SP: an all-gather and a
@@ -170,8 +160,9 @@ def theoretical(
     counts: dict[str, Counter] = {phase: Counter() for phase in PHASES}
     payload: dict[str, float] = dict.fromkeys(PHASES, 0.0)
     ring: dict[str, float] = dict.fromkeys(PHASES, 0.0)
-    hidden_bytes = batch * seq * hidden * 4
-    token_bytes = batch * seq * 4
+    layers, hidden = args.layers, args.hidden
+    token_bytes = args.batch * args.seq * 4
+    hidden_bytes = token_bytes * hidden
 
     def add(phase: str, kind: str, n: int, size: float, group: int = tp) -> None:
         counts[phase][kind] += n
@@ -193,8 +184,9 @@ def theoretical(
         add("bwd", "AR", blocks, hidden_bytes)
     add("fwd", "AR", 3, token_bytes)
     add("step", "AR", 1, 4)
+    kv_replication = kv_replication_factor(args.kv_heads, tp)
     if kv_replication > 1:
-        add("step", "AR", 2 * layers, head_dim * hidden * 4, kv_replication)
+        add("step", "AR", 2 * layers, hidden // args.heads * hidden * 4, kv_replication)
     return {"counts": counts, "payload": payload, "ring": ring}
 
 
@@ -243,17 +235,7 @@ def collective_lines(rows: list[tuple[str, dict, Any]], args: argparse.Namespace
         for event in result["events"]:
             counts[event["phase"]][event["kind"]] += 1
             payload, ring = payload + event["payload"], ring + event["ring"]
-        kv = kv_replication_factor(args.kv_heads, tp) if tp > 1 else 1
-        theory = theoretical(
-            tp,
-            sp,
-            layers=args.layers,
-            batch=args.batch,
-            seq=args.seq,
-            hidden=args.hidden,
-            head_dim=args.hidden // args.heads,
-            kv_replication=kv,
-        )
+        theory = theoretical(tp, sp, args)
         cells = [_fmt_counts(counts[p]) for p in PHASES]
         cells += [_fmt_counts(theory["counts"][p]) for p in PHASES]
         cells += [f"{payload / MIB:.2f}", f"{sum(theory['payload'].values()) / MIB:.2f}"]
