@@ -32,14 +32,6 @@ SHAPES: dict[str, dict[str, Any]] = {
         **dict(zip(RUN_FIELDS, (4, 2, 3, "auto", "tp2,pp2", True, False), strict=True)),
     },
 }
-# Issue #19's targets: meshtrain / HF Trainer at dp=2, meshtrain / bare loop in one
-# process (the default shape keeps the targets it had), and meshtrain's one-process
-# model FLOP/s against the GEMM rate of the same cores.
-TARGETS: dict[str, dict[str, float]] = {
-    "default": {"trainer": 1.10, "bare": 0.97, "mfu": 0.85},
-    "27m": {"trainer": 1.05, "bare": 1.05, "mfu": 0.85},
-    "110m": {"trainer": 1.05, "bare": 1.05, "mfu": 0.85},
-}
 # The extra world-2 layouts `--layouts` names: parallel.* overrides (dp is what is left).
 LAYOUTS: dict[str, dict[str, Any]] = {
     "tp2": {"tensor_parallel_size": 2},
@@ -65,41 +57,17 @@ def hf_fields(shape: dict[str, Any]) -> dict[str, Any]:
 
 
 def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
-    """`--shape` and the shape flags; each flag left unset takes the preset's value."""
+    """`--shape`, its model flags and run flags; each left unset takes the preset's value
+    (`apply_shape`). `--threads auto`: the cores split between the ranks; `--layouts`:
+    extra meshtrain layouts at world 2 (LAYOUTS, or none); `--control`: meshtrain once
+    more, the A/A side; `--after`: at world 2, the reduction after the backward."""
     parser.add_argument("--shape", choices=sorted(SHAPES), default="default")
-    for name in SHAPE_FIELDS:
-        flag = "--" + name.replace("_", "-")
-        helps = {"batch": "per-device batch"}
-        parser.add_argument(flag, type=int, default=None, help=helps.get(name, "from --shape"))
-
-
-def add_run_arguments(parser: argparse.ArgumentParser) -> None:
-    """The run flags whose defaults `apply_shape` takes from the preset."""
-    parser.add_argument("--steps", type=int, help="timed steps per run (default: the shape's)")
-    parser.add_argument("--warmup", type=int, help="untimed steps first (default: the shape's)")
-    parser.add_argument("--repeats", type=int, help="order reversed on odd repeats")
-    parser.add_argument(
-        "--threads",
-        help="intra-op threads of every process of every side; auto: cpu_count // ranks "
-        "(default: 1 at the default shape, auto at the others)",
-    )
-    parser.add_argument(
-        "--layouts",
-        help=f"extra meshtrain layouts at world 2, from {','.join(LAYOUTS)}, or none "
-        "(default: none at the default shape, all at the others)",
-    )
-    parser.add_argument(
-        "--control",
-        action=argparse.BooleanOptionalAction,
-        help="meshtrain once more, identical: the A/A ratio is the noise (default: off at "
-        "the default shape, on at the others)",
-    )
-    parser.add_argument(
-        "--after",
-        action=argparse.BooleanOptionalAction,
-        help="at world 2, meshtrain with the reduction after the backward (default: on "
-        "at the default shape only)",
-    )
+    for name in (*SHAPE_FIELDS, "steps", "warmup", "repeats"):
+        parser.add_argument("--" + name.replace("_", "-"), type=int, help="default: --shape's")
+    for name in ("threads", "layouts"):
+        parser.add_argument(f"--{name}", help="default: --shape's")
+    for name in ("control", "after"):
+        parser.add_argument(f"--{name}", action=argparse.BooleanOptionalAction)
 
 
 def apply_shape(args: argparse.Namespace) -> argparse.Namespace:
@@ -109,12 +77,6 @@ def apply_shape(args: argparse.Namespace) -> argparse.Namespace:
         if getattr(args, name) is None:
             setattr(args, name, preset[name])
     return args
-
-
-def differs_from_preset(args: argparse.Namespace) -> bool:
-    """Whether a shape flag moved the model or batch away from the preset's."""
-    preset = SHAPES[args.shape]
-    return any(getattr(args, name) != preset[name] for name in SHAPE_FIELDS)
 
 
 def model_flops_per_token(config: PretrainedConfig, seq: int) -> int:

@@ -52,7 +52,6 @@ from bench_runs import (  # noqa: E402  (bench/bench_runs.py)
 )
 from shapes import (  # noqa: E402
     LAYOUTS,
-    add_run_arguments,
     add_shape_arguments,
     apply_shape,
     hf_fields,
@@ -127,7 +126,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="meshtrain's training.grad_bucket_mb (default: the project's)",
     )
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 1], help="process counts")
-    add_run_arguments(parser)
     parser.add_argument("--compile", action="store_true", help="+ training.compile=true")
     parser.add_argument(
         "--sides",

@@ -1,12 +1,11 @@
-"""The tables, ratios and verdicts `bench/throughput.py` prints. Not a benchmark itself."""
+"""The tables and ratios `bench/throughput.py` prints (no pass/fail: the A/A ratio beside
+each ratio says what the noise was). Not a benchmark itself."""
 
 from __future__ import annotations
 
 import argparse
 import statistics
 from typing import Any
-
-from shapes import TARGETS, differs_from_preset
 
 Runs = dict[str, dict[str, list]]  # side -> tokens_per_s / median_tokens_per_s / layout
 Limits = dict[tuple[int, int], dict[str, Any]]  # (processes, threads) -> a gemm_rate
@@ -20,7 +19,7 @@ def report(
     flops_per_token: int,
     labels: dict[str, str],
 ) -> list[str]:
-    """The machine limit, each world's table and ratios, then the verdicts. `limits`: the
+    """The machine limit, then each world's table and ratios. `limits`: the
     GEMM readings in the order taken (start, before each repeat, end); an arrangement's
     MFU base is the mean of its readings."""
     readings: dict[tuple[int, int], list[float]] = {}
@@ -39,13 +38,11 @@ def report(
             f"  {processes} process(es) x {threads} thread(s): {taken} (start, before each "
             f"repeat, end); mean {rate:,.1f} (the MFU base)"
         )
-    verdicts: list[str] = []
     for world, sides in runs.items():
         rate = gemm[arrangements[world]]
         lines += world_table(args, world, sides, arrangements[world], rate, flops_per_token, labels)
         lines += ratio_lines(sides, labels)
-        verdicts += world_verdicts(args, world, sides, rate, flops_per_token, labels)
-    return [*lines, "", *verdicts]
+    return lines
 
 
 def _mean(sides: Runs, key: str = "tokens_per_s") -> dict[str, float]:
@@ -117,42 +114,5 @@ def ratio_lines(sides: Runs, labels: dict[str, str]) -> list[str]:
             f"{labels[name]} / {labels[other]}: {mean[name] / mean[other]:.3f}x "
             f"(per repeat: {', '.join(f'{r:.3f}' for r in paired)}; at the median step "
             f"time: {median[name] / median[other]:.3f}x); {control(sides)}"
-        )
-    return lines
-
-
-def world_verdicts(
-    args: argparse.Namespace,
-    world: int,
-    sides: Runs,
-    gemm: float,
-    flops_per_token: int,
-    labels: dict[str, str],
-) -> list[str]:
-    """Issue #19's targets at this world size, each with the A/A ratio beside it (none
-    where `--sides` left out meshtrain or the side it is held to)."""
-    other = "trainer" if world == 2 else "bare"
-    if "meshtrain" not in sides or other not in sides:
-        return []
-    targets = TARGETS[args.shape]
-    note = (
-        f" (the targets are set for --shape {args.shape}; this shape differs)"
-        if differs_from_preset(args)
-        else ""
-    )
-    mean = _mean(sides)
-    where = "dp=2" if world == 2 else "1 process"
-    ratio = mean["meshtrain"] / mean[other]
-    met = "met" if ratio >= targets[other] else "NOT met"
-    lines = [
-        f"target meshtrain / {labels[other]} >= {targets[other]:.2f}x at {where}: "
-        f"{ratio:.3f}x, {met}; {control(sides)}{note}"
-    ]
-    if world == 1:
-        mfu = mean["meshtrain"] * flops_per_token / 1e9 / gemm
-        met = "met" if mfu >= targets["mfu"] else "NOT met"
-        lines.append(
-            f"target meshtrain MFU vs GEMM >= {targets['mfu']:.2f} in 1 process: {mfu:.3f}, "
-            f"{met}; {control(sides)}{note}"
         )
     return lines
