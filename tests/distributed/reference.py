@@ -163,7 +163,7 @@ def assert_memory_model_holds(name: str, summary: dict[str, Any], tolerance: flo
     if "sdp" in summary["layout_name"] and "-pp1-" not in summary["layout_name"]:
         # Sharding under a pipeline keeps each stage gathered; at these toy sizes FSDP2's
         # per-group buffers and padding are a fifth of the peak and the model predicts
-        # 15% low; at 27M parameters (bench/sharded_data_parallel.py --sides
+        # 15% low; at 27M parameters (bench/memory.py sharding --sides
         # dp2-pp2-sdp2) 5% (300.9 predicted, 317.1 MiB measured). Checked there.
         return
     measured = summary["measured_peak_memory"]

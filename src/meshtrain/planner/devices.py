@@ -184,7 +184,7 @@ BUILTIN_PROFILES: dict[str, DeviceProfile] = {
             # A worker after importing torch, transformers and mlflow and joining the gloo
             # group: 521 MiB resident (measured on the project's 2-core machine).
             runtime_gib=0.5,
-            # bench/sharded_data_parallel.py: dp4 fully sharded ran at 0.68x ZeRO-1's
+            # bench/memory.py sharding: dp4 fully sharded ran at 0.68x ZeRO-1's
             # tokens/s on the 27M model, about its collectives' time added in full.
             collective_overlap=0.0,
             note="measured on the project's 2-core machines (gloo over loopback)",
