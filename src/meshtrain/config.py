@@ -149,8 +149,8 @@ class TrainingConfig:
     # fuses the elementwise work between the matmuls; pays a compile on the first steps.
     compile: bool = False
     # Where the Linear layers' fp32 matmuls run on CPU: onednn (oneDNN, inside torch), blas
-    # (torch's default: MKL on x86-64), or auto: oneDNN on x86-64 CPUs not made by Intel,
-    # where MKL takes a generic path (models/cpu_linear.py). Accelerators ignore it.
+    # (torch's default: MKL on x86-64), or auto: oneDNN on x86-64 CPUs with AVX-512 not
+    # made by Intel, where MKL stays on AVX2 (models/cpu_linear.py). Accelerators ignore it.
     cpu_matmul: Literal["auto", "onednn", "blas"] = AUTO
     max_steps: int = 200
     seed: int = 42

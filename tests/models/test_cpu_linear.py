@@ -104,7 +104,16 @@ def test_the_choice_by_setting_vendor_and_device(
     monkeypatch: pytest.MonkeyPatch, setting: str, vendor: str, device: str, expected: str | None
 ):
     monkeypatch.setattr(cpu_linear, "cpu_vendor", lambda: vendor)
+    monkeypatch.setattr(cpu_linear, "cpu_has_avx512", lambda: True)
     assert cpu_matmul_choice(setting, torch.device(device)) == expected
+
+
+def test_auto_keeps_mkl_on_a_cpu_without_avx512(monkeypatch: pytest.MonkeyPatch):
+    """Without AVX-512 both libraries run AVX2 and MKL measured as fast or faster."""
+    monkeypatch.setattr(cpu_linear, "cpu_vendor", lambda: "AuthenticAMD")
+    monkeypatch.setattr(cpu_linear, "cpu_has_avx512", lambda: False)
+    assert cpu_matmul_choice("auto", CPU) == "blas"
+    assert cpu_matmul_choice("onednn", CPU) == "onednn"
 
 
 def test_tensor_parallel_layouts_keep_dtensors_own_path(monkeypatch: pytest.MonkeyPatch):
@@ -113,8 +122,9 @@ def test_tensor_parallel_layouts_keep_dtensors_own_path(monkeypatch: pytest.Monk
     assert cpu_matmul_choice("auto", CPU, tensor_parallel=True) == "blas"
 
 
-def test_the_vendor_is_read_from_this_machine():
+def test_the_vendor_and_flags_are_read_from_this_machine():
     assert isinstance(cpu_linear.cpu_vendor(), str)
+    assert isinstance(cpu_linear.cpu_has_avx512(), bool)
 
 
 def test_an_op_that_fails_its_check_leaves_the_run_on_torch_mm(monkeypatch: pytest.MonkeyPatch):
@@ -125,6 +135,7 @@ def test_an_op_that_fails_its_check_leaves_the_run_on_torch_mm(monkeypatch: pyte
         return torch.zeros(a.shape[0], b.shape[0])
 
     monkeypatch.setattr(cpu_linear, "cpu_vendor", lambda: "AuthenticAMD")
+    monkeypatch.setattr(cpu_linear, "cpu_has_avx512", lambda: True)
     try:
         monkeypatch.setattr(cpu_linear, "onednn_mm_nt", wrong)
         onednn_available.cache_clear()

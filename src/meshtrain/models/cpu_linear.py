@@ -1,10 +1,12 @@
 """Linear layers' fp32 matmuls on CPU through oneDNN rather than the BLAS torch links.
 
 Why: torch's x86-64 wheels run an fp32 `mm` through MKL, whose AVX-512 kernels are
-chosen on Intel CPUs only; on other x86-64 CPUs (AMD EPYC, this project's CI machines)
-MKL takes its generic path. oneDNN, also inside every x86-64 torch, picks its kernels
-by instruction set, and on those CPUs runs the same products 1.3-2.5x faster
-(`bench/machine_limit.py` measures both; docs/speed.md). The Linear layers' products
+chosen on Intel CPUs only; on other x86-64 CPUs with AVX-512 (AMD EPYC Zen 4) MKL
+stays on AVX2. oneDNN, also inside every x86-64 torch, picks its kernels by
+instruction set, and there runs the same products 1.3-2.5x faster. Where the CPU has
+no AVX-512 both libraries run AVX2 and MKL is the faster (oneDNN 0.82-1.0x on an
+AVX2-only EPYC, 2026-12-03); `bench/machine_limit.py` measures both (docs/speed.md).
+So `auto` takes oneDNN only where MKL leaves AVX-512 unused. The Linear layers' products
 are most of a transformer's training step, so their forward and both backward
 products move to oneDNN; attention's own matmuls (inside the fused kernel) stay where
 torch puts them.
@@ -57,17 +59,27 @@ def onednn_available() -> bool:
         return False
 
 
-def cpu_vendor() -> str:
-    """The x86 vendor string (GenuineIntel, AuthenticAMD, ...); "" where unknown."""
+def _cpuinfo(key: str) -> str:
+    """The first `key` line's value in /proc/cpuinfo; "" where unknown."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return ""
     for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "vendor_id":
+        name, _, value = line.partition(":")
+        if name.strip() == key:
             return value.strip()
     return ""
+
+
+def cpu_vendor() -> str:
+    """The x86 vendor string (GenuineIntel, AuthenticAMD, ...); "" where unknown."""
+    return _cpuinfo("vendor_id")
+
+
+def cpu_has_avx512() -> bool:
+    """Whether the CPU has AVX-512 (the `avx512f` flag)."""
+    return "avx512f" in _cpuinfo("flags").split()
 
 
 def cpu_matmul_choice(
@@ -76,8 +88,9 @@ def cpu_matmul_choice(
     """Where a run on `device` runs its Linear layers' matmuls: "onednn" or "blas" on a
     CPU, None on an accelerator (this is a CPU path).
 
-    `auto`: oneDNN on x86-64 CPUs not made by Intel, where MKL's generic path is the slow
-    one (on Intel CPUs MKL's own kernels are kept: not measured here). `onednn`: on any
+    `auto`: oneDNN on x86-64 CPUs with AVX-512 not made by Intel, where MKL stays on
+    AVX2 and is the slow one (on Intel CPUs, and on CPUs without AVX-512, MKL is kept:
+    there it is as fast or faster). `onednn`: on any
     CPU where oneDNN is available. `blas`: never. Under tensor parallelism always blas:
     DTensor shards keep DTensor's own path (run on their local shards they matched it
     bitwise, but a tp2 x pp2 run crashed once in gloo's reduce-scatter of such a
@@ -87,7 +100,7 @@ def cpu_matmul_choice(
         return None
     if setting == "blas" or tensor_parallel or not onednn_available():
         return "blas"
-    if setting == "onednn" or cpu_vendor() not in ("GenuineIntel", ""):
+    if setting == "onednn" or (cpu_vendor() not in ("GenuineIntel", "") and cpu_has_avx512()):
         return "onednn"
     return "blas"
 
