@@ -97,6 +97,7 @@ MESHTRAIN_SIDES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "meshtrain_after": ({}, {"overlap_grad_reduce": False}),
     "meshtrain_compile": ({}, {"compile": True}),
     "meshtrain_blas": ({}, {"cpu_matmul": "blas"}),
+    "meshtrain_onednn": ({}, {"cpu_matmul": "onednn"}),
     **{f"meshtrain_{name}": (parallel, {}) for name, parallel in LAYOUTS.items()},
 }
 LABELS = {
@@ -109,6 +110,7 @@ LABELS = {
     "meshtrain_pp2": "meshtrain, pp=2 (dp 1, 1F1B, 4 microbatches)",
     "meshtrain_compile": "meshtrain, training.compile=true",
     "meshtrain_blas": "meshtrain, training.cpu_matmul=blas (torch.mm)",
+    "meshtrain_onednn": "meshtrain, training.cpu_matmul=onednn",
     "meshtrain_again": "meshtrain again (control: identical code)",
     "trainer": "HF Trainer",
     "bare": "bare loop",
