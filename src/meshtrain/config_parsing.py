@@ -19,7 +19,7 @@ class Refused(Exception):
 
     The base of every deliberate refusal (configuration, layout, data, checkpoints,
     launch), so `kedro run` can end with the message alone
-    (`project.refusals.show_refusals_plainly`) while unexpected errors keep their
+    (`hooks.refusals.show_refusals_plainly`) while unexpected errors keep their
     tracebacks."""
 
 

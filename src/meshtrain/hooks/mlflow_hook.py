@@ -1,7 +1,7 @@
 """One MLflow run per `kedro run`, opened before the first node and closed after the last.
 
 The nodes (and rank 0 of the training workers, through the run id) log into it;
-where it goes is `project.tracking_server`'s choice. MLflow's system metrics
+where it goes is `hooks.tracking_server`'s choice. MLflow's system metrics
 (CPU, memory, and GPU where one is visible) are sampled from this process while
 the run is open (`log_system_metrics`). The hook knows the nodes by their tags
 (`pipelines.run_config.TRAINS`, `EVALUATES`) and the data by dataset name.

@@ -59,8 +59,10 @@ def onednn_available() -> bool:
         return False
 
 
+@functools.cache
 def _cpuinfo(key: str) -> str:
-    """The first `key` line's value in /proc/cpuinfo; "" where unknown."""
+    """The first `key` line's value in /proc/cpuinfo; "" where unknown. Read once per key
+    and process: the planner asks for every layout it weighs."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:

@@ -133,11 +133,12 @@ BUILTIN_PROFILES: dict[str, DeviceProfile] = {
             # and the framework (bench/planner_validation.py --calibrate; the default model
             # is width 128). The flat rate is the 128-wide one through the oneDNN converter.
             tflops_fp32=0.060,
-            # The Linear layers on torch.mm (MKL's generic path on these AMD cores), as runs
-            # without the converter (`training.cpu_matmul: blas`, tensor-parallel layouts)
-            # run them: the converter's table below times the torch.mm / oneDNN ratio
-            # --calibrate measured side by side (0.61-0.71 by shape; the machine's own
-            # speed moves 20-40% between invocations, the ratio much less).
+            # The Linear layers on torch.mm (MKL on AVX2), as runs without the converter
+            # (AVX2-only CPUs under `training.cpu_matmul: auto`, `blas`, tensor-parallel
+            # layouts) run them: the converter's table below times the torch.mm / oneDNN
+            # ratio --calibrate measured side by side (0.61-0.71 by shape; the machine's
+            # own speed moves 20-40% between invocations, the ratio much less). An
+            # AVX2-only EPYC ran MKL's GEMM at the same rate (2026-12-03, docs/speed.md).
             tflops_fp32_by_shape=(
                 (128, 256, 0.031),
                 (128, 1024, 0.038),
@@ -149,8 +150,8 @@ BUILTIN_PROFILES: dict[str, DeviceProfile] = {
                 (768, 1024, 0.078),
             ),
             # With the Linear layers on oneDNN (`models/cpu_linear.py`), where
-            # `training.cpu_matmul: auto` puts them on these AMD cores: the mean of two
-            # invocations.
+            # `training.cpu_matmul: auto` puts them on AVX-512 AMD cores (measured on
+            # such a machine): the mean of two invocations.
             converter_tflops_fp32_by_shape={
                 "onednn_linear": (
                     (128, 256, 0.048),
