@@ -72,3 +72,12 @@ def team(tmp_path_factory):
         yield servers.team_tracking(tmp_path_factory)
     finally:
         servers.stop_team_tracking()
+
+
+@pytest.fixture(scope="session")
+def packed_blocks(tmp_path_factory) -> datasets.DatasetDict:
+    """Fine-tuning blocks: whole examples packed side by side, completion-only loss masks
+    (tests/distributed/packed.py)."""
+    from tests.distributed.packed import build_packed_blocks
+
+    return build_packed_blocks(tmp_path_factory.mktemp("sft") / "packed")

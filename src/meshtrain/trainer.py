@@ -74,9 +74,10 @@ class WorkerSpec:
 class StepOutcome:
     """One optimizer step, as the logging needs it (the loss is not synchronised yet)."""
 
-    loss_sum: torch.Tensor  # this rank's microbatch losses, each / accumulation steps
+    loss_sum: torch.Tensor  # this rank's summed token losses / the step's trained tokens
     grad_norm: torch.Tensor
     started: float  # perf_counter at the step's start
+    real_tokens: int  # the global batch's tokens, padding left out
     stop_signal: int = 0  # a stop signal some rank received during the step (0: none)
 
 
@@ -285,9 +286,13 @@ class Trainer:
         microbatches = self.sampler.rank_microbatches(
             step, self.dims.dp_rank, self.dims.dp, self.per_device
         )
+        # Every rank reads the whole global batch's counts (cheap, memory-mapped), so the
+        # loss's denominator needs no collective.
+        everyone = self.sampler.global_indices(step)
+        trained_tokens = max(self.train_blocks.trained_tokens(everyone), 1)
         self.optimizer.set_learning_rate(self.lr_schedule.rate(step))
         with self.timeline.around(step), self.memory_probe.around(step):
-            loss_sum = self.forward_backward_step(microbatches)
+            loss_sum = self.forward_backward_step(microbatches, trained_tokens)
             with record_function("meshtrain.reduce"):
                 grad_norm = self.optimizer.reduce_gradients()
             # Every rank agrees on a stop signal, and refuses a non-finite step, before
@@ -296,15 +301,19 @@ class Trainer:
             with record_function("meshtrain.optimizer"):
                 self.optimizer.apply(grad_norm)
         self.optimizer.zero_grad()
-        return StepOutcome(loss_sum, grad_norm, started, stop_signal)
+        real_tokens = self.train_blocks.real_tokens(everyone)
+        return StepOutcome(loss_sum, grad_norm, started, real_tokens, stop_signal)
 
-    def forward_backward_step(self, microbatches: list[list[int]]) -> torch.Tensor:
+    def forward_backward_step(
+        self, microbatches: list[list[int]], trained_tokens: int
+    ) -> torch.Tensor:
         """Forward and backward of every microbatch, accumulating into the flat gradients;
-        the gradient averaging starts from the backward as buckets fill."""
+        the gradient averaging starts from the backward as buckets fill. Each microbatch's
+        summed loss is divided by `trained_tokens`, the whole global batch's."""
         loss_sum = torch.zeros((), device=self.device)
         for indices in microbatches:
-            input_ids = self.train_blocks.batch(indices).to(self.device, non_blocking=True)
-            loss_sum += self.pm.train_batch(input_ids, len(microbatches))
+            batch = self.train_blocks.tokens(indices).to(self.device)
+            loss_sum += self.pm.train_batch(batch, trained_tokens)
         self.pm.finish_gradients()
         return loss_sum
 
@@ -319,12 +328,13 @@ class Trainer:
         if self.dims.pp > 1:
             dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM, group=self.dims.pp_group)
         dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM, group=self.dims.dp_group)
-        loss = loss_sum.item() / self.dims.dp
+        loss = loss_sum.item()
         elapsed = time.perf_counter() - outcome.started
-        tokens_per_s = self.plan.tokens_per_step / elapsed
+        # Real tokens: a fine-tuning block's padding is not throughput.
+        tokens_per_s = outcome.real_tokens / elapsed
         self.losses.append((done, loss))
         if done > self.start_step + 1 and done - 1 != self.memory_probe.step:
-            self.throughput.add(self.plan.tokens_per_step, elapsed)
+            self.throughput.add(outcome.real_tokens, elapsed)
         # The rate of the next step, as a scheduler stepped after the update reports it.
         lr, grad_norm = self.lr_schedule.rate(done), float(outcome.grad_norm)
         mfu = self.plan.mfu(tokens_per_s)

@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from tests.conftest import TINY_MODEL
+from tests.distributed.packed import packed_reference_run
 from tests.distributed.reference import (
     References,
     assert_matches_reference,
@@ -92,7 +93,9 @@ def _model(case: tuple) -> tuple[str, dict]:
     return (case[2], case[3]) if len(case) > 2 else ("llama", FOUR_LAYERS)
 
 
-def _run(cases: dict, world: int, blocks, out: Path) -> None:
+def _run(cases: dict, world: int, blocks, out: Path, extra: tuple = ()) -> list[dict]:
+    """Run `cases` (and the `extra` specs after them) in one group; checks the cases and
+    returns the extra specs' summaries."""
     specs = []
     for name, case in cases.items():
         architecture, fields = _model(case)
@@ -108,9 +111,9 @@ def _run(cases: dict, world: int, blocks, out: Path) -> None:
                 fields=fields,
             )
         )
-    results = run_group(specs, world, out, f"t-pp{world}")
+    results = run_group([*specs, *extra], world, out, f"t-pp{world}")
     references = References(blocks)
-    for (name, case), summary in zip(cases.items(), results, strict=True):
+    for (name, case), summary in zip(cases.items(), results, strict=False):
         architecture, fields = _model(case)
         losses, weights = references(architecture, fields)
         assert_matches_reference(name, summary, losses, weights, out / f"{name}-hf")
@@ -129,6 +132,7 @@ def _run(cases: dict, world: int, blocks, out: Path) -> None:
             # ZeRO-1's gather: after every update but the last (whose checkpoint waits for
             # it) each bucket waited for by the module of the stage that reads it.
             assert buckets["gather_rounds_in_forward"] == buckets["gather_rounds"] - 1, buckets
+    return results[len(cases) :]
 
 
 def assert_one_tied_tensor(name: str, consolidated: Path) -> None:
@@ -151,5 +155,24 @@ def test_pipeline_on_four_ranks_matches_one_process(tiny_blocks, tmp_path: Path)
 
 
 @pytest.mark.slow
-def test_three_dimensional_layout_on_eight_ranks_matches_one_process(tiny_blocks, tmp_path: Path):
-    _run(WORLD_8, 8, tiny_blocks, tmp_path)
+def test_three_dimensional_layout_on_eight_ranks_matches_one_process(
+    tiny_blocks, packed_blocks, tmp_path: Path
+):
+    # Packed fine-tuning blocks too: positions travel with the microbatches over both
+    # stages, and the mean is over the global batch's trained tokens (tests/distributed/
+    # test_packed_sft.py has the other layouts).
+    name = "sft-dp2-pp2-tp2-zero1-sp"
+    parallel, training = WORLD_8["dp2-pp2-tp2-zero1-sp"]
+    sft = make_spec(
+        packed_blocks,
+        tmp_path,
+        name,
+        world=8,
+        parallel=parallel,
+        training=training,
+        architecture="llama",
+        fields=FOUR_LAYERS,
+    )
+    (summary,) = _run(WORLD_8, 8, tiny_blocks, tmp_path, extra=(sft,))
+    losses, weights = packed_reference_run(packed_blocks, FOUR_LAYERS)
+    assert_matches_reference(name, summary, losses, weights, tmp_path / f"{name}-hf")

@@ -18,7 +18,8 @@ def evaluate_loss(
     per_rank: int,
     global_batch: int,
 ) -> float:
-    """Token-weighted mean loss over the first `eval_batches` global batches of validation.
+    """Mean loss per trained token over the first `eval_batches` global batches of
+    validation (fine-tuning blocks: the tokens `data.loss_on` trains).
 
     Every data-parallel rank scores a contiguous slice and the sums are
     all-reduced (over the pipeline too: only the last stage has losses), so
@@ -43,12 +44,11 @@ def evaluate_loss(
         # the busiest one; the extra ones score a batch of the first blocks, not counted.
         padding = most_batches(len(starts), dims.dp_group) - len(starts)
     for start in starts:
-        input_ids = blocks.batch(list(range(start, min(hi, start + per_rank)))).to(device)
-        tokens = input_ids[:, 1:].numel()
-        totals[0] += pm.eval_batch(input_ids).double() * tokens
-        totals[1] += tokens
+        batch = blocks.tokens(list(range(start, min(hi, start + per_rank)))).to(device)
+        totals[0] += pm.eval_batch(batch).double()
+        totals[1] += batch.trained_tokens
     if padding:
-        filler = blocks.batch(list(range(min(per_rank, len(blocks))))).to(device)
+        filler = blocks.tokens(list(range(min(per_rank, len(blocks))))).to(device)
         for _ in range(padding):
             pm.eval_batch(filler)
     if dims.pp > 1:

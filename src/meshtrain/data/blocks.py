@@ -18,32 +18,73 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from meshtrain.data.batch import TokenBatch, next_token_labels
+
 if TYPE_CHECKING:
     import datasets
 
 
+PACKED_COLUMNS = ("position_ids", "loss_mask")
+"""The columns of fine-tuning blocks (`data/bin_packing.py`) beside `input_ids`."""
+
+
 class BlockStore:
     def __init__(self, files: list[str]) -> None:
-        self._chunks: list[np.ndarray] = []
+        self._chunks: dict[str, list[np.ndarray]] = {}
         for path in files:
             # `datasets` writes Arrow IPC streams; memory-mapped, nothing is read up front.
-            column = pa.ipc.open_stream(pa.memory_map(path)).read_all().column("input_ids")
-            for chunk in column.chunks:
-                self._chunks.append(_as_matrix(chunk))
-        self._starts = np.cumsum([0] + [len(c) for c in self._chunks]).tolist()
+            table = pa.ipc.open_stream(pa.memory_map(path)).read_all()
+            for name in ("input_ids", *PACKED_COLUMNS, "num_tokens"):
+                if name not in table.column_names:
+                    continue
+                chunks = self._chunks.setdefault(name, [])
+                for chunk in table.column(name).chunks:
+                    chunks.append(_as_matrix(chunk) if name != "num_tokens" else chunk.to_numpy())
+        ids = self._chunks.get("input_ids", [])
+        self._starts = np.cumsum([0] + [len(c) for c in ids]).tolist()
+        self.packed = all(name in self._chunks for name in PACKED_COLUMNS)
 
     def __len__(self) -> int:
         return self._starts[-1]
 
-    def batch(self, indices: list[int]) -> torch.Tensor:
-        """A (len(indices), block_size) int64 tensor of the blocks at `indices`, in order."""
+    def _rows(self, column: str, indices: list[int]) -> np.ndarray:
         rows = []
         for index in indices:
             if not 0 <= index < len(self):
                 raise IndexError(f"block {index} is outside the {len(self)} blocks")
             chunk = bisect.bisect_right(self._starts, index) - 1
-            rows.append(self._chunks[chunk][index - self._starts[chunk]])
-        return torch.from_numpy(np.stack(rows)).long()
+            rows.append(self._chunks[column][chunk][index - self._starts[chunk]])
+        return np.stack(rows)
+
+    def batch(self, indices: list[int]) -> torch.Tensor:
+        """A (len(indices), block_size) int64 tensor of the blocks at `indices`, in order."""
+        return torch.from_numpy(self._rows("input_ids", indices)).long()
+
+    def tokens(self, indices: list[int]) -> TokenBatch:
+        """The blocks at `indices` with their targets (and, packed, positions and mask)."""
+        input_ids = self.batch(indices)
+        if not self.packed:
+            return TokenBatch.of_ids(input_ids)
+        positions = torch.from_numpy(self._rows("position_ids", indices)).long()
+        loss_mask = torch.from_numpy(self._rows("loss_mask", indices))
+        real = (
+            int(self._rows("num_tokens", indices).sum()) if "num_tokens" in self._chunks else None
+        )
+        labels = next_token_labels(input_ids, positions, loss_mask)
+        return TokenBatch(input_ids, labels, positions, real)
+
+    def real_tokens(self, indices: list[int]) -> int:
+        """Tokens of these blocks that are not padding (all of a pretraining block's)."""
+        if "num_tokens" not in self._chunks:
+            return len(indices) * self._chunks["input_ids"][0].shape[1]
+        return int(self._rows("num_tokens", indices).sum())
+
+    def trained_tokens(self, indices: list[int]) -> int:
+        """How many positions of these blocks have a target (the loss's denominator)."""
+        if not self.packed:
+            width = self._chunks["input_ids"][0].shape[1]
+            return len(indices) * (width - 1)
+        return self.tokens(indices).trained_tokens
 
 
 def _as_matrix(chunk: pa.Array) -> np.ndarray:

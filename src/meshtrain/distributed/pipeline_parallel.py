@@ -9,7 +9,7 @@ module chooses and drives them.
 Gradient scaling: torch's `scale_grads` divides the accumulated gradients at
 the end of every `step`, which would also shrink what earlier accumulation
 steps left there; so it is off, and the loss function divides each
-microbatch's loss by (microbatches x accumulation steps) itself.
+microbatch's summed loss by the global batch's trained tokens itself.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
 )
 
+from meshtrain.data.batch import TokenBatch
 from meshtrain.distributed.tensor_parallel import accumulated_grad
 
 SCHEDULES = {
@@ -177,31 +178,37 @@ class PipelineRunner:
     def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return self._loss_fn(output, target) * self.loss_scale
 
-    def _run(self, method: Callable, input_ids: torch.Tensor) -> list[torch.Tensor]:
+    def _run(self, method: Callable, batch: TokenBatch) -> list[torch.Tensor]:
         losses: list[torch.Tensor] = []
-        args = (input_ids,) if self.holds_first else ()
-        target = input_ids if self.holds_last else None
+        args = (batch.input_ids,) if self.holds_first else ()
+        target = batch.labels if self.holds_last else None
+        # Packed examples' positions go to every stage (keyword inputs are not sent along
+        # the pipeline; each rank cuts its own copy into the same microbatches).
+        inputs = {} if batch.position_ids is None else {"position_ids": batch.position_ids}
         # return_outputs=False: the last stage would otherwise keep every microbatch's
         # logits until the step ends, only to hand back what the losses already say.
-        method(*args, target=target, losses=losses, return_outputs=False)
+        method(*args, target=target, losses=losses, return_outputs=False, **inputs)
         return losses
 
-    def train_step(self, input_ids: torch.Tensor, accumulation_steps: int) -> torch.Tensor:
-        """Forward and backward of one batch; returns its mean loss / accumulation steps.
+    def train_step(self, batch: TokenBatch, trained_tokens: int, dp: int) -> torch.Tensor:
+        """Forward and backward of one batch; returns its summed loss / `trained_tokens`
+        (those of the global batch), the backward running on that times `dp` (data
+        parallelism averages the gradients).
 
         The loss is only known on the rank holding the last stage; elsewhere 0.
         """
-        self.loss_scale = 1.0 / (self.num_microbatches * accumulation_steps)
-        losses = self._run(self.schedule.step, input_ids)
+        self.loss_scale = dp / trained_tokens
+        losses = self._run(self.schedule.step, batch)
         if not losses:
-            return torch.zeros((), device=input_ids.device)
-        return torch.stack([loss.detach() for loss in losses]).sum()
+            return torch.zeros((), device=batch.input_ids.device)
+        return torch.stack([loss.detach() for loss in losses]).sum() / dp
 
     @torch.no_grad()
-    def eval_step(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Mean loss over one batch, forward only (0 where the last stage is not held)."""
-        self.loss_scale = 1.0 / self.num_microbatches
-        losses = self._run(self.schedule.eval, input_ids)
+    def eval_step(self, batch: TokenBatch) -> torch.Tensor:
+        """Summed loss over one batch's trained tokens, forward only (0 where the last
+        stage is not held)."""
+        self.loss_scale = 1.0
+        losses = self._run(self.schedule.eval, batch)
         if not losses:
-            return torch.zeros((), device=input_ids.device)
+            return torch.zeros((), device=batch.input_ids.device)
         return torch.stack([loss.detach() for loss in losses]).sum()

@@ -25,7 +25,7 @@ from transformers import (
 )
 from transformers.activations import ACT2FN
 
-from meshtrain.config import ConfigError
+from meshtrain.config import AUTO, ConfigError
 from meshtrain.distributed.tensor_parallel import unsharded
 from meshtrain.models.llama.pretrained import PretrainedError
 from meshtrain.models.llama.weights import (
@@ -56,6 +56,11 @@ _POSITIVE_FIELDS = (
 )
 
 
+DEFAULT_ARCHITECTURE = "llama"
+"""What `model.architecture: auto` builds from scratch (with `model.init_from`, auto is the
+folder's own model type)."""
+
+
 def known_config_fields(architecture: str) -> set[str]:
     """The `model.config` names `architecture`'s config class understands.
 
@@ -76,6 +81,7 @@ def check_model_fields(architecture: str, fields: dict[str, Any]) -> None:
     """Refuse `model.config` names `architecture`'s config class does not know (a typo
     would otherwise be ignored: the model would keep the default), and shape fields
     below 1, naming the dotted parameter and the closest real field."""
+    architecture = DEFAULT_ARCHITECTURE if architecture == AUTO else architecture
     check_architecture(architecture)
     known = known_config_fields(architecture)
     for name in fields:
@@ -150,16 +156,18 @@ def build_model_config(
     embedding always matches the tokenizer, and `special_token_ids` (bos/eos/pad)
     let `generate` stop where the tokenizer does.
     """
-    check_architecture(architecture)
     if init_from:
         config = AutoConfig.from_pretrained(resolve_init_from(init_from))
-        if config.model_type != architecture:
+        check_architecture(config.model_type)
+        if architecture not in (AUTO, config.model_type):
             raise ConfigError(
                 f"`model.init_from` {init_from!r} holds a {config.model_type!r} model but "
-                f"`model.architecture` is {architecture!r}; set model.architecture="
-                f"{config.model_type}."
+                f"`model.architecture` is {architecture!r}; leave model.architecture=auto "
+                "(the folder's) or set it to the folder's."
             )
     else:
+        architecture = DEFAULT_ARCHITECTURE if architecture == AUTO else architecture
+        check_architecture(architecture)
         # Only a model built from scratch reads `fields` (with init_from they are noted and
         # left unchecked, as before).
         check_model_fields(architecture, fields)

@@ -20,19 +20,37 @@ from torch.profiler import record_function
 from transformers import PretrainedConfig
 
 from meshtrain.config import Layout
+from meshtrain.data.batch import IGNORE_INDEX, TokenBatch
 from meshtrain.distributed.parallel_dims import ParallelDims
 from meshtrain.distributed.pipeline_parallel import PipelineRunner, SharedWeightSync
 from meshtrain.distributed.tensor_parallel import ParameterSharding, TensorParallelGradSync
+from meshtrain.models.packed_attention import packed_causal_mask
 
 
-def causal_lm_loss(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy over every position of the batch, in fp32.
+def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed next-token cross-entropy over the trained positions of the batch, in fp32.
 
-    The labels are shifted (the last position ignored) rather than the logits
-    sliced, so vocabulary-sharded DTensor logits go through unchanged.
+    A sum, not a mean: the run divides by the trained tokens of the whole global batch, so
+    microbatches, accumulation steps and ranks with unequal numbers of trained tokens
+    weigh each token equally (a mean of per-microbatch means would not). The labels come
+    shifted, so vocabulary-sharded DTensor logits go through unchanged.
     """
-    labels = F.pad(input_ids[:, 1:], (0, 1), value=-100)
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
+    return F.cross_entropy(
+        logits.flatten(0, 1).float(),
+        labels.flatten(),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+    )
+
+
+def attention_inputs(batch: TokenBatch) -> dict[str, torch.Tensor | None]:
+    """The positions and mask of packed examples (none for a pretraining block)."""
+    if batch.position_ids is None:
+        return {}
+    return {
+        "position_ids": batch.position_ids,
+        "attention_mask": packed_causal_mask(batch.position_ids),
+    }
 
 
 def as_local(value: torch.Tensor) -> torch.Tensor:
@@ -65,36 +83,40 @@ class ParallelModel:
         for module in self.modules:
             module.train(training)
 
-    def train_batch(self, input_ids: torch.Tensor, accumulation_steps: int) -> torch.Tensor:
-        """Forward and backward; returns the batch's mean loss / accumulation steps.
+    def train_batch(self, batch: TokenBatch, trained_tokens: int) -> torch.Tensor:
+        """Forward and backward; returns the batch's summed loss / `trained_tokens` (those
+        of the whole global batch), so the ranks' and microbatches' values add up to the
+        step's mean loss.
 
-        Under pipeline parallelism only the last stage knows the loss (0 elsewhere).
+        The backward runs on that value times dp: data parallelism averages gradients over
+        its ranks, and the mean over the global batch's tokens wants their sum. Under
+        pipeline parallelism only the last stage knows the loss (0 elsewhere).
         """
         with self.loss_context(), self.offload():
             if self.runner is not None:
                 with self.autocast(), record_function("meshtrain.pipeline"):
-                    return self.runner.train_step(input_ids, accumulation_steps)
+                    return self.runner.train_step(batch, trained_tokens, self.dims.dp)
             with record_function("meshtrain.forward"):
-                loss = self._loss(input_ids) / accumulation_steps
+                loss = self._loss_sum(batch) / trained_tokens
             with record_function("meshtrain.backward"):
-                loss.backward()
+                (loss * self.dims.dp).backward()
         return as_local(loss.detach())
 
-    def _loss(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def _loss_sum(self, batch: TokenBatch) -> torch.Tensor:
         # The logits go out of scope here: backward needs only log-softmax's output, so
         # not holding them saves a (batch x sequence x vocabulary) tensor at the peak.
         with self.autocast():
-            logits = self.modules[0](input_ids=input_ids).logits
-        return causal_lm_loss(logits, input_ids)
+            logits = self.modules[0](input_ids=batch.input_ids, **attention_inputs(batch)).logits
+        return token_loss_sum(logits, batch.labels)
 
     @torch.no_grad()
-    def eval_batch(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Mean loss of the batch, forward only (0 off the last pipeline stage)."""
+    def eval_batch(self, batch: TokenBatch) -> torch.Tensor:
+        """Summed loss over the batch's trained tokens, forward only (0 off the last
+        pipeline stage)."""
         with self.loss_context(), self.autocast():
             if self.runner is not None:
-                return self.runner.eval_step(input_ids)
-            logits = self.modules[0](input_ids=input_ids).logits
-            return as_local(causal_lm_loss(logits, input_ids))
+                return self.runner.eval_step(batch)
+            return as_local(self._loss_sum(batch))
 
     @property
     def backward_passes_per_batch(self) -> int:

@@ -46,7 +46,7 @@ from meshtrain.models.llama.parameter_names import EMBEDDING, LM_HEAD, stored_na
 from meshtrain.models.llama.stage import LlamaStage
 from meshtrain.models.llama.tensor_parallel import apply_tensor_parallel, decoder_layers
 from meshtrain.models.llama.weights import WeightSource, materialize
-from meshtrain.models.parallel_model import ParallelModel, as_local, causal_lm_loss
+from meshtrain.models.parallel_model import ParallelModel, as_local, token_loss_sum
 
 
 def parallelize(
@@ -253,10 +253,10 @@ def pipeline_runner(
     """The schedule over this rank's stages; the last stage scores its logits."""
     tp_mesh = dims.mesh["tp"]
 
-    def last_stage_loss(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    def last_stage_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if dims.tp > 1:  # the stage handed over its vocabulary shard of the logits
             logits = DTensor.from_local(logits, tp_mesh, [Shard(-1)], run_check=False)
-        return as_local(causal_lm_loss(logits, input_ids))
+        return as_local(token_loss_sum(logits, labels))
 
     return PipelineRunner(
         modules,

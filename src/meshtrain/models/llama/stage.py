@@ -7,6 +7,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from meshtrain.models.packed_attention import packed_causal_mask
+
 
 class LlamaStage(nn.Module):
     """One pipeline stage of a Llama-family causal LM, with Hugging Face parameter names.
@@ -45,20 +47,27 @@ class LlamaStage(nn.Module):
         self.tp_mesh = tp_mesh
         self.sequence_parallel = sequence_parallel and tp_mesh is not None
 
-    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, inputs: torch.Tensor, position_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """`position_ids`: packed examples' positions (restarting per example), which also
+        keep attention inside each example; None: one sequence per row."""
         if self.is_first:
             hidden = self.model.embed_tokens(inputs)
         elif self.sequence_parallel:
             hidden = DTensor.from_local(inputs, self.tp_mesh, [Shard(1)], run_check=False)
         else:
             hidden = inputs
-        positions = torch.arange(hidden.shape[1], device=inputs.device).unsqueeze(0)
+        if position_ids is None:
+            # No mask: sdpa then applies the causal mask itself, as HF does for unpadded blocks.
+            positions, mask = torch.arange(hidden.shape[1], device=inputs.device)[None], None
+        else:
+            positions, mask = position_ids, packed_causal_mask(position_ids)
         position_embeddings = self.model.rotary_emb(hidden, positions)
         for layer in self.model.layers.values():
-            # No mask: sdpa then applies the causal mask itself, as HF does for unpadded blocks.
             hidden = layer(
                 hidden,
-                attention_mask=None,
+                attention_mask=mask,
                 position_ids=positions,
                 position_embeddings=position_embeddings,
             )

@@ -1,0 +1,27 @@
+"""Attention kept inside each packed example.
+
+Fine-tuning blocks hold several examples side by side; positions restart at 0 where an
+example starts. The mask is causal within an example and blocks every pair across two
+(block-diagonal causal), so a packed example's logits are exactly those it has alone.
+On CPU sdpa takes the boolean mask as is (exact); pretraining blocks pass no mask and
+keep sdpa's causal fast path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def example_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """Which packed example each position belongs to, numbered from 1 along each row."""
+    return (position_ids == 0).cumsum(dim=1)
+
+
+def packed_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
+    """A (batch, 1, sequence, sequence) boolean mask, True where a query may attend a key:
+    same example, key not after the query."""
+    length = position_ids.shape[1]
+    examples = example_ids(position_ids)
+    same = examples[:, :, None] == examples[:, None, :]
+    causal = torch.ones(length, length, dtype=torch.bool, device=position_ids.device).tril()
+    return (same & causal).unsqueeze(1)
