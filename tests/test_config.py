@@ -46,7 +46,7 @@ def test_defaults_when_nothing_is_given() -> None:
     assert run.parallel.zero_1 == AUTO
     assert run.training.resume_from is None
     assert run.launch.world_size == 2
-    assert run.model.architecture == "llama"
+    assert run.model.architecture == "auto"
     assert run.model.config == {}
 
 

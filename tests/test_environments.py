@@ -37,7 +37,7 @@ def test_environment_parameters_parse_and_keep_the_base_values(env: str) -> None
     base = _parameters("base")
     # Soft merge: an environment that sets one field of a group keeps the others.
     assert run.training.seed == base["training"]["seed"]
-    assert run.model.architecture == "llama"
+    assert run.model.architecture == "auto"
     if env == "gpu":
         assert run.launch.backend == "nccl"
         assert run.training.mixed_precision == "bf16"

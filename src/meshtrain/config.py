@@ -268,21 +268,44 @@ def check_launch(launch: LaunchConfig) -> None:
 class ModelConfig:
     """What to train (`model.*`): a Hugging Face architecture and its config fields."""
 
-    architecture: str = "llama"
+    # A Hugging Face model type (llama, qwen2, qwen3, mistral); auto: the model.init_from
+    # folder's, else llama.
+    architecture: str = AUTO
     config: dict[str, Any] = field(default_factory=dict)
     init_from: str | None = None
 
 
 @dataclass(frozen=True)
 class DataConfig:
-    """Corpus, tokenizer and packing (`data.*`)."""
+    """Corpus or fine-tuning examples, tokenizer and packing (`data.*`)."""
 
-    source: Literal["builtin", "text_files", "hub"] = "builtin"
+    # builtin / text_files / hub: a text corpus. files: JSON, JSONL, Parquet or CSV files
+    # (`data_files`); catalog: the Kedro dataset `raw_examples`; builtin_instructions:
+    # question/answer conversations made offline from Python's documentation.
+    source: Literal["builtin", "text_files", "hub", "files", "catalog", "builtin_instructions"] = (
+        "builtin"
+    )
     text_files: list[str] | None = None
+    data_files: list[str] | None = None
     hub_dataset: str | None = None
     hub_config: str | None = None
     hub_split: str = "train"
     text_column: str = "text"
+    # The dataset's own column names for TRL's, e.g. {messages: conversations}.
+    columns: dict[str, str] | None = None
+    # TRL's formats; auto: from the columns (messages, prompt + completion, text).
+    format: Literal["auto", "text", "prompt_completion", "conversational"] = "auto"
+    # Which tokens carry the loss; auto: completion for prompt/completion data, assistant
+    # for conversations, all for text.
+    loss_on: Literal["auto", "all", "completion", "assistant"] = "auto"
+    # stream: documents concatenated and cut into blocks (pretraining); bfd: whole examples
+    # best-fit into blocks, positions restarting and attention kept inside each example;
+    # auto: stream for a text corpus, bfd for fine-tuning examples.
+    packing: Literal["auto", "stream", "bfd"] = "auto"
+    # An example longer than a block (bfd): drop it (counted), truncate it, or off (refuse).
+    truncation: Literal["drop", "truncate", "off"] = "drop"
+    # A Jinja chat template file replacing the tokenizer's own.
+    chat_template: str | None = None
     builtin_max_chars: int | None = None
     tokenizer: str | None = None
     vocab_size: int = 4096
@@ -296,8 +319,11 @@ class DataConfig:
 # builds it from these): a token per byte and the special tokens, before any merge.
 BYTE_ALPHABET_SIZE = 256
 EOS_TOKEN = "<|endoftext|>"
-"""Separates documents when packing; also serves as bos and pad (blocks never pad)."""
-SPECIAL_TOKENS = (EOS_TOKEN,)
+"""Separates documents when packing; also serves as bos and pad."""
+CHAT_TOKENS = ("<|im_start|>", "<|im_end|>")
+"""ChatML's turn markers: the trained tokenizer's chat template opens and ends turns with
+them, so a model pretrained here can be fine-tuned on conversations."""
+SPECIAL_TOKENS = (EOS_TOKEN, *CHAT_TOKENS)
 
 
 def check_data(data: DataConfig) -> None:

@@ -23,6 +23,7 @@ from meshtrain.config import (
     check_launch,
     parse,
 )
+from meshtrain.data.pretrained_tokenizer import check_tokenizer_fits
 from meshtrain.pipelines.run_config import TRAINS, run_config
 
 
@@ -52,6 +53,11 @@ def check_parameters(params: Mapping[str, Any], pipeline: Any) -> None:
             check_launch(run.launch)
     elif "data" in used:
         check_data(parse(DataConfig, params.get("data"), "data"))
+    if {"data", "model"} <= used:
+        # The data pipeline reads with the pretrained model's tokenizer: a wrong one is
+        # refused before the corpus is read.
+        data = parse(DataConfig, params.get("data"), "data")
+        check_tokenizer_fits(data.tokenizer, (params.get("model") or {}).get("init_from"))
     if "consolidation" in used:
         parse(ConsolidationConfig, params.get("consolidation"), "consolidation")
     if "evaluation" in used:

@@ -59,3 +59,25 @@ class TokenizerDataset(AbstractDataset[Any, Any]):
 
     def _describe(self) -> dict[str, Any]:
         return {"path": str(self._path)}
+
+
+class UndeclaredExamples(AbstractDataset[Any, Any]):
+    """`raw_examples` until a project declares its own: loads nothing.
+
+    `data.source=catalog` fine-tunes on whatever dataset `raw_examples` names in
+    `conf/<env>/catalog.yml` (kedro-datasets' Hugging Face, JSON, Parquet, pandas ...):
+    the catalog owns the read, as in every Kedro project. This default stands for "none
+    declared", so the other sources need no entry.
+    """
+
+    def load(self) -> None:
+        return None
+
+    def save(self, data: Any) -> None:
+        raise NotImplementedError("raw_examples is read, never written, by meshtrain")
+
+    def _exists(self) -> bool:
+        return True
+
+    def _describe(self) -> dict[str, Any]:
+        return {"declared": False}

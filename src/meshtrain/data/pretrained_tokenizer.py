@@ -1,0 +1,77 @@
+"""Which tokenizer a run reads its data with, and whether it fits the model it feeds.
+
+With `model.init_from` the pretrained folder defines the model, and its tokenizer (the
+vocabulary the embedding was trained on, its special tokens, its chat template) comes
+with it unless `data.tokenizer` names another. Another one is refused when it cannot be
+the model's: more tokens than the embedding has rows, or a different vocabulary of any
+size (the model would be fine-tuned through ids it has never seen, silently). The check
+reads tokenizer files only, so it runs before the data pipeline does any work.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from meshtrain.config_parsing import ConfigError
+
+# Any of these makes a folder a tokenizer folder for AutoTokenizer.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+class TokenizerMismatch(ConfigError):
+    """The tokenizer named for the data cannot feed the pretrained model."""
+
+
+def ships_tokenizer(folder: str | Path) -> bool:
+    return any((Path(folder) / name).is_file() for name in TOKENIZER_FILES)
+
+
+def tokenizer_to_load(data_tokenizer: str | None, init_from: str | None) -> str | None:
+    """`data.tokenizer`, else the `model.init_from` folder's; None: train one here."""
+    if data_tokenizer:
+        return data_tokenizer
+    if init_from:
+        from meshtrain.models.builder import resolve_init_from  # noqa: PLC0415
+
+        folder = resolve_init_from(init_from)
+        if not ships_tokenizer(folder):
+            raise TokenizerMismatch(
+                f"`model.init_from` {init_from!r} has no tokenizer ({' or '.join(TOKENIZER_FILES)}"
+                "): set data.tokenizer to the tokenizer the model was trained with."
+            )
+        return folder
+    return None
+
+
+def check_tokenizer_fits(data_tokenizer: str | None, init_from: str | None) -> None:
+    """Refuse a `data.tokenizer` that is not the local `model.init_from` folder's own, in
+    one sentence. Hub ids are checked once downloaded (the planner compares sizes)."""
+    if not init_from or not Path(init_from).is_dir():
+        return
+    if not data_tokenizer:
+        tokenizer_to_load(None, init_from)  # refuses a folder that ships none
+        return
+    if Path(data_tokenizer).resolve() == Path(init_from).resolve():
+        return
+    from meshtrain.data.tokenizer import load_tokenizer  # noqa: PLC0415
+
+    theirs = load_tokenizer(data_tokenizer)
+    rows = json.loads((Path(init_from) / "config.json").read_text()).get("vocab_size")
+    if rows is not None and len(theirs) > rows:
+        raise TokenizerMismatch(
+            f"`data.tokenizer` {data_tokenizer!r} has {len(theirs)} tokens but the "
+            f"embedding of model.init_from {init_from!r} has {rows} rows: leave "
+            "data.tokenizer null to use the folder's own tokenizer."
+        )
+    if ships_tokenizer(init_from):
+        own = load_tokenizer(init_from).get_vocab()
+        other = theirs.get_vocab()
+        differ = sum(own.get(token) != index for token, index in other.items())
+        differ += len(own.keys() - other.keys())
+        if differ:
+            raise TokenizerMismatch(
+                f"`data.tokenizer` {data_tokenizer!r} is not the tokenizer of model.init_from "
+                f"{init_from!r} ({differ} of {len(own)} tokens differ or are missing): leave "
+                "data.tokenizer null to use the folder's own tokenizer."
+            )
