@@ -80,8 +80,13 @@ def run_lm_eval(
     limit: int | None,
     batch_size: int,
     include_path: str | None = None,
+    chat_template: bool = False,
 ) -> dict[str, float]:
-    """Run `tasks` on the loaded `model`; returns `<task>/<metric>` scores."""
+    """Run `tasks` on the loaded `model`; returns `<task>/<metric>` scores.
+
+    `chat_template`: a model fine-tuned on conversations answers best inside its chat
+    template, so each question is rendered with the tokenizer's own (the harness's
+    `apply_chat_template`); a tokenizer without one is scored on plain text."""
     if not tasks:
         return {}
     from lm_eval import simple_evaluate
@@ -90,6 +95,7 @@ def run_lm_eval(
     manager = task_manager(include_path, defaults=not set(tasks) <= own_tasks())
     check_tasks(tasks, manager)
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
+    templated = chat_template and bool(getattr(tokenizer, "chat_template", None))
     results = simple_evaluate(
         model=lm,
         tasks=list(tasks),
@@ -97,6 +103,7 @@ def run_lm_eval(
         limit=limit,
         log_samples=False,
         bootstrap_iters=0,  # no bootstrap: seconds, not minutes, on small tasks
+        apply_chat_template=templated,
     )
     found = scores(results or {})
     logger.info("lm-evaluation-harness: %s", ", ".join(f"{k}={v:.4g}" for k, v in found.items()))

@@ -5,25 +5,37 @@ Nothing here touches meshtrain's training code: the model comes from
 consolidated folder is a working Hugging Face model. It is scored where it
 trained (a GPU and bf16 for an nccl bf16 run, `evaluation.device` / `dtype`),
 and the samples are seeded, so a rerun reads the same text.
+
+Fine-tuning blocks (packed examples with a loss mask) are scored as training scores
+them: only the trained tokens, each example attending only to itself. Their samples
+are chat turns: the example's own rendered prompt, the answer it trained on, and the
+model's response.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import datasets
+import numpy as np
 import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from meshtrain.config import ConfigError, EvaluationConfig
+from meshtrain.data.batch import IGNORE_INDEX, TokenBatch, next_token_labels
+from meshtrain.data.blocks import PACKED_COLUMNS
+from meshtrain.models.packed_attention import packed_causal_mask
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Room left on a GPU beside the weights (activations, the KV cache of the samples).
 _HEADROOM = 1.25
+# Chat templates' end-of-turn tokens (ChatML, Llama 3, Gemma): a response ends at one.
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>")
 
 
 def resolve_device(device: str, backend: str | None) -> str:
@@ -73,30 +85,69 @@ def input_device(model) -> torch.device:
     return model.get_input_embeddings().weight.device
 
 
+def is_packed(split: datasets.Dataset) -> bool:
+    """Fine-tuning blocks: whole examples side by side, positions restarting at each, and
+    a loss mask of the tokens the run trained."""
+    return set(PACKED_COLUMNS) <= set(split.column_names)
+
+
+def token_batches(
+    validation: datasets.Dataset, batch_size: int, count: int
+) -> Iterator[TokenBatch]:
+    """The first `count` blocks as `TokenBatch`es: every next token of a pretraining
+    block is a target, only the trained ones of a fine-tuning block."""
+    packed = is_packed(validation)
+    columns = ["input_ids", *PACKED_COLUMNS] if packed else ["input_ids"]
+    rows = validation.select_columns(columns).with_format("torch")
+    for start in range(0, count, batch_size):
+        batch = rows[start : min(count, start + batch_size)]
+        input_ids = batch["input_ids"].long()
+        if not packed:
+            yield TokenBatch.of_ids(input_ids)
+            continue
+        positions = batch["position_ids"].long()
+        labels = next_token_labels(input_ids, positions, batch["loss_mask"])
+        yield TokenBatch(input_ids, labels, positions)
+
+
+def summed_loss(model, batch: TokenBatch) -> float:
+    """The summed cross-entropy of the batch's targets. Packed examples attend only
+    inside themselves, with their own positions, so each scores as it would alone."""
+    batch = batch.to(input_device(model))
+    inputs: dict[str, torch.Tensor] = {"input_ids": batch.input_ids}
+    if batch.position_ids is not None:
+        inputs["position_ids"] = batch.position_ids
+        inputs["attention_mask"] = packed_causal_mask(batch.position_ids)
+    logits = model(**inputs).logits
+    loss = F.cross_entropy(
+        logits.flatten(0, 1).float(),
+        batch.labels.flatten().to(logits.device),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+    )
+    return loss.item()
+
+
 @torch.no_grad()
 def validation_loss(
     model, validation: datasets.Dataset, batch_size: int, max_batches: int | None
 ) -> dict[str, Any]:
-    """Mean next-token loss and perplexity over the packed validation blocks."""
-    blocks = validation.select_columns(["input_ids"]).with_format("torch")
-    count = len(blocks) if max_batches is None else min(len(blocks), max_batches * batch_size)
+    """Mean loss per trained token, and perplexity, over the validation blocks (of
+    fine-tuning blocks only the tokens `data.loss_on` trains count, as in training).
+    `val_tokens` is the number of tokens scored."""
+    count = (
+        len(validation) if max_batches is None else min(len(validation), max_batches * batch_size)
+    )
     if count == 0:
         raise ValueError("the validation split is empty; raise data.validation_fraction")
     loss_sum, tokens = 0.0, 0
     started = time.perf_counter()
-    for start in range(0, count, batch_size):
-        input_ids = blocks[start : min(count, start + batch_size)]["input_ids"].long()
-        input_ids = input_ids.to(input_device(model))
-        logits = model(input_ids=input_ids).logits
-        vocab = logits.shape[-1]
-        loss = F.cross_entropy(
-            logits[:, :-1].reshape(-1, vocab).float(),
-            input_ids[:, 1:].reshape(-1).to(logits.device),
-            reduction="sum",
-        )
-        loss_sum += loss.item()
-        tokens += input_ids[:, 1:].numel()
+    for batch in token_batches(validation, batch_size, count):
+        loss_sum += summed_loss(model, batch)
+        tokens += batch.trained_tokens
     eval_seconds = time.perf_counter() - started
+    if tokens == 0:
+        raise ValueError("the validation blocks train no token (their loss_mask is all 0)")
     val_loss = loss_sum / tokens
     return {
         "val_loss": val_loss,
@@ -107,6 +158,11 @@ def validation_loss(
     }
 
 
+def spread(total: int, count: int) -> list[int]:
+    """Up to `count` indices spread evenly over `range(total)`, first and last included."""
+    return sorted({round(i * (total - 1) / max(count - 1, 1)) for i in range(count)})
+
+
 def validation_prompts(
     validation: datasets.Dataset, tokenizer, count: int, prompt_tokens: int
 ) -> list[str]:
@@ -114,9 +170,8 @@ def validation_prompts(
     of about a block's first `prompt_tokens` tokens, in whole words (a block may start
     and the cut may end inside one)."""
     blocks = validation.select_columns(["input_ids"])
-    picks = sorted({round(i * (len(blocks) - 1) / max(count - 1, 1)) for i in range(count)})
     prompts = []
-    for index in picks:
+    for index in spread(len(blocks), count):
         text = tokenizer.decode(blocks[index]["input_ids"][: prompt_tokens + 2])
         words = text.split(" ")
         whole = " ".join(words[1:-1]).strip() if len(words) > 3 else text.strip()
@@ -124,30 +179,123 @@ def validation_prompts(
     return prompts
 
 
-@torch.no_grad()
-def generate_samples(model, tokenizer, prompts: list[str], cfg: EvaluationConfig) -> list[dict]:
-    """A continuation of each prompt: seeded sampling (temperature, top-p, repetition
-    penalty), or greedy with `do_sample=false`."""
+def generate(
+    model,
+    tokenizer,
+    ids: list[int],
+    cfg: EvaluationConfig,
+    seed: int,
+    stop: list[int] | None = None,
+) -> torch.Tensor:
+    """The tokens generated after `ids`: seeded sampling (temperature, top-p, repetition
+    penalty), or greedy with `do_sample=false`; ending at `stop` ids when given."""
     knobs: dict[str, Any] = {
         "do_sample": cfg.do_sample,
         "repetition_penalty": cfg.repetition_penalty,
     }
     if cfg.do_sample:
         knobs |= {"temperature": cfg.temperature, "top_p": cfg.top_p}
+    if stop:
+        knobs["eos_token_id"] = stop
+    torch.manual_seed(seed)  # seeds the CUDA generators too
+    input_ids = torch.tensor([ids], device=input_device(model))
+    generated = model.generate(
+        input_ids=input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        max_new_tokens=cfg.max_new_tokens,
+        pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
+        **knobs,
+    )
+    return generated[0, input_ids.shape[1] :]
+
+
+@torch.no_grad()
+def generate_samples(model, tokenizer, prompts: list[str], cfg: EvaluationConfig) -> list[dict]:
+    """A continuation of each text prompt."""
     samples = []
     for offset, prompt in enumerate(prompts):
-        torch.manual_seed(cfg.seed + offset)  # seeds the CUDA generators too
-        encoded = tokenizer(prompt, return_tensors="pt").to(input_device(model))
-        generated = model.generate(
-            **encoded,
-            max_new_tokens=cfg.max_new_tokens,
-            pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
-            **knobs,
-        )
-        new = generated[0, encoded["input_ids"].shape[1] :]
+        new = generate(model, tokenizer, tokenizer(prompt)["input_ids"], cfg, cfg.seed + offset)
         continuation = tokenizer.decode(new, skip_special_tokens=True)
         samples.append({"prompt": prompt, "continuation": continuation})
     return samples
+
+
+def stop_token_ids(tokenizer) -> list[int]:
+    """The eos and, where the tokenizer has one, its chat template's end-of-turn token: a
+    response ends at either."""
+    found = [tokenizer.eos_token_id]
+    for token in END_OF_TURN_TOKENS:
+        token_id = tokenizer.convert_tokens_to_ids(token)
+        # An unknown token comes back as the unk id (or None).
+        if token_id is not None and tokenizer.convert_ids_to_tokens(token_id) == token:
+            found.append(token_id)
+    return [token_id for token_id in dict.fromkeys(found) if token_id is not None]
+
+
+def example_spans(positions: np.ndarray, loss_mask: np.ndarray) -> list[tuple[int, int]]:
+    """(start, end) of each example of a block that trains a token (the padding tail
+    trains none)."""
+    starts = [*np.flatnonzero(positions == 0).tolist(), len(positions)]
+    return [(a, b) for a, b in zip(starts, starts[1:], strict=False) if loss_mask[a + 1 : b].any()]
+
+
+def sample_examples(validation: datasets.Dataset, count: int) -> list[tuple[int, int, int]]:
+    """`count` examples spread evenly over the split's, as (block, start, end)."""
+    rows = validation.select_columns(list(PACKED_COLUMNS)).with_format("numpy")
+    spans = []
+    for first in range(0, len(rows), 1024):
+        batch = rows[first : first + 1024]
+        for offset, row in enumerate(zip(batch["position_ids"], batch["loss_mask"], strict=True)):
+            spans += [(first + offset, a, b) for a, b in example_spans(*row)]
+    if not spans:
+        raise ValueError("no validation example trains a token (their loss_mask is all 0)")
+    return [spans[i] for i in spread(len(spans), count)]
+
+
+def prompt_and_reference(ids: list[int], loss_mask: list[int]) -> tuple[list[int], list[int]]:
+    """An example's tokens before its first trained one (as rendered for training, so
+    ending in the template's generation prompt), and its first run of trained tokens."""
+    first = next(i for i in range(1, len(ids)) if loss_mask[i])
+    end = next((i for i in range(first, len(ids)) if not loss_mask[i]), len(ids))
+    return ids[:first], ids[first:end]
+
+
+@torch.no_grad()
+def chat_samples(
+    model, tokenizer, validation: datasets.Dataset, cfg: EvaluationConfig
+) -> list[dict[str, str]]:
+    """A response to each of `num_samples` validation prompts, beside the reference the
+    model trained on; the prompt keeps its special tokens, so the template shows."""
+    rows = validation.select_columns(["input_ids", "loss_mask"])
+    stop = stop_token_ids(tokenizer)
+    samples = []
+    for offset, (block, start, end) in enumerate(sample_examples(validation, cfg.num_samples)):
+        row = rows[block]
+        prompt, reference = prompt_and_reference(
+            row["input_ids"][start:end], row["loss_mask"][start:end]
+        )
+        new = generate(model, tokenizer, prompt, cfg, cfg.seed + offset, stop)
+        samples.append(
+            {
+                "prompt": tokenizer.decode(prompt, skip_special_tokens=False),
+                "reference": tokenizer.decode(reference, skip_special_tokens=True),
+                "response": tokenizer.decode(new, skip_special_tokens=True),
+            }
+        )
+    return samples
+
+
+def model_samples(
+    model, tokenizer, validation: datasets.Dataset, cfg: EvaluationConfig
+) -> list[dict[str, str]]:
+    """{prompt, reference, response} on fine-tuning data; {prompt, continuation} of
+    `evaluation.prompts` or of the validation text otherwise."""
+    if cfg.prompts is None and is_packed(validation):
+        return chat_samples(model, tokenizer, validation, cfg)
+    prompts = cfg.prompts or validation_prompts(
+        validation, tokenizer, cfg.num_samples, cfg.prompt_tokens
+    )
+    return generate_samples(model, tokenizer, prompts, cfg)
 
 
 def evaluate_model(
@@ -165,16 +313,14 @@ def evaluate_model(
     model = load_model(model_dir, device, dtype)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     metrics = validation_loss(model, validation, cfg.batch_size, cfg.max_batches)
-    prompts = cfg.prompts or validation_prompts(
-        validation, tokenizer, cfg.num_samples, cfg.prompt_tokens
-    )
-    samples = generate_samples(model, tokenizer, prompts, cfg)
+    samples = model_samples(model, tokenizer, validation, cfg)
+    first = samples[0]
     metrics |= {
         "eval_device": str(input_device(model)),
         "eval_dtype": str(dtype).removeprefix("torch."),
         "samples": samples,
         # The first sample as one text, as before `samples` (and the eval.sample tag).
-        "prompt": samples[0]["prompt"],
-        "sample": samples[0]["prompt"] + samples[0]["continuation"],
+        "prompt": first["prompt"],
+        "sample": first["prompt"] + first.get("continuation", first.get("response", "")),
     }
     return metrics, model, tokenizer

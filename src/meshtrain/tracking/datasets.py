@@ -15,7 +15,10 @@ from typing import Any
 import datasets
 import numpy as np
 import pyarrow.compute as pc
+import torch
 
+from meshtrain.data.batch import IGNORE_INDEX, next_token_labels
+from meshtrain.data.blocks import PACKED_COLUMNS
 from meshtrain.offline import disable_telemetry
 
 disable_telemetry()  # before mlflow is imported
@@ -28,6 +31,10 @@ from mlflow.data.huggingface_dataset_source import HuggingFaceDatasetSource  # n
 
 # The input context of each split, as MLflow's UI labels it.
 CONTEXTS = {"train": "training", "validation": "validation"}
+# What `data.loss_on: auto` trains for each format (TRL's defaults).
+AUTO_LOSS_ON = {"text": "all", "prompt_completion": "completion", "conversational": "assistant"}
+# The `datasets` builder that reads each kind of `data.data_files`.
+FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
 def blocks_digest(split: datasets.Dataset) -> tuple[str, int]:
@@ -49,7 +56,8 @@ def blocks_digest(split: datasets.Dataset) -> tuple[str, int]:
 
 def corpus_source(data: dict[str, Any]) -> tuple[str, DatasetSource]:
     """A short label and MLflow source for `data.*`: the hub dataset (name, config, split),
-    the text files as `datasets` reads them, or meshtrain's builtin corpus."""
+    the files as `datasets` reads them, the Kedro catalog's `raw_examples`, or one of
+    meshtrain's builtin corpora."""
     source = data.get("source") or "builtin"
     if source == "hub":
         name = str(data.get("hub_dataset"))
@@ -59,6 +67,14 @@ def corpus_source(data: dict[str, Any]) -> tuple[str, DatasetSource]:
     if source == "text_files":
         files = data.get("text_files") or []
         return "text_files", HuggingFaceDatasetSource(path="text", data_files=list(files))
+    if source == "files":
+        files = [str(f) for f in data.get("data_files") or []]
+        return "files", HuggingFaceDatasetSource(path=file_builder(files), data_files=files)
+    if source == "catalog":
+        return "catalog", CodeDatasetSource(tags={"kedro_dataset": "raw_examples"})
+    if source == "builtin_instructions":
+        tags = {"corpus": "meshtrain builtin instructions (Python documentation Q&A)"}
+        return "builtin_instructions", CodeDatasetSource(tags=tags)
     tags = {
         "corpus": "meshtrain builtin (Python help topics and stdlib docstrings)",
         "builtin_max_chars": str(data.get("builtin_max_chars")),
@@ -66,26 +82,99 @@ def corpus_source(data: dict[str, Any]) -> tuple[str, DatasetSource]:
     return "builtin", CodeDatasetSource(tags=tags)
 
 
+def file_builder(files: list[str]) -> str:
+    """The `datasets` builder of the files' kind (json for .json/.jsonl, parquet, csv)."""
+    suffixes = {"." + f.rsplit(".", 1)[-1].lower() for f in files if "." in f}
+    builders = {FILE_BUILDERS.get(suffix, suffix.lstrip(".")) for suffix in suffixes}
+    return builders.pop() if len(builders) == 1 else "files"
+
+
+def is_fine_tuning(split: datasets.Dataset) -> bool:
+    """Packed fine-tuning blocks: positions restarting at each example, and a loss mask."""
+    return set(PACKED_COLUMNS) <= set(split.column_names)
+
+
+def unpadded_tokens(positions: torch.Tensor, loss_mask: torch.Tensor) -> int:
+    """Tokens before the blocks' padding tails, for blocks without `num_tokens`: a block's
+    tail is its last run of positions when that run trains nothing."""
+    length = positions.shape[1]
+    index = torch.arange(length)
+    last_start = torch.where(positions == 0, index, 0).amax(dim=1)
+    trains_last = (loss_mask.bool() & (index >= last_start[:, None])).any(dim=1)
+    return int(torch.where(trains_last, length, last_start).sum())
+
+
+def token_counts(split: datasets.Dataset) -> tuple[int, int]:
+    """Real (not padding) and trained tokens of fine-tuning blocks, read batch by batch."""
+    has_count = "num_tokens" in split.column_names
+    columns = ["input_ids", *PACKED_COLUMNS] + (["num_tokens"] if has_count else [])
+    real = trained = 0
+    for batch in split.select_columns(columns).with_format("torch").iter(batch_size=1024):
+        positions, loss_mask = batch["position_ids"], batch["loss_mask"]
+        labels = next_token_labels(batch["input_ids"], positions, loss_mask)
+        trained += int((labels != IGNORE_INDEX).sum())
+        real += (
+            int(batch["num_tokens"].sum()) if has_count else unpadded_tokens(positions, loss_mask)
+        )
+    return real, trained
+
+
+def fine_tuning_profile(split: datasets.Dataset, data: dict[str, Any], tokens: int) -> dict:
+    """How fine-tuning blocks were made (`data.*`, `auto` resolved where the blocks or
+    the format tell) and how full they are."""
+    data_format = data.get("format") or "auto"
+    loss_on = data.get("loss_on") or "auto"
+    if loss_on == "auto":
+        loss_on = AUTO_LOSS_ON.get(data_format, "auto")
+    packing = data.get("packing") or "auto"
+    real, trained = token_counts(split)
+    return {
+        "format": data_format,
+        "columns": data.get("columns") or {},
+        "loss_on": loss_on,
+        # Positions restart per example: best-fit decreasing, whatever `auto` chose.
+        "packing": "bfd" if packing == "auto" else packing,
+        "packing_efficiency": round(real / tokens, 4) if tokens else None,
+        "real_tokens": real,
+        "trained_tokens": trained,
+    }
+
+
 class PackedBlocks(HuggingFaceDataset):
-    """A packed split; its profile adds the token count to the rows."""
+    """A packed split; its profile adds the token counts (and how fine-tuning blocks
+    were made) to the rows."""
 
     def __init__(
-        self, ds: datasets.Dataset, source: DatasetSource, name: str, digest: str, tokens: int
+        self,
+        ds: datasets.Dataset,
+        source: DatasetSource,
+        name: str,
+        digest: str,
+        profile: dict[str, Any],
     ):
         super().__init__(ds=ds, source=source, name=name, digest=digest)
-        self._tokens = tokens
+        self._profile = profile
 
     @property
     def profile(self) -> dict[str, Any]:
-        return {"num_rows": self._ds.num_rows, "num_tokens": self._tokens}
+        return {"num_rows": self._ds.num_rows, **self._profile}
 
 
 def packed_split(split: datasets.Dataset, which: str, data: dict[str, Any]) -> PackedBlocks:
     label, source = corpus_source(data)
     digest, tokens = blocks_digest(split)
-    block = data.get("block_size")
-    name = f"{label}-{which}" + (f"-b{block}" if block else "")
-    return PackedBlocks(split.select_columns(["input_ids"]), source, name, digest, tokens)
+    block = f"-b{data['block_size']}" if data.get("block_size") else ""
+    if not is_fine_tuning(split):
+        name = f"{label}-{which}{block}"
+        profile = {"num_tokens": tokens}
+        return PackedBlocks(split.select_columns(["input_ids"]), source, name, digest, profile)
+    profile = {"num_tokens": tokens, **fine_tuning_profile(split, data, tokens)}
+    if isinstance(source, CodeDatasetSource):  # the source's tags say it too
+        described = {k: str(profile[k]) for k in ("format", "columns", "loss_on", "packing")}
+        source = CodeDatasetSource(tags=source.to_dict()["tags"] | described)
+    name = f"{label}-{profile['format']}-{which}{block}"
+    columns = ["input_ids", *PACKED_COLUMNS]
+    return PackedBlocks(split.select_columns(columns), source, name, digest, profile)
 
 
 def log_packed_blocks(

@@ -150,18 +150,17 @@ def log_metrics(metrics: dict[str, float], step: int | None = None) -> None:
 
 
 # The samples' table in the run (MLflow's UI shows it under Artifacts and in the
-# Evaluation view, prompt and continuation side by side).
+# Evaluation view, side by side: prompt and continuation of text, or prompt, reference
+# and response of chat turns).
 SAMPLES_TABLE = "samples.json"
 
 
 def log_samples(samples: list[dict[str, str]]) -> None:
-    """Log the prompts and their continuations as an MLflow table (no-op outside a run)."""
+    """Log the samples as an MLflow table, a column per key of the first sample (no-op
+    outside a run)."""
     if mlflow.active_run() is None or not samples:
         return
-    table = {
-        "prompt": [s["prompt"] for s in samples],
-        "continuation": [s["continuation"] for s in samples],
-    }
+    table = {column: [s[column] for s in samples] for column in samples[0]}
     mlflow.log_table(data=table, artifact_file=SAMPLES_TABLE)
 
 

@@ -9,7 +9,7 @@ import datasets
 
 from meshtrain.benchmarks import run_lm_eval
 from meshtrain.config import EvaluationConfig, check_evaluation, parse
-from meshtrain.evaluation import evaluate_model
+from meshtrain.evaluation import evaluate_model, is_packed
 from meshtrain.tracking import mlflow_run as tracking
 
 
@@ -23,13 +23,16 @@ def evaluate(
     precision it trained), `params:evaluation`.
 
     Returns: `metrics.json`: validation loss and perplexity before and after training,
-    the throughput of the run, the samples and the lm-evaluation-harness scores.
+    the throughput of the run, the samples (prompt and continuation of text; prompt,
+    reference and response of fine-tuning examples) and the lm-evaluation-harness
+    scores.
     """
     cfg = parse(EvaluationConfig, evaluation, "evaluation")
     check_evaluation(cfg)
+    validation = packed_blocks["validation"]
     metrics, model, tokenizer = evaluate_model(
         consolidation_summary["output_dir"],
-        packed_blocks["validation"],
+        validation,
         cfg,
         backend=training_summary.get("backend"),
         mixed_precision=training_summary.get("mixed_precision"),
@@ -41,6 +44,9 @@ def evaluate(
         limit=cfg.lm_eval_limit,
         batch_size=cfg.lm_eval_batch_size,
         include_path=cfg.lm_eval_include_path,
+        # Fine-tuned on conversations or prompt/completion pairs (blocks with a loss
+        # mask): asked in its chat template, where the tokenizer has one.
+        chat_template=is_packed(validation),
     )
     initial = training_summary.get("initial_val_loss")
     metrics.update(
