@@ -376,3 +376,44 @@ def _start_kedro(project: Path, params: str, output) -> subprocess.Popen:
         stdout=output,
         stderr=subprocess.STDOUT,
     )
+
+
+# The fine-tune of the default run's model on the builtin instructions (conf/sft), small.
+SFT_RUN = ",".join(
+    [
+        "data.builtin_max_chars=400000",
+        "data.num_proc=1",
+        "training.max_steps=12",
+        "training.checkpoint_every=12",
+        "training.eval_every=6",
+        "training.eval_batches=2",
+        "evaluation.max_batches=4",
+        "evaluation.max_new_tokens=12",
+        "evaluation.log_model=false",
+    ]
+)
+
+
+@pytest.mark.slow
+def test_the_default_model_fine_tunes_on_the_builtin_instructions(project: Path, default_run):
+    """`kedro run --env sft`: the consolidated default model, with its own tokenizer and
+    chat template, trained on the assistant turns only; its files beside the default
+    run's, which stay as they were."""
+    pretrained = project / "data/06_models/consolidated/model.safetensors"
+    before = pretrained.read_bytes()
+    result = kedro_run(project, "--env", "sft", "--params", SFT_RUN)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    assert pretrained.read_bytes() == before
+    metrics = json.loads((project / "data/08_reporting/sft_metrics.json").read_text())
+    assert metrics["val_loss"] < metrics["initial_val_loss"]
+    assert metrics["val_tokens"] > 0
+    for sample in metrics["samples"]:
+        assert sample["prompt"].endswith("<|im_start|>assistant\n"), sample
+        assert sample["reference"].strip(), sample
+        assert "response" in sample
+    chat = project / "data/06_models/chat"
+    assert (chat / "model.safetensors").exists() and (chat / "tokenizer_config.json").exists()
+    plan = json.loads((project / "data/05_model_input/sft_plan.json").read_text())
+    assert plan["model_config"]["model_type"] == "llama"
+    output = result.stdout + result.stderr
+    assert "efficiency" in output  # the packing report

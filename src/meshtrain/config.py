@@ -339,6 +339,16 @@ def check_data(data: DataConfig) -> None:
             "`data.source=hub` needs `data.hub_dataset`, a Hugging Face dataset id, e.g. "
             "data.hub_dataset=Salesforce/wikitext with data.hub_config=wikitext-103-raw-v1."
         )
+    if data.source == "files" and not data.data_files:
+        raise ConfigError(
+            "`data.source=files` needs `data.data_files`, the paths or glob patterns of JSON, "
+            "JSONL, Parquet or CSV files, e.g. data.data_files=data/01_raw/chats/*.jsonl."
+        )
+    if data.packing == "stream" and data.source == "builtin_instructions":
+        raise ConfigError(
+            "`data.packing=stream` concatenates text; the builtin instructions are "
+            "conversations: use data.packing=bfd (or auto)."
+        )
     check_ranges(data, DATA_RANGES)
     if not data.text_column.strip():
         raise ConfigError("`data.text_column` is empty; name the corpus column, e.g. text.")

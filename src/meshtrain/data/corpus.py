@@ -73,6 +73,12 @@ def load_corpus(
         where = f"data.hub_dataset={hub_dataset} (column {text_column!r})"
     else:
         raise CorpusError(f"data.source must be one of {', '.join(SOURCES)}; got {source!r}")
+    return checked_corpus(corpus, where)
+
+
+def checked_corpus(corpus: datasets.Dataset, where: str) -> datasets.Dataset:
+    """A corpus of at least two non-blank documents (`where` names its source)."""
+    corpus = _drop_blank(corpus)
     if len(corpus) == 0:  # refused here, before the empty corpus is saved over an earlier one
         raise CorpusError(f"{where} holds no text: every document is empty or blank")
     if len(corpus) < 2:  # packing draws validation documents from the others
@@ -206,8 +212,7 @@ def _load_text_files(patterns: list[str]) -> datasets.Dataset:
             raise
         raise _not_text(files) from error
     ds = loaded["train"].select_columns(["text"])
-    ds = ds.map(_strip_batch, batched=True, desc="Strip paragraphs")
-    return _drop_blank(ds)
+    return ds.map(_strip_batch, batched=True, desc="Strip paragraphs")
 
 
 def _expand(patterns: list[str]) -> list[str]:
@@ -265,7 +270,7 @@ def _load_hub(name: str, config: str | None, split: str, text_column: str) -> da
     ds = ds.select_columns([text_column])
     if text_column != "text":
         ds = ds.rename_column(text_column, "text")
-    return _drop_blank(ds)
+    return ds
 
 
 def _drop_blank(ds: datasets.Dataset) -> datasets.Dataset:

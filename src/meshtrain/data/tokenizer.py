@@ -57,7 +57,7 @@ def train_tokenizer(
     tokenizer.train_from_iterator(
         _text_batches(corpus, batch_size), trainer=trainer, length=len(corpus)
     )
-    return transformers.PreTrainedTokenizerFast(
+    trained = transformers.PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
         eos_token=EOS_TOKEN,
         bos_token=EOS_TOKEN,
@@ -65,6 +65,26 @@ def train_tokenizer(
         # Keep decode() an exact inverse of encode(): no space clean-up around punctuation.
         clean_up_tokenization_spaces=False,
     )
+    trained.chat_template = CHATML_TEMPLATE
+    return trained
+
+
+# ChatML: each turn `<|im_start|>{role}\n{content}<|im_end|>\n`. An assistant turn's content
+# and its end marker are what a model learns to write, so `{% generation %}` marks them
+# (transformers' assistant-token mask reads the marks; meshtrain's own mask does not need
+# them, see data/chat_tokens.py).
+CHATML_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
+    "{%- if message['role'] == 'assistant' -%}"
+    "{% generation %}{{- message['content'] + '<|im_end|>' -}}{% endgeneration %}"
+    "{{- '\\n' -}}"
+    "{%- else -%}"
+    "{{- message['content'] + '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
 
 
 def load_tokenizer(name_or_path: str) -> transformers.PreTrainedTokenizerBase:

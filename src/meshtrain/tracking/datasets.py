@@ -173,7 +173,8 @@ def packed_split(split: datasets.Dataset, which: str, data: dict[str, Any]) -> P
         described = {k: str(profile[k]) for k in ("format", "columns", "loss_on", "packing")}
         source = CodeDatasetSource(tags=source.to_dict()["tags"] | described)
     name = f"{label}-{profile['format']}-{which}{block}"
-    columns = ["input_ids", *PACKED_COLUMNS]
+    # MLflow's schema inference takes no int8 lists: the loss mask is in the profile.
+    columns = ["input_ids", "position_ids"]
     return PackedBlocks(split.select_columns(columns), source, name, digest, profile)
 
 

@@ -1,4 +1,4 @@
-"""Raw text to the packed token blocks that training reads."""
+"""Raw text, or fine-tuning examples, to the packed token blocks that training reads."""
 
 from kedro.pipeline import Pipeline, node
 
@@ -8,8 +8,13 @@ from meshtrain.pipelines.data_processing.nodes import build_corpus, build_tokeni
 def create_pipeline(**kwargs) -> Pipeline:
     return Pipeline(
         [
-            node(build_corpus, "params:data", "corpus", name="build_corpus"),
-            node(build_tokenizer, ["corpus", "params:data"], "tokenizer", name="build_tokenizer"),
+            node(build_corpus, ["params:data", "raw_examples"], "corpus", name="build_corpus"),
+            node(
+                build_tokenizer,
+                ["corpus", "params:data", "params:model"],
+                "tokenizer",
+                name="build_tokenizer",
+            ),
             node(
                 pack_blocks,
                 ["corpus", "tokenizer", "params:data"],
