@@ -46,7 +46,8 @@ def load_examples(
     """The examples of `source`, TRL's column names, and each row's origin."""
     if source == "files":
         parts = [_read_file(path, columns) for path in _expand(data_files or [])]
-        return datasets.concatenate_datasets(parts)
+        # Parquet reads strings as large_string, JSON as string: one schema for all.
+        return datasets.concatenate_datasets([p.cast(parts[0].features) for p in parts])
     if source == "hub":
         try:
             ds = datasets.load_dataset(hub_dataset, hub_config, split=hub_split)
@@ -120,7 +121,14 @@ def _canonical(ds: datasets.Dataset, columns: dict[str, str] | None, where: str)
             )
         if own != canonical:
             ds = ds.rename_column(own, canonical)
-    ds = ds.select_columns([c for c in CANONICAL if c in ds.column_names])
+    kept = [c for c in CANONICAL if c in ds.column_names]
+    if not kept:
+        raise ExamplesError(
+            f"{where}: the columns are {ds.column_names}, none of TRL's (messages; prompt "
+            "and completion; text): map yours with data.columns, e.g. "
+            "data.columns={prompt: question, completion: answer}"
+        )
+    ds = ds.select_columns(kept)
     origins = [f"{where} row {i + 1}" for i in range(len(ds))]
     return ds.add_column(ORIGIN, origins)
 
