@@ -28,7 +28,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from meshtrain.config import ConfigError, EvaluationConfig
 from meshtrain.data.batch import IGNORE_INDEX, TokenBatch, next_token_labels
-from meshtrain.data.blocks import PACKED_COLUMNS
+from meshtrain.data.blocks import PACKED_COLUMNS, is_packed
 from meshtrain.models.packed_attention import packed_causal_mask
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -83,12 +83,6 @@ def load_model(model_dir: str | Path, device: str, dtype: torch.dtype):
 def input_device(model) -> torch.device:
     """Where the token ids go: the embedding's device (the first of a spread model)."""
     return model.get_input_embeddings().weight.device
-
-
-def is_packed(split: datasets.Dataset) -> bool:
-    """Fine-tuning blocks: whole examples side by side, positions restarting at each, and
-    a loss mask of the tokens the run trained."""
-    return set(PACKED_COLUMNS) <= set(split.column_names)
 
 
 def token_batches(

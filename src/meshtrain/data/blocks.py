@@ -28,6 +28,12 @@ PACKED_COLUMNS = ("position_ids", "loss_mask")
 """The columns of fine-tuning blocks (`data/bin_packing.py`) beside `input_ids`."""
 
 
+def is_packed(split: datasets.Dataset) -> bool:
+    """Fine-tuning blocks: whole examples side by side, positions restarting at each, and
+    a loss mask of the tokens the run trains."""
+    return set(PACKED_COLUMNS) <= set(split.column_names)
+
+
 class BlockStore:
     def __init__(self, files: list[str]) -> None:
         self._chunks: dict[str, list[np.ndarray]] = {}

@@ -18,7 +18,7 @@ import pyarrow.compute as pc
 import torch
 
 from meshtrain.data.batch import IGNORE_INDEX, next_token_labels
-from meshtrain.data.blocks import PACKED_COLUMNS
+from meshtrain.data.blocks import PACKED_COLUMNS, is_packed
 from meshtrain.offline import disable_telemetry
 
 disable_telemetry()  # before mlflow is imported
@@ -87,11 +87,6 @@ def file_builder(files: list[str]) -> str:
     suffixes = {"." + f.rsplit(".", 1)[-1].lower() for f in files if "." in f}
     builders = {FILE_BUILDERS.get(suffix, suffix.lstrip(".")) for suffix in suffixes}
     return builders.pop() if len(builders) == 1 else "files"
-
-
-def is_fine_tuning(split: datasets.Dataset) -> bool:
-    """Packed fine-tuning blocks: positions restarting at each example, and a loss mask."""
-    return set(PACKED_COLUMNS) <= set(split.column_names)
 
 
 def unpadded_tokens(positions: torch.Tensor, loss_mask: torch.Tensor) -> int:
@@ -164,7 +159,7 @@ def packed_split(split: datasets.Dataset, which: str, data: dict[str, Any]) -> P
     label, source = corpus_source(data)
     digest, tokens = blocks_digest(split)
     block = f"-b{data['block_size']}" if data.get("block_size") else ""
-    if not is_fine_tuning(split):
+    if not is_packed(split):
         name = f"{label}-{which}{block}"
         profile = {"num_tokens": tokens}
         return PackedBlocks(split.select_columns(["input_ids"]), source, name, digest, profile)

@@ -9,7 +9,8 @@ import datasets
 
 from meshtrain.benchmarks import run_lm_eval
 from meshtrain.config import EvaluationConfig, check_evaluation, parse
-from meshtrain.evaluation import evaluate_model, is_packed
+from meshtrain.data.blocks import is_packed
+from meshtrain.evaluation import evaluate_model
 from meshtrain.tracking import mlflow_run as tracking
 
 
