@@ -30,7 +30,7 @@ def _parameters(env: str) -> dict:
     return loader["parameters"]
 
 
-@pytest.mark.parametrize("env", ["gpu", "trn1", "team"])
+@pytest.mark.parametrize("env", ["gpu", "trn1", "team", "sft"])
 def test_environment_parameters_parse_and_keep_the_base_values(env: str) -> None:
     params = _parameters(env)
     run = RunConfig.from_params(**{group: params.get(group) for group in GROUPS})
@@ -44,6 +44,14 @@ def test_environment_parameters_parse_and_keep_the_base_values(env: str) -> None
         assert run.data.source == "hub"
         assert run.model.config["hidden_size"] == 2048
         assert run.model.config["rms_norm_eps"] == base["model"]["config"]["rms_norm_eps"]
+    if env == "sft":  # the default model, fine-tuned on chats: only the data and files change
+        assert run.model.init_from == "data/06_models/consolidated"
+        assert (run.data.source, run.data.loss_on, run.data.packing) == (
+            "builtin_instructions",
+            "assistant",
+            "bfd",
+        )
+        assert run.model.config == base["model"]["config"]  # not applied: the folder's wins
     if env == "trn1":
         assert run.launch.backend == "neuron"
         assert (run.parallel.tensor_parallel_size, run.parallel.pipeline_parallel_size) == (4, 2)
