@@ -28,13 +28,12 @@ def ships_tokenizer(folder: str | Path) -> bool:
 
 
 def tokenizer_to_load(data_tokenizer: str | None, init_from: str | None) -> str | None:
-    """`data.tokenizer`, else the `model.init_from` folder's; None: train one here."""
+    """`data.tokenizer`, else the `model.init_from` folder's (a local folder: a hub id is
+    resolved by the caller); None: train one here."""
     if data_tokenizer:
         return data_tokenizer
     if init_from:
-        from meshtrain.models.builder import resolve_init_from  # noqa: PLC0415
-
-        folder = resolve_init_from(init_from)
+        folder = init_from
         if not ships_tokenizer(folder):
             raise TokenizerMismatch(
                 f"`model.init_from` {init_from!r} has no tokenizer ({' or '.join(TOKENIZER_FILES)}"
