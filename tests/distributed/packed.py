@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -24,14 +23,19 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from meshtrain.components.lr_schedule import warmup_cosine
 from meshtrain.data.batch import IGNORE_INDEX, TokenBatch, next_token_labels
 from meshtrain.data.blocks import BlockStore, arrow_files
 from meshtrain.data.sampler import GlobalBatchSampler
 from meshtrain.models import build_model, build_model_config
 from meshtrain.trainer import Trainer, WorkerSpec, train
 from tests.conftest import TINY_BLOCK, TINY_VOCAB
-from tests.distributed.reference import GLOBAL_BATCH, STEPS, TRAINING
+from tests.distributed.reference import (
+    GLOBAL_BATCH,
+    STEPS,
+    TRAINING,
+    reference_optimizer,
+    reference_step,
+)
 
 
 def build_packed_blocks(path: Path, *, train_blocks: int = 48, seed: int = 0):
@@ -104,20 +108,7 @@ def packed_reference_run(blocks: datasets.DatasetDict, fields: dict[str, Any]):
     """One process, every example alone: the losses per step and the final weights."""
     config = build_model_config("llama", fields, vocab_size=TINY_VOCAB)
     model = build_model(config, seed=TRAINING["seed"])
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
-    optimizer = torch.optim.AdamW(
-        [
-            {"params": decay, "weight_decay": TRAINING["weight_decay"]},
-            {"params": no_decay, "weight_decay": 0.0},
-        ],
-        lr=TRAINING["learning_rate"],
-        betas=(0.9, 0.95),
-        eps=TRAINING["adam_epsilon"],
-    )
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, partial(warmup_cosine, warmup_steps=2, max_steps=STEPS, min_ratio=0.1)
-    )
+    optimizer, schedule = reference_optimizer(model)
     sampler = GlobalBatchSampler(len(blocks["train"]), GLOBAL_BATCH, TRAINING["seed"])
     losses = []
     for step in range(STEPS):
@@ -127,11 +118,7 @@ def packed_reference_run(blocks: datasets.DatasetDict, fields: dict[str, Any]):
                 loss, trained = example_loss_sum(model, ids.long(), mask)
                 total, count = total + loss, count + trained
         loss = total / count
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), TRAINING["max_grad_norm"])
-        optimizer.step()
-        schedule.step()
-        optimizer.zero_grad()
+        reference_step(model, loss, optimizer, schedule)
         losses.append(loss.item())
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 

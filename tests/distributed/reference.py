@@ -58,6 +58,21 @@ def reference_run(
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     config = build_model_config(architecture, fields, vocab_size=TINY_VOCAB)
     model = build_model(config, seed=TRAINING["seed"])
+    optimizer, schedule = reference_optimizer(model)
+    store = BlockStore(arrow_files(blocks["train"]))
+    sampler = GlobalBatchSampler(len(store), GLOBAL_BATCH, TRAINING["seed"])
+    losses = []
+    for step in range(STEPS):
+        ids = store.batch(sampler.global_indices(step))
+        logits = model(input_ids=ids).logits
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, TINY_VOCAB), ids[:, 1:].reshape(-1))
+        reference_step(model, loss, optimizer, schedule)
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def reference_optimizer(model: torch.nn.Module):
+    """torch AdamW with the usual decay groups and the run's warmup-cosine schedule."""
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     optimizer = torch.optim.AdamW(
@@ -73,20 +88,16 @@ def reference_run(
         optimizer,
         partial(warmup_cosine, warmup_steps=2, max_steps=STEPS, min_ratio=0.1),
     )
-    store = BlockStore(arrow_files(blocks["train"]))
-    sampler = GlobalBatchSampler(len(store), GLOBAL_BATCH, TRAINING["seed"])
-    losses = []
-    for step in range(STEPS):
-        ids = store.batch(sampler.global_indices(step))
-        logits = model(input_ids=ids).logits
-        loss = F.cross_entropy(logits[:, :-1].reshape(-1, TINY_VOCAB), ids[:, 1:].reshape(-1))
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), TRAINING["max_grad_norm"])
-        optimizer.step()
-        schedule.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return optimizer, schedule
+
+
+def reference_step(model: torch.nn.Module, loss: torch.Tensor, optimizer, schedule) -> None:
+    """Backward, clip to the run's norm, update, schedule."""
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), TRAINING["max_grad_norm"])
+    optimizer.step()
+    schedule.step()
+    optimizer.zero_grad()
 
 
 class References:
