@@ -48,6 +48,37 @@ def test_catalog_datasets_load_as_dataframes_records_and_datasets():
         assert len(examples) == 2 and skipped == 0 and examples.column_names == ["messages"]
 
 
+def test_kedro_datasets_feed_the_catalog_source(tmp_path: Path):
+    """What a project's `raw_examples` entry loads (kedro-datasets' JSON and Parquet
+    datasets) goes through the data node as it is."""
+    from kedro_datasets.json import JSONDataset
+    from kedro_datasets.pandas import ParquetDataset
+
+    records = [{"messages": CHAT}] * 3
+    (tmp_path / "chats.json").write_text(json.dumps(records))
+    pd.DataFrame([{"question": "Q?", "answer": "A."}] * 3).to_parquet(tmp_path / "qa.parquet")
+    chats = build_corpus(
+        {"source": "catalog"}, JSONDataset(filepath=str(tmp_path / "chats.json")).load()
+    )
+    qa = build_corpus(
+        {"source": "catalog", "columns": {"prompt": "question", "completion": "answer"}},
+        ParquetDataset(filepath=str(tmp_path / "qa.parquet")).load(),
+    )
+    assert (chats.column_names, len(chats)) == (["messages"], 3)
+    assert (qa.column_names, len(qa)) == (["prompt", "completion"], 3)
+
+
+def test_a_hub_dataset_with_other_column_names_loads(tmp_path: Path):
+    """`load_dataset` reads a hub id or a local dataset folder alike (offline here)."""
+    folder = tmp_path / "hub_like"
+    folder.mkdir()
+    _jsonl(folder / "train.jsonl", [{"conversations": CHAT, "id": i} for i in range(3)])
+    loaded = build_corpus(
+        {"source": "hub", "hub_dataset": str(folder), "columns": {"messages": "conversations"}}
+    )
+    assert (loaded.column_names, len(loaded)) == (["messages"], 3)
+
+
 def test_conversations_without_an_assistant_turn_are_skipped_and_counted(tmp_path: Path):
     lonely = [{"role": "user", "content": "anyone?"}]
     path = _jsonl(tmp_path / "chats.jsonl", [{"messages": CHAT}, {"messages": lonely}] * 2)
