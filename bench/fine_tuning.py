@@ -15,6 +15,7 @@ One invocation, side by side, nothing asserted:
    meshtrain dp 2 runs twice, first and last, as the A/A control.
 
     .venv/bin/python bench/fine_tuning.py --steps 6    # ~8 min on 2 cores
+    .venv/bin/python bench/fine_tuning.py --layout-probe  # the two row layouts, ~1 min
 """
 
 from __future__ import annotations
@@ -155,11 +156,44 @@ def trl_side(tokenizer, root: Path, steps: int, checkpointing: bool = True) -> t
     return sum(real) / sum(clock.seconds[1:]), trained
 
 
+def layout_probe(repeats: int = 2) -> None:
+    """One forward and backward of the same 4,096 tokens as meshtrain lays them out (8
+    blocks of 512, block-diagonal mask) and as TRL's padding-free collator does (one row
+    of 4,096, positions only), plus 4 blocks causal vs masked: min seconds of `repeats`."""
+    from meshtrain.models.packed_attention import packed_causal_mask  # noqa: PLC0415
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    model = build_model(build_model_config("llama", SHAPE, vocab_size=VOCAB), seed=0)
+    positions = torch.cat([torch.arange(n) for n in (100, 150, 200, 62)])[None]
+    ids = torch.randint(0, VOCAB, (8, BLOCK), generator=torch.Generator().manual_seed(0))
+    rows = positions.repeat(8, 1)
+    layouts = {
+        "8 blocks of 512, packed mask": dict(
+            position_ids=rows, attention_mask=packed_causal_mask(rows)
+        ),
+        "1 row of 4,096 (padding-free)": dict(position_ids=positions.repeat(1, 8)),
+    }
+    for name, extra in layouts.items():
+        tokens = ids if "blocks" in name else ids.reshape(1, -1)
+        seconds = []
+        for _ in range(repeats + 1):
+            began = time.perf_counter()
+            model(input_ids=tokens, labels=tokens, **extra).loss.backward()
+            seconds.append(time.perf_counter() - began)
+        print(f"{name:<34}{min(seconds[1:]):>8.2f} s forward+backward")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--work-dir", type=Path, default=None)
+    parser.add_argument(
+        "--layout-probe", action="store_true", help="only time meshtrain's and TRL's row layouts"
+    )
     args = parser.parse_args()
+    if args.layout_probe:
+        layout_probe()
+        return
     datasets.disable_progress_bars()
     with contextlib.ExitStack() as stack:
         root = work_root(stack, args.work_dir, "meshtrain-sft-bench-")
