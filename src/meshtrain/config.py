@@ -273,6 +273,64 @@ class ModelConfig:
     architecture: str = AUTO
     config: dict[str, Any] = field(default_factory=dict)
     init_from: str | None = None
+    # null: full fine-tuning; else PEFT's LoraConfig fields by their PEFT names
+    # (`LoraSettings`): only the adapters train, the base is frozen.
+    lora: dict[str, Any] | None = None
+
+    @property
+    def lora_settings(self) -> LoraSettings | None:
+        """`lora` parsed and checked (None: full fine-tuning)."""
+        if self.lora is None:
+            return None
+        settings = parse(LoraSettings, self.lora, "model.lora")
+        check_lora(settings)
+        return settings
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """`model.lora`: PEFT's `LoraConfig` fields under their PEFT names, so a config written
+    for PEFT carries over. Only what meshtrain implements is accepted."""
+
+    r: int = 8
+    lora_alpha: float = 8
+    lora_dropout: float = 0.0
+    # PEFT's meaning: a list of module names (a name matches a module whose dotted name
+    # is it or ends with "." + it), one string (a regular expression the whole dotted name
+    # must match), "all-linear" (every Linear but the LM head), or null (PEFT's default
+    # for the model type: q_proj and v_proj in the Llama family).
+    target_modules: str | list[str] | None = None
+    use_rslora: bool = False  # scale by alpha / sqrt(r) instead of alpha / r
+    # LoRA on a randomly initialised model trains a low-rank update of noise: refused
+    # unless this is set (e.g. to test a layout without a pretrained folder).
+    allow_random_base: bool = False
+
+    @property
+    def scaling(self) -> float:
+        return self.lora_alpha / (self.r**0.5 if self.use_rslora else self.r)
+
+
+def check_lora(settings: LoraSettings) -> None:
+    """Refuse `model.lora.*` values PEFT would refuse, or that would train nothing."""
+    if settings.r < 1:
+        raise ConfigError(
+            f"`model.lora.r` is {settings.r}; the adapters' rank must be at least 1 (e.g. 16)."
+        )
+    if settings.lora_alpha <= 0:
+        raise ConfigError(
+            f"`model.lora.lora_alpha` is {settings.lora_alpha}; it must be positive (PEFT's "
+            "usual choice is twice r)."
+        )
+    if not 0 <= settings.lora_dropout < 1:
+        raise ConfigError(
+            f"`model.lora.lora_dropout` is {settings.lora_dropout}; use a probability in "
+            "[0, 1), e.g. 0.05 (1 would drop every input of the adapters)."
+        )
+    if isinstance(settings.target_modules, list) and not settings.target_modules:
+        raise ConfigError(
+            "`model.lora.target_modules` is empty; name modules (e.g. [q_proj, v_proj]), "
+            "use all-linear, or null for PEFT's default."
+        )
 
 
 @dataclass(frozen=True)
@@ -469,11 +527,13 @@ class RunConfig:
         check_training(training_config)
         data_config = parse(DataConfig, data, "data")
         check_data(data_config)
+        model_config = parse(ModelConfig, model, "model")
+        _ = model_config.lora_settings  # refused here, with the other groups
         return cls(
             parallel=parse(ParallelConfig, parallel, "parallel"),
             training=training_config,
             launch=parse(LaunchConfig, launch, "launch"),
-            model=parse(ModelConfig, model, "model"),
+            model=model_config,
             data=data_config,
             planner=planner_config,
         )

@@ -110,7 +110,11 @@ class Trainer:
             sdp=self.layout.sharded_data_parallel_degree,
         )
         self.converters = build_converters(
-            self.cfg, self.device.type, tensor_parallel=self.dims.tp > 1
+            self.cfg,
+            self.device.type,
+            tensor_parallel=self.dims.tp > 1,
+            lora=self.run.model.lora_settings,
+            sharded=self.layout.sharded,
         )
         self.pm = self._build_model()
         accumulation = self.plan.global_batch_size // (self.dims.dp * self.per_device)

@@ -71,8 +71,9 @@ def reference_run(
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def reference_optimizer(model: torch.nn.Module):
-    """torch AdamW with the usual decay groups and the run's warmup-cosine schedule."""
+def reference_optimizer(model: torch.nn.Module, steps: int = STEPS):
+    """torch AdamW with the usual decay groups and the run's warmup-cosine schedule (frozen
+    parameters get no gradient, so AdamW leaves them alone)."""
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     optimizer = torch.optim.AdamW(
@@ -86,7 +87,7 @@ def reference_optimizer(model: torch.nn.Module):
     )
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer,
-        partial(warmup_cosine, warmup_steps=2, max_steps=STEPS, min_ratio=0.1),
+        partial(warmup_cosine, warmup_steps=2, max_steps=steps, min_ratio=0.1),
     )
     return optimizer, schedule
 
@@ -126,12 +127,13 @@ def make_spec(
     training: dict[str, Any],
     architecture: str,
     fields: dict[str, Any],
+    lora: dict[str, Any] | None = None,
 ) -> WorkerSpec:
     run = RunConfig.from_params(
         parallel=parallel,
         training={**TRAINING, **training, "output_dir": str(out), "run_name": name},
         launch={"nproc_per_node": world},
-        model={"architecture": architecture, "config": fields},
+        model={"architecture": architecture, "config": fields, "lora": lora},
         data={"block_size": TINY_BLOCK},
     )
     config = build_model_config(architecture, fields, vocab_size=TINY_VOCAB)

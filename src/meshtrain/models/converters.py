@@ -1,12 +1,11 @@
 """Model converters: changes a run makes to the model's modules before it is parallelised.
 
 A converter swaps or rewraps layers in place (the CPU Linear layers on a faster
-kernel library today; LoRA adapters and other kernels tomorrow) without changing
-parameter names, so
-checkpoints and consolidation never know it ran. The run's list is decided here, in
-one place, from its training configuration; `parallelize` applies the list first,
-on the meta model, and the planner reads only the names, to pick the device
-profile's rate table for the layers a converter runs.
+kernel library; LoRA adapters beside the targeted layers) without changing the base's
+parameter names, so checkpoints and consolidation read the base as before. The run's
+list is decided here, in one place, from its training and LoRA configuration;
+`parallelize` applies the list first, on the meta model, and the planner reads only
+the names, to pick the device profile's rate table for the layers a converter runs.
 """
 
 from __future__ import annotations
@@ -16,8 +15,9 @@ from typing import Protocol
 
 from torch import nn
 
-from meshtrain.config import TrainingConfig
+from meshtrain.config import LoraSettings, TrainingConfig
 from meshtrain.models import cpu_linear
+from meshtrain.models.lora import lora_converter
 
 
 class ModelConverter(Protocol):
@@ -40,17 +40,29 @@ _FAMILIES: tuple[Callable[..., ModelConverter | None], ...] = (cpu_linear.linear
 
 
 def build_converters(
-    training: TrainingConfig, device_type: str, *, tensor_parallel: bool
+    training: TrainingConfig,
+    device_type: str,
+    *,
+    tensor_parallel: bool,
+    lora: LoraSettings | None = None,
+    sharded: bool = False,
 ) -> list[ModelConverter]:
-    """The converters a run on `device_type` goes through, in the order they apply."""
+    """The converters a run on `device_type` goes through, in the order they apply (LoRA
+    last: it wraps whatever forward the Linear layers have by then)."""
     found = (family(training, device_type, tensor_parallel=tensor_parallel) for family in _FAMILIES)
-    return [converter for converter in found if converter is not None]
+    converters: list[ModelConverter] = [c for c in found if c is not None]
+    if lora is not None:
+        converters.append(lora_converter(lora, training, sharded=sharded))
+    return converters
 
 
 def converter_names(
-    training: TrainingConfig, device_type: str, *, tensor_parallel: bool
+    training: TrainingConfig,
+    device_type: str,
+    *,
+    tensor_parallel: bool,
+    lora: LoraSettings | None = None,
 ) -> tuple[str, ...]:
     """The names of `build_converters`' list (what the planner and the run's tags see)."""
-    return tuple(
-        c.name for c in build_converters(training, device_type, tensor_parallel=tensor_parallel)
-    )
+    converters = build_converters(training, device_type, tensor_parallel=tensor_parallel, lora=lora)
+    return tuple(c.name for c in converters)

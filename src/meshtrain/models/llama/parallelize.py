@@ -46,6 +46,7 @@ from meshtrain.models.llama.parameter_names import EMBEDDING, LM_HEAD, stored_na
 from meshtrain.models.llama.stage import LlamaStage
 from meshtrain.models.llama.tensor_parallel import apply_tensor_parallel, decoder_layers
 from meshtrain.models.llama.weights import WeightSource, materialize
+from meshtrain.models.lora import LoraConverter
 from meshtrain.models.parallel_model import ParallelModel, as_local, token_loss_sum
 
 
@@ -76,12 +77,16 @@ def parallelize(
     """
     for converter in converters:
         converter.convert(model)
+        if weights is not None and isinstance(converter, LoraConverter):
+            weights = converter.weights(weights)  # the adapters' initial values
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
     stage_ids, modules = pipeline_stages(model, dims, layout)
     tied = tied_embedding_names(model.config, modules, dims)
     kv_replication = (
         kv_replication_factor(model.config.num_key_value_heads, dims.tp) if dims.tp > 1 else 1
     )
     sharding = shard_tensor_parallel(modules, dims, layout, kv_replication, tied=tied)
+    keep_frozen(modules, frozen)
     saved_ops = frozenset().union(*(converter.saved_ops for converter in converters))
     apply_activation_checkpointing(model, layout.activation_checkpointing, saved_ops)
     if compile_layers:
@@ -126,8 +131,10 @@ def _runtime(
     kv_replication: int,
 ) -> ParallelModel:
     """What drives the parallelised stages: the gradient sums the backward leaves to do
-    (tensor parallelism's, the tied copies'), the pipeline schedule, the loss."""
-    parameters = {n: p for m in modules for n, p in m.named_parameters()}
+    (tensor parallelism's, the tied copies'), the pipeline schedule, the loss. Only the
+    trained parameters are the optimizer's and the checkpoint's (a LoRA run's adapters)."""
+    parameters = {n: p for m in modules for n, p in m.named_parameters() if p.requires_grad}
+    sharding = {n: spec for n, spec in sharding.items() if n in parameters}
     tp_sync = (
         TensorParallelGradSync(parameters, sharding, dims.mesh, kv_replication)
         if dims.tp > 1
@@ -148,6 +155,15 @@ def _runtime(
         shared_sync=SharedWeightSync(copies, dims.mesh) if dims.pp > 1 and _tied(config) else None,
         tied_copies=stored_elsewhere(parameters, config),
     )
+
+
+def keep_frozen(modules: list[nn.Module], frozen: set[str]) -> None:
+    """Freeze `frozen` again: DTensor's SequenceParallel style makes new parameters of the
+    norms without carrying `requires_grad` over."""
+    for module in modules:
+        for name, parameter in module.named_parameters():
+            if name in frozen:
+                parameter.requires_grad_(False)
 
 
 def compile_decoder_layers(modules: list[nn.Module]) -> None:

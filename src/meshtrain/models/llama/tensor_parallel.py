@@ -30,8 +30,10 @@ from torch.distributed.tensor.parallel import (
 )
 
 from meshtrain.distributed.kv_heads import repeat_kv_heads
+from meshtrain.distributed.lora_parallel import LoraColwiseParallel, LoraRowwiseParallel
 from meshtrain.distributed.tensor_parallel import ParameterSharding, read_sharding
 from meshtrain.models.llama.parameter_names import COLUMN_PARALLEL, ROW_PARALLEL
+from meshtrain.models.lora import LoraLayer
 
 
 def decoder_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -64,11 +66,15 @@ def tensor_parallel_plan(model: nn.Module, *, sequence_parallel: bool) -> dict[s
     for index, _ in decoder_layers(model):
         layer = f"model.layers.{index}"
         for name in COLUMN_PARALLEL:
-            plan[f"{layer}.{name}"] = ColwiseParallel()
+            lora = isinstance(model.get_submodule(f"{layer}.{name}"), LoraLayer)
+            plan[f"{layer}.{name}"] = LoraColwiseParallel() if lora else ColwiseParallel()
         for name in ROW_PARALLEL:
-            plan[f"{layer}.{name}"] = RowwiseParallel(
-                output_layouts=residual, use_local_output=not sp
+            style = (
+                LoraRowwiseParallel
+                if isinstance(model.get_submodule(f"{layer}.{name}"), LoraLayer)
+                else RowwiseParallel
             )
+            plan[f"{layer}.{name}"] = style(output_layouts=residual, use_local_output=not sp)
         if sp:
             plan[f"{layer}.input_layernorm"] = SequenceParallel()
             plan[f"{layer}.post_attention_layernorm"] = SequenceParallel()
@@ -91,7 +97,8 @@ def tensor_parallel_plan(model: nn.Module, *, sequence_parallel: bool) -> dict[s
 
 
 def replicate_kv_heads(model: nn.Module, factor: int) -> list[str]:
-    """Repeat every KV head `factor` times in k_proj/v_proj; returns the parameter names.
+    """Repeat every KV head `factor` times in k_proj/v_proj (and in their LoRA B, whose
+    rows are the layer's outputs); returns the parameter names.
 
     Copies of one head sit next to each other, so after column sharding the
     ranks whose query heads share that KV head hold a copy of it. Gradients of
@@ -106,27 +113,32 @@ def replicate_kv_heads(model: nn.Module, factor: int) -> list[str]:
         attention = layer.self_attn
         head_dim = attention.head_dim
         for proj_name in ("k_proj", "v_proj"):
-            proj: nn.Linear = getattr(attention, proj_name)
-            heads = proj.out_features // head_dim
-            wider = nn.Linear(
-                proj.in_features,
-                heads * factor * head_dim,
-                bias=proj.bias is not None,
-                dtype=proj.weight.dtype,
-                device=proj.weight.device,
-            )
-            with torch.no_grad():
-                wider.weight.copy_(repeat_kv_heads(proj.weight, factor, head_dim))
-                if proj.bias is not None:
-                    wider.bias.copy_(repeat_kv_heads(proj.bias, factor, head_dim))
-            setattr(attention, proj_name, wider)
             prefix = f"model.layers.{index}.self_attn.{proj_name}"
-            names.append(f"{prefix}.weight")
-            if proj.bias is not None:
-                names.append(f"{prefix}.bias")
+            proj: nn.Linear = getattr(attention, proj_name)
+            rows = [(proj, prefix)]
+            if isinstance(proj, LoraLayer):
+                rows.append((proj.lora_B, f"{prefix}.lora_B"))
+            for linear, name in rows:
+                names += _repeat_rows(linear, factor, head_dim, name)
         # Query heads per (replicated) KV head; sdpa's repeat_kv reads it.
         attention.num_key_value_groups //= factor
     return names
+
+
+def _repeat_rows(linear: nn.Linear, factor: int, head_dim: int, name: str) -> list[str]:
+    """Widen `linear` in place (its class and frozen state kept), each head's rows
+    repeated `factor` times; the names of the parameters it changed."""
+    changed = []
+    for part in ("weight", "bias"):
+        old = getattr(linear, part, None)
+        if old is None:
+            continue
+        with torch.no_grad():
+            wider = repeat_kv_heads(old, factor, head_dim)
+        setattr(linear, part, nn.Parameter(wider, requires_grad=old.requires_grad))
+        changed.append(f"{name}.{part}")
+    linear.out_features *= factor
+    return changed
 
 
 def head_local_parameters(model: nn.Module) -> dict[str, str]:

@@ -1,0 +1,247 @@
+"""LoRA adapters: the frozen base plus a trained low-rank update on the chosen Linear layers.
+
+A model converter (`models.converters`): on the meta model, before any parallelism, every
+base parameter is frozen and each targeted Linear layer becomes a LoRA layer in place
+(its class swapped, its `weight`/`bias` untouched, so the base keeps its Hugging Face
+names and loads as before), with two new children: `lora_A` (r x in) and `lora_B`
+(out x r). The forward is PEFT's, `base(x) + lora_B(lora_A(dropout(x))) * scaling`, so the
+adapters' names, values and arithmetic are PEFT's, and PEFT's key for an adapter is
+`base_model.model.` + its name here.
+
+The adapters start as PEFT's do (A Kaiming-uniform, B zeros), each drawn from a
+generator seeded by the run's seed and the adapter's name, so every layout, stage and
+shard starts from the same values. How they are split under tensor parallelism is in
+`distributed.lora_parallel`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import math
+import re
+import zlib
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from meshtrain.config import ConfigError, LoraSettings, TrainingConfig
+from meshtrain.distributed.tensor_parallel import ParameterSharding
+from meshtrain.models.llama.weights import WeightSource
+
+NAME = "lora"
+ADAPTER_PARTS = ("lora_A", "lora_B")
+PEFT_PREFIX = "base_model.model."
+# PEFT's default targets for the Llama family (its TRANSFORMERS_MODELS_TO_LORA_TARGET_
+# MODULES_MAPPING), used when `model.lora.target_modules` is null.
+DEFAULT_TARGETS = ("q_proj", "v_proj")
+ALL_LINEAR = "all-linear"
+# Not adapted here: the LM head (PEFT's all-linear leaves it out too) and the embedding.
+_NOT_ADAPTABLE = ("lm_head", "embed_tokens")
+
+
+def is_adapter(name: str) -> bool:
+    """Whether parameter `name` belongs to a LoRA adapter."""
+    return any(f".{part}." in name for part in ADAPTER_PARTS)
+
+
+class LoraLayer:
+    """Mixed into a Linear layer's own class (plain, or another converter's), so its base
+    forward stays whatever it was."""
+
+    lora_A: nn.Linear
+    lora_B: nn.Linear
+    lora_dropout: nn.Module
+    scaling: float
+
+    def add_adapters(self, r: int, dropout: float, scaling: float, dtype: torch.dtype) -> None:
+        weight = self.weight  # type: ignore[attr-defined]
+        kwargs = {"bias": False, "device": weight.device, "dtype": dtype}
+        self.lora_A = nn.Linear(self.in_features, r, **kwargs)  # type: ignore[attr-defined]
+        self.lora_B = nn.Linear(r, self.out_features, **kwargs)  # type: ignore[attr-defined]
+        self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.scaling = scaling
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        result = super().forward(x)  # type: ignore[misc]
+        adapter_in = self.lora_dropout(x).to(self.lora_A.weight.dtype)
+        return result + self.lora_B(self.lora_A(adapter_in)).to(result.dtype) * self.scaling
+
+
+@functools.cache
+def lora_class(base: type[nn.Linear]) -> type[nn.Linear]:
+    """`base` with LoRA's forward (one class per base class, made once)."""
+    return type(f"Lora{base.__name__}", (LoraLayer, base), {})
+
+
+def linear_names(model: nn.Module) -> list[str]:
+    """Every Linear layer's dotted name."""
+    return [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
+
+
+def target_names(model: nn.Module, settings: LoraSettings) -> list[str]:
+    """The Linear layers `settings.target_modules` selects, with PEFT's matching rules;
+    refuses a target the model does not have (naming the closest) or cannot adapt."""
+    linears = linear_names(model)
+    targets = settings.target_modules
+    if targets is None:
+        targets = list(DEFAULT_TARGETS)
+    if targets == ALL_LINEAR or targets == [ALL_LINEAR]:
+        return [n for n in linears if n.rsplit(".", 1)[-1] not in _NOT_ADAPTABLE]
+    if isinstance(targets, str):
+        chosen = [n for n in linears if re.fullmatch(targets, n)]
+        if not chosen:
+            raise ConfigError(
+                f"`model.lora.target_modules` {targets!r} (a regular expression, as PEFT reads "
+                f"one string) matches no Linear layer; they are named like {linears[0]!r}. "
+                "List module names instead, e.g. [q_proj, v_proj], or use all-linear."
+            )
+        return _adaptable(chosen)
+    modules = {name for name, _ in model.named_modules()}
+    short = sorted({n.rsplit(".", 1)[-1] for n in modules if n})
+    for target in targets:
+        if target in _NOT_ADAPTABLE:
+            _refuse_not_adaptable(target)
+        if not any(n == target or n.endswith("." + target) for n in linears):
+            close = difflib.get_close_matches(target, short, n=3)
+            hint = f" Closest: {', '.join(close)}." if close else ""
+            raise ConfigError(
+                f"`model.lora.target_modules` names {target!r}, which is not a Linear layer "
+                f"of this model.{hint} Its Linear layers: "
+                f"{', '.join(sorted({n.rsplit('.', 1)[-1] for n in linears}))}."
+            )
+    chosen = [n for n in linears if any(n == t or n.endswith("." + t) for t in targets)]
+    return _adaptable(chosen)
+
+
+def _adaptable(names: list[str]) -> list[str]:
+    for name in names:
+        last = name.rsplit(".", 1)[-1]
+        if last in _NOT_ADAPTABLE:
+            _refuse_not_adaptable(last)
+    return names
+
+
+def _refuse_not_adaptable(target: str) -> None:
+    raise ConfigError(
+        f"`model.lora.target_modules` includes {target!r}: meshtrain adapts the decoder "
+        "layers' Linear projections (q/k/v/o_proj, gate/up/down_proj), not the embedding or "
+        "the LM head, whose adapters would need their own vocabulary-parallel split and, "
+        "with tied embeddings, one adapter shared by two pipeline stages. Leave it out "
+        "(all-linear already does)."
+    )
+
+
+@dataclass
+class LoraConverter:
+    """Freezes the base and adds LoRA adapters to the targeted Linear layers, in place.
+
+    `base_dtype`: what the frozen base is held in (None: as built); `adapter_dtype`: the
+    adapters' parameters (fp32, or bf16 where ZeRO keeps fp32 masters of them)."""
+
+    settings: LoraSettings
+    seed: int
+    base_dtype: torch.dtype | None = None
+    adapter_dtype: torch.dtype = torch.float32
+    name: str = NAME
+    # Filled by `convert`: each adapter parameter's Hugging Face shape (its init needs it).
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+
+    @property
+    def saved_ops(self) -> frozenset:
+        return frozenset()
+
+    def convert(self, model: nn.Module) -> None:
+        targets = target_names(model, self.settings)
+        for parameter in model.parameters():
+            parameter.requires_grad_(False)
+        if self.base_dtype is not None:
+            model.to(self.base_dtype)
+        s = self.settings
+        for name in targets:
+            layer = model.get_submodule(name)
+            layer.__class__ = lora_class(type(layer))
+            layer.add_adapters(s.r, s.lora_dropout, s.scaling, self.adapter_dtype)
+            self.shapes[f"{name}.lora_A.weight"] = (s.r, layer.in_features)
+            self.shapes[f"{name}.lora_B.weight"] = (layer.out_features, s.r)
+
+    def weights(self, base: WeightSource) -> AdapterInit:
+        """`base`'s weights, with the adapters' initial values for the adapters."""
+        return AdapterInit(base, self.shapes, self.seed)
+
+
+@dataclass
+class AdapterInit:
+    """A weight source whose adapters start as PEFT's (A Kaiming-uniform, B zeros), each
+    drawn from (seed, name); every other name comes from `base`."""
+
+    base: WeightSource
+    shapes: dict[str, tuple[int, ...]]
+    seed: int
+
+    def full(self, name: str) -> torch.Tensor:
+        shape = self.shapes[name]
+        if ".lora_B." in name:
+            return torch.zeros(shape)
+        stream = (self.seed * 0x9E3779B1 + zlib.crc32(name.encode())) % 2**63
+        generator = torch.Generator().manual_seed(stream)
+        tensor = torch.empty(shape)
+        # PEFT's (and nn.Linear's) init: bound 1/sqrt(fan_in).
+        return nn.init.kaiming_uniform_(tensor, a=math.sqrt(5), generator=generator)
+
+    def local(self, name: str, spec: ParameterSharding, tp_rank: int, tp: int) -> torch.Tensor:
+        if name in self.shapes:
+            return spec.local_piece(self.full(name), tp_rank, tp)
+        return self.base.local(name, spec, tp_rank, tp)
+
+
+def lora_converter(
+    settings: LoraSettings, training: TrainingConfig, *, sharded: bool
+) -> LoraConverter:
+    """The run's LoRA converter, holding the frozen base in the training precision.
+
+    bf16 autocast: the base in bf16, the adapters fp32. bf16_master: the whole model is
+    bf16 already, the adapters too, with fp32 masters in the optimizer. Under sharded
+    data parallelism FSDP2's policy does the casting and its shards are the masters."""
+    bf16 = training.mixed_precision == "bf16" and not sharded
+    master = training.mixed_precision == "bf16_master" and not sharded
+    return LoraConverter(
+        settings,
+        training.seed,
+        base_dtype=torch.bfloat16 if bf16 else None,
+        adapter_dtype=torch.bfloat16 if master else torch.float32,
+    )
+
+
+def adapter_targets(adapter_names: list[str]) -> list[str]:
+    """The module names (PEFT's `target_modules`) the adapters sit on, shortest form."""
+    return sorted({n.split(".lora_")[0].rsplit(".", 1)[-1] for n in adapter_names})
+
+
+def check_pretrained_base(settings: LoraSettings, init_from: str | None) -> None:
+    """LoRA on random weights learns a low-rank update of noise: refuse it unless forced."""
+    if init_from is None and not settings.allow_random_base:
+        raise ConfigError(
+            "`model.lora` is set but `model.init_from` is not: LoRA freezes the base model, "
+            "so on random weights it would train a low-rank update of noise and learn "
+            "little. Set model.init_from to a pretrained folder (e.g. "
+            "data/06_models/consolidated after `kedro run`), or model.lora.allow_random_base"
+            "=true to run it anyway (a test of a layout)."
+        )
+
+
+def peft_config(settings: LoraSettings, adapter_names: list[str], base: str | None) -> dict:
+    """The adapter_config.json PEFT writes for these adapters (its own LoraConfig's)."""
+    from peft import LoraConfig  # noqa: PLC0415  (only consolidation needs PEFT)
+
+    config = LoraConfig(
+        r=settings.r,
+        lora_alpha=settings.lora_alpha,
+        lora_dropout=settings.lora_dropout,
+        target_modules=adapter_targets(adapter_names),
+        use_rslora=settings.use_rslora,
+        task_type="CAUSAL_LM",
+        base_model_name_or_path=base,
+    )
+    return config.to_dict()

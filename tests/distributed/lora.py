@@ -1,0 +1,59 @@
+"""The one-process oracle of the LoRA tests: the `peft` library on the same base, starting
+from the same adapter values, trained by the plain loop of `reference.py`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import datasets
+import torch
+import torch.nn.functional as F
+from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+
+from meshtrain.data.blocks import BlockStore, arrow_files
+from meshtrain.data.sampler import GlobalBatchSampler
+from meshtrain.models import build_model, build_model_config
+from meshtrain.models.lora import PEFT_PREFIX, AdapterInit
+from tests.conftest import TINY_VOCAB
+from tests.distributed.reference import GLOBAL_BATCH, TRAINING, reference_optimizer, reference_step
+
+
+def peft_model(fields: dict[str, Any], lora: dict[str, Any]) -> torch.nn.Module:
+    """PEFT's LoRA model on the seeded base, its adapters set to meshtrain's initial values."""
+    config = build_model_config("llama", fields, vocab_size=TINY_VOCAB)
+    base = build_model(config, seed=TRAINING["seed"])
+    settings = {k: v for k, v in lora.items() if k != "allow_random_base"}
+    model = get_peft_model(base, LoraConfig(**settings))
+    shapes = {
+        ours(name): tuple(p.shape) for name, p in model.named_parameters() if p.requires_grad
+    }
+    initial = AdapterInit(base=None, shapes=shapes, seed=TRAINING["seed"])
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if parameter.requires_grad:
+                parameter.copy_(initial.full(ours(name)))
+    return model
+
+
+def ours(peft_name: str) -> str:
+    """PEFT's in-memory parameter name -> meshtrain's (no prefix, no adapter name)."""
+    return peft_name.removeprefix(PEFT_PREFIX).replace(".default.", ".")
+
+
+def peft_reference_run(
+    blocks: datasets.DatasetDict, fields: dict[str, Any], lora: dict[str, Any], steps: int
+) -> tuple[list[float], dict[str, torch.Tensor], torch.nn.Module]:
+    """Losses per step, PEFT's saved adapter tensors (its file's keys) after, the model."""
+    model = peft_model(fields, lora)
+    optimizer, schedule = reference_optimizer(model, steps)
+    store = BlockStore(arrow_files(blocks["train"]))
+    sampler = GlobalBatchSampler(len(store), GLOBAL_BATCH, TRAINING["seed"])
+    losses = []
+    for step in range(steps):
+        ids = store.batch(sampler.global_indices(step))
+        logits = model(input_ids=ids).logits
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, TINY_VOCAB), ids[:, 1:].reshape(-1))
+        reference_step(model, loss, optimizer, schedule)
+        losses.append(loss.item())
+    saved = {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}
+    return losses, saved, model
