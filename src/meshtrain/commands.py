@@ -70,6 +70,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="skip the sha256 check of every file (sizes are still checked); the check "
         "runs alongside the copy and costs a read of the checkpoint",
     )
+    consolidate.add_argument(
+        "--merge-lora",
+        metavar="MERGED_DIR",
+        default=None,
+        help="a LoRA checkpoint (whose OUTPUT_DIR is PEFT's adapter folder): also write its "
+        "base with the adapters merged in, as a plain Hugging Face model, to MERGED_DIR",
+    )
+    consolidate.add_argument(
+        "--base",
+        default=None,
+        metavar="BASE_DIR",
+        help="with --merge-lora: the base model folder (default: the one the adapters were "
+        "trained on; another is refused unless it is the same model)",
+    )
     add_plan_parser(commands)
     return parser
 
@@ -150,15 +164,36 @@ def main(argv: list[str] | None = None) -> int:
             output_dir = args.output_dir
             if output_dir is None:
                 output_dir = resolve_checkpoint(Path(args.checkpoint)) / DEFAULT_OUTPUT
-            summary = consolidate_checkpoint(
-                args.checkpoint,
-                output_dir,
-                verify=not args.no_verify,
-                max_shard_size=max_shard_size,
-                dtype=dtype,
-            )
+            summary = _consolidate(args, output_dir, max_shard_size, dtype)
         except (CheckpointError, OSError) as error:
             print(f"error: {error}", file=sys.stderr)
             return 1
         print(json.dumps(summary, indent=2))
     return 0
+
+
+def _consolidate(args: argparse.Namespace, output_dir: Any, max_shard_size: int, dtype: Any):
+    """A full model's folder, or a LoRA checkpoint's adapter folder (and merged model)."""
+    from meshtrain.checkpoint.consolidate.lora import (  # noqa: PLC0415  (torch: LoRA only)
+        consolidate_lora,
+        is_lora_checkpoint,
+    )
+
+    if is_lora_checkpoint(args.checkpoint):
+        return consolidate_lora(
+            args.checkpoint,
+            output_dir,
+            merged_dir=args.merge_lora,
+            base=args.base,
+            dtype=dtype,
+            max_shard_size=max_shard_size,
+        )
+    if args.merge_lora:
+        raise CheckpointError("--merge-lora: the checkpoint holds a full model, not LoRA adapters")
+    return consolidate_checkpoint(
+        args.checkpoint,
+        output_dir,
+        verify=not args.no_verify,
+        max_shard_size=max_shard_size,
+        dtype=dtype,
+    )

@@ -431,6 +431,10 @@ class ConsolidationConfig:
     # null: the dtype the checkpoint holds (fp32, also the master weights of a
     # bf16_master run); or float32 / bfloat16 / float16.
     dtype: str | None = None
+    # A LoRA run's output_dir is PEFT's adapter folder; merge_lora also writes the base
+    # with the adapters merged in (a plain Hugging Face model) to merged_output_dir.
+    merge_lora: bool = False
+    merged_output_dir: str = "data/06_models/merged"
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ launcher's worker, or a test).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -25,6 +26,8 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from meshtrain.checkpoint.checkpointer import Checkpointer, OptimizerState
+from meshtrain.checkpoint.lora_base import base_identity, check_same_base, checkpoint_lora_state
+from meshtrain.checkpoint.manifest import CheckpointError
 from meshtrain.components.lr_schedule import LearningRateSchedule
 from meshtrain.components.metrics import (
     Throughput,
@@ -199,16 +202,38 @@ class Trainer:
                 "global_batch_size": self.plan.global_batch_size,
                 "seed": self.cfg.seed,
                 "num_train_blocks": self.plan.num_train_blocks,
+                **self._lora_state(),
             },
             tokenizer_dir=Path(self.spec.tokenizer_dir) if self.spec.tokenizer_dir else None,
             keep_last=self.cfg.keep_last,
         )
 
+    def _lora_state(self) -> dict[str, Any]:
+        """A LoRA run's settings and the identity of the base its adapters belong to."""
+        settings = self.run.model.lora_settings
+        if settings is None:
+            return {}
+        base = base_identity(self.run.model.init_from, self.plan.model_config, self.cfg.seed)
+        return {"lora": {"settings": dataclasses.asdict(settings), "base": base}}
+
     def _restore(self) -> int:
-        """Load `spec.resume_from` into this rank's layout; the step to start from."""
+        """Load `spec.resume_from` into this rank's layout; the step to start from. LoRA
+        adapters resume only onto the base they were trained on."""
         if not self.spec.resume_from:
             return 0
-        return self.checkpointer.restore(Path(self.spec.resume_from))["step"]
+        root = Path(self.spec.resume_from)
+        saved = checkpoint_lora_state(root)
+        current = self._lora_state().get("lora")
+        if (saved is None) != (current is None):
+            kind = "LoRA adapters" if saved else "a full model"
+            raise CheckpointError(
+                f"cannot resume from {root}: it holds {kind} and this run "
+                f"{'trains LoRA adapters' if current else 'trains the full model'}; set "
+                f"model.lora as the checkpoint's run did ({'set' if saved else 'null'})."
+            )
+        if saved is not None:
+            check_same_base(saved["base"], current["base"], f"resume from {root}")
+        return self.checkpointer.restore(root)["step"]
 
     def _set_up_probes(self) -> None:
         # Peak tensor memory is measured on one step once the optimizer's states exist; that

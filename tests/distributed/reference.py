@@ -127,13 +127,14 @@ def make_spec(
     training: dict[str, Any],
     architecture: str,
     fields: dict[str, Any],
-    lora: dict[str, Any] | None = None,
+    model: dict[str, Any] | None = None,
 ) -> WorkerSpec:
+    """`model`: more `model.*` parameters (lora, init_from)."""
     run = RunConfig.from_params(
         parallel=parallel,
         training={**TRAINING, **training, "output_dir": str(out), "run_name": name},
         launch={"nproc_per_node": world},
-        model={"architecture": architecture, "config": fields, "lora": lora},
+        model={"architecture": architecture, "config": fields, **(model or {})},
         data={"block_size": TINY_BLOCK},
     )
     config = build_model_config(architecture, fields, vocab_size=TINY_VOCAB)

@@ -1,68 +1,125 @@
-"""LoRA on every layout equals PEFT in one process: same base, same initial adapters,
-fp32, losses per step to 1e-5 relative and the adapters after (read from the PEFT folder
-consolidation writes)."""
+"""LoRA on every layout equals PEFT in one process: the same pretrained base, the same
+initial adapters, fp32; losses per step to 1e-5 relative and the adapters after (read
+from the PEFT adapter folder consolidation writes). The folder loads with
+`PeftModel.from_pretrained` and the merged model with plain transformers, both with the
+trained model's logits; a LoRA checkpoint resumes bitwise on its layout and onto another."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
+import torch
+from peft import PeftModel
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
 
-from tests.conftest import TINY_MODEL
+from meshtrain.checkpoint.consolidate.lora import (
+    ADAPTER_WEIGHTS,
+    consolidate_lora,
+    write_adapter_folder,
+)
+from meshtrain.models import build_model, build_model_config
+from tests.conftest import TINY_MODEL, TINY_VOCAB
 from tests.distributed.lora import peft_reference_run
-from tests.distributed.reference import make_spec, run_group
+from tests.distributed.reference import TRAINING, make_spec, run_group
 
 STEPS = 12
+SAVE_AT = 6
 # GQA with one KV head for four query heads: at tp 2 the KV head is replicated.
 GQA = {**TINY_MODEL, "num_hidden_layers": 4, "num_key_value_heads": 1}
-LORA = {
-    "r": 4,
-    "lora_alpha": 8,
-    "target_modules": "all-linear",
-    "allow_random_base": True,
-}
+LORA = {"r": 4, "lora_alpha": 8, "target_modules": "all-linear"}
 PIPELINE = {
     "pipeline_parallel_size": 2,
     "pipeline_parallel_num_microbatches": 2,
     "pipeline_schedule": "1f1b",
 }
+ZERO_1 = ({"data_parallel_size": 2, "zero_1": True}, {"per_device_train_batch_size": 4})
+TP2 = ({"tensor_parallel_size": 2}, {"per_device_train_batch_size": 8})
 TWO_RANKS = {
-    "lora-dp2-zero1": ({"data_parallel_size": 2, "zero_1": True}, {"per_device_train_batch_size": 4}),
+    "lora-dp2-zero1": ZERO_1,
     "lora-dp2-sdp2": (
         {"data_parallel_size": 2, "sharded_data_parallel_degree": 2},
         {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2},
     ),
-    "lora-tp2-sp-kv": ({"tensor_parallel_size": 2}, {"per_device_train_batch_size": 8}),
+    "lora-tp2-sp-kv": TP2,
     "lora-pp2-1f1b": (PIPELINE, {"per_device_train_batch_size": 8}),
 }
 
 
-def _spec(blocks, out: Path, name: str, parallel: dict, training: dict, world: int):
+@pytest.fixture(scope="module")
+def base_folder(tmp_path_factory) -> Path:
+    """The pretrained base: the seeded model of these fields, saved as Hugging Face does."""
+    folder = tmp_path_factory.mktemp("lora") / "base"
+    config = build_model_config("llama", GQA, vocab_size=TINY_VOCAB)
+    build_model(config, seed=TRAINING["seed"]).save_pretrained(folder)
+    return folder
+
+
+def _spec(blocks, out: Path, name: str, parallel: dict, training: dict, base: Path):
     return make_spec(
         blocks,
         out,
         name,
-        world=world,
+        world=2,
         parallel=parallel,
-        training={**training, "max_steps": STEPS},
+        training={**training, "max_steps": STEPS, "checkpoint_every": SAVE_AT},
         architecture="llama",
         fields=GQA,
-        lora=LORA,
+        model={"lora": LORA, "init_from": str(base)},
     )
 
 
-def assert_matches_peft(name: str, summary: dict, losses: list[float]) -> None:
+def assert_matches_peft(name: str, summary: dict, losses: list[float], first_step: int = 0):
     got = [loss for _, loss in summary["losses"]]
-    assert len(got) == STEPS, name
-    for step, (a, b) in enumerate(zip(got, losses, strict=True)):
+    assert len(got) == STEPS - first_step, name
+    for step, (a, b) in enumerate(zip(got, losses[first_step:], strict=True), first_step):
         assert abs(a - b) / abs(b) <= 1e-5, f"{name} step {step}: {a} vs {b}"
 
 
-@pytest.mark.slow
-def test_lora_on_two_ranks_matches_peft(tiny_blocks, tmp_path: Path):
-    specs = [_spec(tiny_blocks, tmp_path, n, *case, world=2) for n, case in TWO_RANKS.items()]
-    summaries = run_group(specs, 2, tmp_path, "t-lora2")
-    losses, adapters, _ = peft_reference_run(tiny_blocks, GQA, LORA, STEPS)
-    for name, summary in zip(TWO_RANKS, summaries, strict=True):
-        assert_matches_peft(name, summary, losses)
+def assert_adapters_match(name: str, folder: Path, expected: dict[str, torch.Tensor]) -> None:
+    got = load_file(folder / ADAPTER_WEIGHTS)
+    assert got.keys() == expected.keys(), name
+    for key, want in expected.items():
+        rel = (got[key] - want).norm() / want.norm()
+        assert rel <= 1e-5, f"{name} {key}: relative difference {rel:.2e}"
 
+
+def logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model.eval()(input_ids=ids).logits
+
+
+@pytest.mark.slow
+def test_lora_on_two_ranks_matches_peft(tiny_blocks, base_folder: Path, tmp_path: Path):
+    specs = [_spec(tiny_blocks, tmp_path, n, *case, base_folder) for n, case in TWO_RANKS.items()]
+    # Resumed at step 6: dp2 ZeRO-1 from its own checkpoint (bitwise), and from tp 2's.
+    for name, source in (("zero1-resumed", "lora-dp2-zero1"), ("tp2-onto-dp2", "lora-tp2-sp-kv")):
+        resumed = _spec(tiny_blocks, tmp_path, name, *ZERO_1, base_folder)
+        saved = tmp_path / source / f"checkpoint-{SAVE_AT}"
+        specs.append(dataclasses.replace(resumed, resume_from=str(saved)))
+    summaries = run_group(specs, 2, tmp_path, "t-lora2")
+    losses, adapters, trained = peft_reference_run(tiny_blocks, GQA, LORA, STEPS)
+    for name, summary in zip(TWO_RANKS, summaries, strict=False):
+        assert_matches_peft(name, summary, losses)
+        folder = tmp_path / f"{name}-adapter"
+        write_adapter_folder(summary["final_checkpoint"], folder)
+        assert_adapters_match(name, folder, adapters)
+    same, other = summaries[len(TWO_RANKS) :]
+    assert same["losses"] == summaries[0]["losses"][SAVE_AT:]
+    assert_matches_peft("tp2-onto-dp2", other, losses, first_step=SAVE_AT)
+
+    # The tp2 run's adapters through PEFT's loader and merged, against the trained oracle.
+    ids = torch.arange(24).reshape(2, 12) % TINY_VOCAB
+    want = logits(trained, ids)
+    summary = consolidate_lora(
+        summaries[2]["final_checkpoint"], tmp_path / "adapter", merged_dir=tmp_path / "merged"
+    )
+    assert summary["merged"]["merged_layers"] == 4 * 7
+    base = AutoModelForCausalLM.from_pretrained(base_folder)
+    loaded = PeftModel.from_pretrained(base, tmp_path / "adapter")
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    for label, model in (("PeftModel.from_pretrained", loaded), ("merged", merged)):
+        got = logits(model, ids)
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max(), label

@@ -244,4 +244,5 @@ def peft_config(settings: LoraSettings, adapter_names: list[str], base: str | No
         task_type="CAUSAL_LM",
         base_model_name_or_path=base,
     )
-    return config.to_dict()
+    # JSON as PEFT writes it: its sets (target_modules) as lists.
+    return {k: sorted(v) if isinstance(v, set) else v for k, v in config.to_dict().items()}

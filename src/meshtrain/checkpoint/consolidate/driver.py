@@ -144,7 +144,7 @@ def _write_weights(
     return names
 
 
-def _swap_into_place(partial: Path, output_dir: Path) -> None:
+def swap_into_place(partial: Path, output_dir: Path) -> None:
     """Replace `output_dir` with `partial`; an old output stays whole, moved aside, until
     the new one is in place."""
     if output_dir.exists():
@@ -214,7 +214,7 @@ def consolidate_checkpoint(
             verifier.cancel()
         raise
 
-    _swap_into_place(partial, output_dir)
+    swap_into_place(partial, output_dir)
     return {
         "checkpoint": str(root),
         "step": manifest["step"],

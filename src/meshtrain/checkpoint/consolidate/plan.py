@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from meshtrain.checkpoint import files
 from meshtrain.checkpoint.consolidate.convert import FLOATING
@@ -24,6 +24,8 @@ from meshtrain.checkpoint.safetensors_format import (
     read_safetensors_header,
 )
 from meshtrain.distributed import kv_heads
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -175,16 +177,19 @@ def byte_ranges(plan: TensorPlan) -> list[tuple[Piece, int, int]]:
     return ranges
 
 
-def split_into_files(plans: list[TensorPlan], limit: int) -> list[list[TensorPlan]]:
-    """Greedy in manifest order: a new file when the next tensor would pass `limit`."""
-    groups: list[list[TensorPlan]] = [[]]
-    size = 0
-    for plan in plans:
-        if groups[-1] and size + plan.written.nbytes > limit:
+def split_into_files(
+    items: Sequence[T], limit: int, size: Callable[[T], int] = lambda plan: plan.written.nbytes
+) -> list[list[T]]:
+    """Greedy in the given order: a new file when the next tensor would pass `limit`
+    (`size`: a tensor's bytes as written)."""
+    groups: list[list[T]] = [[]]
+    total = 0
+    for item in items:
+        if groups[-1] and total + size(item) > limit:
             groups.append([])
-            size = 0
-        groups[-1].append(plan)
-        size += plan.written.nbytes
+            total = 0
+        groups[-1].append(item)
+        total += size(item)
     return groups
 
 

@@ -1,19 +1,32 @@
-"""Node: sharded checkpoint -> plain Hugging Face model folder."""
+"""Node: sharded checkpoint -> plain Hugging Face model folder (or, for a LoRA run, PEFT's
+adapter folder, and the merged model when asked)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from meshtrain.checkpoint import consolidate_checkpoint
+from meshtrain.checkpoint import CheckpointError, consolidate_checkpoint
+from meshtrain.checkpoint.consolidate.lora import consolidate_lora, is_lora_checkpoint
 from meshtrain.config import ConsolidationConfig, parse
 
 
 def consolidate(training_summary: dict[str, Any], consolidation: dict[str, Any]) -> dict[str, Any]:
     """Args: the training summary and `params:consolidation`. Returns: what was written where."""
     cfg = parse(ConsolidationConfig, consolidation, "consolidation")
+    checkpoint = cfg.checkpoint or training_summary["final_checkpoint"]
+    if is_lora_checkpoint(checkpoint):
+        return consolidate_lora(
+            checkpoint,
+            cfg.output_dir,
+            merged_dir=cfg.merged_output_dir if cfg.merge_lora else None,
+            dtype=cfg.dtype,
+            max_shard_size=cfg.max_shard_size,
+        )
+    if cfg.merge_lora:
+        raise CheckpointError(
+            f"`consolidation.merge_lora` is true but {checkpoint} holds a full model, not LoRA "
+            "adapters: set it to false (the full model is written as it is)."
+        )
     return consolidate_checkpoint(
-        cfg.checkpoint or training_summary["final_checkpoint"],
-        cfg.output_dir,
-        max_shard_size=cfg.max_shard_size,
-        dtype=cfg.dtype,
+        checkpoint, cfg.output_dir, max_shard_size=cfg.max_shard_size, dtype=cfg.dtype
     )
