@@ -3,6 +3,7 @@ from the same adapter values, trained by the plain loop of `reference.py`."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import datasets
@@ -14,8 +15,26 @@ from meshtrain.data.blocks import BlockStore, arrow_files
 from meshtrain.data.sampler import GlobalBatchSampler
 from meshtrain.models import build_model, build_model_config
 from meshtrain.models.lora import PEFT_PREFIX, AdapterInit
-from tests.conftest import TINY_VOCAB
+from tests.conftest import TINY_MODEL, TINY_VOCAB
 from tests.distributed.reference import GLOBAL_BATCH, TRAINING, reference_optimizer, reference_step
+
+# GQA with one KV head for four query heads: at tp 2 the KV head is replicated.
+GQA = {**TINY_MODEL, "num_hidden_layers": 4, "num_key_value_heads": 1}
+LORA = {"r": 4, "lora_alpha": 8, "target_modules": "all-linear"}
+
+
+def save_base(folder: Path, fields: dict[str, Any] = GQA) -> Path:
+    """The pretrained base: the seeded model of `fields`, saved as Hugging Face does."""
+    config = build_model_config("llama", fields, vocab_size=TINY_VOCAB)
+    build_model(config, seed=TRAINING["seed"]).save_pretrained(folder)
+    return folder
+
+
+def assert_matches_peft(name: str, summary: dict, losses: list[float], first_step: int = 0):
+    got = [loss for _, loss in summary["losses"]]
+    assert len(got) == len(losses) - first_step, name
+    for step, (a, b) in enumerate(zip(got, losses[first_step:], strict=True), first_step):
+        assert abs(a - b) / abs(b) <= 1e-5, f"{name} step {step}: {a} vs {b}"
 
 
 def peft_model(fields: dict[str, Any], lora: dict[str, Any]) -> torch.nn.Module:
@@ -24,9 +43,7 @@ def peft_model(fields: dict[str, Any], lora: dict[str, Any]) -> torch.nn.Module:
     base = build_model(config, seed=TRAINING["seed"])
     settings = {k: v for k, v in lora.items() if k != "allow_random_base"}
     model = get_peft_model(base, LoraConfig(**settings))
-    shapes = {
-        ours(name): tuple(p.shape) for name, p in model.named_parameters() if p.requires_grad
-    }
+    shapes = {ours(name): tuple(p.shape) for name, p in model.named_parameters() if p.requires_grad}
     initial = AdapterInit(base=None, shapes=shapes, seed=TRAINING["seed"])
     with torch.no_grad():
         for name, parameter in model.named_parameters():

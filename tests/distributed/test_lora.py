@@ -20,16 +20,18 @@ from meshtrain.checkpoint.consolidate.lora import (
     consolidate_lora,
     write_adapter_folder,
 )
-from meshtrain.models import build_model, build_model_config
-from tests.conftest import TINY_MODEL, TINY_VOCAB
-from tests.distributed.lora import peft_reference_run
-from tests.distributed.reference import TRAINING, make_spec, run_group
+from tests.conftest import TINY_VOCAB
+from tests.distributed.lora import (
+    GQA,
+    LORA,
+    assert_matches_peft,
+    peft_reference_run,
+    save_base,
+)
+from tests.distributed.reference import make_spec, run_group
 
 STEPS = 12
 SAVE_AT = 6
-# GQA with one KV head for four query heads: at tp 2 the KV head is replicated.
-GQA = {**TINY_MODEL, "num_hidden_layers": 4, "num_key_value_heads": 1}
-LORA = {"r": 4, "lora_alpha": 8, "target_modules": "all-linear"}
 PIPELINE = {
     "pipeline_parallel_size": 2,
     "pipeline_parallel_num_microbatches": 2,
@@ -50,11 +52,7 @@ TWO_RANKS = {
 
 @pytest.fixture(scope="module")
 def base_folder(tmp_path_factory) -> Path:
-    """The pretrained base: the seeded model of these fields, saved as Hugging Face does."""
-    folder = tmp_path_factory.mktemp("lora") / "base"
-    config = build_model_config("llama", GQA, vocab_size=TINY_VOCAB)
-    build_model(config, seed=TRAINING["seed"]).save_pretrained(folder)
-    return folder
+    return save_base(tmp_path_factory.mktemp("lora") / "base")
 
 
 def _spec(blocks, out: Path, name: str, parallel: dict, training: dict, base: Path):
@@ -69,13 +67,6 @@ def _spec(blocks, out: Path, name: str, parallel: dict, training: dict, base: Pa
         fields=GQA,
         model={"lora": LORA, "init_from": str(base)},
     )
-
-
-def assert_matches_peft(name: str, summary: dict, losses: list[float], first_step: int = 0):
-    got = [loss for _, loss in summary["losses"]]
-    assert len(got) == STEPS - first_step, name
-    for step, (a, b) in enumerate(zip(got, losses[first_step:], strict=True), first_step):
-        assert abs(a - b) / abs(b) <= 1e-5, f"{name} step {step}: {a} vs {b}"
 
 
 def assert_adapters_match(name: str, folder: Path, expected: dict[str, torch.Tensor]) -> None:

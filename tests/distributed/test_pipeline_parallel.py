@@ -12,8 +12,10 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from tests.conftest import TINY_MODEL
+from tests.distributed.lora import GQA, LORA, assert_matches_peft, peft_reference_run, save_base
 from tests.distributed.packed import packed_reference_run
 from tests.distributed.reference import (
+    STEPS,
     References,
     assert_matches_reference,
     assert_memory_model_holds,
@@ -173,6 +175,21 @@ def test_three_dimensional_layout_on_eight_ranks_matches_one_process(
         architecture="llama",
         fields=FOUR_LAYERS,
     )
-    (summary,) = _run(WORLD_8, 8, tiny_blocks, tmp_path, extra=(sft,))
+    # LoRA adapters in all three dimensions, against PEFT in one process (tests/
+    # distributed/test_lora.py has the other layouts).
+    lora = make_spec(
+        tiny_blocks,
+        tmp_path,
+        "lora-dp2-pp2-tp2-zero1-sp",
+        world=8,
+        parallel=parallel,
+        training=training,
+        architecture="llama",
+        fields=GQA,
+        model={"lora": LORA, "init_from": str(save_base(tmp_path / "base"))},
+    )
+    summary, lora_summary = _run(WORLD_8, 8, tiny_blocks, tmp_path, extra=(sft, lora))
     losses, weights = packed_reference_run(packed_blocks, FOUR_LAYERS)
     assert_matches_reference(name, summary, losses, weights, tmp_path / f"{name}-hf")
+    lora_losses, _, _ = peft_reference_run(tiny_blocks, GQA, LORA, STEPS)
+    assert_matches_peft("lora-dp2-pp2-tp2-zero1-sp", lora_summary, lora_losses)
