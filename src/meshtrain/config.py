@@ -70,6 +70,8 @@ class Layout:
     pipeline_parallel_layers: list[int] | None = None  # decoder layers per stage, in order
     # FSDP2 over groups of this many dp ranks (1: off; then the flat buffer and zero_1).
     sharded_data_parallel_degree: int = 1
+    # LoRA's rank (0: full fine-tuning): the base frozen, only adapters trained.
+    lora_rank: int = 0
 
     @property
     def sharded(self) -> bool:
@@ -100,6 +102,8 @@ class Layout:
             parts.append(f"{schedule}-mb{self.pipeline_parallel_num_microbatches}")
         if self.activation_checkpointing != "none":
             parts.append(f"ac-{self.activation_checkpointing}")
+        if self.lora_rank:
+            parts.append(f"lora{self.lora_rank}")
         return "-".join(parts)
 
     def to_dict(self) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from kedro.framework.hooks import hook_impl
 
 from meshtrain.config import (
     RUN_GROUPS,
+    ConfigError,
     ConsolidationConfig,
     DataConfig,
     EvaluationConfig,
@@ -47,6 +48,10 @@ def check_parameters(params: Mapping[str, Any], pipeline: Any) -> None:
             from meshtrain.models.builder import check_model_fields  # noqa: PLC0415
 
             check_model_fields(run.model.architecture, run.model.config)
+        if run.model.lora_settings is not None:
+            from meshtrain.models.lora import check_pretrained_base  # noqa: PLC0415
+
+            check_pretrained_base(run.model.lora_settings, run.model.init_from)
         # Only the node that starts workers needs a launch that can rendezvous: planning
         # for another cluster does not.
         if any(TRAINS in node.tags for node in pipeline.nodes):
@@ -59,7 +64,13 @@ def check_parameters(params: Mapping[str, Any], pipeline: Any) -> None:
         data = parse(DataConfig, params.get("data"), "data")
         check_tokenizer_fits(data.tokenizer, (params.get("model") or {}).get("init_from"))
     if "consolidation" in used:
-        parse(ConsolidationConfig, params.get("consolidation"), "consolidation")
+        consolidation = parse(ConsolidationConfig, params.get("consolidation"), "consolidation")
+        lora = (params.get("model") or {}).get("lora")
+        if consolidation.merge_lora and not lora and not consolidation.checkpoint:
+            raise ConfigError(
+                "`consolidation.merge_lora` is true but `model.lora` is null: a full model has "
+                "no adapters to merge. Set model.lora, or consolidation.merge_lora=false."
+            )
     if "evaluation" in used:
         check_evaluation(parse(EvaluationConfig, params.get("evaluation"), "evaluation"))
 

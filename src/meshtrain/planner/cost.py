@@ -140,8 +140,14 @@ def _layer_forward_flops(m: ModelShape, seq_len: int) -> float:
     return 2 * _layer_matmul_weights(m) + attention_scores
 
 
-def training_flops_per_token(m: ModelShape, seq_len: int, checkpointing: str) -> float:
-    """Forward + backward FLOPs per token of the whole model."""
+def training_flops_per_token(
+    m: ModelShape, seq_len: int, checkpointing: str, *, frozen_base: bool = False
+) -> float:
+    """Forward + backward FLOPs per token of the whole model. The backward of a matmul is
+    two: the input's gradient and the weight's; a frozen base (LoRA) skips the weight's,
+    so its matmuls cost twice their forward, not three times (the attention scores have
+    no weight: their backward is two either way; the adapters' rank-r products are
+    left out, a fraction r / hidden of the layers' own)."""
     h = m.hidden
     forward = m.layers * _layer_forward_flops(m, seq_len) + 2 * h * m.vocab
     extra = 0.0
@@ -149,17 +155,21 @@ def training_flops_per_token(m: ModelShape, seq_len: int, checkpointing: str) ->
         extra = forward - 2 * h * m.vocab  # every layer's forward again, not the head
     elif checkpointing == "selective":
         extra = 0.05 * forward  # norms, rotary and gating again: elementwise, cheap
+    if frozen_base:
+        matmuls = 2 * (m.layers * _layer_matmul_weights(m) + h * m.vocab)
+        return 3 * forward - matmuls + extra
     return 3 * forward + extra
 
 
-def model_flops_per_token(m: ModelShape, seq_len: int) -> float:
+def model_flops_per_token(m: ModelShape, seq_len: int, *, frozen_base: bool = False) -> float:
     """Model FLOPs per trained token, the usual base of MFU (PaLM, torchtitan): 6 x every
     matmul weight a token passes (the decoder layers' and the LM head's; the input
     embedding is a lookup) + 12 x layers x attention width x sequence for the scores and
     their weighted sum, counted whole. Recomputation is not counted: checkpointing does
     more work for the same model FLOPs."""
     weights = m.layers * _layer_matmul_weights(m) + m.hidden * m.vocab
-    return 6 * weights + 12 * m.layers * m.heads * m.head_dim * seq_len
+    # A frozen base (LoRA) needs no weight gradients: 4 x its weights, not 6.
+    return (4 if frozen_base else 6) * weights + 12 * m.layers * m.heads * m.head_dim * seq_len
 
 
 def stage_shares(m: ModelShape, step: StepShape) -> list[float]:
@@ -229,7 +239,9 @@ def estimate_step_time(
     tokens_per_microbatch = step.microbatch_size * step.seq_len
     microbatches = step.microbatches * accumulation  # forwards per step per rank
     tokens = tokens_per_microbatch * microbatches
-    flops = tokens * training_flops_per_token(m, step.seq_len, step.activation_checkpointing)
+    flops = tokens * training_flops_per_token(
+        m, step.seq_len, step.activation_checkpointing, frozen_base=step.frozen_base
+    )
     rate = device.tflops(
         step.bf16,
         width=matmul_width(m, step),

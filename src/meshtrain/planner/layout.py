@@ -30,7 +30,13 @@ from meshtrain.planner.checks import (
 )
 from meshtrain.planner.cost import estimate_step_time, model_flops_per_token
 from meshtrain.planner.devices import DeviceProfile
-from meshtrain.planner.memory import ModelShape, StepShape, estimate_memory, gather_units
+from meshtrain.planner.memory import (
+    ModelShape,
+    StepShape,
+    estimate_memory,
+    gather_units,
+    lora_activation_terms,
+)
 from meshtrain.planner.types import LayoutError, Plan
 
 
@@ -42,6 +48,8 @@ class PlanContext:
 
     model_config: PretrainedConfig
     shapes: dict[str, tuple[int, ...]]  # every parameter's shape (`llama_family_shapes`)
+    # A LoRA run's adapters (their Hugging Face shapes; empty: full fine-tuning).
+    adapter_shapes: dict[str, tuple[int, ...]]
     num_train_blocks: int
     num_validation_blocks: int
     tokenizer_size: int | None
@@ -57,7 +65,10 @@ def plan_one_layout(run: RunConfig, context: PlanContext) -> Plan:
     train, block_size = run.training, run.data.block_size
     shape = ModelShape.from_config(model_config)
     step = _step_shape(run, layout, context)
-    memory = dataclasses.replace(estimate_memory(shapes, shape, step), runtime=device.runtime_bytes)
+    adapters = context.adapter_shapes
+    memory = dataclasses.replace(
+        estimate_memory(shapes, shape, step, adapters), runtime=device.runtime_bytes
+    )
     time_estimate = estimate_step_time(
         shape,
         step,
@@ -67,7 +78,7 @@ def plan_one_layout(run: RunConfig, context: PlanContext) -> Plan:
         overlap_grad_reduce=train.overlap_grad_reduce,
         overlap_param_gather=train.gathers_under_forward,
         bucket_bytes=train.grad_bucket_mb * 2**20,
-        units=gather_units(shapes, shape, step) if step.sharded > 1 else None,
+        units=gather_units({**shapes, **adapters}, shape, step) if step.sharded > 1 else None,
     )
     if layout.activation_offloading and device.name == "cpu":
         notes.append(
@@ -94,7 +105,9 @@ def plan_one_layout(run: RunConfig, context: PlanContext) -> Plan:
             **time_estimate.to_dict(),
             "tokens_per_s": global_batch * block_size / time_estimate.step_s,
         },
-        model_flops_per_token=model_flops_per_token(shape, block_size),
+        model_flops_per_token=model_flops_per_token(
+            shape, block_size, frozen_base=step.frozen_base
+        ),
         peak_tflops_per_rank=device.peak_tflops(step.bf16),
     )
 
@@ -148,12 +161,31 @@ def resolve_layout(run: RunConfig, context: PlanContext) -> tuple[Layout, str, l
         sharded_data_parallel_degree=sharded,
         activation_checkpointing=par.activation_checkpointing,
         activation_offloading=par.activation_offloading,
+        lora_rank=lora.r if (lora := run.model.lora_settings) else 0,
     )
     return layout, backend, notes
 
 
 def _step_shape(run: RunConfig, layout: Layout, context: PlanContext) -> StepShape:
-    """What one rank runs per step under `layout`, as the memory and time models read it."""
+    """What one rank runs per step under `layout`, as the memory and time models read it
+    (with LoRA's frozen base and adapters)."""
+    step = _layout_step_shape(run, layout, context)
+    lora = run.model.lora_settings
+    if lora is None:
+        return step
+    adapter_bytes, unsaved = lora_activation_terms(
+        context.adapter_shapes,
+        ModelShape.from_config(context.model_config),
+        tp=step.tp,
+        dropout=lora.lora_dropout > 0,
+        value_bytes=step.parameter_bytes,
+    )
+    return dataclasses.replace(
+        step, frozen_base=True, adapter_bytes_per_token=adapter_bytes, unsaved_elements=unsaved
+    )
+
+
+def _layout_step_shape(run: RunConfig, layout: Layout, context: PlanContext) -> StepShape:
     pp, microbatches = layout.pipeline_parallel_size, layout.pipeline_parallel_num_microbatches
     return StepShape(
         dp=layout.data_parallel_size,

@@ -194,6 +194,14 @@ class StepShape:
     grad_reduce_bf16: bool = False  # bf16 gradients (only with master_weights)
     sharded: int = 1  # sharded data parallel degree N (1: off; dp: full; else hybrid)
     converters: tuple[str, ...] = ()  # the run's model converters (`models/converters.py`)
+    # LoRA: the base is frozen (no gradients, no optimizer states; held in the compute
+    # dtype). Per token and decoder layer, what the adapters keep (their inputs' dropout
+    # copies and masks, their rank-r intermediates), in bytes, and the matmul-side
+    # elements a frozen layer without an adapter no longer keeps (a frozen weight's
+    # product needs no saved input).
+    frozen_base: bool = False
+    adapter_bytes_per_token: float = 0.0
+    unsaved_elements: float = 0.0
 
     @property
     def parameter_bytes(self) -> int:
@@ -312,7 +320,9 @@ def _sharded_model_states(
     )
 
 
-def gathered_bytes(step: StepShape, *, local: int, layer: int, layers: int) -> int:
+def gathered_bytes(
+    step: StepShape, *, local: int, layer: int, layers: int, gradients: bool = True
+) -> int:
     """Bytes of gathered parameters and unsharded gradients at the step's peak, for a rank
     holding `local` elements of which `layers` decoder layers of `layer` elements each.
 
@@ -323,12 +333,13 @@ def gathered_bytes(step: StepShape, *, local: int, layer: int, layers: int) -> i
     gradients until the last microbatch of the schedule step, whose backward reduces
     group after group: the first one copies its gradients into a flat reduce-scatter
     buffer while every other group is still gathered. (Only under sharding, N > 1.)"""
-    per_element = step.parameter_bytes + step.gradient_bytes
+    grad = step.gradient_bytes if gradients else 0  # a frozen base has none
+    per_element = step.parameter_bytes + grad
     root = local - layers * layer
     if step.pp > 1:
-        return local * per_element + max(root, layer) * step.gradient_bytes
+        return local * per_element + max(root, layer) * grad
     in_flight = min(2, layers)
-    return root * per_element + layer * (in_flight * step.parameter_bytes + step.gradient_bytes)
+    return root * per_element + layer * (in_flight * step.parameter_bytes + grad)
 
 
 def layer_parameter_count(
@@ -416,17 +427,34 @@ def layer_activation_elements(m: ModelShape, step: StepShape) -> tuple[float, fl
 
 
 def estimate_memory(
-    shapes: dict[str, tuple[int, ...]], m: ModelShape, step: StepShape
+    shapes: dict[str, tuple[int, ...]],
+    m: ModelShape,
+    step: StepShape,
+    adapter_shapes: dict[str, tuple[int, ...]] | None = None,
 ) -> MemoryEstimate:
-    """Peak bytes of live tensors on the most loaded rank, with its breakdown."""
+    """Peak bytes of live tensors on the most loaded rank, with its breakdown
+    (`adapter_shapes`: a LoRA run's adapters, the only parameters it trains)."""
     counts, layer = _local_counts(shapes, m, step)
     stages = len(step.stage_layers)
+    adapters, adapter_layer = (
+        _local_counts(adapter_shapes, m, step) if adapter_shapes else ([0] * stages, 0)
+    )
     # Rank r holds stages r, r + pp, ... (interleaved) or just stage r.
     per_rank: list[MemoryEstimate] = []
     for rank in range(step.pp):
         mine = list(range(rank, stages, step.pp))
         local = sum(counts[s] for s in mine)
         activations, loss = _activations_on_rank(m, step, rank, mine)  # saved, at the peak
+        if step.frozen_base:
+            trained = GatherUnits(
+                sum(adapters[s] for s in mine),
+                adapter_layer,
+                sum(step.stage_layers[s] for s in mine),
+            )
+            base = GatherUnits(local, layer, trained.layers)
+            states = _lora_model_states(base, trained, step)
+            per_rank.append(dataclasses.replace(states, activations=activations, loss=loss))
+            continue
         if step.sharded > 1:
             layers = sum(step.stage_layers[s] for s in mine)
             gathered = gathered_bytes(step, local=local, layer=layer, layers=layers)
@@ -443,6 +471,63 @@ def estimate_memory(
     return dataclasses.replace(
         per_rank[worst], pipeline_rank=worst, per_pipeline_rank=tuple(e.total for e in per_rank)
     )
+
+
+def _lora_model_states(base: GatherUnits, trained: GatherUnits, step: StepShape) -> MemoryEstimate:
+    """The frozen base's parameters alone (fp32 shards under sharding, else the compute
+    dtype: bf16 under bf16 autocast too), and the adapters' full states (`trained`)."""
+    if step.sharded > 1:
+        adapters = _sharded_model_states(trained.local, step)
+        gathered = gathered_bytes(
+            step, local=base.local, layer=base.layer, layers=base.layers, gradients=False
+        ) + gathered_bytes(step, local=trained.local, layer=trained.layer, layers=trained.layers)
+        frozen = math.ceil(base.local / step.sharded) * BYTES_FP32
+        return dataclasses.replace(
+            adapters, parameters=adapters.parameters + frozen, gathered=gathered
+        )
+    padded = math.ceil(trained.local / step.dp) * step.dp if step.zero_1 else trained.local
+    owned = padded // step.dp if step.zero_1 else padded
+    adapters = _with_model_states(padded, owned, step)
+    frozen = base.local * (BYTES_BF16 if step.bf16 else BYTES_FP32)
+    return dataclasses.replace(adapters, parameters=adapters.parameters + frozen)
+
+
+def lora_activation_terms(
+    adapter_shapes: dict[str, tuple[int, ...]],
+    m: ModelShape,
+    *,
+    tp: int,
+    dropout: bool,
+    value_bytes: int,
+) -> tuple[float, float]:
+    """(adapter bytes, unsaved matmul-side elements) per token and decoder layer of a LoRA
+    run (`StepShape.adapter_bytes_per_token`, `.unsaved_elements`).
+
+    Each adapter keeps its rank-r intermediate for B's gradient and, with dropout, its own
+    dropped copy of the layer input and the mask (a byte per element); a row-parallel
+    layer's input is a tp shard. A frozen projection without an adapter keeps nothing
+    for its product: the MLP's normed input when neither gate nor up is adapted, the
+    attention's when none of q/k/v is, down_proj's input when it is not."""
+    targets: dict[str, tuple[int, ...]] = {
+        name.split(".layers.0.")[1].split(".lora_A")[0]: shape
+        for name, shape in adapter_shapes.items()
+        if ".layers.0." in name and ".lora_A." in name
+    }
+    adapter_bytes = 0.0
+    for module, (rank, width) in targets.items():
+        row_parallel = module.endswith(("o_proj", "down_proj"))
+        adapter_bytes += rank * value_bytes
+        if dropout:
+            adapter_bytes += (width / tp if row_parallel else width) * (value_bytes + 1)
+    adapted = {module.rsplit(".", 1)[-1] for module in targets}
+    unsaved = 0.0
+    if not adapted & {"q_proj", "k_proj", "v_proj"}:
+        unsaved += m.hidden
+    if not adapted & {"gate_proj", "up_proj"}:
+        unsaved += m.hidden
+    if "down_proj" not in adapted:
+        unsaved += m.intermediate / tp
+    return adapter_bytes, unsaved
 
 
 def in_flight_microbatches(step: StepShape, rank: int) -> int:
@@ -468,12 +553,18 @@ def _activations_on_rank(
     # The residual stream's dtype: bf16 with bf16 parameters, else fp32.
     stream = step.parameter_bytes
     kept, matmul = layer_activation_elements(m, step)
+    shard = t if step.sequence_parallel else 1
+    if step.frozen_base and step.activation_checkpointing == "none":
+        # Frozen norm weights: each norm's final product keeps no normed input for them.
+        kept -= 2 * h / shard
+        matmul -= step.unsaved_elements
     # bf16 parameters: each norm keeps its fp32 upcast input and its bf16 normed value.
     kept_bytes = (BYTES_FP32 + BYTES_BF16) / 2 if step.master_weights else BYTES_FP32
     if step.master_weights and step.activation_checkpointing == "selective":
         kept_bytes = BYTES_BF16  # only the layer's input is kept
     layer_bytes = tokens * (kept * kept_bytes + matmul * matmul_bytes)
-    shard = t if step.sequence_parallel else 1
+    if step.activation_checkpointing != "full":
+        layer_bytes += tokens * step.adapter_bytes_per_token
     holds_first = 0 in stages
     holds_last = len(step.stage_layers) - 1 in stages
     layers = sum(step.stage_layers[s] for s in stages)

@@ -16,7 +16,9 @@ import torch
 from transformers import PretrainedConfig
 
 from meshtrain.config import AUTO, RunConfig
+from meshtrain.models.builder import build_meta_model
 from meshtrain.models.llama.parameter_names import llama_family_shapes
+from meshtrain.models.lora import LoraConverter, check_pretrained_base
 from meshtrain.planner.checks import (
     IMPLEMENTED_ACTIVATION_CHECKPOINTING,
     pipeline_parallel_degrees,
@@ -57,6 +59,7 @@ def plan_run(
     context = PlanContext(
         model_config=model_config,
         shapes=llama_family_shapes(model_config),
+        adapter_shapes=adapter_shapes(run, model_config),
         num_train_blocks=num_train_blocks,
         num_validation_blocks=num_validation_blocks,
         tokenizer_size=tokenizer_size,
@@ -107,6 +110,18 @@ def plan_run(
             f"chosen among {len(planned)} valid layouts on {device.name}",
         ],
     )
+
+
+def adapter_shapes(run: RunConfig, model_config: PretrainedConfig) -> dict[str, tuple[int, ...]]:
+    """The LoRA adapters' shapes, found by converting the meta model (which also refuses a
+    target the model does not have, before any worker starts); empty without LoRA."""
+    settings = run.model.lora_settings
+    if settings is None:
+        return {}
+    check_pretrained_base(settings, run.model.init_from)
+    converter = LoraConverter(settings, run.training.seed)
+    converter.convert(build_meta_model(model_config))
+    return dict(converter.shapes)
 
 
 def _zero_1_where_needed(

@@ -46,6 +46,13 @@ def tensor_parallel_dim(name: str) -> int | None:
     whole: outputs (0) of column-parallel modules and the vocabulary (0) of the embedding
     and LM head, inputs (1) of row-parallel weights."""
     module, _, kind = name.rpartition(".")
+    base, _, adapter = module.rpartition(".")
+    if adapter in ("lora_A", "lora_B"):
+        # A LoRA adapter is split the way its base layer is: B on the outputs under a
+        # column-parallel base, A on the inputs under a row-parallel one; the other whole.
+        if _module_is(base, COLUMN_PARALLEL):
+            return 0 if adapter == "lora_B" else None
+        return 1 if adapter == "lora_A" and _module_is(base, ROW_PARALLEL) else None
     if _module_is(module, COLUMN_PARALLEL):
         return 0
     if kind != "weight":
@@ -61,8 +68,10 @@ def is_tensor_parallel_sharded(name: str) -> bool:
 
 
 def is_kv_projection(name: str) -> bool:
-    """k_proj/v_proj weights and biases: the tensors KV-head replication repeats."""
-    return _module_is(name.rpartition(".")[0], KV_PROJECTIONS)
+    """k_proj/v_proj weights and biases (and their LoRA B, whose rows are the outputs): the
+    tensors KV-head replication repeats."""
+    module = name.rpartition(".")[0].removesuffix(".lora_B")
+    return _module_is(module, KV_PROJECTIONS)
 
 
 def llama_family_shapes(config: Any) -> dict[str, tuple[int, ...]]:
