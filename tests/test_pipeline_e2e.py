@@ -20,7 +20,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from peft import PeftModel
 from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
 
 from meshtrain.config import TrainingConfig
 from meshtrain.models.converters import converter_names
@@ -417,3 +419,49 @@ def test_the_default_model_fine_tunes_on_the_builtin_instructions(project: Path,
     assert plan["model_config"]["model_type"] == "llama"
     output = result.stdout + result.stderr
     assert "efficiency" in output  # the packing report
+
+
+LORA_RUN = ",".join(
+    [
+        SFT_RUN.replace("training.max_steps=12", "training.max_steps=8").replace(
+            "training.checkpoint_every=12", "training.checkpoint_every=4"
+        ),
+        "model.lora.r=16",
+        "model.lora.lora_alpha=32",
+        "model.lora.target_modules=all-linear",
+        "consolidation.output_dir=data/06_models/chat-lora",
+        "consolidation.merge_lora=true",
+        "consolidation.merged_output_dir=data/06_models/chat-lora-merged",
+        "evaluation.log_model=true",
+    ]
+)
+
+
+@pytest.mark.slow
+def test_lora_fine_tunes_the_default_model_into_an_adapter_folder_and_a_merged_model(
+    project: Path, default_run
+):
+    """`kedro run --env sft` with `model.lora`: only adapters train and are checkpointed;
+    consolidation writes PEFT's adapter folder (which evaluation loads on its base) and
+    the merged model, whose logits are the adapter's."""
+    result = kedro_run(project, "--env", "sft", "--params", LORA_RUN)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    metrics = json.loads((project / "data/08_reporting/sft_metrics.json").read_text())
+    assert metrics["layout"].endswith("-lora16")
+    assert metrics["val_loss"] < metrics["initial_val_loss"]
+    adapter = project / "data/06_models/chat-lora"
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"]) == (16, 32)
+    base = project / "data/06_models/consolidated"
+    assert Path(config["base_model_name_or_path"]) == base.resolve()
+    checkpoint = max((project / "data/06_models/sft_checkpoints").glob("*lora16*/checkpoint-8"))
+    tensors = json.loads((checkpoint / "manifest.json").read_text())["tensors"]
+    assert len(tensors) == 4 * 7 * 2 and all(".lora_" in name for name in tensors)
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    assert state["lora"]["base"]["folder"] == str(base.resolve())
+    ids = torch.tensor([[5, 17, 42, 99, 3, 250, 11, 8]])
+    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapter)
+    merged = AutoModelForCausalLM.from_pretrained(project / "data/06_models/chat-lora-merged")
+    with torch.no_grad():
+        want, got = peft(input_ids=ids).logits, merged(input_ids=ids).logits
+    assert (got - want).abs().max() <= 1e-4 * want.abs().max()

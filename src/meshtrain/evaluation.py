@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from meshtrain.checkpoint.consolidate.lora import adapter_base, is_adapter_folder
 from meshtrain.config import ConfigError, EvaluationConfig
 from meshtrain.data.batch import IGNORE_INDEX, TokenBatch, next_token_labels
 from meshtrain.data.blocks import PACKED_COLUMNS, is_packed
@@ -66,8 +67,14 @@ def _weights_bytes(model_dir: Path, dtype: torch.dtype) -> int:
 
 def load_model(model_dir: str | Path, device: str, dtype: torch.dtype):
     """The model on `device`; on a GPU too small for it, spread over the visible GPUs
-    (and the CPU) by accelerate's `device_map="auto"` instead of refused."""
+    (and the CPU) by accelerate's `device_map="auto"` instead of refused. A PEFT adapter
+    folder (a LoRA run's) is its base with the adapters, as PEFT loads them."""
     model_dir = Path(model_dir)
+    if is_adapter_folder(model_dir):
+        from peft import PeftModel  # noqa: PLC0415
+
+        base = load_model(adapter_base(model_dir), device, dtype)
+        return PeftModel.from_pretrained(base, str(model_dir)).eval()
     if device.startswith("cuda"):
         index = torch.device(device).index or 0
         free, _ = torch.cuda.mem_get_info(index)

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from meshtrain.checkpoint.consolidate.lora import adapter_base, is_adapter_folder
 from meshtrain.offline import disable_telemetry
 
 disable_telemetry()  # before mlflow is imported
@@ -79,6 +80,17 @@ def _signature():
     return infer_signature(["The"], ["The model"], params=params)
 
 
+def _peft_model(folder: Path) -> dict[str, Any]:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    base = AutoModelForCausalLM.from_pretrained(adapter_base(folder))
+    return {
+        "model": PeftModel.from_pretrained(base, str(folder)),
+        "tokenizer": AutoTokenizer.from_pretrained(str(folder)),
+    }
+
+
 def log_consolidated_model(
     model_dir: str | Path,
     *,
@@ -91,9 +103,15 @@ def log_consolidated_model(
     ModelInfo, or None outside a run."""
     if mlflow.active_run() is None:
         return None
+    model: Any = str(model_dir)
+    if is_adapter_folder(model_dir):
+        # A LoRA run's adapter folder: MLflow's transformers flavour stores a PEFT model
+        # as its adapter and the base it applies to (base_model_name_or_path).
+        model = _peft_model(Path(model_dir))
+        tags = {**tags, "meshtrain.lora_base": str(adapter_base(model_dir))}
     with _pipeline_classes_resolved():
         info = mlflow.transformers.log_model(
-            transformers_model=str(model_dir),
+            transformers_model=model,
             name=MODEL_NAME,
             task="text-generation",
             pip_requirements=_requirements(),
