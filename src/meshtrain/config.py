@@ -286,7 +286,7 @@ class ModelConfig:
         """`lora` parsed and checked (None: full fine-tuning)."""
         if self.lora is None:
             return None
-        settings = parse(LoraSettings, self.lora, "model.lora")
+        settings = parse(LoraSettings, peft_only_defaults(self.lora), "model.lora")
         check_lora(settings)
         return settings
 
@@ -312,6 +312,49 @@ class LoraSettings:
     @property
     def scaling(self) -> float:
         return self.lora_alpha / (self.r**0.5 if self.use_rslora else self.r)
+
+
+# PEFT LoraConfig fields meshtrain does not implement: refused by name, not as typos.
+_PEFT_UNSUPPORTED = (
+    "use_dora",
+    "modules_to_save",
+    "layers_to_transform",
+    "layers_pattern",
+    "rank_pattern",
+    "alpha_pattern",
+    "init_lora_weights",
+    "fan_in_fan_out",
+    "exclude_modules",
+    "lora_bias",
+    "trainable_token_indices",
+    "use_qalora",
+    "target_parameters",
+)
+
+
+def peft_only_defaults(values: dict[str, Any]) -> dict[str, Any]:
+    """`model.lora` without the PEFT fields that carry over as meshtrain's only behaviour
+    (task_type CAUSAL_LM, bias none); the PEFT features meshtrain lacks are refused."""
+    values = dict(values)
+    if values.get("task_type", "CAUSAL_LM") not in (None, "CAUSAL_LM"):
+        raise ConfigError(
+            f"`model.lora.task_type` is {values['task_type']!r}; meshtrain trains causal "
+            "language models: CAUSAL_LM (or leave it out)."
+        )
+    if values.get("bias", "none") != "none":
+        raise ConfigError(
+            f"`model.lora.bias` is {values['bias']!r}; meshtrain trains no biases of the "
+            "base: use none (PEFT's default)."
+        )
+    values.pop("task_type", None)
+    values.pop("bias", None)
+    for name in _PEFT_UNSUPPORTED:
+        if name in values:
+            raise ConfigError(
+                f"`model.lora.{name}`: PEFT's `{name}` is not implemented by meshtrain's LoRA "
+                "(r, lora_alpha, lora_dropout, target_modules and use_rslora are). Remove it."
+            )
+    return values
 
 
 def check_lora(settings: LoraSettings) -> None:

@@ -208,6 +208,12 @@ class Trainer:
             keep_last=self.cfg.keep_last,
         )
 
+    def _trained_share(self) -> str:
+        trained = self.plan.num_trainable_parameters
+        if not trained or trained == self.plan.num_parameters:
+            return ""
+        return f" ({trained:,} trained: LoRA adapters of rank {self.layout.lora_rank})"
+
     def _lora_state(self) -> dict[str, Any]:
         """A LoRA run's settings and the identity of the base its adapters belong to."""
         settings = self.run.model.lora_settings
@@ -260,7 +266,8 @@ class Trainer:
         """Train to `training.max_steps`; rank 0 returns the summary, other ranks None."""
         cfg = self.cfg
         self._report(
-            f"training {self.layout.name}: {self.plan.num_parameters:,} parameters, "
+            f"training {self.layout.name}: {self.plan.num_parameters:,} parameters"
+            f"{self._trained_share()}, "
             f"{self.plan.tokens_per_step:,} tokens per step, {cfg.max_steps} steps -> "
             f"{self.run_dir}"
         )

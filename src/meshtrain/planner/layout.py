@@ -93,6 +93,7 @@ def plan_one_layout(run: RunConfig, context: PlanContext) -> Plan:
         global_batch_size=global_batch,
         tokens_per_step=global_batch * block_size,
         num_parameters=sum(math.prod(s) for s in shapes.values()),
+        num_trainable_parameters=sum(math.prod(s) for s in (adapters or shapes).values()),
         memory_estimate_per_rank=memory.to_dict(),
         model_config=model_config.to_dict(),
         num_train_blocks=context.num_train_blocks,

@@ -38,6 +38,8 @@ class Plan:
     # sha256 of what the plan was made from (`planner.plan_inputs.plan_inputs_hash`): training
     # compares it with its own instead of planning again ("": a plan from before the hash).
     config_hash: str = ""
+    # The parameters the optimizer updates: all of them, or a LoRA run's adapters.
+    num_trainable_parameters: int = 0
 
     def mfu(self, tokens_per_s: float) -> float | None:
         """Model FLOPs utilisation at `tokens_per_s` over the whole world (None: no peak)."""

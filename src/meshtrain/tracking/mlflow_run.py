@@ -75,6 +75,9 @@ def log_plan(plan: dict[str, Any], run_config: dict[str, Any]) -> None:
             "global_batch_size": str(plan["global_batch_size"]),
             "tokens_per_step": str(plan["tokens_per_step"]),
             "num_parameters": str(plan["num_parameters"]),
+            "num_trainable_parameters": str(
+                plan.get("num_trainable_parameters") or plan["num_parameters"]
+            ),
             "launch.backend_resolved": plan["backend"],
         }
     )
