@@ -119,6 +119,10 @@ class Trainer:
             lora=self.run.model.lora_settings,
             sharded=self.layout.sharded,
         )
+        # The global generator draws only dropout masks (LoRA's adapters'): one stream per
+        # data-parallel and pipeline coordinate, the same on the tp ranks, whose replicated
+        # adapter inputs must drop alike. A resume restores each rank's state instead.
+        torch.manual_seed(self.cfg.seed * 1_000_003 + self.dims.dp_rank * 1_009 + self.dims.pp_rank)
         self.pm = self._build_model()
         accumulation = self.plan.global_batch_size // (self.dims.dp * self.per_device)
         self.optimizer, optimizer_state = build_optimizer(

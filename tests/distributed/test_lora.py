@@ -7,6 +7,7 @@ trained model's logits; a LoRA checkpoint resumes bitwise on its layout and onto
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -47,7 +48,13 @@ TWO_RANKS = {
     ),
     "lora-tp2-sp-kv": TP2,
     "lora-pp2-1f1b": (PIPELINE, {"per_device_train_batch_size": 8}),
+    "lora-dp2-zero1-ac-full": (
+        {"data_parallel_size": 2, "zero_1": True, "activation_checkpointing": "full"},
+        {"per_device_train_batch_size": 4},
+    ),
 }
+DROPOUT = {**LORA, "lora_dropout": 0.1}
+TIED_GQA = {**GQA, "tie_word_embeddings": True}
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +62,17 @@ def base_folder(tmp_path_factory) -> Path:
     return save_base(tmp_path_factory.mktemp("lora") / "base")
 
 
-def _spec(blocks, out: Path, name: str, parallel: dict, training: dict, base: Path):
+def _spec(
+    blocks,
+    out: Path,
+    name: str,
+    parallel: dict,
+    training: dict,
+    base: Path,
+    *,
+    lora: dict = LORA,
+    fields: dict = GQA,
+):
     return make_spec(
         blocks,
         out,
@@ -64,8 +81,8 @@ def _spec(blocks, out: Path, name: str, parallel: dict, training: dict, base: Pa
         parallel=parallel,
         training={**training, "max_steps": STEPS, "checkpoint_every": SAVE_AT},
         architecture="llama",
-        fields=GQA,
-        model={"lora": LORA, "init_from": str(base)},
+        fields=fields,
+        model={"lora": lora, "init_from": str(base)},
     )
 
 
@@ -90,7 +107,24 @@ def test_lora_on_two_ranks_matches_peft(tiny_blocks, base_folder: Path, tmp_path
         resumed = _spec(tiny_blocks, tmp_path, name, *ZERO_1, base_folder)
         saved = tmp_path / source / f"checkpoint-{SAVE_AT}"
         specs.append(dataclasses.replace(resumed, resume_from=str(saved)))
-    summaries = run_group(specs, 2, tmp_path, "t-lora2")
+    # Dropout: the same seed, the same losses; tied embeddings over two stages; bf16 masters.
+    tied_base = save_base(tmp_path / "tied-base", TIED_GQA)
+    extra = {
+        "dropout-a": _spec(tiny_blocks, tmp_path, "dropout-a", *ZERO_1, base_folder, lora=DROPOUT),
+        "dropout-b": _spec(tiny_blocks, tmp_path, "dropout-b", *ZERO_1, base_folder, lora=DROPOUT),
+        "tied-pp2": _spec(
+            tiny_blocks, tmp_path, "tied-pp2", PIPELINE, TP2[1], tied_base, fields=TIED_GQA
+        ),
+        "bf16-master": _spec(
+            tiny_blocks,
+            tmp_path,
+            "bf16-master",
+            ZERO_1[0],
+            {**ZERO_1[1], "mixed_precision": "bf16_master"},
+            base_folder,
+        ),
+    }
+    summaries = run_group([*specs, *extra.values()], 2, tmp_path, "t-lora2")
     losses, adapters, trained = peft_reference_run(tiny_blocks, GQA, LORA, STEPS)
     for name, summary in zip(TWO_RANKS, summaries, strict=False):
         assert_matches_peft(name, summary, losses)
@@ -99,9 +133,22 @@ def test_lora_on_two_ranks_matches_peft(tiny_blocks, base_folder: Path, tmp_path
         folder = tmp_path / f"{name}-adapter"
         write_adapter_folder(summary["final_checkpoint"], folder)
         assert_adapters_match(name, folder, adapters)
-    same, other = summaries[len(TWO_RANKS) :]
+    same, other = summaries[len(TWO_RANKS) : len(TWO_RANKS) + 2]
     assert same["losses"] == summaries[0]["losses"][SAVE_AT:]
     assert_matches_peft("tp2-onto-dp2", other, losses, first_step=SAVE_AT)
+    ran = dict(zip(extra, summaries[len(TWO_RANKS) + 2 :], strict=True))
+    assert ran["dropout-a"]["losses"] == ran["dropout-b"]["losses"] != summaries[0]["losses"]
+    assert_memory_model_holds("dropout-a", ran["dropout-a"])
+    tied_losses, _, _ = peft_reference_run(tiny_blocks, TIED_GQA, LORA, STEPS)
+    assert_matches_peft("tied-pp2", ran["tied-pp2"], tied_losses)
+    # bf16 parameters and activations: near the fp32 oracle; the adapters' fp32 masters
+    # are what the checkpoint holds.
+    bf16 = [loss for _, loss in ran["bf16-master"]["losses"]]
+    assert all(abs(a - b) <= 2e-2 * b for a, b in zip(bf16, losses, strict=True)), bf16
+    manifest = json.loads(
+        (Path(ran["bf16-master"]["final_checkpoint"]) / "manifest.json").read_text()
+    )
+    assert {entry["dtype"] for entry in manifest["tensors"].values()} == {"float32"}
 
     # The tp2 run's adapters through PEFT's loader and merged, against the trained oracle.
     ids = torch.arange(24).reshape(2, 12) % TINY_VOCAB

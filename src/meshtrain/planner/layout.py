@@ -180,6 +180,7 @@ def _step_shape(run: RunConfig, layout: Layout, context: PlanContext) -> StepSha
         tp=step.tp,
         dropout=lora.lora_dropout > 0,
         value_bytes=step.parameter_bytes,
+        mask_bytes=step.parameter_bytes if context.device.name == "cpu" else 1,
     )
     return dataclasses.replace(
         step, frozen_base=True, adapter_bytes_per_token=adapter_bytes, unsaved_elements=unsaved

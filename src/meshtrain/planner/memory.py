@@ -499,15 +499,18 @@ def lora_activation_terms(
     tp: int,
     dropout: bool,
     value_bytes: int,
+    mask_bytes: int,
 ) -> tuple[float, float]:
     """(adapter bytes, unsaved matmul-side elements) per token and decoder layer of a LoRA
     run (`StepShape.adapter_bytes_per_token`, `.unsaved_elements`).
 
     Each adapter keeps its rank-r intermediate for B's gradient and, with dropout, its own
-    dropped copy of the layer input and the mask (a byte per element); a row-parallel
-    layer's input is a tp shard. A frozen projection without an adapter keeps nothing
-    for its product: the MLP's normed input when neither gate nor up is adapted, the
-    attention's when none of q/k/v is, down_proj's input when it is not."""
+    dropped copy of the layer input and the mask (`mask_bytes` an element: a bool on
+    accelerators; torch's CPU dropout keeps its scaled noise in the input's dtype); a
+    row-parallel layer's input is a tp shard. A frozen product keeps no input: without
+    dropout the MLP's normed input is kept only when gate or up is adapted, the
+    attention's when one of q/k/v is, down_proj's input when it is; with dropout the
+    adapters keep their dropped copies instead, and none of the three is kept."""
     targets: dict[str, tuple[int, ...]] = {
         name.split(".layers.0.")[1].split(".lora_A")[0]: shape
         for name, shape in adapter_shapes.items()
@@ -518,8 +521,8 @@ def lora_activation_terms(
         row_parallel = module.endswith(("o_proj", "down_proj"))
         adapter_bytes += rank * value_bytes
         if dropout:
-            adapter_bytes += (width / tp if row_parallel else width) * (value_bytes + 1)
-    adapted = {module.rsplit(".", 1)[-1] for module in targets}
+            adapter_bytes += (width / tp if row_parallel else width) * (value_bytes + mask_bytes)
+    adapted = set() if dropout else {module.rsplit(".", 1)[-1] for module in targets}
     unsaved = 0.0
     if not adapted & {"q_proj", "k_proj", "v_proj"}:
         unsaved += m.hidden

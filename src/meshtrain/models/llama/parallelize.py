@@ -113,6 +113,7 @@ def parallelize(
         device,
         autocast=autocast,
         tied=tied,
+        tied_trained=_tied(model.config) and EMBEDDING not in frozen,
         kv_replication=kv_replication,
     )
 
@@ -128,11 +129,14 @@ def _runtime(
     *,
     autocast: Callable[[], AbstractContextManager],
     tied: frozenset[str],
+    tied_trained: bool,
     kv_replication: int,
 ) -> ParallelModel:
     """What drives the parallelised stages: the gradient sums the backward leaves to do
     (tensor parallelism's, the tied copies'), the pipeline schedule, the loss. Only the
-    trained parameters are the optimizer's and the checkpoint's (a LoRA run's adapters)."""
+    trained parameters are the optimizer's and the checkpoint's (a LoRA run's adapters).
+    `tied`: this rank's copies of a tied embedding; `tied_trained`: whether the tied
+    embedding trains (not under LoRA), the same on every rank."""
     parameters = {n: p for m in modules for n, p in m.named_parameters() if p.requires_grad}
     sharding = {n: spec for n, spec in sharding.items() if n in parameters}
     tp_sync = (
@@ -140,7 +144,7 @@ def _runtime(
         if dims.tp > 1
         else None
     )
-    copies = {name: parameters[name] for name in tied}
+    copies = {name: parameters[name] for name in tied if tied_trained}
     return ParallelModel(
         modules=modules,
         parameters=parameters,
@@ -152,7 +156,8 @@ def _runtime(
         tp_sync=tp_sync,
         runner=pipeline_runner(modules, stage_ids, dims, layout, device) if dims.pp > 1 else None,
         offload=offload_context(layout.activation_offloading, device),
-        shared_sync=SharedWeightSync(copies, dims.mesh) if dims.pp > 1 and _tied(config) else None,
+        # A frozen tied embedding (LoRA) has no gradient to sum: every rank knows it alike.
+        shared_sync=SharedWeightSync(copies, dims.mesh) if dims.pp > 1 and tied_trained else None,
         tied_copies=stored_elsewhere(parameters, config),
     )
 
