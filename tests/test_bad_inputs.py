@@ -207,6 +207,17 @@ CASES = [
     case("data.num_proc=0", id="no-tokenizer-processes"),
     case("data.builtin_max_chars=-5", id="negative-corpus-size"),
     case("data.vocab_sise=100", "data.vocab_size", id="data-typo"),
+    # model.lora.*
+    case("model.lora.r=0,model.lora.allow_random_base=true", id="lora-rank-zero"),
+    case("model.lora.lora_dropout=1,model.lora.allow_random_base=true", id="lora-dropout-one"),
+    case(
+        "model.lora.target_modules=qproj,model.lora.allow_random_base=true",
+        "model.lora.target_modules",
+        id="lora-target-typo",
+    ),
+    case("model.lora.r=8", "model.init_from", id="lora-on-a-random-model"),
+    case("model.lora.use_dora=true", id="lora-peft-feature-not-implemented"),
+    case("consolidation.merge_lora=true", id="merge-lora-without-lora"),
     # planner.*
     case("planner.memory_margin=1.5", id="margin-above-one"),
     case("planner.device=tpu", id="unknown-device"),

@@ -49,9 +49,9 @@ def check_parameters(params: Mapping[str, Any], pipeline: Any) -> None:
 
             check_model_fields(run.model.architecture, run.model.config)
         if run.model.lora_settings is not None:
-            from meshtrain.models.lora import check_pretrained_base  # noqa: PLC0415
+            from meshtrain.models.lora import check_lora_targets  # noqa: PLC0415
 
-            check_pretrained_base(run.model.lora_settings, run.model.init_from)
+            check_lora_targets(run.model)
         # Only the node that starts workers needs a launch that can rendezvous: planning
         # for another cluster does not.
         if any(TRAINS in node.tags for node in pipeline.nodes):

@@ -22,11 +22,12 @@ import math
 import re
 import zlib
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
 
-from meshtrain.config import ConfigError, LoraSettings, TrainingConfig
+from meshtrain.config import ConfigError, LoraSettings, ModelConfig, TrainingConfig
 from meshtrain.distributed.tensor_parallel import ParameterSharding
 from meshtrain.models.llama.weights import WeightSource
 
@@ -100,6 +101,7 @@ def target_names(model: nn.Module, settings: LoraSettings) -> list[str]:
         return _adaptable(chosen)
     modules = {name for name, _ in model.named_modules()}
     short = sorted({n.rsplit(".", 1)[-1] for n in modules if n})
+    adaptable = sorted({n.rsplit(".", 1)[-1] for n in linears} - set(_NOT_ADAPTABLE))
     for target in targets:
         if target in _NOT_ADAPTABLE:
             _refuse_not_adaptable(target)
@@ -108,8 +110,8 @@ def target_names(model: nn.Module, settings: LoraSettings) -> list[str]:
             hint = f" Closest: {', '.join(close)}." if close else ""
             raise ConfigError(
                 f"`model.lora.target_modules` names {target!r}, which is not a Linear layer "
-                f"of this model.{hint} Its Linear layers: "
-                f"{', '.join(sorted({n.rsplit('.', 1)[-1] for n in linears}))}."
+                f"of this model.{hint} Its adaptable layers: "
+                f"{', '.join(adaptable)}."
             )
     chosen = [n for n in linears if any(n == t or n.endswith("." + t) for t in targets)]
     return _adaptable(chosen)
@@ -246,3 +248,25 @@ def peft_config(settings: LoraSettings, adapter_names: list[str], base: str | No
     )
     # JSON as PEFT writes it: its sets (target_modules) as lists.
     return {k: sorted(v) if isinstance(v, set) else v for k, v in config.to_dict().items()}
+
+
+def check_lora_targets(model: ModelConfig) -> None:
+    """Before any node runs: LoRA on a pretrained base, and targets the model has (read
+    from the init_from folder's config, or model.config; nothing is allocated)."""
+    from meshtrain.models.builder import (  # noqa: PLC0415  (builder imports this module's users)
+        build_meta_model,
+        build_model_config,
+        resolve_init_from,
+    )
+
+    settings = model.lora_settings
+    if settings is None:
+        return
+    check_pretrained_base(settings, model.init_from)
+    if model.init_from and not Path(model.init_from).is_dir():
+        return  # a hub id: its config is read when the planner downloads it
+    init_from = resolve_init_from(model.init_from) if model.init_from else None
+    config = build_model_config(
+        model.architecture, model.config, vocab_size=None, init_from=init_from
+    )
+    target_names(build_meta_model(config), settings)
