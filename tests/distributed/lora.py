@@ -11,10 +11,11 @@ import torch
 import torch.nn.functional as F
 from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
 
+from meshtrain.checkpoint.consolidate.lora import PEFT_PREFIX
 from meshtrain.data.blocks import BlockStore, arrow_files
 from meshtrain.data.sampler import GlobalBatchSampler
 from meshtrain.models import build_model, build_model_config
-from meshtrain.models.lora import PEFT_PREFIX, AdapterInit
+from meshtrain.models.lora import AdapterInit
 from tests.conftest import TINY_MODEL, TINY_VOCAB
 from tests.distributed.reference import GLOBAL_BATCH, TRAINING, reference_optimizer, reference_step
 

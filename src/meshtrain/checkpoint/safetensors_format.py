@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from meshtrain.checkpoint import files
 from meshtrain.checkpoint.fileio import write_all
 from meshtrain.checkpoint.manifest import CheckpointError
 
@@ -305,3 +306,17 @@ def save_safetensors(
     with SafetensorsWriter(path, specs, metadata=metadata) as writer:
         for name in writer.names:
             writer.write(name, tensors[name])
+
+
+def folder_weight_files(folder: str | Path) -> dict[str, Path] | None:
+    """A Hugging Face folder's tensor name -> the safetensors file holding it (one file, or
+    the index's map); None when it holds neither."""
+    folder = Path(folder)
+    index = folder / files.HF_WEIGHTS_INDEX
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: folder / file for name, file in weight_map.items()}
+    single = folder / files.HF_WEIGHTS
+    if single.is_file():
+        return dict.fromkeys(read_safetensors_header(single), single)
+    return None

@@ -6,7 +6,7 @@ base parameter is frozen and each targeted Linear layer becomes a LoRA layer in 
 names and loads as before), with two new children: `lora_A` (r x in) and `lora_B`
 (out x r). The forward is PEFT's, `base(x) + lora_B(lora_A(dropout(x))) * scaling`, so the
 adapters' names, values and arithmetic are PEFT's, and PEFT's key for an adapter is
-`base_model.model.` + its name here.
+`base_model.model.` + its name here (`checkpoint.consolidate.lora`).
 
 The adapters start as PEFT's do (A Kaiming-uniform, B zeros), each drawn from a
 generator seeded by the run's seed and the adapter's name, so every layout, stage and
@@ -33,7 +33,6 @@ from meshtrain.models.llama.weights import WeightSource
 
 NAME = "lora"
 ADAPTER_PARTS = ("lora_A", "lora_B")
-PEFT_PREFIX = "base_model.model."
 # PEFT's default targets for the Llama family (its TRANSFORMERS_MODELS_TO_LORA_TARGET_
 # MODULES_MAPPING), used when `model.lora.target_modules` is null.
 DEFAULT_TARGETS = ("q_proj", "v_proj")
@@ -216,11 +215,6 @@ def lora_converter(
     )
 
 
-def adapter_targets(adapter_names: list[str]) -> list[str]:
-    """The module names (PEFT's `target_modules`) the adapters sit on, shortest form."""
-    return sorted({n.split(".lora_")[0].rsplit(".", 1)[-1] for n in adapter_names})
-
-
 def check_pretrained_base(settings: LoraSettings, init_from: str | None) -> None:
     """LoRA on random weights learns a low-rank update of noise: refuse it unless forced."""
     if init_from is None and not settings.allow_random_base:
@@ -231,23 +225,6 @@ def check_pretrained_base(settings: LoraSettings, init_from: str | None) -> None
             "data/06_models/consolidated after `kedro run`), or model.lora.allow_random_base"
             "=true to run it anyway (a test of a layout)."
         )
-
-
-def peft_config(settings: LoraSettings, adapter_names: list[str], base: str | None) -> dict:
-    """The adapter_config.json PEFT writes for these adapters (its own LoraConfig's)."""
-    from peft import LoraConfig  # noqa: PLC0415  (only consolidation needs PEFT)
-
-    config = LoraConfig(
-        r=settings.r,
-        lora_alpha=settings.lora_alpha,
-        lora_dropout=settings.lora_dropout,
-        target_modules=adapter_targets(adapter_names),
-        use_rslora=settings.use_rslora,
-        task_type="CAUSAL_LM",
-        base_model_name_or_path=base,
-    )
-    # JSON as PEFT writes it: its sets (target_modules) as lists.
-    return {k: sorted(v) if isinstance(v, set) else v for k, v in config.to_dict().items()}
 
 
 def check_lora_targets(model: ModelConfig) -> None:

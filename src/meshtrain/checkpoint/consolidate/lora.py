@@ -30,9 +30,34 @@ from meshtrain.checkpoint.consolidate.driver import (
 from meshtrain.checkpoint.consolidate.plan import file_names, split_into_files
 from meshtrain.checkpoint.lora_base import base_identity, check_same_base, checkpoint_lora_state
 from meshtrain.checkpoint.manifest import CheckpointError, resolve_checkpoint
+from meshtrain.config import LoraSettings
 
 ADAPTER_CONFIG = "adapter_config.json"
+# PEFT's key for an adapter is this prefix + its meshtrain (Hugging Face style) name.
+PEFT_PREFIX = "base_model.model."
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+def adapter_targets(adapter_names: list[str]) -> list[str]:
+    """The module names (PEFT's `target_modules`) the adapters sit on, shortest form."""
+    return sorted({n.split(".lora_")[0].rsplit(".", 1)[-1] for n in adapter_names})
+
+
+def peft_config(settings: LoraSettings, adapter_names: list[str], base: str | None) -> dict:
+    """The adapter_config.json PEFT writes for these adapters (its own LoraConfig's)."""
+    from peft import LoraConfig  # noqa: PLC0415  (only LoRA's consolidation needs PEFT)
+
+    config = LoraConfig(
+        r=settings.r,
+        lora_alpha=settings.lora_alpha,
+        lora_dropout=settings.lora_dropout,
+        target_modules=adapter_targets(adapter_names),
+        use_rslora=settings.use_rslora,
+        task_type="CAUSAL_LM",
+        base_model_name_or_path=base,
+    )
+    # JSON as PEFT writes it: its sets (target_modules) as lists.
+    return {k: sorted(v) if isinstance(v, set) else v for k, v in config.to_dict().items()}
 
 
 def is_adapter_folder(folder: str | Path) -> bool:
@@ -84,9 +109,6 @@ def write_adapter_folder(
 ) -> dict[str, Any]:
     """PEFT's adapter folder of LoRA checkpoint `checkpoint`, at `output_dir`."""
     from safetensors.torch import save_file  # noqa: PLC0415
-
-    from meshtrain.config import LoraSettings  # noqa: PLC0415
-    from meshtrain.models.lora import PEFT_PREFIX, peft_config  # noqa: PLC0415
 
     root, state = _lora_checkpoint(checkpoint)
     output_dir = Path(output_dir)
@@ -142,8 +164,6 @@ def merge_lora(
     check_same_base(saved, base_identity(str(folder), config, 0), f"merge {root} into {folder}")
     scratch = Path(output_dir).with_name(Path(output_dir).name + ".adapters")
     adapters = _adapters(root, scratch, None)
-    from meshtrain.config import LoraSettings  # noqa: PLC0415
-
     scaling = LoraSettings(**state["settings"]).scaling
     return _write_merged(folder, adapters, scaling, Path(output_dir), dtype, max_shard_size)
 
@@ -174,12 +194,14 @@ def _write_merged(
         SafetensorsWriter,
         TensorSpec,
         dtype_name,
+        folder_weight_files,
     )  # noqa: PLC0415
-    from meshtrain.models.llama.pretrained import weight_files  # noqa: PLC0415
 
     dtype = check_dtype(dtype)
     limit = parse_size(max_shard_size)
-    located = weight_files(base)
+    located = folder_weight_files(base)
+    if located is None:
+        raise CheckpointError(f"cannot merge into {base}: it holds no safetensors weights")
     partial = output_dir.with_name(output_dir.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)

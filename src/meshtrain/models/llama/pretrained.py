@@ -5,12 +5,11 @@ planner refuses a bad folder before any worker starts, naming the tensor.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from meshtrain.checkpoint import files
-from meshtrain.checkpoint.safetensors_format import read_safetensors_header
+from meshtrain.checkpoint.safetensors_format import folder_weight_files, read_safetensors_header
 from meshtrain.config import Refused
 from meshtrain.models.llama.parameter_names import llama_family_shapes
 
@@ -21,14 +20,9 @@ class PretrainedError(Refused, ValueError):
 
 def weight_files(folder: str | Path) -> dict[str, Path]:
     """Tensor name -> the safetensors file holding it (one file, or the index's map)."""
-    folder = Path(folder)
-    index = folder / files.HF_WEIGHTS_INDEX
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {name: folder / file for name, file in weight_map.items()}
-    single = folder / files.HF_WEIGHTS
-    if single.is_file():
-        return dict.fromkeys(read_safetensors_header(single), single)
+    located = folder_weight_files(folder)
+    if located is not None:
+        return located
     raise PretrainedError(
         f"`model.init_from` {str(folder)!r} holds neither {files.HF_WEIGHTS} nor "
         f"{files.HF_WEIGHTS_INDEX}: meshtrain starts from Hugging Face safetensors "
