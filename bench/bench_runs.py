@@ -111,9 +111,11 @@ def planned_side(
     block: int,
     init_from: str | None = None,
     cuda: bool = False,
+    lora: dict[str, Any] | None = None,
 ) -> tuple[WorkerSpec, Plan]:
     """The worker spec and plan of one side, as `kedro run` would make them (no
-    validation, no checkpoint but the last unless `training` says otherwise)."""
+    validation, no checkpoint but the last unless `training` says otherwise; `lora`: the
+    side's `model.lora`)."""
     run = RunConfig.from_params(
         parallel=parallel,
         training={
@@ -127,7 +129,7 @@ def planned_side(
             "run_name": name,
         },
         launch={"nproc_per_node": world},
-        model={"architecture": "llama", "config": shape, "init_from": init_from},
+        model={"architecture": "llama", "config": shape, "init_from": init_from, "lora": lora},
         data={"block_size": block, "vocab_size": vocab},
     )
     config = build_model_config("llama", shape, vocab_size=vocab, init_from=init_from)

@@ -50,6 +50,7 @@ from meshtrain.data.blocks import BlockStore
 from meshtrain.data.sampler import GlobalBatchSampler
 from meshtrain.distributed.fsdp import mixed_precision_policy
 from meshtrain.distributed.parallel_dims import ParallelDims
+from meshtrain.distributed.tensor_parallel import local_tensor
 from meshtrain.models.builder import build_meta_model, config_from_dict, weight_source
 from meshtrain.models.converters import build_converters
 from meshtrain.models.llama.parallelize import parallelize
@@ -451,8 +452,15 @@ class Trainer:
 
     @property
     def model_states_bytes(self) -> int:
-        """Parameters, gradients and this rank's optimizer states, in bytes."""
-        return self.optimizer.model_states_bytes
+        """Parameters, gradients and this rank's optimizer states, in bytes (with a LoRA
+        run's frozen base, which has parameters only)."""
+        frozen = sum(
+            local_tensor(p).nbytes
+            for module in self.pm.modules
+            for p in module.parameters()
+            if not p.requires_grad
+        )
+        return self.optimizer.model_states_bytes + frozen
 
     def summary(
         self, initial_val_loss: float | None, final_val_loss: float | None, train_time: float
