@@ -4,8 +4,9 @@ A model converter (`models.converters`): on the meta model, before any paralleli
 base parameter is frozen and each targeted Linear layer becomes a LoRA layer in place
 (its class swapped, its `weight`/`bias` untouched, so the base keeps its Hugging Face
 names and loads as before), with two new children: `lora_A` (r x in) and `lora_B`
-(out x r). The forward is PEFT's, `base(x) + lora_B(lora_A(dropout(x))) * scaling`, so the
-adapters' names, values and arithmetic are PEFT's, and PEFT's key for an adapter is
+(out x r). The forward is PEFT's, `base(x) + lora_B(lora_A(dropout(x))) * scaling` (to
+rounding), so the adapters' names, values and arithmetic are PEFT's, and PEFT's key for
+an adapter is
 `base_model.model.` + its name here (`checkpoint.consolidate.lora`).
 
 The adapters start as PEFT's do (A Kaiming-uniform, B zeros), each drawn from a
@@ -26,6 +27,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from meshtrain.config import ConfigError, LoraSettings, ModelConfig, TrainingConfig
 from meshtrain.distributed.tensor_parallel import ParameterSharding
@@ -64,9 +66,18 @@ class LoraLayer:
         self.scaling = scaling
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """PEFT's `base(x) + lora_B(lora_A(dropout(x))) * scaling`, with the scaling on the
+        rank-r intermediate and B's product added in place of a separate sum: the same
+        value to rounding, without two passes over the layer's whole output (on CPU at
+        110M they cost a quarter of the frozen layer's forward and backward)."""
         result = super().forward(x)  # type: ignore[misc]
         adapter_in = self.lora_dropout(x).to(self.lora_A.weight.dtype)
-        return result + self.lora_B(self.lora_A(adapter_in)).to(result.dtype) * self.scaling
+        low_rank = self.lora_A(adapter_in) * self.scaling
+        if isinstance(result, DTensor):  # sharded: DTensor's rules for linear and add
+            return result + self.lora_B(low_rank).to(result.dtype)
+        rows = result.flatten(0, -2)
+        b = self.lora_B.weight.t().to(result.dtype)
+        return torch.addmm(rows, low_rank.flatten(0, -2).to(result.dtype), b).view_as(result)
 
 
 @functools.cache
