@@ -137,6 +137,9 @@ def test_pretraining_blocks_score_every_next_token(tiny_blocks):
     expected = F.cross_entropy(logits[:, :-1].reshape(-1, TINY_VOCAB), ids[:, 1:].reshape(-1))
     assert got["val_tokens"] == 8 * 31 and got["val_blocks"] == 8
     assert got["val_loss"] == pytest.approx(expected.item(), rel=1e-5)
+    # Scored in chunks of 40 tokens (the last one short), as a large vocabulary would be.
+    chunked = validation_loss(model, tiny_blocks["validation"], 8, 1, chunk_tokens=40)
+    assert chunked["val_loss"] == pytest.approx(expected.item(), rel=1e-5)
 
 
 def test_chat_samples_are_prompt_reference_and_response(chat_tokenizer):

@@ -139,6 +139,12 @@ def add_plan_parser(commands: Any) -> None:
     plan.add_argument(
         "--bf16", action="store_const", const="bf16", dest="precision", help="--precision bf16"
     )
+    plan.add_argument(
+        "--loss-chunk-tokens",
+        default="auto",
+        help="training.loss_chunk_tokens: tokens the LM head and loss take at a time (0: the "
+        "whole microbatch's logits at once; default auto)",
+    )
     plan.add_argument("--memory-margin", type=float, default=0.1)
     plan.add_argument("--json", action="store_true", help="print plan.json's content instead")
 

@@ -72,6 +72,9 @@ class Layout:
     sharded_data_parallel_degree: int = 1
     # LoRA's rank (0: full fine-tuning): the base frozen, only adapters trained.
     lora_rank: int = 0
+    # The loss over chunks of this many trained tokens, never the whole logits (0: over
+    # the whole logits); `training.loss_chunk_tokens` as the planner resolved it.
+    loss_chunk_tokens: int = 0
 
     @property
     def sharded(self) -> bool:
@@ -156,6 +159,10 @@ class TrainingConfig:
     # (torch's default: MKL on x86-64), or auto: oneDNN on x86-64 CPUs with AVX-512 not
     # made by Intel, where MKL stays on AVX2 (models/cpu_linear.py). Accelerators ignore it.
     cpu_matmul: Literal["auto", "onednn", "blas"] = AUTO
+    # The LM head and cross-entropy over chunks of this many tokens, so that the logits of
+    # a whole microbatch never exist (models/head_loss.py); 0: over the whole logits, as
+    # Hugging Face does; auto: the planner's choice for the vocabulary and device.
+    loss_chunk_tokens: int | Literal["auto"] = AUTO
     max_steps: int = 200
     seed: int = 42
     # no: fp32 throughout. bf16: autocast over fp32 parameters (matmuls in bf16).

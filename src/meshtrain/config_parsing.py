@@ -189,12 +189,12 @@ RangeRow = tuple[str, Bound, str]
 
 def out_of_range(config: Any, rows: tuple[RangeRow, ...]) -> list[str]:
     """The refusals of `config`'s fields outside their bounds, in the rows' order; a
-    field at None (an optional one left unset) is never out of range."""
+    field at None (an optional one left unset) or `auto` is never out of range."""
     defaults = {f.name: f.default for f in dataclasses.fields(config)}
     problems = []
     for name, bound, message in rows:
         value = getattr(config, name)
-        if value is not None and not bound.holds(value):
+        if value is not None and value != "auto" and not bound.holds(value):
             problems.append(message.format(value=value, default=defaults[name]))
     return problems
 

@@ -71,6 +71,12 @@ TRAINING_RANGES: tuple[RangeRow, ...] = (
         Bound(low=0),
         "`training.eval_batches` is {value}; use 0 (no validation) or more, e.g. 8.",
     ),
+    (
+        "loss_chunk_tokens",
+        Bound(low=0),
+        "`training.loss_chunk_tokens` is {value}; use the tokens the LM head and loss take "
+        "at a time, e.g. 2048, 0 for the whole microbatch at once, or auto.",
+    ),
 )
 
 

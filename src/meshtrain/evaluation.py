@@ -23,14 +23,15 @@ from typing import Any
 import datasets
 import numpy as np
 import torch
-import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from meshtrain.checkpoint.consolidate.lora import adapter_base, is_adapter_folder
 from meshtrain.config import ConfigError, EvaluationConfig
-from meshtrain.data.batch import IGNORE_INDEX, TokenBatch, next_token_labels
+from meshtrain.data.batch import TokenBatch, next_token_labels
 from meshtrain.data.blocks import PACKED_COLUMNS, is_packed
+from meshtrain.models.head_loss import linear_cross_entropy_sum
 from meshtrain.models.packed_attention import packed_causal_mask
+from meshtrain.planner.loss_memory import auto_loss_chunk_tokens
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Room left on a GPU beside the weights (activations, the KV cache of the samples).
@@ -111,27 +112,32 @@ def token_batches(
         yield TokenBatch(input_ids, labels, positions)
 
 
-def summed_loss(model, batch: TokenBatch) -> float:
+def summed_loss(model, batch: TokenBatch, chunk_tokens: int | None = None) -> float:
     """The summed cross-entropy of the batch's targets. Packed examples attend only
-    inside themselves, with their own positions, so each scores as it would alone."""
+    inside themselves, with their own positions, so each scores as it would alone.
+
+    The LM head and the loss run chunk by chunk (`models.head_loss`), as in training:
+    a long block's logits over a large vocabulary are never held whole (`chunk_tokens`:
+    None for the planner's `auto` choice)."""
     batch = batch.to(input_device(model))
     inputs: dict[str, torch.Tensor] = {"input_ids": batch.input_ids}
     if batch.position_ids is not None:
         inputs["position_ids"] = batch.position_ids
         inputs["attention_mask"] = packed_causal_mask(batch.position_ids)
-    logits = model(**inputs).logits
-    loss = F.cross_entropy(
-        logits.flatten(0, 1).float(),
-        batch.labels.flatten().to(logits.device),
-        ignore_index=IGNORE_INDEX,
-        reduction="sum",
-    )
+    hidden = model.get_decoder()(**inputs, use_cache=False).last_hidden_state
+    head = model.get_output_embeddings().weight
+    chunk = chunk_tokens or auto_loss_chunk_tokens(head.shape[0], 1, batch.input_ids.numel())
+    loss = linear_cross_entropy_sum(hidden, head, batch.labels.to(hidden.device), chunk)
     return loss.item()
 
 
 @torch.no_grad()
 def validation_loss(
-    model, validation: datasets.Dataset, batch_size: int, max_batches: int | None
+    model,
+    validation: datasets.Dataset,
+    batch_size: int,
+    max_batches: int | None,
+    chunk_tokens: int | None = None,
 ) -> dict[str, Any]:
     """Mean loss per trained token, and perplexity, over the validation blocks (of
     fine-tuning blocks only the tokens `data.loss_on` trains count, as in training).
@@ -144,7 +150,7 @@ def validation_loss(
     loss_sum, tokens = 0.0, 0
     started = time.perf_counter()
     for batch in token_batches(validation, batch_size, count):
-        loss_sum += summed_loss(model, batch)
+        loss_sum += summed_loss(model, batch, chunk_tokens)
         tokens += batch.trained_tokens
     eval_seconds = time.perf_counter() - started
     if tokens == 0:

@@ -104,14 +104,14 @@ def _block_rows(blocks: datasets.Dataset, indices: list[int]) -> list[dict[str, 
     return [rows[i] for i in range(len(indices))]
 
 
-def packed_reference_run(blocks: datasets.DatasetDict, fields: dict[str, Any]):
+def packed_reference_run(blocks: datasets.DatasetDict, fields: dict[str, Any], steps: int = STEPS):
     """One process, every example alone: the losses per step and the final weights."""
     config = build_model_config("llama", fields, vocab_size=TINY_VOCAB)
     model = build_model(config, seed=TRAINING["seed"])
-    optimizer, schedule = reference_optimizer(model)
+    optimizer, schedule = reference_optimizer(model, steps)
     sampler = GlobalBatchSampler(len(blocks["train"]), GLOBAL_BATCH, TRAINING["seed"])
     losses = []
-    for step in range(STEPS):
+    for step in range(steps):
         total, count = torch.zeros(()), 0
         for block in _block_rows(blocks["train"], sampler.global_indices(step)):
             for ids, mask in examples_of(block):

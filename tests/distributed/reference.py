@@ -54,15 +54,15 @@ TRAINING = {
 
 
 def reference_run(
-    blocks: datasets.DatasetDict, architecture: str, fields: dict[str, Any]
+    blocks: datasets.DatasetDict, architecture: str, fields: dict[str, Any], steps: int = STEPS
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     config = build_model_config(architecture, fields, vocab_size=TINY_VOCAB)
     model = build_model(config, seed=TRAINING["seed"])
-    optimizer, schedule = reference_optimizer(model)
+    optimizer, schedule = reference_optimizer(model, steps)
     store = BlockStore(arrow_files(blocks["train"]))
     sampler = GlobalBatchSampler(len(store), GLOBAL_BATCH, TRAINING["seed"])
     losses = []
-    for step in range(STEPS):
+    for step in range(steps):
         ids = store.batch(sampler.global_indices(step))
         logits = model(input_ids=ids).logits
         loss = F.cross_entropy(logits[:, :-1].reshape(-1, TINY_VOCAB), ids[:, 1:].reshape(-1))
@@ -104,8 +104,8 @@ def reference_step(model: torch.nn.Module, loss: torch.Tensor, optimizer, schedu
 class References:
     """`reference_run` once per (architecture, model fields) for the cases of one test."""
 
-    def __init__(self, blocks: datasets.DatasetDict) -> None:
-        self.blocks = blocks
+    def __init__(self, blocks: datasets.DatasetDict, steps: int = STEPS) -> None:
+        self.blocks, self.steps = blocks, steps
         self._runs: dict[tuple, tuple[list[float], dict[str, torch.Tensor]]] = {}
 
     def __call__(
@@ -113,7 +113,7 @@ class References:
     ) -> tuple[list[float], dict[str, torch.Tensor]]:
         key = (architecture, tuple(sorted(fields.items())))
         if key not in self._runs:
-            self._runs[key] = reference_run(self.blocks, architecture, fields)
+            self._runs[key] = reference_run(self.blocks, architecture, fields, self.steps)
         return self._runs[key]
 
 
@@ -197,7 +197,7 @@ def assert_matches_reference(
 ) -> None:
     """Losses per step and the consolidated weights agree with one process to 1e-5 relative."""
     losses = [loss for _, loss in summary["losses"]]
-    assert len(losses) == STEPS, name
+    assert len(losses) == len(expected_losses), name
     for step, (got, want) in enumerate(zip(losses, expected_losses, strict=True)):
         assert abs(got - want) / abs(want) <= 1e-5, f"{name} step {step}: {got} vs {want}"
     consolidate_checkpoint(summary["final_checkpoint"], consolidated_dir)

@@ -156,8 +156,9 @@ class PipelineRunner:
         *,
         schedule: str,
         num_microbatches: int,
-        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     ) -> None:
+        """The last stage's module scores its microbatch itself (it is handed the labels)
+        and returns the summed loss, which the schedule's loss function only scales."""
         group = mesh.get_group("pp")
         self.stages = [
             PipelineStage(module, stage_id, num_stages, device, group=group)
@@ -167,7 +168,6 @@ class PipelineRunner:
         self.holds_last = num_stages - 1 in stage_ids
         self.num_microbatches = num_microbatches
         self.loss_scale = 1.0
-        self._loss_fn = loss_fn
         schedule_class = SCHEDULES[schedule]
         stages: Any = self.stages if schedule == "interleaved_1f1b" else self.stages[0]
         self.schedule = schedule_class(
@@ -175,18 +175,19 @@ class PipelineRunner:
         )
         self.recorder = SpanRecorder(self.stages)
 
-    def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return self._loss_fn(output, target) * self.loss_scale
+    def _scaled_loss(self, loss_sum: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return loss_sum * self.loss_scale
 
     def _run(self, method: Callable, batch: TokenBatch) -> list[torch.Tensor]:
         losses: list[torch.Tensor] = []
         args = (batch.input_ids,) if self.holds_first else ()
         target = batch.labels if self.holds_last else None
-        # Packed examples' positions go to every stage (keyword inputs are not sent along
-        # the pipeline; each rank cuts its own copy into the same microbatches).
-        inputs = {} if batch.position_ids is None else {"position_ids": batch.position_ids}
-        # return_outputs=False: the last stage would otherwise keep every microbatch's
-        # logits until the step ends, only to hand back what the losses already say.
+        # The labels (and packed examples' positions) go to every stage as keyword inputs,
+        # which are not sent along the pipeline: each rank cuts its own copy into the same
+        # microbatches, and the last stage scores its microbatch with them.
+        inputs = {"labels": batch.labels}
+        if batch.position_ids is not None:
+            inputs["position_ids"] = batch.position_ids
         method(*args, target=target, losses=losses, return_outputs=False, **inputs)
         return losses
 

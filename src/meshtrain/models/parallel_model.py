@@ -12,7 +12,6 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
@@ -20,27 +19,11 @@ from torch.profiler import record_function
 from transformers import PretrainedConfig
 
 from meshtrain.config import Layout
-from meshtrain.data.batch import IGNORE_INDEX, TokenBatch
+from meshtrain.data.batch import TokenBatch
 from meshtrain.distributed.parallel_dims import ParallelDims
 from meshtrain.distributed.pipeline_parallel import PipelineRunner, SharedWeightSync
 from meshtrain.distributed.tensor_parallel import ParameterSharding, TensorParallelGradSync
 from meshtrain.models.packed_attention import packed_causal_mask
-
-
-def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Summed next-token cross-entropy over the trained positions of the batch, in fp32.
-
-    A sum, not a mean: the run divides by the trained tokens of the whole global batch, so
-    microbatches, accumulation steps and ranks with unequal numbers of trained tokens
-    weigh each token equally (a mean of per-microbatch means would not). The labels come
-    shifted, so vocabulary-sharded DTensor logits go through unchanged.
-    """
-    return F.cross_entropy(
-        logits.flatten(0, 1).float(),
-        labels.flatten(),
-        ignore_index=IGNORE_INDEX,
-        reduction="sum",
-    )
 
 
 def attention_inputs(batch: TokenBatch) -> dict[str, torch.Tensor | None]:
@@ -76,7 +59,8 @@ class ParallelModel:
     tied_copies: dict[str, str] = field(default_factory=dict)
 
     def loss_context(self) -> AbstractContextManager:
-        # Cross-entropy on vocabulary-sharded logits: the full logits never exist on one rank.
+        # The unchunked cross-entropy on vocabulary-sharded logits: the full logits never
+        # exist on one rank (the chunked loss combines the shards itself).
         return loss_parallel() if self.dims.tp > 1 else nullcontext()
 
     def set_training(self, training: bool) -> None:
@@ -103,11 +87,9 @@ class ParallelModel:
         return as_local(loss.detach())
 
     def _loss_sum(self, batch: TokenBatch) -> torch.Tensor:
-        # The logits go out of scope here: backward needs only log-softmax's output, so
-        # not holding them saves a (batch x sequence x vocabulary) tensor at the peak.
         with self.autocast():
-            logits = self.modules[0](input_ids=batch.input_ids, **attention_inputs(batch)).logits
-        return token_loss_sum(logits, batch.labels)
+            loss = self.modules[0](batch.input_ids, batch.labels, **attention_inputs(batch))
+        return as_local(loss)
 
     @torch.no_grad()
     def eval_batch(self, batch: TokenBatch) -> torch.Tensor:

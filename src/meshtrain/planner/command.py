@@ -49,6 +49,7 @@ def run_plan(args: argparse.Namespace) -> int:
                 "per_device_train_batch_size": args.micro_batch_size,
                 "global_batch_size": args.global_batch,
                 "mixed_precision": args.precision,
+                "loss_chunk_tokens": _chunk(getattr(args, "loss_chunk_tokens", AUTO)),
             },
             launch={
                 "nproc_per_node": per_node,
@@ -76,6 +77,10 @@ def run_plan(args: argparse.Namespace) -> int:
     else:
         print(describe(plan, args))
     return 0
+
+
+def _chunk(value: str) -> int | str:
+    return int(value) if str(value).isdigit() else value
 
 
 def _per_node(device: str) -> int:
@@ -109,7 +114,7 @@ def describe(plan: Plan, args: argparse.Namespace) -> str:
     if memory.get("gathered"):
         parts.insert(3, "gathered")
     for part in parts:
-        lines.append(f"    {part:22} {memory.get(part, 0) / GIB:8.2f} GiB")
+        lines.append(f"    {part:22} {memory.get(part, 0) / GIB:8.2f} GiB{_note(plan, part)}")
     lines.append(
         f"  step {time['step_s']:.2f} s, {time['tokens_per_s']:,.0f} tokens/s: "
         + ", ".join(f"{k[:-2].replace('_', ' ')} {time[k]:.2f} s" for k in TIME_PARTS if k in time)
@@ -136,6 +141,13 @@ def describe(plan: Plan, args: argparse.Namespace) -> str:
     for note in plan.notes:
         lines.append(f"note: {note}")
     return "\n".join(lines)
+
+
+def _note(plan: Plan, part: str) -> str:
+    if part != "loss":
+        return ""
+    chunk = plan.layout.loss_chunk_tokens
+    return f"  (in chunks of {chunk:,} tokens)" if chunk else "  (over the whole logits)"
 
 
 TIME_PARTS = ("compute_s", "tensor_parallel_s", "pipeline_s", "data_parallel_s", "optimizer_s")

@@ -30,6 +30,7 @@ from meshtrain.planner.checks import (
 )
 from meshtrain.planner.cost import estimate_step_time, model_flops_per_token
 from meshtrain.planner.devices import DeviceProfile
+from meshtrain.planner.loss_memory import auto_loss_chunk_tokens
 from meshtrain.planner.memory import (
     ModelShape,
     StepShape,
@@ -163,8 +164,20 @@ def resolve_layout(run: RunConfig, context: PlanContext) -> tuple[Layout, str, l
         activation_checkpointing=par.activation_checkpointing,
         activation_offloading=par.activation_offloading,
         lora_rank=lora.r if (lora := run.model.lora_settings) else 0,
+        loss_chunk_tokens=resolve_loss_chunk(run, tp, pipeline.microbatches, model_config),
     )
     return layout, backend, notes
+
+
+def resolve_loss_chunk(
+    run: RunConfig, tp: int, microbatches: int, model_config: PretrainedConfig
+) -> int:
+    """`training.loss_chunk_tokens`, `auto` resolved for this layout's microbatch."""
+    chunk = run.training.loss_chunk_tokens
+    if chunk != AUTO:
+        return chunk
+    tokens = run.training.per_device_train_batch_size // microbatches * run.data.block_size
+    return auto_loss_chunk_tokens(model_config.vocab_size, tp, tokens)
 
 
 def _step_shape(run: RunConfig, layout: Layout, context: PlanContext) -> StepShape:
@@ -210,6 +223,7 @@ def _layout_step_shape(run: RunConfig, layout: Layout, context: PlanContext) -> 
         grad_reduce_bf16=run.training.grad_reduce_dtype == "bf16",
         offload_effective=layout.activation_offloading and context.device.name != "cpu",
         sharded=layout.sharded_data_parallel_degree,
+        loss_chunk_tokens=layout.loss_chunk_tokens,
         # The profile times the layers a converter runs on that converter's table.
         converters=converter_names(
             run.training,

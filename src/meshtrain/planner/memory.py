@@ -26,15 +26,17 @@ the model can be checked one to one against the measured peak of live tensors
 - full activation checkpointing keeps each layer's input and, in backward,
   one layer's activations at a time; selective keeps the matmul and
   attention outputs and recomputes norms, rotary and the gated activation;
-- the loss: log-softmax over the vocabulary (sharded by tp) is kept, and its
-  backward needs two more such tensors (one under tensor parallelism, whose
-  fused vocabulary-parallel loss writes the gradient once);
+- the loss (`planner.loss_memory`): over the whole logits, log-softmax over the
+  vocabulary (sharded by tp) is kept, and its backward needs two more such
+  tensors (one under tensor parallelism, whose fused vocabulary-parallel loss
+  writes the gradient once); chunked, the gradients of the hidden states and
+  the LM head's weight are kept, and one chunk's logits are worked on at a time;
 - tied embeddings over pipeline stages: the last stage's LM head is a copy of
   the embedding, with its own gradient and (under ZeRO-1, its share of) AdamW
   moments;
 - pipeline schedules: GPipe keeps every microbatch's activations, 1F1B at
   most `pp - stage` on a stage, interleaved 1F1B its warm-up depth in model
-  chunks (torch's schedule); the last stage keeps the logits of each
+  chunks (torch's schedule); the last stage keeps the loss's share of each
   microbatch in flight until its backward.
 
 Outside the step the estimate adds what the process holds before the model
@@ -81,6 +83,7 @@ from meshtrain.models.llama.parameter_names import (
     is_kv_projection,
     is_tensor_parallel_sharded,
 )
+from meshtrain.planner.loss_memory import head_keeps_its_input, loss_bytes
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -202,6 +205,8 @@ class StepShape:
     frozen_base: bool = False
     adapter_bytes_per_token: float = 0.0
     unsaved_elements: float = 0.0
+    # The loss over chunks of this many tokens (0: over the whole logits; planner/loss_memory).
+    loss_chunk_tokens: int = 0
 
     @property
     def parameter_bytes(self) -> int:
@@ -591,25 +596,20 @@ def _activations_on_rank(
         # The stage output kept by the schedule until its backward (a copy of the residual).
         per_microbatch += tokens * h / shard * stream
     if holds_last:
-        # Final norm: its input and normed input (sharded under SP), its output whole.
-        norm_bytes = 2 * kept_bytes * h / shard + stream * h
+        # Final norm: its input and normed input (sharded under SP), and its output whole
+        # where the LM head's matmul keeps it.
+        norm_bytes = 2 * kept_bytes * h / shard + (stream * h if head_keeps_its_input(step) else 0)
         per_microbatch += tokens * norm_bytes / chunks
     activations = int(per_microbatch * in_flight_microbatches(step, rank))
 
-    # Two moments of the backward, whichever is higher: its start at the loss (log-softmax
-    # kept per microbatch in flight, plus one (tp: fused) or two more vocabulary-wide
-    # tensors), or inside a layer (a recomputed layer and the gradients of its activations).
-    logits = tokens * m.vocab / t * BYTES_FP32
-    kept_logits = 0
-    at_loss = 0
-    if holds_last:
-        # Under pp the schedule also keeps each microbatch's logits until its backward.
-        kept_logits = int((2 if step.pp > 1 else 1) * logits * _last_stage_in_flight(step))
-        at_loss = int((1 if t > 1 else 2) * logits)
-    in_layer = int(recomputed + _backward_working_set(m, step, tokens)) - (
-        int(logits) if holds_last else 0
-    )
-    return activations + max(0, in_layer - at_loss), kept_logits + at_loss
+    # Two moments of the backward, whichever is higher: its start at the loss (what the
+    # loss keeps per microbatch in flight, plus its working set), or inside a layer (a
+    # recomputed layer and the gradients of its activations, one microbatch's loss share
+    # gone).
+    kept_loss, at_loss = loss_bytes(m, step, tokens) if holds_last else (0, 0)
+    in_layer = int(recomputed + _backward_working_set(m, step, tokens)) - kept_loss
+    kept_losses = kept_loss * _last_stage_in_flight(step)
+    return activations + max(0, in_layer - at_loss), kept_losses + at_loss
 
 
 def _last_stage_in_flight(step: StepShape) -> int:

@@ -57,7 +57,7 @@ def log_plan(plan: dict[str, Any], run_config: dict[str, Any]) -> None:
     """Log the resolved layout and the run's parameters, name the run after the layout.
 
     The `parallel.*` params hold the planner's resolved values (never `auto`), and so
-    do the per-device batch and accumulation steps (with `training.global_batch_size`
+    do the per-device batch, accumulation steps and loss chunk (with `training.global_batch_size`
     the planner splits the batch per layout), so runs with different layouts compare
     column by column in the MLflow UI. Safe to call twice with the same plan (MLflow
     accepts identical re-logs).
@@ -65,7 +65,12 @@ def log_plan(plan: dict[str, Any], run_config: dict[str, Any]) -> None:
     if mlflow.active_run() is None:
         return
     params = flatten({k: v for k, v in run_config.items() if k != "parallel"})
-    params.update(flatten({"parallel": plan["layout"]}))
+    layout = dict(plan["layout"])
+    # A training.* value the planner resolves with the layout (`auto`: the vocabulary's).
+    chunk = layout.pop("loss_chunk_tokens", None)
+    params.update(flatten({"parallel": layout}))
+    if chunk is not None:
+        params["training.loss_chunk_tokens"] = str(chunk)
     for key in ("per_device_train_batch_size", "gradient_accumulation_steps"):
         if plan.get(key):  # plans written before the planner split the batch lack them
             params[f"training.{key}"] = str(plan[key])

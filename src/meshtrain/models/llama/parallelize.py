@@ -19,7 +19,6 @@ from contextlib import AbstractContextManager
 import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
-from torch.distributed.tensor import DTensor, Shard
 from transformers import PretrainedConfig
 
 from meshtrain.config import Layout
@@ -43,11 +42,11 @@ from meshtrain.distributed.tensor_parallel import (
 )
 from meshtrain.models.converters import ModelConverter
 from meshtrain.models.llama.parameter_names import EMBEDDING, LM_HEAD, stored_name
-from meshtrain.models.llama.stage import LlamaStage
+from meshtrain.models.llama.stage import LlamaStage, WholeModel
 from meshtrain.models.llama.tensor_parallel import apply_tensor_parallel, decoder_layers
 from meshtrain.models.llama.weights import WeightSource, materialize
 from meshtrain.models.lora import LoraConverter
-from meshtrain.models.parallel_model import ParallelModel, as_local, token_loss_sum
+from meshtrain.models.parallel_model import ParallelModel
 
 
 def parallelize(
@@ -217,7 +216,7 @@ def pipeline_stages(
 ) -> tuple[list[int], list[nn.Module]]:
     """This rank's stage ids and modules (the whole model, id-less, without pp)."""
     if dims.pp == 1:
-        return [], [model]
+        return [], [WholeModel(model, loss_chunk_tokens=layout.loss_chunk_tokens)]
     stage_ids = stage_ids_of_rank(dims.pp_rank, dims.pp, layout.pipeline_parallel_virtual_stages)
     ranges = stage_layer_ranges(layout.pipeline_parallel_layers)
     last = layout.num_stages - 1
@@ -230,6 +229,7 @@ def pipeline_stages(
             is_last=i == last,
             tp_mesh=tp_mesh,
             sequence_parallel=layout.sequence_parallel,
+            loss_chunk_tokens=layout.loss_chunk_tokens,
         )
         for i in stage_ids
     ]
@@ -271,14 +271,7 @@ def pipeline_runner(
     layout: Layout,
     device: torch.device,
 ) -> PipelineRunner:
-    """The schedule over this rank's stages; the last stage scores its logits."""
-    tp_mesh = dims.mesh["tp"]
-
-    def last_stage_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        if dims.tp > 1:  # the stage handed over its vocabulary shard of the logits
-            logits = DTensor.from_local(logits, tp_mesh, [Shard(-1)], run_check=False)
-        return as_local(token_loss_sum(logits, labels))
-
+    """The schedule over this rank's stages; the last stage's output is its summed loss."""
     return PipelineRunner(
         modules,
         stage_ids,
@@ -287,5 +280,4 @@ def pipeline_runner(
         device,
         schedule=layout.pipeline_schedule,
         num_microbatches=layout.pipeline_parallel_num_microbatches,
-        loss_fn=last_stage_loss,
     )

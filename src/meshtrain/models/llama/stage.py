@@ -1,4 +1,5 @@
-"""A pipeline stage of a Llama-family model, keeping the Hugging Face parameter names."""
+"""What one rank runs of a Llama-family model, keeping the Hugging Face parameter names:
+a pipeline stage, or the whole model; the one that holds the LM head scores its tokens."""
 
 from __future__ import annotations
 
@@ -7,7 +8,42 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from meshtrain.models.head_loss import head_loss
 from meshtrain.models.packed_attention import packed_causal_mask
+
+
+class WholeModel(nn.Module):
+    """A Hugging Face causal LM without pipeline parallelism: its decoder and LM head
+    under their own names, with a forward that returns the summed loss of the labels.
+
+    The loss is part of the forward so that everything wrapping the model (FSDP2's
+    gathers of the LM head, in particular) sees it used there, and so that the chunked
+    loss never needs the logits (`models.head_loss`).
+    """
+
+    def __init__(self, model: nn.Module, *, loss_chunk_tokens: int) -> None:
+        super().__init__()
+        self.config = model.config
+        self.model = model.model
+        self.lm_head = model.lm_head
+        self.loss_chunk_tokens = loss_chunk_tokens
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`position_ids`, `attention_mask`: those of packed examples (none: one sequence
+        per row, causal)."""
+        hidden = self.model(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            attention_mask=attention_mask,
+            use_cache=False,
+        ).last_hidden_state
+        return head_loss(hidden, self.lm_head, labels, self.loss_chunk_tokens)
 
 
 class LlamaStage(nn.Module):
@@ -17,8 +53,8 @@ class LlamaStage(nn.Module):
     every stage holds the rotary embedding (no parameters) and computes the
     positions of the whole block itself. Between stages travel plain tensors:
     with sequence parallelism, this rank's sequence shard, rewrapped as a
-    DTensor on arrival. The last stage returns its vocabulary shard of the
-    logits for `loss_parallel`.
+    DTensor on arrival. The last stage returns the summed loss of the labels
+    it is given (`models.head_loss`).
     """
 
     def __init__(
@@ -30,9 +66,11 @@ class LlamaStage(nn.Module):
         is_last: bool,
         tp_mesh: DeviceMesh | None = None,
         sequence_parallel: bool = False,
+        loss_chunk_tokens: int = 0,
     ) -> None:
         """`tp_mesh`, `sequence_parallel`: how the stage's input arrives from the one
-        before (this rank's sequence shard, under sequence parallelism)."""
+        before (this rank's sequence shard, under sequence parallelism).
+        `loss_chunk_tokens`: the last stage's loss chunk (0: over the whole logits)."""
         super().__init__()
         self.config = model.config
         self.is_first, self.is_last = is_first, is_last
@@ -46,12 +84,17 @@ class LlamaStage(nn.Module):
             self.lm_head = model.lm_head
         self.tp_mesh = tp_mesh
         self.sequence_parallel = sequence_parallel and tp_mesh is not None
+        self.loss_chunk_tokens = loss_chunk_tokens
 
     def forward(
-        self, inputs: torch.Tensor, position_ids: torch.Tensor | None = None
+        self,
+        inputs: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`position_ids`: packed examples' positions (restarting per example), which also
-        keep attention inside each example; None: one sequence per row."""
+        keep attention inside each example; None: one sequence per row. `labels`: the
+        targets the last stage scores (every stage is handed them)."""
         if self.is_first:
             hidden = self.model.embed_tokens(inputs)
         elif self.sequence_parallel:
@@ -72,5 +115,5 @@ class LlamaStage(nn.Module):
                 position_embeddings=position_embeddings,
             )
         if self.is_last:
-            hidden = self.lm_head(self.model.norm(hidden))
+            return head_loss(self.model.norm(hidden), self.lm_head, labels, self.loss_chunk_tokens)
         return hidden.to_local() if isinstance(hidden, DTensor) else hidden

@@ -1,0 +1,206 @@
+"""The LM head and its loss: summed next-token cross-entropy, whole or chunk by chunk.
+
+A microbatch's logits are `tokens x vocabulary`: at Llama 3's 128,256 tokens and
+8,192 tokens per microbatch, 4 GiB in fp32 before the loss keeps its own copies.
+`linear_cross_entropy_sum` never builds them: it runs the head's matmul, the
+log-sum-exp and the gradients of the logits one chunk of tokens at a time, and
+keeps only the gradients of the hidden states and of the head's weight (which the
+backward would produce anyway), so the loss's working set is one chunk's.
+
+The gradients are computed in the forward (Liger Kernel's and Cut Cross-Entropy's
+choice): recomputing the chunk's logits in the backward would add a third head
+matmul, and at large vocabularies the head is most of the model's FLOPs.
+
+Under tensor parallelism the head's weight is vocabulary-sharded (Megatron's
+vocabulary-parallel loss): each rank scores its rows of the vocabulary, and the
+maximum, the sum of exponentials and the target's logit are combined over the tp
+group per chunk; the hidden states' gradient is a partial sum over the tp ranks,
+which DTensor reduces on its way back (reduce-scattered under sequence parallelism).
+
+Precision follows the unchunked loss: the logits in the compute dtype (bf16 under
+autocast or bf16 parameters), the log-sum-exp and the logits' gradient in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate
+
+from meshtrain.data.batch import IGNORE_INDEX
+
+
+def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed next-token cross-entropy over the trained positions of the batch, in fp32.
+
+    A sum, not a mean: the run divides by the trained tokens of the whole global batch, so
+    microbatches, accumulation steps and ranks with unequal numbers of trained tokens
+    weigh each token equally (a mean of per-microbatch means would not). The labels come
+    shifted, so vocabulary-sharded DTensor logits go through unchanged.
+    """
+    return F.cross_entropy(
+        logits.flatten(0, 1).float(),
+        labels.flatten(),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+    )
+
+
+def head_loss(
+    hidden: torch.Tensor, lm_head: nn.Linear, labels: torch.Tensor, chunk_tokens: int
+) -> torch.Tensor:
+    """Summed loss of the final hidden states (batch, sequence, hidden) through `lm_head`:
+    chunk by chunk of `chunk_tokens` trained tokens, or (0) through the whole logits.
+
+    Unchunked under tensor parallelism it needs `loss_parallel` around it, as the
+    whole logits are vocabulary-sharded DTensors; the chunked loss needs nothing."""
+    if chunk_tokens > 0:
+        return linear_cross_entropy_sum(hidden, lm_head.weight, labels, chunk_tokens)
+    loss = token_loss_sum(lm_head(hidden), labels)
+    return loss.full_tensor() if isinstance(loss, DTensor) else loss
+
+
+def linear_cross_entropy_sum(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_tokens: int
+) -> torch.Tensor:
+    """`token_loss_sum(hidden @ weight.T, labels)` without the logits of more than
+    `chunk_tokens` tokens at once; ignored positions cost nothing.
+
+    `weight` is the head's (vocabulary, hidden) weight, a plain tensor or a DTensor
+    sharded on the vocabulary over the tp mesh; `hidden` then arrives replicated or
+    sequence-sharded over that mesh (a DTensor), or as a plain tensor every tp rank
+    holds whole."""
+    group, vocab_start = None, 0
+    if isinstance(weight, DTensor):
+        mesh = weight.device_mesh
+        group, vocab_start = mesh.get_group(), vocabulary_start(weight)
+        if not isinstance(hidden, DTensor):
+            hidden = DTensor.from_local(hidden, mesh, [Replicate()], run_check=False)
+        # Gathered whole on every rank; its gradient is each rank's vocabulary share.
+        hidden = hidden.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()])
+        weight = weight.to_local()
+    device = hidden.device.type
+    compute = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+    return _ChunkedLinearCrossEntropy.apply(
+        hidden.flatten(0, 1),
+        weight,
+        labels.flatten(),
+        chunk_tokens,
+        compute or weight.dtype,
+        vocab_start,
+        group,
+    )
+
+
+def vocabulary_start(weight: DTensor) -> int:
+    """The first vocabulary row of this rank's shard of a vocabulary-sharded weight
+    (DTensor's Shard(0): chunks of ceil(vocabulary / tp) rows, the last ones shorter)."""
+    mesh = weight.device_mesh
+    rows = -(-weight.shape[0] // mesh.size())
+    return min(mesh.get_local_rank() * rows, weight.shape[0])
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """Forward: the summed loss, and the gradients of hidden and weight as if the loss's
+    own gradient were 1. Backward: those, times the gradient that arrives."""
+
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx,
+        hidden: torch.Tensor,  # (tokens, hidden)
+        weight: torch.Tensor,  # (vocabulary rows of this rank, hidden)
+        labels: torch.Tensor,  # (tokens,), IGNORE_INDEX where not trained
+        chunk_tokens: int,
+        compute: torch.dtype,
+        vocab_start: int,
+        group: dist.ProcessGroup | None,
+    ) -> torch.Tensor:
+        needs_hidden, needs_weight = ctx.needs_input_grad[:2]
+        trained = (labels != IGNORE_INDEX).nonzero().squeeze(1)
+        all_trained = trained.numel() == labels.numel()
+        rows = hidden if all_trained else hidden.index_select(0, trained)
+        targets = labels if all_trained else labels.index_select(0, trained)
+        w = weight.to(compute)
+        grads = _HeadGradients(
+            hidden if needs_hidden else None, weight if needs_weight else None, trained.numel()
+        )
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        with torch.autocast(hidden.device.type, enabled=False):
+            for start in range(0, rows.shape[0], chunk_tokens):
+                chunk = slice(start, start + chunk_tokens)
+                h = rows[chunk].to(compute)
+                loss, grad_logits = _chunk_loss(h @ w.T, targets[chunk], vocab_start, group)
+                total += loss
+                grads.add(chunk, grad_logits.to(compute), h, w)
+        ctx.grad_hidden = grads.hidden_of(trained, all_trained)
+        ctx.grad_weight = grads.weight_of(weight.dtype)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):  # noqa: ANN205 (autograd's signature)
+        grads = []
+        for grad in (ctx.grad_hidden, ctx.grad_weight):
+            grads.append(None if grad is None else grad.mul_(grad_loss.to(grad.dtype)))
+        ctx.grad_hidden = ctx.grad_weight = None
+        return (*grads, None, None, None, None, None)
+
+
+def _chunk_loss(
+    logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, group: dist.ProcessGroup | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed cross-entropy, its gradient with respect to the logits, fp32) of one chunk
+    whose logits hold the vocabulary rows from `vocab_start` (the whole vocabulary
+    without a tp `group`). The fp32 logits are overwritten by their gradient."""
+    z = logits.float()  # the same tensor when the logits are fp32
+    local = targets - vocab_start
+    mine = (local >= 0) & (local < z.shape[1])
+    local = local.clamp(0, z.shape[1] - 1).unsqueeze(1)
+    target_logit = z.gather(1, local).squeeze(1).masked_fill_(~mine, 0.0)
+    top = z.max(dim=1).values
+    if group is not None:
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+    z.sub_(top.unsqueeze(1)).exp_()
+    sums = z.sum(dim=1)
+    if group is not None:
+        dist.all_reduce(sums, group=group)
+        dist.all_reduce(target_logit, group=group)
+    loss = (top + sums.log() - target_logit).sum()
+    z.div_(sums.unsqueeze(1))  # softmax
+    z.scatter_add_(1, local, -mine.to(z.dtype).unsqueeze(1))  # minus the one-hot target
+    return loss, z
+
+
+class _HeadGradients:
+    """The gradients of the hidden states (trained rows only) and of the head's weight,
+    accumulated chunk by chunk; None for an input that needs none."""
+
+    def __init__(self, hidden: torch.Tensor | None, weight: torch.Tensor | None, rows: int):
+        self.hidden = None if hidden is None else hidden.new_empty((rows, hidden.shape[1]))
+        # fp32 accumulation over the chunks, whatever the weight's dtype.
+        self.weight = None if weight is None else torch.zeros_like(weight, dtype=torch.float32)
+        self._shape = None if hidden is None else hidden.shape
+
+    def add(self, chunk: slice, grad_logits: torch.Tensor, h: torch.Tensor, w: torch.Tensor):
+        if self.hidden is not None:
+            grad_hidden = self.hidden[chunk]
+            if grad_hidden.dtype == grad_logits.dtype:
+                torch.matmul(grad_logits, w, out=grad_hidden)
+            else:
+                grad_hidden.copy_(grad_logits @ w)
+        if self.weight is not None:
+            if grad_logits.dtype == torch.float32:
+                self.weight.addmm_(grad_logits.T, h)
+            else:
+                self.weight += grad_logits.T @ h
+
+    def hidden_of(self, trained: torch.Tensor, all_trained: bool) -> torch.Tensor | None:
+        """The gradient over every position (zero where not trained)."""
+        if self.hidden is None or all_trained:
+            return self.hidden
+        full = self.hidden.new_zeros(self._shape)
+        return full.index_copy_(0, trained, self.hidden)
+
+    def weight_of(self, dtype: torch.dtype) -> torch.Tensor | None:
+        return None if self.weight is None else self.weight.to(dtype)
