@@ -164,6 +164,8 @@ CASES = [
     case("training.max_steps=0", id="no-steps"),
     case("training.checkpoint_every=0", id="checkpoint-every-zero"),
     case("training.eval_batches=-1", id="negative-eval-batches"),
+    case("training.loss_chunk_tokens=-8", id="negative-loss-chunk"),
+    case("training.loss_chunk_tokens=some", id="loss-chunk-not-a-number"),
     case("training.maxsteps=10", "training.max_steps", id="training-typo"),
     # launch.*
     case("launch.nproc_per_node=0", id="no-processes"),

@@ -298,7 +298,8 @@ def test_every_range_row_names_a_field_and_its_refusal_names_it(cls: type, rows)
     for name, bound, message in rows:
         assert name in fields, name
         assert f".{name}" in message, message
-        assert fields[name].default is None or bound.holds(fields[name].default), name
+        default = fields[name].default
+        assert default is None or default == "auto" or bound.holds(default), name
 
 
 def test_a_bound_refuses_nan_and_keeps_its_open_ends() -> None:

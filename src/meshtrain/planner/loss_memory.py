@@ -8,10 +8,11 @@ parallelism, whose fused loss writes the gradient once).
 
 Chunked, a microbatch in flight keeps only what the backward would make anyway, made in
 the forward: the gradient of the final hidden states and of the LM head's weight (none
-for a frozen head). The loss's forward adds one chunk's working set on top: its logits
-in the compute dtype, their fp32 copy (the same tensor in fp32) overwritten by their
-gradient, and that gradient in the compute dtype; with the head's fp32 accumulator
-(beside bf16 weights) and bf16 copy (of fp32 weights under autocast).
+for a frozen head). The loss's forward adds one chunk's working set on top: its fp32
+logits overwritten by their gradient, beside their bf16 form under bf16; and under bf16
+weight-sized buffers: autocast's bf16 copy of fp32 weights, each chunk's bf16 weight
+gradient before it is added to the fp32 accumulator (itself transient beside bf16
+weights), and under tensor parallelism the hidden states gathered whole.
 """
 
 from __future__ import annotations
@@ -52,10 +53,13 @@ def loss_bytes(m: ModelShape, step: StepShape, tokens: int) -> tuple[int, int]:
     if not step.frozen_base:
         kept += weight * step.parameter_bytes
     chunk = min(step.loss_chunk_tokens, tokens)
-    per_element = BYTES_FP32 + (2 * BYTES_BF16 if step.bf16 else 0)
-    transient = chunk * vocab * per_element
+    # The chunk's fp32 logits (overwritten by their gradient), beside the compute-dtype
+    # logits before and their gradient after under bf16.
+    transient = chunk * vocab * (BYTES_FP32 + (BYTES_BF16 if step.bf16 else 0))
     if compute != step.parameter_bytes:
         transient += weight * compute  # autocast's bf16 copy of the fp32 weight
+    if not step.frozen_base and step.bf16:
+        transient += weight * BYTES_BF16  # a chunk's bf16 weight gradient, before adding
     if not step.frozen_base and step.parameter_bytes != BYTES_FP32:
         transient += weight * BYTES_FP32  # the fp32 accumulator of bf16 weights' gradient
     if step.tp > 1:
