@@ -112,10 +112,11 @@ def planned_side(
     init_from: str | None = None,
     cuda: bool = False,
     lora: dict[str, Any] | None = None,
+    planner: dict[str, Any] | None = None,
 ) -> tuple[WorkerSpec, Plan]:
     """The worker spec and plan of one side, as `kedro run` would make them (no
     validation, no checkpoint but the last unless `training` says otherwise; `lora`: the
-    side's `model.lora`)."""
+    side's `model.lora`; `planner`: its `planner.*`)."""
     run = RunConfig.from_params(
         parallel=parallel,
         training={
@@ -131,6 +132,7 @@ def planned_side(
         launch={"nproc_per_node": world},
         model={"architecture": "llama", "config": shape, "init_from": init_from, "lora": lora},
         data={"block_size": block, "vocab_size": vocab},
+        planner=planner or {},
     )
     config = build_model_config("llama", shape, vocab_size=vocab, init_from=init_from)
     plan = plan_on_blocks(run, config, blocks, cuda=cuda)

@@ -21,6 +21,7 @@ from pathlib import Path
 from bench_runs import MIB, SHAPE_27M, planned_side, print_side_table, run_side, token_blocks
 
 BLOCK, BATCH = 1024, 4
+HOST_GIB = 20.0
 SIDES = {"whole": 0, "chunked": "auto"}
 
 
@@ -56,6 +57,8 @@ def main() -> None:
                     shape={**SHAPE_27M, "max_position_embeddings": BLOCK},
                     vocab=vocab,
                     block=BLOCK,
+                    # One rank on the whole host: the whole logits at 128k need ~10 GiB.
+                    planner={"device_profiles": {"cpu": {"memory_gib": HOST_GIB}}},
                 )
                 rows.append((name, run_side(spec, 1, root, name), plan))
                 plans[name] = plan

@@ -124,16 +124,17 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         targets = labels if all_trained else labels.index_select(0, trained)
         w = weight.to(compute)
         grads = _HeadGradients(
-            hidden if needs_hidden else None, weight if needs_weight else None, trained.numel()
+            hidden if needs_hidden else None,
+            weight if needs_weight else None,
+            trained.numel(),
+            vocab_start,
+            group,
         )
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         with torch.autocast(hidden.device.type, enabled=False):
             for start in range(0, rows.shape[0], chunk_tokens):
                 chunk = slice(start, start + chunk_tokens)
-                h = rows[chunk].to(compute)
-                loss, grad_logits = _chunk_loss(h @ w.T, targets[chunk], vocab_start, group)
-                total += loss
-                grads.add(chunk, grad_logits.to(compute), h, w)
+                total += _score_chunk(rows[chunk].to(compute), w, targets[chunk], chunk, grads)
         ctx.grad_hidden = grads.hidden_of(trained, all_trained)
         ctx.grad_weight = grads.weight_of(weight.dtype)
         return total
@@ -145,6 +146,16 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             grads.append(None if grad is None else grad.mul_(grad_loss.to(grad.dtype)))
         ctx.grad_hidden = ctx.grad_weight = None
         return (*grads, None, None, None, None, None)
+
+
+def _score_chunk(
+    h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, chunk: slice, grads: _HeadGradients
+) -> torch.Tensor:
+    """One chunk's summed loss, its gradients added to `grads`. A function of its own so
+    that nothing of one chunk is alive while the next one's logits are made."""
+    loss, grad_logits = _chunk_loss(h @ w.T, targets, grads.vocab_start, grads.group)
+    grads.add(chunk, grad_logits.to(h.dtype), h, w)
+    return loss
 
 
 def _chunk_loss(
@@ -174,9 +185,18 @@ def _chunk_loss(
 
 class _HeadGradients:
     """The gradients of the hidden states (trained rows only) and of the head's weight,
-    accumulated chunk by chunk; None for an input that needs none."""
+    accumulated chunk by chunk (None for an input that needs none); where this rank's
+    vocabulary rows start, and the tp group that holds the others."""
 
-    def __init__(self, hidden: torch.Tensor | None, weight: torch.Tensor | None, rows: int):
+    def __init__(
+        self,
+        hidden: torch.Tensor | None,
+        weight: torch.Tensor | None,
+        rows: int,
+        vocab_start: int,
+        group: dist.ProcessGroup | None,
+    ):
+        self.vocab_start, self.group = vocab_start, group
         self.hidden = None if hidden is None else hidden.new_empty((rows, hidden.shape[1]))
         # fp32 accumulation over the chunks, whatever the weight's dtype.
         self.weight = None if weight is None else torch.zeros_like(weight, dtype=torch.float32)
