@@ -13,6 +13,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from meshtrain.config_lora import LoraSettings as LoraSettings  # `model.lora`, re-exported
+from meshtrain.config_lora import check_lora, peft_only_defaults
 from meshtrain.config_parsing import ConfigError, check_ranges, out_of_range, parse
 from meshtrain.config_parsing import Refused as Refused  # the refusals' base, re-exported
 from meshtrain.config_ranges import (
@@ -296,95 +298,6 @@ class ModelConfig:
         settings = parse(LoraSettings, peft_only_defaults(self.lora), "model.lora")
         check_lora(settings)
         return settings
-
-
-@dataclass(frozen=True)
-class LoraSettings:
-    """`model.lora`: PEFT's `LoraConfig` fields under their PEFT names, so a config written
-    for PEFT carries over. Only what meshtrain implements is accepted."""
-
-    r: int = 8
-    lora_alpha: float = 8
-    lora_dropout: float = 0.0
-    # PEFT's meaning: a list of module names (a name matches a module whose dotted name
-    # is it or ends with "." + it), one string (a regular expression the whole dotted name
-    # must match), "all-linear" (every Linear but the LM head), or null (PEFT's default
-    # for the model type: q_proj and v_proj in the Llama family).
-    target_modules: str | list[str] | None = None
-    use_rslora: bool = False  # scale by alpha / sqrt(r) instead of alpha / r
-    # LoRA on a randomly initialised model trains a low-rank update of noise: refused
-    # unless this is set (e.g. to test a layout without a pretrained folder).
-    allow_random_base: bool = False
-
-    @property
-    def scaling(self) -> float:
-        return self.lora_alpha / (self.r**0.5 if self.use_rslora else self.r)
-
-
-# PEFT LoraConfig fields meshtrain does not implement: refused by name, not as typos.
-_PEFT_UNSUPPORTED = (
-    "use_dora",
-    "modules_to_save",
-    "layers_to_transform",
-    "layers_pattern",
-    "rank_pattern",
-    "alpha_pattern",
-    "init_lora_weights",
-    "fan_in_fan_out",
-    "exclude_modules",
-    "lora_bias",
-    "trainable_token_indices",
-    "use_qalora",
-    "target_parameters",
-)
-
-
-def peft_only_defaults(values: dict[str, Any]) -> dict[str, Any]:
-    """`model.lora` without the PEFT fields that carry over as meshtrain's only behaviour
-    (task_type CAUSAL_LM, bias none); the PEFT features meshtrain lacks are refused."""
-    values = dict(values)
-    if values.get("task_type", "CAUSAL_LM") not in (None, "CAUSAL_LM"):
-        raise ConfigError(
-            f"`model.lora.task_type` is {values['task_type']!r}; meshtrain trains causal "
-            "language models: CAUSAL_LM (or leave it out)."
-        )
-    if values.get("bias", "none") != "none":
-        raise ConfigError(
-            f"`model.lora.bias` is {values['bias']!r}; meshtrain trains no biases of the "
-            "base: use none (PEFT's default)."
-        )
-    values.pop("task_type", None)
-    values.pop("bias", None)
-    for name in _PEFT_UNSUPPORTED:
-        if name in values:
-            raise ConfigError(
-                f"`model.lora.{name}`: PEFT's `{name}` is not implemented by meshtrain's LoRA "
-                "(r, lora_alpha, lora_dropout, target_modules and use_rslora are). Remove it."
-            )
-    return values
-
-
-def check_lora(settings: LoraSettings) -> None:
-    """Refuse `model.lora.*` values PEFT would refuse, or that would train nothing."""
-    if settings.r < 1:
-        raise ConfigError(
-            f"`model.lora.r` is {settings.r}; the adapters' rank must be at least 1 (e.g. 16)."
-        )
-    if settings.lora_alpha <= 0:
-        raise ConfigError(
-            f"`model.lora.lora_alpha` is {settings.lora_alpha}; it must be positive (PEFT's "
-            "usual choice is twice r)."
-        )
-    if not 0 <= settings.lora_dropout < 1:
-        raise ConfigError(
-            f"`model.lora.lora_dropout` is {settings.lora_dropout}; use a probability in "
-            "[0, 1), e.g. 0.05 (1 would drop every input of the adapters)."
-        )
-    if isinstance(settings.target_modules, list) and not settings.target_modules:
-        raise ConfigError(
-            "`model.lora.target_modules` is empty; name modules (e.g. [q_proj, v_proj]), "
-            "use all-linear, or null for PEFT's default."
-        )
 
 
 @dataclass(frozen=True)

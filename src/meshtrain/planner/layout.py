@@ -30,13 +30,13 @@ from meshtrain.planner.checks import (
 )
 from meshtrain.planner.cost import estimate_step_time, model_flops_per_token
 from meshtrain.planner.devices import DeviceProfile
+from meshtrain.planner.lora_memory import lora_activation_terms
 from meshtrain.planner.loss_memory import auto_loss_chunk_tokens
 from meshtrain.planner.memory import (
     ModelShape,
     StepShape,
     estimate_memory,
     gather_units,
-    lora_activation_terms,
 )
 from meshtrain.planner.types import LayoutError, Plan
 

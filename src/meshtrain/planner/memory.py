@@ -26,11 +26,7 @@ the model can be checked one to one against the measured peak of live tensors
 - full activation checkpointing keeps each layer's input and, in backward,
   one layer's activations at a time; selective keeps the matmul and
   attention outputs and recomputes norms, rotary and the gated activation;
-- the loss (`planner.loss_memory`): over the whole logits, log-softmax over the
-  vocabulary (sharded by tp) is kept, and its backward needs two more such
-  tensors (one under tensor parallelism, whose fused vocabulary-parallel loss
-  writes the gradient once); chunked, the gradients of the hidden states and
-  the LM head's weight are kept, and one chunk's logits are worked on at a time;
+- the loss, counted in `planner.loss_memory` (chunked, or over the whole logits);
 - tied embeddings over pipeline stages: the last stage's LM head is a copy of
   the embedding, with its own gradient and (under ZeRO-1, its share of) AdamW
   moments;
@@ -495,47 +491,6 @@ def _lora_model_states(base: GatherUnits, trained: GatherUnits, step: StepShape)
     adapters = _with_model_states(padded, owned, step)
     frozen = base.local * (BYTES_BF16 if step.bf16 else BYTES_FP32)
     return dataclasses.replace(adapters, parameters=adapters.parameters + frozen)
-
-
-def lora_activation_terms(
-    adapter_shapes: dict[str, tuple[int, ...]],
-    m: ModelShape,
-    *,
-    tp: int,
-    dropout: bool,
-    value_bytes: int,
-    mask_bytes: int,
-) -> tuple[float, float]:
-    """(adapter bytes, unsaved matmul-side elements) per token and decoder layer of a LoRA
-    run (`StepShape.adapter_bytes_per_token`, `.unsaved_elements`).
-
-    Each adapter keeps its rank-r intermediate for B's gradient and, with dropout, its own
-    dropped copy of the layer input and the mask (`mask_bytes` an element: a bool on
-    accelerators; torch's CPU dropout keeps its scaled noise in the input's dtype); a
-    row-parallel layer's input is a tp shard. A frozen product keeps no input: without
-    dropout the MLP's normed input is kept only when gate or up is adapted, the
-    attention's when one of q/k/v is, down_proj's input when it is; with dropout the
-    adapters keep their dropped copies instead, and none of the three is kept."""
-    targets: dict[str, tuple[int, ...]] = {
-        name.split(".layers.0.")[1].split(".lora_A")[0]: shape
-        for name, shape in adapter_shapes.items()
-        if ".layers.0." in name and ".lora_A." in name
-    }
-    adapter_bytes = 0.0
-    for module, (rank, width) in targets.items():
-        row_parallel = module.endswith(("o_proj", "down_proj"))
-        adapter_bytes += rank * value_bytes
-        if dropout:
-            adapter_bytes += (width / tp if row_parallel else width) * (value_bytes + mask_bytes)
-    adapted = set() if dropout else {module.rsplit(".", 1)[-1] for module in targets}
-    unsaved = 0.0
-    if not adapted & {"q_proj", "k_proj", "v_proj"}:
-        unsaved += m.hidden
-    if not adapted & {"gate_proj", "up_proj"}:
-        unsaved += m.hidden
-    if "down_proj" not in adapted:
-        unsaved += m.intermediate / tp
-    return adapter_bytes, unsaved
 
 
 def in_flight_microbatches(step: StepShape, rank: int) -> int:

@@ -1,0 +1,51 @@
+"""What a LoRA run's adapters add to, and take from, a decoder layer's saved activations
+(`StepShape.adapter_bytes_per_token` and `.unsaved_elements`, which
+`planner.memory` counts)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from meshtrain.planner.memory import ModelShape
+
+
+def lora_activation_terms(
+    adapter_shapes: dict[str, tuple[int, ...]],
+    m: ModelShape,
+    *,
+    tp: int,
+    dropout: bool,
+    value_bytes: int,
+    mask_bytes: int,
+) -> tuple[float, float]:
+    """(adapter bytes, unsaved matmul-side elements) per token and decoder layer of a LoRA
+    run (`StepShape.adapter_bytes_per_token`, `.unsaved_elements`).
+
+    Each adapter keeps its rank-r intermediate for B's gradient and, with dropout, its own
+    dropped copy of the layer input and the mask (`mask_bytes` an element: a bool on
+    accelerators; torch's CPU dropout keeps its scaled noise in the input's dtype); a
+    row-parallel layer's input is a tp shard. A frozen product keeps no input: without
+    dropout the MLP's normed input is kept only when gate or up is adapted, the
+    attention's when one of q/k/v is, down_proj's input when it is; with dropout the
+    adapters keep their dropped copies instead, and none of the three is kept."""
+    targets: dict[str, tuple[int, ...]] = {
+        name.split(".layers.0.")[1].split(".lora_A")[0]: shape
+        for name, shape in adapter_shapes.items()
+        if ".layers.0." in name and ".lora_A." in name
+    }
+    adapter_bytes = 0.0
+    for module, (rank, width) in targets.items():
+        row_parallel = module.endswith(("o_proj", "down_proj"))
+        adapter_bytes += rank * value_bytes
+        if dropout:
+            adapter_bytes += (width / tp if row_parallel else width) * (value_bytes + mask_bytes)
+    adapted = set() if dropout else {module.rsplit(".", 1)[-1] for module in targets}
+    unsaved = 0.0
+    if not adapted & {"q_proj", "k_proj", "v_proj"}:
+        unsaved += m.hidden
+    if not adapted & {"gate_proj", "up_proj"}:
+        unsaved += m.hidden
+    if "down_proj" not in adapted:
+        unsaved += m.intermediate / tp
+    return adapter_bytes, unsaved
