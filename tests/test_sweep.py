@@ -343,6 +343,9 @@ def test_each_sweep_run_holds_its_layout_tags_metrics_and_pictures(sweep: Sweep)
         # The planner's split of it, as logged: per-device batch x accumulation x dp.
         per_device = int(params["training.per_device_train_batch_size"])
         assert per_device * int(params["training.gradient_accumulation_steps"]) * int(dp) == 8
+        # The loss chunk as resolved (`auto` at these sizes: the whole microbatch).
+        assert int(params["training.loss_chunk_tokens"]) > 0
+        assert "parallel.loss_chunk_tokens" not in params
         assert tags["meshtrain.sweep.status"] == "finished"
         assert tags["kedro.env"] == "local"
         assert len(tags["mlflow.source.git.commit"]) == 40
