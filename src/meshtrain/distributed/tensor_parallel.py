@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel
 
 from meshtrain.distributed.kv_heads import repeat_kv_heads
 
@@ -140,3 +141,14 @@ class TensorParallelGradSync:
                 grad.mul_(scale)
         for parameter in self.kv_copies:
             dist.all_reduce(accumulated_grad(parameter), op=dist.ReduceOp.SUM, group=self.kv_group)
+
+
+class VocabParallelLossHead(ColwiseParallel):
+    """An LM head that scores its own tokens (`models.head_loss.ScoringHead`), split on the
+    vocabulary: its weight sharded on its rows as ColwiseParallel shards it, its input
+    gathered whole (a replicated DTensor) on the way in, and its output, a loss the
+    ranks have already combined, left as it is."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):  # noqa: ANN001, ANN205 (torch's signature)
+        return outputs

@@ -48,16 +48,38 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     )
 
 
-def head_loss(
-    hidden: torch.Tensor, lm_head: nn.Linear, labels: torch.Tensor, chunk_tokens: int
-) -> torch.Tensor:
-    """Summed loss of the final hidden states (batch, sequence, hidden) through `lm_head`:
-    chunk by chunk of `chunk_tokens` trained tokens, or (0) through the whole logits.
+class ScoringHead:
+    """An LM head (a Linear, its class kept below this one) whose forward, given labels,
+    returns their summed loss chunk by chunk instead of logits (`score_in_chunks`).
 
-    Unchunked under tensor parallelism it needs `loss_parallel` around it, as the
-    whole logits are vocabulary-sharded DTensors; the chunked loss needs nothing."""
-    if chunk_tokens > 0:
-        return linear_cross_entropy_sum(hidden, lm_head.weight, labels, chunk_tokens)
+    Scoring inside the head's own forward keeps every module hook that guards its weight
+    in force: ZeRO-1's wait for the weight's gathered update, tensor parallelism's input
+    layout (`distributed.tensor_parallel.VocabParallelLossHead`)."""
+
+    loss_chunk_tokens: int
+
+    def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        if labels is None:
+            return super().forward(hidden)  # type: ignore[misc]
+        return linear_cross_entropy_sum(hidden, self.weight, labels, self.loss_chunk_tokens)
+
+
+def score_in_chunks(lm_head: nn.Linear, chunk_tokens: int) -> None:
+    """Make `lm_head` a `ScoringHead` of `chunk_tokens` tokens a chunk, in place (its
+    parameters and their names unchanged); 0 leaves it a plain head."""
+    if chunk_tokens <= 0:
+        return
+    base = type(lm_head)
+    lm_head.__class__ = type(f"Scoring{base.__name__}", (ScoringHead, base), {})
+    lm_head.loss_chunk_tokens = chunk_tokens
+
+
+def head_loss(hidden: torch.Tensor, lm_head: nn.Linear, labels: torch.Tensor) -> torch.Tensor:
+    """Summed loss of the final hidden states (batch, sequence, hidden) through `lm_head`:
+    chunk by chunk by a `ScoringHead`, else through the whole logits (which under tensor
+    parallelism needs `loss_parallel` around it: they are vocabulary-sharded DTensors)."""
+    if isinstance(lm_head, ScoringHead):
+        return lm_head(hidden, labels=labels)
     loss = token_loss_sum(lm_head(hidden), labels)
     return loss.full_tensor() if isinstance(loss, DTensor) else loss
 

@@ -41,6 +41,7 @@ from meshtrain.distributed.tensor_parallel import (
     unsharded,
 )
 from meshtrain.models.converters import ModelConverter
+from meshtrain.models.head_loss import score_in_chunks
 from meshtrain.models.llama.parameter_names import EMBEDDING, LM_HEAD, stored_name
 from meshtrain.models.llama.stage import LlamaStage, WholeModel
 from meshtrain.models.llama.tensor_parallel import apply_tensor_parallel, decoder_layers
@@ -79,6 +80,7 @@ def parallelize(
         if weights is not None and isinstance(converter, LoraConverter):
             weights = converter.weights(weights)  # the adapters' initial values
     frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
+    score_in_chunks(model.lm_head, layout.loss_chunk_tokens)
     stage_ids, modules = pipeline_stages(model, dims, layout)
     tied = tied_embedding_names(model.config, modules, dims)
     kv_replication = (
@@ -216,7 +218,7 @@ def pipeline_stages(
 ) -> tuple[list[int], list[nn.Module]]:
     """This rank's stage ids and modules (the whole model, id-less, without pp)."""
     if dims.pp == 1:
-        return [], [WholeModel(model, loss_chunk_tokens=layout.loss_chunk_tokens)]
+        return [], [WholeModel(model)]
     stage_ids = stage_ids_of_rank(dims.pp_rank, dims.pp, layout.pipeline_parallel_virtual_stages)
     ranges = stage_layer_ranges(layout.pipeline_parallel_layers)
     last = layout.num_stages - 1
@@ -229,7 +231,6 @@ def pipeline_stages(
             is_last=i == last,
             tp_mesh=tp_mesh,
             sequence_parallel=layout.sequence_parallel,
-            loss_chunk_tokens=layout.loss_chunk_tokens,
         )
         for i in stage_ids
     ]

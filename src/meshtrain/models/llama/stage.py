@@ -17,16 +17,15 @@ class WholeModel(nn.Module):
     under their own names, with a forward that returns the summed loss of the labels.
 
     The loss is part of the forward so that everything wrapping the model (FSDP2's
-    gathers of the LM head, in particular) sees it used there, and so that the chunked
-    loss never needs the logits (`models.head_loss`).
+    gathers of the LM head, in particular) sees the head used there, and so that a
+    chunked loss never needs the logits (`models.head_loss`).
     """
 
-    def __init__(self, model: nn.Module, *, loss_chunk_tokens: int) -> None:
+    def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.config = model.config
         self.model = model.model
         self.lm_head = model.lm_head
-        self.loss_chunk_tokens = loss_chunk_tokens
 
     def forward(
         self,
@@ -43,7 +42,7 @@ class WholeModel(nn.Module):
             attention_mask=attention_mask,
             use_cache=False,
         ).last_hidden_state
-        return head_loss(hidden, self.lm_head, labels, self.loss_chunk_tokens)
+        return head_loss(hidden, self.lm_head, labels)
 
 
 class LlamaStage(nn.Module):
@@ -66,11 +65,9 @@ class LlamaStage(nn.Module):
         is_last: bool,
         tp_mesh: DeviceMesh | None = None,
         sequence_parallel: bool = False,
-        loss_chunk_tokens: int = 0,
     ) -> None:
         """`tp_mesh`, `sequence_parallel`: how the stage's input arrives from the one
-        before (this rank's sequence shard, under sequence parallelism).
-        `loss_chunk_tokens`: the last stage's loss chunk (0: over the whole logits)."""
+        before (this rank's sequence shard, under sequence parallelism)."""
         super().__init__()
         self.config = model.config
         self.is_first, self.is_last = is_first, is_last
@@ -84,7 +81,6 @@ class LlamaStage(nn.Module):
             self.lm_head = model.lm_head
         self.tp_mesh = tp_mesh
         self.sequence_parallel = sequence_parallel and tp_mesh is not None
-        self.loss_chunk_tokens = loss_chunk_tokens
 
     def forward(
         self,
@@ -115,5 +111,5 @@ class LlamaStage(nn.Module):
                 position_embeddings=position_embeddings,
             )
         if self.is_last:
-            return head_loss(self.model.norm(hidden), self.lm_head, labels, self.loss_chunk_tokens)
+            return head_loss(self.model.norm(hidden), self.lm_head, labels)
         return hidden.to_local() if isinstance(hidden, DTensor) else hidden

@@ -3,8 +3,9 @@
 Megatron's recipe on Hugging Face modules, expressed as DTensor parallel
 styles: q/k/v and gate/up column-parallel, o/down row-parallel, the
 embedding and LM head vocabulary-parallel (the LM head's output stays
-vocabulary-sharded for `loss_parallel`). With sequence parallelism the
-norms and residual stream stay sharded along the sequence; attention and
+vocabulary-sharded for `loss_parallel`; a chunked loss's head scores its
+tokens). With sequence parallelism the norms and residual stream stay
+sharded along the sequence; attention and
 MLP gather it on entry and reduce-scatter it on exit. The hidden states
 stay DTensors between layers so HF derives positions and masks from the
 global sequence length.
@@ -31,7 +32,12 @@ from torch.distributed.tensor.parallel import (
 
 from meshtrain.distributed.kv_heads import repeat_kv_heads
 from meshtrain.distributed.lora_parallel import LoraColwiseParallel, LoraRowwiseParallel
-from meshtrain.distributed.tensor_parallel import ParameterSharding, read_sharding
+from meshtrain.distributed.tensor_parallel import (
+    ParameterSharding,
+    VocabParallelLossHead,
+    read_sharding,
+)
+from meshtrain.models.head_loss import ScoringHead
 from meshtrain.models.llama.parameter_names import COLUMN_PARALLEL, ROW_PARALLEL
 from meshtrain.models.lora import LoraLayer
 
@@ -57,7 +63,9 @@ def tensor_parallel_plan(model: nn.Module, *, sequence_parallel: bool) -> dict[s
         plan["model.embed_tokens"] = RowwiseParallel(
             input_layouts=Replicate(), output_layouts=residual, use_local_output=not sp
         )
-    if hasattr(model, "lm_head"):
+    if isinstance(getattr(model, "lm_head", None), ScoringHead):
+        plan["lm_head"] = VocabParallelLossHead(input_layouts=residual)
+    elif hasattr(model, "lm_head"):
         plan["lm_head"] = ColwiseParallel(
             input_layouts=residual, output_layouts=Shard(-1), use_local_output=False
         )
