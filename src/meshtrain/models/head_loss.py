@@ -91,15 +91,12 @@ def linear_cross_entropy_sum(
     `chunk_tokens` tokens at once; ignored positions cost nothing.
 
     `weight` is the head's (vocabulary, hidden) weight, a plain tensor or a DTensor
-    sharded on the vocabulary over the tp mesh; `hidden` then arrives replicated or
-    sequence-sharded over that mesh (a DTensor), or as a plain tensor every tp rank
-    holds whole."""
+    sharded on the vocabulary over the tp mesh; `hidden` is then a DTensor on that mesh
+    (`VocabParallelLossHead` makes the head's input one)."""
     group, vocab_start = None, 0
     if isinstance(weight, DTensor):
         mesh = weight.device_mesh
         group, vocab_start = mesh.get_group(), vocabulary_start(weight)
-        if not isinstance(hidden, DTensor):
-            hidden = DTensor.from_local(hidden, mesh, [Replicate()], run_check=False)
         # Gathered whole on every rank; its gradient is each rank's vocabulary share.
         hidden = hidden.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()])
         weight = weight.to_local()
