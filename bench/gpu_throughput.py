@@ -47,7 +47,7 @@ GPU_SHAPES: dict[str, dict[str, int]] = {
 }
 # The GEMM of the machine limit: n x n x n on a GPU; on CPU (the smoke run) a size its
 # cores finish in milliseconds.
-GEMM_SIZE = {"cuda": 8192, "cpu": 1024}
+GEMM_SIZE = {"cuda": 8192, "cpu": 256}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

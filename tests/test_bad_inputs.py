@@ -1,13 +1,14 @@
 """Bad input is refused early and clearly: a matrix of wrong parameters, one case each.
 
 Each case is a `--params` string, parsed by Kedro's own `--params` callback and merged
-into the shipped `conf/base` by the project's config loader, as `kedro run` does. It then
-goes through what a run checks before any worker starts, in the order a run meets it:
-the project hook's parameter checks (`hooks.check_parameters`, before any node), the
-planning node's `RunConfig` and `plan_for_run`, and the training node's `check_launch`.
-Each must raise a deliberate refusal (`Refused`, which `kedro run` prints without a
-traceback) that names the parameter, in at most 15 lines, and leave a data/ folder that
-was there before untouched. A few cases run a real `kedro run` in a scratch project.
+into the shipped `conf/base` by the project's config loader, as `kedro run` does, and
+goes to the project hook's checks (`hooks.check_parameters`, `meshtrain.preflight`),
+which run before the first node: every group a node of the default pipeline reads,
+consolidation and evaluation included, and the layout planned as far as it can be
+before the data is read. Each must raise a deliberate refusal (`Refused`, which `kedro
+run` prints without a traceback) that names the parameter, in at most 15 lines, and
+leave a data/ folder that was there before untouched. A few cases run a real `kedro
+run` in a scratch project (tests/test_refusals_e2e.py has one per class of mistake).
 """
 
 from __future__ import annotations
@@ -186,7 +187,7 @@ CASES = [
     case("model.config.hiden_size=256", "model.config.hidden_size", id="model-field-typo"),
     case("model.config.hidden_size=abc", id="model-field-wrong-kind"),
     case("model.config.num_attention_heads=0", id="zero-heads"),
-    case("model.config.hidden_size=130", "model.config", id="hidden-not-dividing-heads"),
+    case("model.config.hidden_size=130", id="hidden-not-dividing-heads"),
     case("model.config.hidden_act=swishy", id="unknown-activation"),
     case("model.config.vocab_size=99", id="vocab-the-tokenizer-overrides"),
     case("model.config.rms_norm_eps=0", id="norm-eps-zero"),
@@ -220,6 +221,30 @@ CASES = [
     case("model.lora.r=8", "model.init_from", id="lora-on-a-random-model"),
     case("model.lora.use_dora=true", id="lora-peft-feature-not-implemented"),
     case("consolidation.merge_lora=true", id="merge-lora-without-lora"),
+    # consolidation.* and evaluation.*: read after training, refused before it
+    case("consolidation.dtype=int8", id="consolidation-dtype-unknown"),
+    case("consolidation.max_shard_size=big", id="shard-size-not-a-size"),
+    case("consolidation.checkpoint=/nonexistent/checkpoint-8", id="checkpoint-missing"),
+    case("consolidation.output_dir=data/01_raw/corpus.txt", id="output-dir-a-file"),
+    case("evaluation.lm_eval_tasks=meshtrain_python_basic", id="lm-eval-task-typo"),
+    case("evaluation.lm_eval_include_path=/nonexistent/tasks", id="lm-eval-include-missing"),
+    case("evaluation.device=cuda:7", id="eval-device-not-here", marks=NO_CUDA),
+    case("evaluation.dtype=int4", id="eval-dtype-unknown"),
+    case("evaluation.batch_size=0", id="eval-batch-zero"),
+    # files and names data.* and model.* point at
+    case("data.tokenizer=/nonexistent/tok", id="tokenizer-folder-missing"),
+    case("data.tokenizer=not a hub id!", id="tokenizer-not-a-hub-id"),
+    case("data.tokenizer=conf", id="tokenizer-folder-without-one"),
+    case(
+        "data.source=text_files,data.text_files=/nonexistent/*.txt",
+        "data.text_files",
+        id="text-files-matching-nothing",
+    ),
+    case("data.chat_template=/nonexistent/chatml.jinja", id="chat-template-missing"),
+    case("model.init_from=conf", id="init-from-without-config-json"),
+    case("model.config.num_key_value_heads=3", id="kv-heads-not-dividing-heads"),
+    case("model.config.rope_theta=-1", id="negative-rope-theta"),
+    case("training.resume_from=/nonexistent/checkpoint-4", id="resume-from-missing"),
     # planner.*
     case("planner.memory_margin=1.5", id="margin-above-one"),
     case("planner.device=tpu", id="unknown-device"),
@@ -232,8 +257,8 @@ def test_a_bad_input_is_refused_naming_it(
 ) -> None:
     monkeypatch.chdir(project)  # anything written relative to the project would land here
     before = snapshot(project / "data")
-    with pytest.raises(Refused) as refused:
-        validate_and_plan(parameters(project, params), default_pipeline, tokenizer)
+    with pytest.raises(Refused) as refused:  # by the project hook, before the first node
+        check_parameters(parameters(project, params), default_pipeline)
     message = str(refused.value)
     assert named in message, message
     printed = f"{type(refused.value).__name__}: {message}\n\n(hint)"  # as hooks prints it
@@ -244,8 +269,8 @@ def test_a_bad_input_is_refused_naming_it(
 
 def test_the_matrix_covers_every_group_with_enough_cases() -> None:
     groups = {param.values[0].split(".")[0] for param in CASES}
-    assert groups >= {"parallel", "training", "launch", "model", "data"}
-    assert len(CASES) >= 45
+    assert groups >= {*RUN_GROUPS, "consolidation", "evaluation"}
+    assert len(CASES) >= 100
 
 
 @pytest.mark.parametrize(
@@ -333,29 +358,6 @@ def _refused_cleanly(result, *expected: str) -> str:
     for text in expected:
         assert text in output, output[-2000:]
     return output
-
-
-@pytest.mark.parametrize(
-    ("args", "expected"),
-    [
-        pytest.param(
-            ["--params", "model.config.hiden_size=256"],
-            ["model.config.hiden_size", "model.config.hidden_size"],
-            id="model-field-typo",
-        ),
-        pytest.param(
-            ["--params", "training.keep_last=-1,data.num_proc=1"],
-            ["training.keep_last"],
-            id="negative-keep-last",
-        ),
-    ],
-)
-def test_kedro_run_refuses_before_any_node(fresh_project: Path, args, expected) -> None:
-    before = snapshot(fresh_project / "data")
-    result = kedro_run(fresh_project, *args, timeout=300)
-    output = _refused_cleanly(result, *expected)
-    assert "meshtrain refused the run" in output
-    assert snapshot(fresh_project / "data") == before  # data processing never ran
 
 
 def test_planning_on_a_fresh_clone_names_the_missing_tokenizer(fresh_project: Path) -> None:

@@ -4,10 +4,15 @@ from meshtrain.offline import disable_telemetry
 
 disable_telemetry()  # before kedro's hooks or mlflow are used
 
-from meshtrain.hooks import MlflowRunHook, ProjectConfigLoader, RunChecksHook  # noqa: E402
+from meshtrain.hooks import (  # noqa: E402
+    MlflowRunHook,
+    ProjectConfigLoader,
+    RunChecksHook,
+    StagedDataHook,
+)
 
 # RunChecksHook refuses bad parameters and missing inputs before MlflowRunHook opens a run.
-HOOKS = (MlflowRunHook(), RunChecksHook())
+HOOKS = (MlflowRunHook(), RunChecksHook(), StagedDataHook())
 
 # Kedro's OmegaConfigLoader, refusing an --env with no conf/ folder in one line.
 CONFIG_LOADER_CLASS = ProjectConfigLoader

@@ -200,52 +200,69 @@ def _load_text_files(patterns: list[str]) -> datasets.Dataset:
     few big files, and per-file rows would leave too few documents to split train/validation
     at document level; paragraphs are the natural document-like unit of plain text.
     """
-    files = _expand(patterns)
+    files = expand_patterns(patterns, "data.text_files")
     if all(os.path.getsize(path) == 0 for path in files):  # `datasets` fails on these
         raise CorpusError(f"data.text_files: every file is empty: {', '.join(files)}")
+    not_text = _first_not_text(files)  # before `datasets` meets it (NUL bytes: no rows)
+    if not_text is not None:
+        raise not_text
     try:
         loaded = datasets.load_dataset(
             "text", data_files=files, sample_by="paragraph", keep_linebreaks=True
         )
     except datasets.exceptions.DatasetGenerationError as error:
-        if not isinstance(error.__cause__ or error.__context__, UnicodeDecodeError):
-            raise
-        raise _not_text(files) from error
+        reason = " ".join(str(error.__cause__ or error.__context__ or error).split())[:200]
+        raise CorpusError(
+            f"data.text_files: {', '.join(files)} cannot be read as text ({reason})"
+        ) from None
     ds = loaded["train"].select_columns(["text"])
     return ds.map(_strip_batch, batched=True, desc="Strip paragraphs")
 
 
-def _expand(patterns: list[str]) -> list[str]:
-    """Expand each glob in order (matches sorted); fail naming the first pattern with no match."""
-    files: dict[str, None] = {}  # ordered set: a file named by two patterns is read once
+def expand_patterns(patterns: list[str], parameter: str) -> list[str]:
+    """Expand each glob in order (matches sorted, a file named twice read once); refuse
+    naming `parameter` and the first pattern with no match."""
+    files: dict[str, None] = {}  # ordered set
     for pattern in patterns:
         matches = sorted(p for p in glob.glob(pattern, recursive=True) if Path(p).is_file())
         if not matches:
-            raise CorpusFileNotFound(f"data.text_files: no file matches {pattern!r}")
+            raise CorpusFileNotFound(f"{parameter}: no file matches {pattern!r}")
         files.update(dict.fromkeys(matches))
     return list(files)
 
 
-def _not_text(files: list[str]) -> CorpusError:
-    """Name the first file that is not UTF-8 text (read only after `datasets` failed)."""
+def _first_not_text(files: list[str]) -> CorpusError | None:
+    """A refusal naming the first file that is not UTF-8 text, else None."""
     for path in files:
-        decoder = codecs.getincrementaldecoder("utf-8")()
-        offset = 0
-        with open(path, "rb") as handle:
-            while True:
-                block = handle.read(1 << 20)
-                try:
-                    decoder.decode(block, final=not block)
-                except UnicodeDecodeError as error:
-                    return CorpusError(
-                        f"data.text_files: {path} is not UTF-8 text (byte {offset + error.start} "
-                        "cannot be decoded; is it a binary file?): convert it, or leave it out "
-                        "of the patterns"
-                    )
-                if not block:
-                    break
-                offset += len(block)
-    return CorpusError(f"data.text_files: one of {', '.join(files)} is not UTF-8 text")
+        offset = _first_bad_byte(path)
+        if offset is not None:
+            return CorpusError(
+                f"data.text_files: {path} is not UTF-8 text (byte {offset} is a NUL or cannot "
+                "be decoded; is it a binary file?): convert it, or leave it out of the patterns"
+            )
+    return None
+
+
+def _first_bad_byte(path: str) -> int | None:
+    """The offset of the first byte no UTF-8 text file holds (a NUL, or one that does not
+    decode), else None; read in 1 MiB blocks."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = 0
+    with open(path, "rb") as handle:
+        while block := handle.read(1 << 20):
+            nul = block.find(b"\0")
+            try:
+                decoder.decode(block)
+            except UnicodeDecodeError as error:
+                return offset + (error.start if nul < 0 else min(nul, error.start))
+            if nul >= 0:
+                return offset + nul
+            offset += len(block)
+    try:
+        decoder.decode(b"", final=True)
+    except UnicodeDecodeError:
+        return offset
+    return None
 
 
 def _strip_batch(batch: dict[str, list[str]]) -> dict[str, list[str]]:

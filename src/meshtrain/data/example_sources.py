@@ -7,7 +7,6 @@ and row) until `check_examples` has looked at it, so a refusal names file, row a
 
 from __future__ import annotations
 
-import glob
 import os
 from pathlib import Path
 from typing import Any
@@ -15,7 +14,7 @@ from typing import Any
 import datasets
 
 from meshtrain.data.builtin_chats import builtin_instructions
-from meshtrain.data.corpus import CorpusError, CorpusFileNotFound, _unreachable
+from meshtrain.data.corpus import CorpusError, _unreachable, expand_patterns
 
 FORMAT_COLUMNS = {
     "conversational": ("messages",),
@@ -45,7 +44,10 @@ def load_examples(
 ) -> datasets.Dataset:
     """The examples of `source`, TRL's column names, and each row's origin."""
     if source == "files":
-        parts = [_read_file(path, columns) for path in _expand(data_files or [])]
+        parts = [
+            _read_file(path, columns)
+            for path in expand_patterns(data_files or [], "data.data_files")
+        ]
         # Parquet reads strings as large_string, JSON as string: one schema for all.
         return datasets.concatenate_datasets([p.cast(parts[0].features) for p in parts])
     if source == "hub":
@@ -59,16 +61,6 @@ def load_examples(
     if source == "builtin_instructions":
         return _canonical(builtin_instructions(builtin_max_chars), None, "builtin_instructions")
     raise ExamplesError(f"data.source={source!r} holds no fine-tuning examples")
-
-
-def _expand(patterns: list[str]) -> list[str]:
-    files: dict[str, None] = {}
-    for pattern in patterns:
-        matches = sorted(p for p in glob.glob(pattern, recursive=True) if Path(p).is_file())
-        if not matches:
-            raise CorpusFileNotFound(f"data.data_files: no file matches {pattern!r}")
-        files.update(dict.fromkeys(matches))
-    return list(files)
 
 
 def _read_file(path: str, columns: dict[str, str] | None) -> datasets.Dataset:

@@ -14,6 +14,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from meshtrain.config_parsing import ConfigError
+
 
 def tokenize_and_pack(
     corpus: datasets.Dataset,
@@ -38,10 +40,10 @@ def tokenize_and_pack(
         blocks = _pack(tokens, block_size, batch_size, name)
         if len(blocks) == 0:
             n_tokens = sum(len(ids) for ids in tokens["input_ids"])
-            raise ValueError(
-                f"the {name} split has {len(docs)} document(s) and {n_tokens} token(s), fewer "
-                f"than one block of data.block_size={block_size}; use a smaller data.block_size, "
-                "a larger data.validation_fraction or a larger corpus"
+            raise ConfigError(
+                f"`data.block_size={block_size}` is longer than the {name} split, which has "
+                f"{len(docs)} document(s) and {n_tokens:,} token(s): use data.block_size<="
+                f"{max(n_tokens - 1, 2)}, a larger data.validation_fraction or a larger corpus."
             )
         packed[name] = blocks
     return datasets.DatasetDict(packed)
@@ -56,7 +58,10 @@ def split_documents(
     """
     n_docs = len(corpus)
     if n_docs < 2:
-        raise ValueError(f"need at least 2 documents to split train/validation; got {n_docs}")
+        raise ConfigError(
+            f"the corpus holds {n_docs} document(s); the train and validation splits need at "
+            "least 2 documents: use a larger corpus (data.builtin_max_chars, data.text_files)."
+        )
     n_val = min(max(round(n_docs * validation_fraction), 1), n_docs - 1)
     order = np.random.default_rng(seed).permutation(n_docs)
     val_idx = np.sort(order[:n_val])
@@ -80,19 +85,22 @@ def _validate(
 ) -> None:
     """Fail early, naming the config key, before any tokenizing work starts."""
     if not isinstance(block_size, int) or block_size < 2:
-        raise ValueError(
+        raise ConfigError(
             f"data.block_size must be an integer >= 2 (an input and a next-token target); "
             f"got {block_size!r}"
         )
     if not 0.0 < validation_fraction < 1.0:
-        raise ValueError(
+        raise ConfigError(
             "data.validation_fraction must be strictly between 0 and 1; "
             f"got {validation_fraction!r}"
         )
     if "text" not in corpus.column_names:
         raise ValueError(f"corpus needs a 'text' column; it has {corpus.column_names}")
     if getattr(tokenizer, "eos_token_id", None) is None:
-        raise ValueError("the tokenizer needs an eos token to separate packed documents")
+        raise ConfigError(
+            "the tokenizer (data.tokenizer, or model.init_from's) has no eos token, which "
+            "separates packed documents: use a tokenizer that has one."
+        )
 
 
 def _tokenize(

@@ -11,7 +11,9 @@ reads tokenizer files only, so it runs before the data pipeline does any work.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
+from typing import Any
 
 from meshtrain.config_parsing import ConfigError
 
@@ -74,3 +76,48 @@ def check_tokenizer_fits(data_tokenizer: str | None, init_from: str | None) -> N
                 f"{init_from!r} ({differ} of {len(own)} tokens differ or are missing): leave "
                 "data.tokenizer null to use the folder's own tokenizer."
             )
+
+
+# A Hugging Face hub id: a name, or an owner and a name.
+_HUB_ID = re.compile(r"[\w.-]+(/[\w.-]+)?")
+
+
+def check_tokenizer_name(data_tokenizer: str | None) -> None:
+    """Refuse a `data.tokenizer` that is neither a tokenizer folder nor a hub id, before
+    anything is read (huggingface_hub's own error is "Repo id must be in the form ...")."""
+    if not data_tokenizer:
+        return
+    path = Path(data_tokenizer).expanduser()
+    if path.is_dir():
+        if not ships_tokenizer(path):
+            raise TokenizerMismatch(
+                f"`data.tokenizer` {data_tokenizer!r} is a folder without a tokenizer "
+                f"({' or '.join(TOKENIZER_FILES)}): name the folder save_pretrained wrote "
+                "the tokenizer to, or null to train one here."
+            )
+        return
+    if data_tokenizer.startswith(("/", "./", "../", "~")) or path.exists():
+        raise TokenizerMismatch(
+            f"`data.tokenizer` {data_tokenizer!r} is not a folder: name a tokenizer folder "
+            "(save_pretrained's), a hub id such as Qwen/Qwen2.5-0.5B, or null to train one here."
+        )
+    if not _HUB_ID.fullmatch(data_tokenizer):
+        raise TokenizerMismatch(
+            f"`data.tokenizer` {data_tokenizer!r} is neither a folder nor a hub id (owner/name, "
+            "e.g. Qwen/Qwen2.5-0.5B): name one, or null to train a tokenizer here."
+        )
+
+
+def load_data_tokenizer(name: str) -> Any:
+    """The tokenizer `data.tokenizer` (or model.init_from's folder) names; a folder or hub
+    id transformers cannot read is refused naming it, with transformers' reason."""
+    from meshtrain.data.tokenizer import load_tokenizer  # noqa: PLC0415
+
+    try:
+        return load_tokenizer(name)
+    except (OSError, ValueError) as error:
+        reason = " ".join(str(error).split())[:240]
+        raise TokenizerMismatch(
+            f"`data.tokenizer` {name!r} cannot be read as a tokenizer ({reason}): name a "
+            "tokenizer folder or a hub id reachable from here."
+        ) from None

@@ -6,26 +6,18 @@ before the MLflow hook opens a run (the nodes would refuse too, but later).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from kedro.framework.hooks import hook_impl
 
-from meshtrain.config import (
-    RUN_GROUPS,
-    ConfigError,
-    ConsolidationConfig,
-    DataConfig,
-    EvaluationConfig,
-    Refused,
-    check_data,
-    check_evaluation,
-    check_launch,
-    parse,
-)
-from meshtrain.data.pretrained_tokenizer import check_tokenizer_fits
-from meshtrain.pipelines.run_config import TRAINS, run_config
+from meshtrain.config import Refused
+from meshtrain.pipelines.run_config import TRAINS
+from meshtrain.preflight import preflight
+
+logger = logging.getLogger(__name__)
 
 
 class MissingInputError(Refused):
@@ -33,46 +25,16 @@ class MissingInputError(Refused):
     on a fresh clone): the message names the dataset, its file and the pipeline to run."""
 
 
-def check_parameters(params: Mapping[str, Any], pipeline: Any) -> None:
-    """Parse and check the parameter groups `pipeline`'s nodes read, as the nodes will,
-    before any node runs: a bad value is refused before anything under data/ is written
-    (the planning node would refuse it, but only after data processing ran)."""
+def check_parameters(params: Mapping[str, Any], pipeline: Any) -> list[str]:
+    """Check every parameter group `pipeline`'s nodes read, as the nodes will, before any
+    node runs (`meshtrain.preflight`); returns the warnings to show."""
     used = {
         name.removeprefix("params:").split(".")[0]
         for name in pipeline.inputs()
         if name.startswith("params:")
     }
-    if used & (set(RUN_GROUPS) - {"data"}):
-        run = run_config(params)
-        if not run.model.init_from:  # with init_from the folder's config.json is the model's
-            from meshtrain.models.builder import check_model_fields  # noqa: PLC0415
-
-            check_model_fields(run.model.architecture, run.model.config)
-        if run.model.lora_settings is not None:
-            from meshtrain.models.lora import check_lora_targets  # noqa: PLC0415
-
-            check_lora_targets(run.model)
-        # Only the node that starts workers needs a launch that can rendezvous: planning
-        # for another cluster does not.
-        if any(TRAINS in node.tags for node in pipeline.nodes):
-            check_launch(run.launch)
-    elif "data" in used:
-        check_data(parse(DataConfig, params.get("data"), "data"))
-    if {"data", "model"} <= used:
-        # The data pipeline reads with the pretrained model's tokenizer: a wrong one is
-        # refused before the corpus is read.
-        data = parse(DataConfig, params.get("data"), "data")
-        check_tokenizer_fits(data.tokenizer, (params.get("model") or {}).get("init_from"))
-    if "consolidation" in used:
-        consolidation = parse(ConsolidationConfig, params.get("consolidation"), "consolidation")
-        lora = (params.get("model") or {}).get("lora")
-        if consolidation.merge_lora and not lora and not consolidation.checkpoint:
-            raise ConfigError(
-                "`consolidation.merge_lora` is true but `model.lora` is null: a full model has "
-                "no adapters to merge. Set model.lora, or consolidation.merge_lora=false."
-            )
-    if "evaluation" in used:
-        check_evaluation(parse(EvaluationConfig, params.get("evaluation"), "evaluation"))
+    trains = any(TRAINS in node.tags for node in pipeline.nodes)
+    return preflight(params, used, trains=trains)
 
 
 def _where(catalog: Any, name: str, project_path: str | None) -> str:
@@ -152,5 +114,6 @@ class RunChecksHook:
         from kedro.framework.project import pipelines as registered  # noqa: PLC0415
 
         params = catalog.get("parameters").load() if "parameters" in catalog else {}
-        check_parameters(params or {}, pipeline)
+        for warning in check_parameters(params or {}, pipeline):
+            logger.warning(warning)
         check_inputs_exist(pipeline, catalog, registered, run_params)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -9,56 +10,81 @@ import datasets
 from kedro.io import AbstractDataset
 
 
-class HFDiskDataset(AbstractDataset[Any, Any]):
-    """A `datasets.Dataset` or `DatasetDict` saved with `save_to_disk` (memory-mapped on load)."""
+class StagedFolder(AbstractDataset[Any, Any]):
+    """A folder a node writes, kept beside its place (`<path>.staged`) until the run
+    commits it: a run refused after the data pipeline wrote (a block longer than the
+    corpus, a batch larger than its blocks) leaves what was there before untouched,
+    the `datasets` caches inside it included. Later nodes of the run read the staged
+    copy; `hooks.StagedDataHook` commits before training (whose workers read the
+    files by path) or at the end, and discards on an error before that."""
 
     def __init__(self, path: str) -> None:
         self._path = Path(path)
+        self._staged = self._path.with_name(self._path.name + ".staged")
+        self._pending = False
 
-    def load(self) -> datasets.Dataset | datasets.DatasetDict:
-        return datasets.load_from_disk(str(self._path))
+    @property
+    def _current(self) -> Path:
+        return self._staged if self._pending else self._path
 
-    def save(self, data: datasets.Dataset | datasets.DatasetDict) -> None:
-        # save_to_disk refuses to overwrite the files a loaded dataset maps, so write
-        # beside and swap.
-        staging = self._path.with_name(self._path.name + ".saving")
-        data.save_to_disk(str(staging))
+    def save(self, data: Any) -> None:
+        if self._staged.exists():  # a leftover of a run that was killed
+            shutil.rmtree(self._staged)
+        self._write(data, self._staged)
+        self._pending = True
+
+    def commit(self) -> None:
+        """Swap the staged folder into place (the old one is removed only after)."""
+        if not self._pending:
+            return
         old = self._path.with_name(self._path.name + ".old")
+        if old.exists():
+            shutil.rmtree(old)
         if self._path.exists():
             self._path.rename(old)
-        staging.rename(self._path)
-        if old.exists():
-            import shutil
+        self._staged.rename(self._path)
+        self._pending = False
+        shutil.rmtree(old, ignore_errors=True)
 
-            shutil.rmtree(old)
+    def discard(self) -> None:
+        if self._pending:
+            shutil.rmtree(self._staged, ignore_errors=True)
+            self._pending = False
+
+    def _write(self, data: Any, folder: Path) -> None:
+        raise NotImplementedError
 
     def _exists(self) -> bool:
-        return self._path.exists()
+        return self._path.exists() or self._pending
 
     def _describe(self) -> dict[str, Any]:
         return {"path": str(self._path)}
 
 
-class TokenizerDataset(AbstractDataset[Any, Any]):
-    """A Hugging Face tokenizer folder: `save_pretrained` / `AutoTokenizer.from_pretrained`."""
+class HFDiskDataset(StagedFolder):
+    """A `datasets.Dataset` or `DatasetDict` saved with `save_to_disk` (memory-mapped on load)."""
 
-    def __init__(self, path: str) -> None:
-        self._path = Path(path)
+    def load(self) -> datasets.Dataset | datasets.DatasetDict:
+        return datasets.load_from_disk(str(self._current))
+
+    def _write(self, data: datasets.Dataset | datasets.DatasetDict, folder: Path) -> None:
+        data.save_to_disk(str(folder))
+
+
+class TokenizerDataset(StagedFolder):
+    """A Hugging Face tokenizer folder: `save_pretrained` / `AutoTokenizer.from_pretrained`."""
 
     def load(self) -> Any:
         from meshtrain.data.tokenizer import load_tokenizer
 
-        return load_tokenizer(str(self._path))
+        return load_tokenizer(str(self._current))
 
-    def save(self, tokenizer: Any) -> None:
-        self._path.mkdir(parents=True, exist_ok=True)
-        tokenizer.save_pretrained(str(self._path))
+    def _write(self, tokenizer: Any, folder: Path) -> None:
+        folder.mkdir(parents=True)
+        tokenizer.save_pretrained(str(folder))
 
     def _exists(self) -> bool:
-        return (self._path / "tokenizer_config.json").exists()
-
-    def _describe(self) -> dict[str, Any]:
-        return {"path": str(self._path)}
+        return (self._current / "tokenizer_config.json").exists()
 
 
 class UndeclaredExamples(AbstractDataset[Any, Any]):

@@ -134,6 +134,8 @@ class MemoryEstimate:
     runtime: int = 0
     # Sharded data parallelism: parameters gathered for compute and unsharded gradients.
     gathered: int = 0
+    # In host memory, not the device's: the saved activations offloading moves there.
+    offloaded: int = 0
 
     @property
     def model_states(self) -> int:
@@ -155,6 +157,7 @@ class MemoryEstimate:
     def to_dict(self) -> dict[str, int | list[int]]:
         """The breakdown plan.json holds; `gathered` only under sharded data parallelism."""
         gathered = {"gathered": self.gathered} if self.gathered else {}
+        offloaded = {"offloaded_to_host": self.offloaded} if self.offloaded else {}
         return {
             "parameters": self.parameters,
             "gradients": self.gradients,
@@ -167,6 +170,7 @@ class MemoryEstimate:
             "process_total": self.process_total,
             "peak_pipeline_rank": self.pipeline_rank,
             "total_per_pipeline_rank": list(self.per_pipeline_rank),
+            **offloaded,
         }
 
 
@@ -470,7 +474,23 @@ def estimate_memory(
         per_rank.append(_with_model_states(padded, owned, step, activations=activations, loss=loss))
     worst = max(range(step.pp), key=lambda r: per_rank[r].total)
     return dataclasses.replace(
-        per_rank[worst], pipeline_rank=worst, per_pipeline_rank=tuple(e.total for e in per_rank)
+        per_rank[worst],
+        pipeline_rank=worst,
+        per_pipeline_rank=tuple(e.total for e in per_rank),
+        offloaded=_offloaded(m, step, [e.activations for e in per_rank]),
+    )
+
+
+def _offloaded(m: ModelShape, step: StepShape, on_device: list[int]) -> int:
+    """Host bytes of the rank that offloads the most: the activations it would keep on
+    the device without offloading, less those it keeps (`on_device`, per pipeline rank)."""
+    if not step.offload_effective:
+        return 0
+    kept = dataclasses.replace(step, offload_effective=False)
+    stages = len(step.stage_layers)
+    return max(
+        _activations_on_rank(m, kept, rank, list(range(rank, stages, step.pp)))[0] - device
+        for rank, device in enumerate(on_device)
     )
 
 

@@ -13,7 +13,7 @@ from meshtrain.planner.plan_inputs import StalePlanError, plan_inputs_hash
 from meshtrain.planner.search import plan_run
 from meshtrain.planner.types import Plan
 
-__all__ = ["StalePlanError", "plan_for_run"]
+__all__ = ["StalePlanError", "plan_before_data", "plan_for_run"]
 
 
 def plan_for_run(
@@ -58,3 +58,25 @@ def plan_for_run(
         num_validation_blocks=num_validation_blocks,
     )
     return dataclasses.replace(plan, config_hash=config_hash)
+
+
+# Blocks without limit: before the data is read, the corpus is taken to hold any batch.
+_ANY_NUMBER_OF_BLOCKS = 10**12
+
+
+def plan_before_data(run: RunConfig, tokenizer_size: int) -> Plan:
+    """The plan as far as it is known before any data is read: the layout, the model and
+    the memory, with the tokenizer's size (`data.vocab_size` for one trained here, an
+    upper bound) and a corpus taken to hold any batch. `preflight` refuses with it before
+    the first node; the planning node plans again with the real tokenizer and blocks."""
+    init_from = resolve_init_from(run.model.init_from) if run.model.init_from else None
+    model_config = build_model_config(
+        run.model.architecture, run.model.config, vocab_size=tokenizer_size, init_from=init_from
+    )
+    return plan_run(
+        run,
+        model_config,
+        num_train_blocks=_ANY_NUMBER_OF_BLOCKS,
+        num_validation_blocks=_ANY_NUMBER_OF_BLOCKS,
+        tokenizer_size=tokenizer_size,
+    )

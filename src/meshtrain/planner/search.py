@@ -82,20 +82,18 @@ def plan_run(
         if planned:
             smallest = min(planned, key=lambda p: p.memory_estimate_per_rank["process_total"])
             raise LayoutError([_over_memory(smallest, device, run)])
-        # One value that refuses every layout (e.g. launch.backend) has its own fix.
+        # A value that refuses every layout (e.g. launch.backend, data.block_size) is the
+        # refusal itself: no layout is to blame.
         shared = _shared_refusals(errors)
-        fix = (
-            " ".join(r.fix for r in shared)
-            if shared
-            else "Change launch.nproc_per_node or the model's head/layer counts."
-        )
+        if shared:
+            raise LayoutError(shared)
         raise LayoutError(
             [
                 Refusal(
                     "parallel",
                     "auto",
                     "no layout of this world size can run this model: " + _reasons(rejected),
-                    fix,
+                    "Change launch.nproc_per_node or the model's head/layer counts.",
                 )
             ]
         )
@@ -216,17 +214,50 @@ def _choose(fitting: list[Plan]) -> Plan:
 def _over_memory(plan: Plan, device: DeviceProfile, run: RunConfig) -> Refusal:
     need = plan.memory_estimate_per_rank["process_total"] / GIB
     budget = device.memory_bytes * (1 - run.planner.memory_margin) / GIB
+    changes = [*_memory_changes(plan, run), "more devices"]
     return Refusal(
         "parallel",
         plan.layout.name,
         f"the estimated peak is {need:.2f} GiB per rank and a {device.name} device offers "
         f"{budget:.2f} GiB after planner.memory_margin={run.planner.memory_margin}",
-        "Use more tensor or pipeline parallelism (or `auto`), ZeRO-1, sharded data "
-        "parallelism (parallel.sharded_data_parallel_degree=auto, or a divisor of dp), "
-        "parallel.activation_checkpointing=selective or full, a smaller "
-        "training.per_device_train_batch_size with more gradient_accumulation_steps, "
-        "or more devices.",
+        f"Use {', '.join(changes[:-1])} or {changes[-1]}."
+        if len(changes) > 1
+        else "Use more devices.",
     )
+
+
+def _memory_changes(plan: Plan, run: RunConfig) -> list[str]:
+    """What would lower the refused layout's memory and is not already what it does:
+    knobs the search already weighed at `auto`, and values already at their most
+    frugal, are left out."""
+    layout, par = plan.layout, run.parallel
+    fixed = [
+        name
+        for name, value in (
+            ("tensor", par.tensor_parallel_size),
+            ("pipeline", par.pipeline_parallel_size),
+        )
+        if value != AUTO
+    ]
+    changes = [f"more {' or '.join(fixed)} parallelism (or `auto`)"] if fixed else []
+    if layout.data_parallel_size > 1 and not layout.sharded:
+        if not layout.zero_1 and par.zero_1 != AUTO:
+            changes.append("ZeRO-1 (parallel.zero_1=true)")
+        if par.sharded_data_parallel_degree != AUTO:
+            changes.append(
+                "sharded data parallelism (parallel.sharded_data_parallel_degree=auto, or a "
+                "divisor of dp)"
+            )
+    more_recompute = {"none": "selective or full", "selective": "full"}
+    if layout.activation_checkpointing in more_recompute and par.activation_checkpointing != AUTO:
+        changes.append(
+            "parallel.activation_checkpointing=" + more_recompute[layout.activation_checkpointing]
+        )
+    if plan.per_device_train_batch_size > 1:
+        changes.append(
+            "a smaller training.per_device_train_batch_size with more gradient_accumulation_steps"
+        )
+    return changes
 
 
 def _search_space(run: RunConfig, model_config: PretrainedConfig) -> list[RunConfig]:

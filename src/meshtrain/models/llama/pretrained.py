@@ -5,6 +5,7 @@ planner refuses a bad folder before any worker starts, naming the tensor.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -64,3 +65,28 @@ def check_pretrained(folder: str | Path, config: Any) -> None:
             f"its config does not have, e.g. {extra[0]}: it is not a Llama-family checkpoint "
             "meshtrain can start from."
         )
+
+
+def check_folder(folder: str | Path) -> None:
+    """Refuse a local folder without a readable `config.json` naming a model type, or
+    without safetensors weights, before transformers reads it ("Unrecognized model")."""
+    config = Path(folder) / "config.json"
+    if not config.is_file():
+        present = ", ".join(sorted(path.name for path in Path(folder).iterdir())[:6]) or "nothing"
+        raise PretrainedError(
+            f"`model.init_from` {str(folder)!r} has no config.json (it holds {present}): "
+            "give the folder save_pretrained wrote, with config.json and *.safetensors."
+        )
+    try:
+        model_type = json.loads(config.read_text()).get("model_type")
+    except (ValueError, AttributeError) as error:
+        raise PretrainedError(
+            f"`model.init_from` {str(folder)!r}: its config.json is not a JSON object "
+            f"({error}); re-save it with save_pretrained."
+        ) from None
+    if not model_type:
+        raise PretrainedError(
+            f"`model.init_from` {str(folder)!r}: its config.json has no model_type; "
+            "meshtrain starts from llama, qwen2, qwen3 or mistral checkpoints."
+        )
+    weight_files(folder)

@@ -12,8 +12,12 @@ from meshtrain.data.corpus import checked_corpus, load_corpus
 from meshtrain.data.example_sources import check_examples, detect_format, load_examples
 from meshtrain.data.fine_tuning import pack_fine_tuning, resolve_loss_on, resolve_packing
 from meshtrain.data.packing import tokenize_and_pack
-from meshtrain.data.pretrained_tokenizer import check_tokenizer_fits, tokenizer_to_load
-from meshtrain.data.tokenizer import load_tokenizer, train_tokenizer
+from meshtrain.data.pretrained_tokenizer import (
+    check_tokenizer_fits,
+    load_data_tokenizer,
+    tokenizer_to_load,
+)
+from meshtrain.data.tokenizer import train_tokenizer
 from meshtrain.models.builder import resolve_init_from
 
 # Text corpora read by `data/corpus.py`; every other source holds examples in TRL's formats.
@@ -74,7 +78,9 @@ def build_tokenizer(corpus: datasets.Dataset, data: dict[str, Any], model: dict[
     check_tokenizer_fits(cfg.tokenizer, init_from)
     folder = resolve_init_from(init_from) if init_from and not cfg.tokenizer else init_from
     name = tokenizer_to_load(cfg.tokenizer, folder)
-    tokenizer = load_tokenizer(name) if name else train_tokenizer(_as_text(corpus), cfg.vocab_size)
+    tokenizer = (
+        load_data_tokenizer(name) if name else train_tokenizer(_as_text(corpus), cfg.vocab_size)
+    )
     resolve_chat_template(tokenizer, cfg.chat_template)
     return tokenizer
 

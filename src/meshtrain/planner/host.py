@@ -1,0 +1,135 @@
+"""The host a node's ranks share: its memory and its cores, against the plan.
+
+The device profile bounds one rank; nothing else stops 64 ranks of 1.4 GiB each from
+being started on a 24 GiB machine, where the kernel's OOM killer ends the job minutes
+later, or two ranks per core from running at a fraction of the planned speed. This
+runs where the ranks will start (the training node, on every node), with the memory
+this host can give the job now: `MemAvailable`, or the container's cgroup limit where
+that is lower.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from meshtrain.planner.devices import BUILTIN_PROFILES
+from meshtrain.planner.types import LayoutError, Plan, Refusal
+
+GIB = 2**30
+# Two ranks per core on the project's 2-core machine (the default model, 4 ranks
+# against 2): tokens/s per job fell to this fraction of 2 ranks' (docs/speed.md,
+# "Ranks and cores").
+OVERSUBSCRIBED_SPEED = 0.56
+
+
+@dataclass(frozen=True)
+class Host:
+    """What this machine can give the job: bytes of memory and cores, with their source."""
+
+    memory_bytes: int
+    memory_source: str
+    cores: int
+
+    @classmethod
+    def here(cls) -> Host:
+        available = _meminfo_bytes("MemAvailable")
+        source = "MemAvailable in /proc/meminfo"
+        limit = _cgroup_room()
+        if limit is not None and (available is None or limit < available):
+            available, source = limit, "the cgroup's memory.max less memory.current"
+        if available is None:  # not Linux: no refusal on a figure we cannot read
+            available, source = 0, "unknown"
+        return cls(available, source, len(os.sched_getaffinity(0)))
+
+
+def host_bytes_per_rank(plan: Plan) -> int:
+    """What one rank holds in host memory. On CPU all of it: the plan's process total.
+    On an accelerator, the activations offloading keeps in host memory and the process
+    itself, counted at a CPU worker's measured resident set (the cpu profile's runtime:
+    torch, transformers and mlflow imported, the group joined; the accelerator runtime's
+    own host share comes on top). The blocks are memory-mapped (page cache, given back
+    under pressure) and checkpoints stream from the tensors' own memory, so neither
+    adds a host copy."""
+    memory = plan.memory_estimate_per_rank
+    if plan.backend == "gloo":  # the ranks are CPU processes
+        return int(memory["process_total"])
+    return BUILTIN_PROFILES["cpu"].runtime_bytes + int(memory.get("offloaded_to_host", 0))
+
+
+def check_host(plan: Plan, ranks_here: int, host: Host | None = None) -> list[str]:
+    """Refuse `ranks_here` ranks of `plan` whose memory this host cannot hold, naming the
+    arithmetic and the ranks that fit; returns the warnings (more ranks than cores)."""
+    host = host or Host.here()
+    per_rank = host_bytes_per_rank(plan)
+    need = per_rank * ranks_here
+    if host.memory_bytes and per_rank and need > host.memory_bytes:
+        fits = host.memory_bytes // per_rank
+        fix = (
+            f"Use launch.nproc_per_node<={fits} (and a layout of that many ranks per node), "
+            "more nodes (launch.nnodes), or a smaller model or batch."
+            if fits
+            else "Use a smaller model or batch: one rank does not fit."
+        )
+        reason = (
+            f"{ranks_here} ranks x {per_rank / GIB:.2f} GiB per rank ({_what(plan)}) = "
+            f"{need / GIB:.1f} GiB, but this host has {host.memory_bytes / GIB:.1f} GiB for "
+            f"the job ({host.memory_source})"
+        )
+        raise LayoutError([Refusal("launch.nproc_per_node", ranks_here, reason, fix)])
+    warnings = []
+    if plan.backend == "gloo" and ranks_here > host.cores:
+        warnings.append(
+            f"launch.nproc_per_node={ranks_here} ranks share {host.cores} core(s) here: each "
+            f"step will take longer than planned (two ranks per core ran at "
+            f"{OVERSUBSCRIBED_SPEED:.2f}x the tokens/s of one per core, docs/speed.md)."
+        )
+    return warnings
+
+
+def _what(plan: Plan) -> str:
+    if plan.backend == "gloo":
+        return "the plan's process estimate"
+    return "the process and its offloaded activations"
+
+
+def _meminfo_bytes(field: str) -> int | None:
+    try:
+        lines = Path("/proc/meminfo").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        name, _, value = line.partition(":")
+        if name == field:
+            return int(value.split()[0]) * 1024  # kB
+    return None
+
+
+def _cgroup_room() -> int | None:
+    """The memory cgroup's limit less its usage for this process (v2: memory.max and
+    memory.current; v1: memory.limit_in_bytes and memory.usage_in_bytes); None where
+    there is no limit or no cgroup to read."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, group = line.split(":", 2)
+        if controllers == "":  # v2, unified
+            folder, limit_file, usage_file = Path("/sys/fs/cgroup"), "memory.max", "memory.current"
+        elif "memory" in controllers.split(","):
+            folder = Path("/sys/fs/cgroup/memory")
+            limit_file, usage_file = "memory.limit_in_bytes", "memory.usage_in_bytes"
+        else:
+            continue
+        folder = folder / group.lstrip("/")
+        try:
+            limit = (folder / limit_file).read_text().strip()
+            usage = int((folder / usage_file).read_text())
+        except (OSError, ValueError):
+            continue
+        if limit == "max" or int(limit) >= 2**60:  # v1 writes "no limit" as ~2**63
+            return None
+        return max(int(limit) - usage, 0)
+    return None
