@@ -210,7 +210,9 @@ def assert_loads_and_matches_checkpoint(project: Path, consolidated: Path, check
 
 
 @pytest.mark.slow
-def test_impossible_layout_stops_before_any_worker(project: Path, default_run):
+def test_a_layout_refused_on_the_data_stops_before_any_worker(project: Path, default_run):
+    """A batch larger than the corpus passes every check made before the data is read
+    (tests/test_refusals_e2e.py has those) and is refused by the planning node."""
     checkpoints = project / "data/06_models/checkpoints"
     before = sorted(p.name for p in checkpoints.iterdir())
     result = kedro_run(
@@ -218,12 +220,12 @@ def test_impossible_layout_stops_before_any_worker(project: Path, default_run):
         "--pipeline",
         "planning",
         "--params",
-        SMALL_RUN + ",parallel.tensor_parallel_size=3",
+        SMALL_RUN + ",training.gradient_accumulation_steps=100000",
     )
     output = result.stdout + result.stderr
     assert result.returncode != 0
-    assert "tensor_parallel_size=3" in output
-    assert "Values that work here: 1" in output
+    assert "training.per_device_train_batch_size=4: the global batch" in output
+    assert "training.gradient_accumulation_steps<=" in output
     assert "Traceback" not in output  # the refusal alone, as the README shows it
     assert "[rank0]" not in output
     assert sorted(p.name for p in checkpoints.iterdir()) == before

@@ -280,6 +280,8 @@ def _record(client: MlflowClient, experiment: str, sweep_id: str, outcome: Outco
         max_results=1,
     )
     if not runs:
+        if outcome.status == "refused":  # before its MLflow run opened: the sweep's own
+            _record_refused(client, found.experiment_id, sweep_id, outcome)
         return
     run_id = runs[0].info.run_id
     outcome.run_id = run_id
@@ -288,6 +290,25 @@ def _record(client: MlflowClient, experiment: str, sweep_id: str, outcome: Outco
         client.set_tag(run_id, sweeps.SWEEP_ERROR_TAG, outcome.message[:5000])
     if outcome.status != "finished" and runs[0].info.run_name in (None, "", "__default__"):
         client.set_tag(run_id, "mlflow.runName", f"{outcome.layout} ({outcome.status})")
+
+
+def _record_refused(
+    client: MlflowClient, experiment_id: str, sweep_id: str, outcome: Outcome
+) -> None:
+    """A layout refused before its `kedro run` opened a run (its parameters are checked
+    first) still has its row in the sweep's runs: FAILED, with the refusal."""
+    run = client.create_run(
+        experiment_id,
+        run_name=f"{outcome.layout} ({outcome.status})",
+        tags={
+            sweeps.SWEEP_TAG: sweep_id,
+            sweeps.SWEEP_LAYOUT_TAG: outcome.layout,
+            sweeps.SWEEP_STATUS_TAG: outcome.status,
+            sweeps.SWEEP_ERROR_TAG: (outcome.message or "")[:5000],
+        },
+    )
+    client.set_terminated(run.info.run_id, "FAILED")
+    outcome.run_id = run.info.run_id
 
 
 def _report(
