@@ -388,3 +388,12 @@ def test_the_readmes_refusal_example_is_what_a_user_sees(
     hooks.show_refusals_plainly()
     sys.excepthook(type(caught.value), caught.value, None)
     assert capsys.readouterr().err == shown
+
+
+def test_a_pipeline_is_not_refused_for_a_group_it_does_not_read(project: Path, monkeypatch):
+    monkeypatch.chdir(project)
+    params = parameters(project, "data.vocab_size=100,training.max_steps=0,parallel.zero_1=2")
+    consolidation = register_pipelines()["consolidation"]
+    assert check_parameters(params, consolidation) == []
+    with pytest.raises(Refused, match="data.vocab_size"):
+        check_parameters(params, register_pipelines()["data_processing"])

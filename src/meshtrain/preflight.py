@@ -24,6 +24,7 @@ from meshtrain.config import (
     ConsolidationConfig,
     DataConfig,
     EvaluationConfig,
+    ModelConfig,
     RunConfig,
     check_data,
     check_evaluation,
@@ -40,18 +41,20 @@ def preflight(params: Mapping[str, Any], groups: Collection[str], *, trains: boo
     `trains`: the selected pipelines start training workers on this host. Returns the
     warnings to print (e.g. more ranks than cores)."""
     groups = set(groups)
-    data = parse(DataConfig, params.get("data"), "data")
-    check_data(data)
     warnings: list[str] = []
-    if groups & (set(RUN_GROUPS) - {"data"}):
+    if groups & (set(RUN_GROUPS) - {"data", "model"}):  # nodes reading the whole run
         run = RunConfig.from_params(**{group: params.get(group) for group in RUN_GROUPS})
-        _check_model(run)
+        _check_model(run.model)
         if trains:
             check_launch(run.launch)
             _check_resume(run)
         if groups & _PLANNED:
             warnings += _plan_before_data(run, trains=trains)
+    elif "model" in groups:  # the data pipeline: the model's tokenizer and config
+        _check_model(parse(ModelConfig, params.get("model"), "model"))
     if "data" in groups:
+        data = parse(DataConfig, params.get("data"), "data")
+        check_data(data)
         _check_data_inputs(data, (params.get("model") or {}).get("init_from"))
     if "consolidation" in groups:
         from meshtrain.checkpoint.consolidate.options import check_consolidation  # noqa: PLC0415
@@ -63,20 +66,19 @@ def preflight(params: Mapping[str, Any], groups: Collection[str], *, trains: boo
     return warnings
 
 
-def _check_model(run: RunConfig) -> None:
+def _check_model(model: ModelConfig) -> None:
     """The model a run builds: its fields (from scratch) or its folder (`init_from`), and
     the LoRA targets it has."""
     from meshtrain.models.builder import check_model_fields, resolve_init_from  # noqa: PLC0415
 
-    init_from = run.model.init_from
-    if not init_from:
-        check_model_fields(run.model.architecture, run.model.config)
-    elif _is_local(init_from):
-        resolve_init_from(init_from)  # a folder with config.json and weights, else refused
-    if run.model.lora_settings is not None:
+    if not model.init_from:
+        check_model_fields(model.architecture, model.config)
+    elif _is_local(model.init_from):
+        resolve_init_from(model.init_from)  # a folder with config.json and weights
+    if model.lora_settings is not None:
         from meshtrain.models.lora import check_lora_targets  # noqa: PLC0415
 
-        check_lora_targets(run.model)
+        check_lora_targets(model)
 
 
 def _check_resume(run: RunConfig) -> None:
