@@ -227,6 +227,7 @@ CASES = [
     case("consolidation.checkpoint=/nonexistent/checkpoint-8", id="checkpoint-missing"),
     case("consolidation.output_dir=data/01_raw/corpus.txt", id="output-dir-a-file"),
     case("evaluation.lm_eval_tasks=meshtrain_python_basic", id="lm-eval-task-typo"),
+    case("evaluation.lm_eval_tasks=hellaswag", id="lm-eval-task-not-cached-offline"),
     case("evaluation.lm_eval_include_path=/nonexistent/tasks", id="lm-eval-include-missing"),
     case("evaluation.device=cuda:7", id="eval-device-not-here", marks=NO_CUDA),
     case("evaluation.dtype=int4", id="eval-dtype-unknown"),

@@ -10,6 +10,7 @@ ship with the package). Scores come back as `<task>/<metric>`.
 from __future__ import annotations
 
 import difflib
+import functools
 import logging
 import math
 from pathlib import Path
@@ -27,9 +28,11 @@ def own_tasks() -> set[str]:
     return {path.stem for path in TASKS_DIR.glob("*.yaml")}
 
 
+@functools.lru_cache(maxsize=4)
 def task_manager(include_path: str | None = None, defaults: bool = True):
     """The harness's task index, with meshtrain's own tasks (and `include_path`'s) in it;
-    `defaults=False` leaves out the harness's thousands of task files (seconds to index)."""
+    `defaults=False` leaves out the harness's thousands of task files (seconds to index:
+    built once per process, so the evaluation node reuses the index `preflight` made)."""
     from lm_eval.tasks import TaskManager
 
     paths = [str(TASKS_DIR)]
@@ -54,6 +57,31 @@ def check_tasks(tasks: list[str], manager) -> None:
                 f"`evaluation.lm_eval_tasks` names {name!r}, which lm-evaluation-harness "
                 f"does not know{hint} meshtrain's offline task: meshtrain_python_basics."
             )
+
+
+def check_tasks_reachable(tasks: list[str], manager) -> None:
+    """Offline (meshtrain's default), refuse a task whose dataset is not in this machine's
+    `datasets` cache: the harness would fail to download it after training."""
+    import datasets  # noqa: PLC0415
+
+    if not datasets.config.HF_DATASETS_OFFLINE:
+        return
+    for name in tasks:
+        entry = manager.task_index.get(name)
+        config = getattr(entry, "cfg", None) or {}
+        path = config.get("dataset_path")
+        if not path or name in own_tasks():
+            continue
+        try:
+            datasets.load_dataset_builder(path, config.get("dataset_name"))
+        except Exception:  # noqa: BLE001 - not cached, in whatever way `datasets` says it
+            raise ConfigError(
+                f"`evaluation.lm_eval_tasks` names {name!r}, whose data ({path} on the "
+                "Hugging Face hub) is not in this machine's cache, and the run is offline "
+                "(HF_DATASETS_OFFLINE, meshtrain's default): run with HF_HUB_OFFLINE=0 "
+                "HF_DATASETS_OFFLINE=0 where the hub is reachable, or use "
+                "meshtrain_python_basics."
+            ) from None
 
 
 def scores(results: dict[str, Any]) -> dict[str, float]:

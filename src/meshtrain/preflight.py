@@ -164,13 +164,19 @@ def _check_evaluation(evaluation: EvaluationConfig) -> None:
             "a folder of lm-evaluation-harness task YAMLs, or null."
         )
     if evaluation.lm_eval_tasks:
-        from meshtrain.benchmarks import check_tasks, own_tasks, task_manager  # noqa: PLC0415
+        from meshtrain.benchmarks import (  # noqa: PLC0415
+            check_tasks,
+            check_tasks_reachable,
+            own_tasks,
+            task_manager,
+        )
 
         tasks = evaluation.lm_eval_tasks
         manager = task_manager(
             evaluation.lm_eval_include_path, defaults=not set(tasks) <= own_tasks()
         )
         check_tasks(tasks, manager)
+        check_tasks_reachable(tasks, manager)
 
 
 def _is_local(name: str) -> bool:
