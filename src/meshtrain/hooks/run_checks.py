@@ -117,3 +117,8 @@ class RunChecksHook:
         for warning in check_parameters(params or {}, pipeline):
             logger.warning(warning)
         check_inputs_exist(pipeline, catalog, registered, run_params)
+        logger.info(
+            "meshtrain checked the parameters before the first node; what needs the data "
+            "(block size against the corpus, batch against the blocks) is checked by the "
+            "node that reads it, before training, and data/ is kept as it is until then."
+        )
