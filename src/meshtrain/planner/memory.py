@@ -28,42 +28,22 @@ the model can be checked one to one against the measured peak of live tensors
   attention outputs and recomputes norms, rotary and the gated activation;
 - the loss, counted in `planner.loss_memory` (chunked, or over the whole logits);
 - tied embeddings over pipeline stages: the last stage's LM head is a copy of
-  the embedding, with its own gradient and (under ZeRO-1, its share of) AdamW
-  moments;
+  the embedding, with its own gradient and AdamW moments;
 - pipeline schedules: GPipe keeps every microbatch's activations, 1F1B at
   most `pp - stage` on a stage, interleaved 1F1B its warm-up depth in model
   chunks (torch's schedule); the last stage keeps the loss's share of each
   microbatch in flight until its backward.
 
-Outside the step the estimate adds what the process holds before the model
-(`process_total`, the figure the planner fits into the device): the device
-profile's `runtime_gib` (libraries and interpreter on cpu, the accelerator
-runtime's context elsewhere).
+`process_total`, the figure fitted into the device, adds the profile's `runtime_gib`
+(the process before the model); offloaded activations are counted apart (host memory).
 
-Precisions (`training.mixed_precision`): under `no` and `bf16` (autocast) the
-parameters and gradients are fp32 (the parameters are their own master
-weights: 4 + 4 + 8/dp bytes per parameter under ZeRO-1); under bf16 autocast
-the matmul outputs are counted at 2 bytes. Under `bf16_master` the
-parameters and activations are bf16, the gradients fp32 (bf16 with
-`grad_reduce_dtype=bf16`, plus the optimizer's fp32 copy of its range), and
-the optimizer holds an fp32 master copy beside the moments: 2 + 4 + 12/dp
-bytes per parameter. Its norms keep an fp32 upcast of their input beside the
-bf16 normed value (Hugging Face's RMSNorm computes in fp32), so the layer's
-"kept" elements average 3 bytes.
-
-Sharded data parallelism (`StepShape.sharded` = N > 1, torch's FSDP2 over
-groups of N dp ranks): every persistent model state is divided by N, and at
-every precision the shards are fp32 (under `bf16_master` the sharded
-parameters are the master weights, and FSDP2 casts the reduced gradient
-back to the parameter's dtype): 4 + 4 + 8 bytes per parameter, over N.
-What is gathered for compute is counted apart (`gathered`): without pipeline
-parallelism the root group (embedding, final norm, LM head) for the whole
-step with its unsharded gradient, two decoder layers' parameters (the one
-running and the one prefetched) and one layer's unsharded gradient; under
-pipeline parallelism the rank's whole stage, parameters and gradients, stays
-gathered over the microbatches of a schedule step. Gathered parameters are in
-the compute dtype (bf16 under `bf16_master`), unsharded gradients in the
-reduce dtype (`gradient_bytes`).
+Precisions: under `no` and `bf16` (autocast) parameters and gradients are fp32
+(4 + 4 + 8/dp bytes per parameter under ZeRO-1; bf16 autocast's matmul outputs at
+2 bytes); under `bf16_master` parameters and activations are bf16, gradients fp32 (or
+bf16), and AdamW holds an fp32 master beside the moments (2 + 4 + 12/dp). Sharded data
+parallelism (`StepShape.sharded` = N > 1, FSDP2): fp32 shards of every model state
+over N, and what is gathered for compute counted apart (`gathered_bytes`). Each term
+with its bytes: docs/planner.md, "Memory model" and "Sharded data parallelism".
 """
 
 from __future__ import annotations
