@@ -126,7 +126,7 @@ def check_architecture(architecture: str) -> None:
         )
 
 
-def _divisors_near(value: int, of: int) -> str:
+def _multiples_near(value: int, of: int) -> str:
     """The multiples of `of` on either side of `value`, as a fix ("128 or 132")."""
     below = max(of, value // of * of)
     above = below + of
@@ -146,7 +146,7 @@ def _check_shape(architecture: str, fields: dict[str, Any]) -> None:
         raise ConfigError(
             f"`model.config.hidden_size={hidden}` is not a multiple of "
             f"`model.config.num_attention_heads={heads}` (each head takes hidden_size / "
-            f"num_attention_heads): use hidden_size={_divisors_near(hidden, heads)}, or a "
+            f"num_attention_heads): use hidden_size={_multiples_near(hidden, heads)}, or a "
             "head count that divides it."
         )
     if heads and kv_heads and heads % kv_heads:
