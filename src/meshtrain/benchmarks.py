@@ -66,11 +66,12 @@ def check_tasks_reachable(tasks: list[str], manager) -> None:
 
     if not datasets.config.HF_DATASETS_OFFLINE:
         return
+    own = own_tasks()
     for name in tasks:
         entry = manager.task_index.get(name)
         config = getattr(entry, "cfg", None) or {}
         path = config.get("dataset_path")
-        if not path or name in own_tasks():
+        if not path or name in own:
             continue
         try:
             datasets.load_dataset_builder(path, config.get("dataset_name"))

@@ -11,6 +11,7 @@ import difflib
 import re
 import types
 import typing
+from pathlib import Path
 from typing import Any, Literal
 
 
@@ -204,3 +205,9 @@ def check_ranges(config: Any, rows: tuple[RangeRow, ...]) -> None:
     problems = out_of_range(config, rows)
     if problems:
         raise ConfigError(problems[0])
+
+
+def names_a_path(value: str) -> bool:
+    """A parameter naming a file or folder on this machine, not a Hugging Face hub id
+    (owner/name): it is written like a path, or something is there."""
+    return value.startswith(("/", "./", "../", "~")) or Path(value).expanduser().exists()

@@ -31,6 +31,7 @@ from meshtrain.config import (
     check_launch,
     parse,
 )
+from meshtrain.config_parsing import names_a_path
 
 # Groups the planner reads: with any of them selected, the layout is planned before data.
 _PLANNED = {"parallel", "training", "planner"}
@@ -73,7 +74,7 @@ def _check_model(model: ModelConfig) -> None:
 
     if not model.init_from:
         check_model_fields(model.architecture, model.config)
-    elif _is_local(model.init_from):
+    elif names_a_path(model.init_from):
         resolve_init_from(model.init_from)  # a folder with config.json and weights
     if model.lora_settings is not None:
         from meshtrain.models.lora import check_lora_targets  # noqa: PLC0415
@@ -114,12 +115,12 @@ def _tokenizer_size(data: DataConfig, init_from: str | None) -> int | None:
         tokenizer_to_load,
     )
 
-    if init_from and not _is_local(init_from) and not data.tokenizer:
+    if init_from and not names_a_path(init_from) and not data.tokenizer:
         return None
     name = tokenizer_to_load(data.tokenizer, init_from)
     if name is None:
         return data.vocab_size
-    return len(load_data_tokenizer(name)) if _is_local(name) else None
+    return len(load_data_tokenizer(name)) if names_a_path(name) else None
 
 
 def _check_data_inputs(data: DataConfig, init_from: str | None) -> None:
@@ -177,8 +178,3 @@ def _check_evaluation(evaluation: EvaluationConfig) -> None:
         )
         check_tasks(tasks, manager)
         check_tasks_reachable(tasks, manager)
-
-
-def _is_local(name: str) -> bool:
-    """A path on this machine (a hub id is owner/name and not a folder here)."""
-    return Path(name).expanduser().is_dir() or name.startswith(("/", "./", "../", "~"))

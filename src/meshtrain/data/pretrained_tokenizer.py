@@ -15,7 +15,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from meshtrain.config_parsing import ConfigError
+from meshtrain.config_parsing import ConfigError, names_a_path
 
 # Any of these makes a folder a tokenizer folder for AutoTokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -96,7 +96,7 @@ def check_tokenizer_name(data_tokenizer: str | None) -> None:
                 "the tokenizer to, or null to train one here."
             )
         return
-    if data_tokenizer.startswith(("/", "./", "../", "~")) or path.exists():
+    if names_a_path(data_tokenizer):
         raise TokenizerMismatch(
             f"`data.tokenizer` {data_tokenizer!r} is not a folder: name a tokenizer folder "
             "(save_pretrained's), a hub id such as Qwen/Qwen2.5-0.5B, or null to train one here."

@@ -15,6 +15,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from meshtrain.config import AUTO, ConfigError
+from meshtrain.config_parsing import names_a_path
 from meshtrain.distributed.tensor_parallel import unsharded
 from meshtrain.models.config_fields import (
     DEFAULT_ARCHITECTURE,
@@ -98,7 +99,7 @@ def resolve_init_from(init_from: str) -> str:
     if Path(init_from).is_dir():
         check_folder(init_from)
         return init_from
-    if init_from.startswith(("/", "./", "../", "~")) or Path(init_from).exists():
+    if names_a_path(init_from):
         raise PretrainedError(
             f"`model.init_from` {init_from!r} is not a folder: pass a local folder written by "
             "save_pretrained (config.json and *.safetensors), or a hub id such as "
