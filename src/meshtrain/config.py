@@ -200,6 +200,9 @@ class LaunchConfig:
     backend: Literal["auto", "gloo", "nccl", "neuron"] = AUTO
     rdzv_endpoint: str | None = None
     rdzv_id: str = "meshtrain"
+    # Several hosts: the interface the nodes reach each other on (e.g. eth1, ib0); null:
+    # GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME where set, else the route to rdzv_endpoint.
+    network_interface: str | None = None
     max_restarts: int = 0
     monitor_interval: float = 0.5
     # On SIGTERM / SIGUSR1 (preemption, a SLURM time limit) the workers finish the step

@@ -30,6 +30,7 @@ from torch.distributed.launcher.api import LaunchConfig as ElasticLaunchConfig
 from torch.distributed.launcher.api import elastic_launch
 
 from meshtrain.config import LaunchConfig, Refused, split_endpoint
+from meshtrain.launch.network import NodeAddress, worker_interface
 from meshtrain.launch.rendezvous import NodeRankRendezvous, free_port, is_loopback
 
 # How long the launchers wait for every node to join: nodes of one job may start minutes
@@ -65,6 +66,7 @@ def run_workers(
     *,
     log_dir: Path,
     run_id: str,
+    node: NodeAddress | None = None,
 ) -> dict[int, Any]:
     """Run `entrypoint(*args)` on `launch.world_size` ranks; returns {global rank: result}.
 
@@ -74,11 +76,13 @@ def run_workers(
 
     On one node the dict holds every rank. On several, each node gets its
     own ranks plus rank 0's result under key 0 (sent through the rendezvous
-    store, so it must be JSON-able): every node can report the run.
+    store, so it must be JSON-able): every node can report the run. `node` is
+    this node's address and interface across hosts (`launch.network`).
     """
     log_dir.mkdir(parents=True, exist_ok=True)
     try:
-        return _launch(entrypoint, args, launch, log_dir=log_dir, run_id=run_id)
+        with worker_interface(node):
+            return _launch(entrypoint, args, launch, log_dir=log_dir, run_id=run_id, node=node)
     except SignalException as error:
         raise Interrupted(signal.Signals(error.sigval).name) from None
 
@@ -90,6 +94,7 @@ def _launch(
     *,
     log_dir: Path,
     run_id: str,
+    node: NodeAddress | None,
 ) -> dict[int, Any]:
     if launch.nnodes == 1:
         try:
@@ -100,7 +105,7 @@ def _launch(
                 *_root_failure(failures)
             ) from None
     try:
-        config = _multi_node_config(launch, log_dir, run_id)
+        config = _multi_node_config(launch, log_dir, run_id, node)
         returned = elastic_launch(config, _run_and_share)(entrypoint, args)
     except ChildFailedError as error:
         raise _node_failure(error, launch, log_dir) from None
@@ -146,8 +151,14 @@ def _one_node_config(launch: LaunchConfig, log_dir: Path, run_id: str) -> Elasti
     )
 
 
-def _multi_node_config(launch: LaunchConfig, log_dir: Path, run_id: str) -> ElasticLaunchConfig:
+def _multi_node_config(
+    launch: LaunchConfig, log_dir: Path, run_id: str, node: NodeAddress | None
+) -> ElasticLaunchConfig:
     host, port = split_endpoint(launch.rdzv_endpoint or "")
+    # The address the other nodes reach this one at (its workers' MASTER_ADDR when it
+    # holds rank 0): the chosen interface's across hosts, loopback on one machine. Never
+    # the host name, which often resolves to 127.0.0.1 or 127.0.1.1 (`launch.network`).
+    local_addr = node.address if node is not None else "127.0.0.1" if is_loopback(host) else None
     return ElasticLaunchConfig(
         **_common_settings(launch, log_dir, run_id),
         rdzv_backend=NodeRankRendezvous.BACKEND,
@@ -159,10 +170,7 @@ def _multi_node_config(launch: LaunchConfig, log_dir: Path, run_id: str) -> Elas
             "is_host": launch.node_rank == 0,
             "node_rank": launch.node_rank,
         },
-        # The address the other nodes reach this one at (its workers' MASTER_ADDR when
-        # it holds rank 0): loopback when the whole job is on this machine, else the
-        # host's fully qualified name, as torchrun does.
-        local_addr="127.0.0.1" if is_loopback(host) else None,
+        local_addr=local_addr,
     )
 
 

@@ -10,6 +10,7 @@ summary.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -19,12 +20,15 @@ from meshtrain.checkpoint.manifest import find_resume_checkpoint, list_checkpoin
 from meshtrain.components.step_guard import StopRequested
 from meshtrain.config import ConfigError, Refused, RunConfig, check_launch
 from meshtrain.launch.elastic import Interrupted, WorkerRefusedError, run_workers
+from meshtrain.launch.network import REACH_TIMEOUT_S, check_reachable, node_address
 from meshtrain.launch.worker import worker_main
 from meshtrain.models.builder import config_from_dict, resolve_init_from
 from meshtrain.models.llama.parameter_names import llama_family_shapes
 from meshtrain.planner import Plan
 from meshtrain.tracking.rank_metrics import TrackingTarget
 from meshtrain.trainer import WorkerSpec
+
+logger = logging.getLogger(__name__)
 
 
 def make_worker_spec(
@@ -143,6 +147,10 @@ def run_training(
     model.
     """
     check_launch(run.launch)  # a wrong node rank or endpoint costs nothing yet
+    node = node_address(run.launch)
+    if node is not None:
+        logger.info(node.describe(run.launch.node_rank))
+        check_reachable(run.launch, node, REACH_TIMEOUT_S)
     spec = make_worker_spec(
         run,
         plan,
@@ -165,7 +173,9 @@ def run_training(
         # Every node must name the same rendezvous; torchrun's --rdzv-id is exactly that.
         log_dir, run_id = run_dir / "logs" / f"node{launch.node_rank}", launch.rdzv_id
     try:
-        results = run_workers(worker_main, (spec,), launch, log_dir=log_dir, run_id=run_id)
+        results = run_workers(
+            worker_main, (spec,), launch, log_dir=log_dir, run_id=run_id, node=node
+        )
     except Interrupted as stop:
         raise TrainingStopped.describe(stop.signal_name, run_dir) from None
     except WorkerRefusedError as refusal:

@@ -48,6 +48,7 @@ NOT_PLANNED: dict[str, frozenset[str]] = {
             "node_rank",
             "rdzv_endpoint",
             "rdzv_id",
+            "network_interface",
             "max_restarts",
             "monitor_interval",
             "shutdown_grace_s",
