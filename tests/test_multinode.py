@@ -174,7 +174,7 @@ def test_a_killed_node_fails_the_other_node_without_hanging(tiny_blocks, tmp_pat
             assert node0.poll() is None and node1.poll() is None, log0.read_text()[-3000:]
             assert time.monotonic() < deadline, "training did not start:\n" + log0.read_text()
             time.sleep(0.2)
-        workers = [pid for node in nodes for pid, _ in _workers_of(node.pid)]
+        workers = [pid for node in nodes for pid, _ in workers_of(node.pid)]
         assert len(workers) == 2
 
         node1.kill()  # SIGKILL of node 1's launcher only: its workers are not told
@@ -197,7 +197,7 @@ def test_a_killed_node_fails_the_other_node_without_hanging(tiny_blocks, tmp_pat
     print(f"node 0 failed {took:.1f} s after node 1's launcher was killed")
 
 
-def _workers_of(pid: int) -> list[tuple[int, str]]:
+def workers_of(pid: int) -> list[tuple[int, str]]:
     # multiprocessing's resource tracker lives as long as the launcher; it is no worker.
     return [(c, cmd) for c, cmd in child_processes(pid) if "resource_tracker" not in cmd]
 

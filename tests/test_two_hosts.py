@@ -11,16 +11,21 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import socket
+import time
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
+from meshtrain.checkpoint import consolidate_checkpoint
 from meshtrain.launch.rendezvous import free_port
 from tests.conftest import TINY_MODEL
 from tests.distributed.reference import assert_matches_reference, reference_run
-from tests.netns import Host, require_namespaces, two_hosts
-from tests.test_multinode import LAYOUT, RDZV_ID, end, start_node, wait
+from tests.netns import Host, processes_in, require_namespaces, two_hosts
+from tests.test_multinode import LAYOUT, RDZV_ID, end, start_node, wait, workers_of
 
 
 @pytest.fixture
@@ -93,3 +98,81 @@ def test_two_hosts_on_a_veth_link_train_as_one_process(tiny_blocks, hosts, tmp_p
     assert_matches_reference(
         "two-hosts-dp2-tp2", summaries[0], expected_losses, expected_weights, tmp_path / "hf"
     )
+
+
+def _run_to_end(tmp: Path, blocks, hosts, training: dict, launch: dict) -> dict:
+    nodes = _start(tmp, blocks, hosts, training, nproc=1, **launch)
+    try:
+        codes = [wait(p, 180, tmp / f"node{n}.log") for n, p in enumerate(nodes)]
+    finally:
+        end(nodes)
+    assert codes == [0, 0], (tmp / "node0.log").read_text()[-3000:]
+    return json.loads((tmp / "summary-node0.json").read_text())
+
+
+def _weights(summary: dict, folder: Path) -> dict[str, torch.Tensor]:
+    consolidate_checkpoint(summary["final_checkpoint"], folder, progress=False)
+    return load_file(folder / "model.safetensors")
+
+
+@pytest.mark.slow
+def test_a_link_that_fails_mid_run_ends_the_job_naming_the_node(tiny_blocks, hosts, tmp_path: Path):
+    """Host b's link goes down after the first checkpoint: node 0 ends within the
+    collective timeout plus a few seconds naming node 1; node 1's rank ends at its own
+    timeout, and its launcher as soon as the link returns; the job then resumes from
+    the last complete checkpoint to the uninterrupted run's weights, bitwise."""
+    timeout_s = 15
+    training = {"max_steps": 60, "checkpoint_every": 10, "eval_every": 1000, "keep_last": 0}
+    launch = {"collective_timeout_s": timeout_s, "shutdown_grace_s": 5}
+    (tmp_path / "cut").mkdir()
+    nodes = _start(tmp_path / "cut", tiny_blocks, hosts, training, nproc=1, **launch)
+    run_dir = tmp_path / "cut" / "checkpoints" / f"dp2-tp1-pp1-{RDZV_ID}"
+    logs = [tmp_path / "cut" / f"node{n}.log" for n in (0, 1)]
+    try:
+        deadline = time.monotonic() + 180
+        while not list(run_dir.glob("checkpoint-*/COMPLETE")):
+            assert all(p.poll() is None for p in nodes), logs[0].read_text()[-3000:]
+            assert time.monotonic() < deadline, logs[0].read_text()[-3000:]
+            time.sleep(0.05)
+        hosts[1].link(up=False)
+        cut_at = time.monotonic()
+        code0 = wait(nodes[0], timeout_s + 60, logs[0])
+        took = time.monotonic() - cut_at
+        # Node 1's rank gave up at its own collective timeout: only its launcher is left,
+        # waiting on the store across the dead link.
+        _wait_until(lambda: workers_of(nodes[1].pid) == [], timeout_s + 20)
+        assert processes_in(hosts[0].namespace) == []
+        hosts[1].link(up=True)
+        up_at = time.monotonic()
+        code1 = wait(nodes[1], 60, logs[1])
+        took_after_link = time.monotonic() - up_at
+    finally:
+        end(nodes)
+    assert code0 != 0 and code1 != 0
+    assert took < timeout_s + 10, f"node 0 took {took:.0f} s"
+    assert took_after_link < 15, f"node 1 took {took_after_link:.0f} s after the link"
+    assert processes_in(hosts[0].namespace) == processes_in(hosts[1].namespace) == []
+    output = [log.read_text() for log in logs]
+    assert "NodeLostError" in output[0] and "node 1 (rank 1), last heard" in output[0]
+    assert "stopped answering" in output[0], output[0][-3000:]
+    assert "this node (launch.node_rank=1, rank 1) lost the rendezvous store" in output[1]
+    print(f"node 0 ended {took:.1f} s after the cut; node 1 {took_after_link:.1f} s after the link")
+
+    (tmp_path / "resumed").mkdir()
+    shutil.copytree(run_dir.parent, tmp_path / "resumed" / "checkpoints")
+    resumed = _run_to_end(
+        tmp_path / "resumed", tiny_blocks, hosts, {**training, "resume_from": "latest"}, launch
+    )
+    (tmp_path / "straight").mkdir()
+    straight = _run_to_end(tmp_path / "straight", tiny_blocks, hosts, training, launch)
+    a = _weights(straight, tmp_path / "straight" / "hf")
+    b = _weights(resumed, tmp_path / "resumed" / "hf")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert resumed["losses"][-1] == straight["losses"][-1]
+
+
+def _wait_until(condition, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.2)

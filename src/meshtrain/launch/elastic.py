@@ -25,13 +25,13 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
-from torch.distributed.elastic.rendezvous import RendezvousTimeoutError
+from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousTimeoutError
 from torch.distributed.launcher.api import LaunchConfig as ElasticLaunchConfig
 from torch.distributed.launcher.api import elastic_launch
 
 from meshtrain.config import LaunchConfig, Refused, split_endpoint
 from meshtrain.launch.network import NodeAddress, worker_interface
-from meshtrain.launch.rendezvous import NodeRankRendezvous, free_port, is_loopback
+from meshtrain.launch.rendezvous import NodeLiveness, NodeRankRendezvous, free_port, is_loopback
 
 # How long the launchers wait for every node to join: nodes of one job may start minutes
 # apart (container pulls, a slow shared filesystem), but a missing node must not hang forever.
@@ -104,11 +104,12 @@ def _launch(
             raise _stuck_ranks(failures, launch) or _failure_error(
                 *_root_failure(failures)
             ) from None
+    liveness = NodeLiveness()
     try:
-        config = _multi_node_config(launch, log_dir, run_id, node)
+        config = _multi_node_config(launch, log_dir, run_id, node, liveness)
         returned = elastic_launch(config, _run_and_share)(entrypoint, args)
     except ChildFailedError as error:
-        raise _node_failure(error, launch, log_dir) from None
+        raise _node_failure(error, launch, log_dir, liveness.silent()) from None
     except RendezvousTimeoutError as error:
         raise RendezvousTimeoutError(
             f"not all launch.nnodes={launch.nnodes} nodes joined rendezvous '{run_id}' at "
@@ -116,6 +117,12 @@ def _launch(
             "node with the same launch.nnodes, launch.rdzv_endpoint and launch.rdzv_id, and "
             f"a different launch.node_rank. ({error})"
         ) from None
+    except RendezvousError:
+        if liveness.started and liveness.silent() is None:
+            raise _cut_off(launch) from None
+        raise
+    finally:
+        liveness.stop()
     results = {rank: own for rank, (own, _) in returned.items()}
     for _, rank0 in returned.values():
         if rank0 is not None:
@@ -152,7 +159,11 @@ def _one_node_config(launch: LaunchConfig, log_dir: Path, run_id: str) -> Elasti
 
 
 def _multi_node_config(
-    launch: LaunchConfig, log_dir: Path, run_id: str, node: NodeAddress | None
+    launch: LaunchConfig,
+    log_dir: Path,
+    run_id: str,
+    node: NodeAddress | None,
+    liveness: NodeLiveness,
 ) -> ElasticLaunchConfig:
     host, port = split_endpoint(launch.rdzv_endpoint or "")
     # The address the other nodes reach this one at (its workers' MASTER_ADDR when it
@@ -169,19 +180,29 @@ def _multi_node_config(
             # node on 127.0.0.1 each launcher guesses "me".
             "is_host": launch.node_rank == 0,
             "node_rank": launch.node_rank,
+            "liveness": liveness,
         },
         local_addr=local_addr,
     )
 
 
 def _node_failure(
-    error: ChildFailedError, launch: LaunchConfig, log_dir: Path
+    error: ChildFailedError,
+    launch: LaunchConfig,
+    log_dir: Path,
+    silent: dict[int, float] | None,
 ) -> WorkerFailedError:
-    """This node's failure; when every rank here only lost a peer, say to look elsewhere."""
+    """This node's failure; when every rank here only lost a peer, say to look elsewhere,
+    and name the node that went silent, or say that this one is cut off."""
     failures = _all_failures(error)
     stuck = _stuck_ranks(failures, launch)
     if stuck is not None:
         return stuck
+    if all(_is_timeout(text) or _is_peer_symptom(text) for _, text in failures.values()):
+        if silent is None:
+            return _cut_off(launch)
+        if silent:
+            return _silent_nodes(launch, silent, sorted(failures))
     rank, message = _root_failure(failures)
     if all(_is_peer_symptom(text) for _, text in failures.values()):
         message = (
@@ -190,6 +211,46 @@ def _node_failure(
             f"output and its logs under {log_dir.parent}. This node's first error: {message}"
         )
     return _failure_error(rank, message)
+
+
+class NodeLostError(Refused, WorkerFailedError):
+    """A node stopped answering (a failed link, a frozen or powered-off machine), or this
+    node lost the others: which one, and since when."""
+
+
+def _ranks_of(node: int, launch: LaunchConfig) -> str:
+    first = node * launch.nproc_per_node
+    last = first + launch.nproc_per_node - 1
+    return f"rank {first}" if first == last else f"ranks {first}-{last}"
+
+
+def _silent_nodes(
+    launch: LaunchConfig, silent: dict[int, float], waiting: list[int]
+) -> NodeLostError:
+    nodes = "; ".join(
+        f"node {n} ({_ranks_of(n, launch)}), last heard {seconds:.0f} s ago"
+        for n, seconds in sorted(silent.items())
+    )
+    return NodeLostError(
+        waiting[0],
+        f"{nodes}: stopped answering (its launcher's heartbeat in the rendezvous store "
+        "stopped: a failed network link, a frozen or powered-off machine). This node's "
+        f"{_ranks_of(launch.node_rank, launch)} waited for it in a collective until "
+        f"launch.collective_timeout_s={launch.collective_timeout_s:g} s, then stopped. "
+        "Once every node is back, start the job again on every node with "
+        "training.resume_from=latest.",
+    )
+
+
+def _cut_off(launch: LaunchConfig) -> NodeLostError:
+    return NodeLostError(
+        launch.node_rank * launch.nproc_per_node,
+        f"this node (launch.node_rank={launch.node_rank}, "
+        f"{_ranks_of(launch.node_rank, launch)}) lost the rendezvous store at "
+        f"launch.rdzv_endpoint={launch.rdzv_endpoint} on node 0: this node's own network "
+        "link, or node 0, is down. Its ranks were stopped. Once every node is back, start the "
+        "job again on every node with training.resume_from=latest.",
+    )
 
 
 class WorkerRefusedError(Refused, WorkerFailedError):
