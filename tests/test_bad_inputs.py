@@ -176,6 +176,12 @@ CASES = [
     case("launch.backend=mpi", id="unknown-backend"),
     case("launch.backend=nccl", id="nccl-without-cuda", marks=NO_CUDA),
     case("launch.rdzv_endpoint=node001:99999", id="port-out-of-range"),
+    case(
+        "launch.nnodes=2,launch.nproc_per_node=1,launch.rdzv_endpoint=10.1.2.3:29500,"
+        "launch.network_interface=nope0",
+        "launch.network_interface",
+        id="network-interface-not-on-this-host",
+    ),
     case("launch.max_restarts=-1", id="negative-restarts"),
     case("launch.monitor_interval=0", id="monitor-interval-zero"),
     case("launch.shutdown_grace_s=0", id="shutdown-grace-zero"),

@@ -13,6 +13,8 @@ import json
 import re
 import shutil
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -21,6 +23,8 @@ import torch
 from safetensors.torch import load_file
 
 from meshtrain.checkpoint import consolidate_checkpoint
+from meshtrain.config import ConfigError, LaunchConfig
+from meshtrain.launch.network import node_address
 from meshtrain.launch.rendezvous import free_port
 from tests.conftest import TINY_MODEL
 from tests.distributed.reference import assert_matches_reference, reference_run
@@ -176,3 +180,55 @@ def _wait_until(condition, seconds: float) -> None:
     while not condition():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.2)
+
+
+def test_a_network_interface_that_does_not_exist_is_refused_with_those_that_do():
+    launch = LaunchConfig(
+        nnodes=2, node_rank=1, rdzv_endpoint="10.1.2.3:29500", network_interface="nope0"
+    )
+    with pytest.raises(ConfigError) as caught:
+        node_address(launch)
+    assert "`launch.network_interface=nope0` names no network interface" in str(caught.value)
+    assert "it has: lo (127.0.0.1" in str(caught.value)
+
+
+def _in_host(host: Host, code: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        host.command(sys.executable, "-c", code),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+
+
+_CHECK = """
+import time
+from meshtrain.config import ConfigError, LaunchConfig
+from meshtrain.launch.network import check_reachable, node_address
+launch = LaunchConfig(nnodes=2, node_rank=1, rdzv_endpoint="{endpoint}")
+start = time.monotonic()
+try:
+    check_reachable(launch, node_address(launch), timeout_s=4)
+    print("reached")
+except ConfigError as error:
+    print(error)
+print(f"after {{time.monotonic() - start:.1f}} s")
+"""
+
+
+def test_unreachable_endpoints_are_refused_within_the_bound_naming_them(hosts):
+    """From host b: an address on no route, and one on the link that nobody holds, are
+    refused; node 0's address with its store not yet open is waited for, as torchrun does."""
+    a, b = hosts
+    no_route = _in_host(b, _CHECK.format(endpoint="10.99.0.1:29500"))
+    assert "launch.rdzv_endpoint=10.99.0.1:29500`: this host has no route" in no_route.stdout, (
+        no_route.stdout + no_route.stderr
+    )
+    silent = _in_host(b, _CHECK.format(endpoint="10.77.0.5:29500"))
+    assert "`launch.rdzv_endpoint=10.77.0.5:29500` did not answer this node" in silent.stdout
+    assert f"from 10.77.0.2 on {b.interface}) within 4 s" in silent.stdout, silent.stdout
+    seconds = float(silent.stdout.split("after ")[-1].split()[0])
+    assert 4 <= seconds < 10, silent.stdout
+    not_yet = _in_host(b, _CHECK.format(endpoint=f"{a.address}:{free_port()}"))
+    assert "reached" in not_yet.stdout, not_yet.stdout + not_yet.stderr

@@ -32,6 +32,7 @@ from meshtrain.config import (
     parse,
 )
 from meshtrain.config_parsing import names_a_path
+from meshtrain.launch.network import node_address
 
 # Groups the planner reads: with any of them selected, the layout is planned before data.
 _PLANNED = {"parallel", "training", "planner"}
@@ -48,6 +49,7 @@ def preflight(params: Mapping[str, Any], groups: Collection[str], *, trains: boo
         _check_model(run.model)
         if trains:
             check_launch(run.launch)
+            node_address(run.launch)  # the interface and the route to the rendezvous
             _check_resume(run)
         if groups & _PLANNED:
             warnings += _plan_before_data(run, trains=trains)
