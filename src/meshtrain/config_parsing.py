@@ -125,6 +125,9 @@ def _try(value: Any, option: Any) -> tuple[bool, Any]:
                 return False, None
         return False, None
     if option is str:
+        # Kedro reads `--params launch.rdzv_id=$SLURM_JOB_ID` as a number: names may be numbers.
+        if isinstance(value, int) and not isinstance(value, bool):
+            return True, str(value)
         return isinstance(value, str), value
     if origin is list:
         (item,) = typing.get_args(option)
