@@ -24,7 +24,7 @@ from tests.kedro_project import SMALL_RUN, kedro_run, make_project, project_env
 from tests.slurm_cluster import Cluster, has_state, slurm_installed, start_cluster
 
 SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "slurm" / "train.sbatch"
-STEPS = 120
+STEPS = 60
 # Long enough that the signal lands mid-training: checkpoints every 20 steps.
 TRAINING = f"training.max_steps={STEPS},training.checkpoint_every=20,training.eval_every=1000"
 # What a one-machine cluster cannot give the script's #SBATCH lines: 2 nodes, 8 GPUs, 32 cores.

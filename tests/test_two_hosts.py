@@ -125,8 +125,8 @@ def test_a_link_that_fails_mid_run_ends_the_job_naming_the_node(tiny_blocks, hos
     collective timeout plus a few seconds naming node 1; node 1's rank ends at its own
     timeout, and its launcher as soon as the link returns; the job then resumes from
     the last complete checkpoint to the uninterrupted run's weights, bitwise."""
-    timeout_s = 15
-    training = {"max_steps": 60, "checkpoint_every": 10, "eval_every": 1000, "keep_last": 0}
+    timeout_s = 10
+    training = {"max_steps": 40, "checkpoint_every": 10, "eval_every": 1000, "keep_last": 0}
     launch = {"collective_timeout_s": timeout_s, "shutdown_grace_s": 5}
     (tmp_path / "cut").mkdir()
     nodes = _start(tmp_path / "cut", tiny_blocks, hosts, training, nproc=1, **launch)
