@@ -50,6 +50,9 @@ _POSITIVE_INTS = {
     "max_new_tokens",
 }
 
+# Names that may be numbers (a job id), so a number is read as the name it spells.
+_NAMES = {"rdzv_id", "run_name"}
+
 
 def parse(cls: type, values: dict[str, Any] | None, group: str):
     """Build dataclass `cls` from a parameter dict, refusing unknown keys and bad kinds."""
@@ -67,6 +70,8 @@ def parse(cls: type, values: dict[str, Any] | None, group: str):
         )
     parsed = {}
     for name, value in values.items():
+        if name in _NAMES and isinstance(value, int) and not isinstance(value, bool):
+            value = str(value)  # Kedro reads `launch.rdzv_id=$SLURM_JOB_ID` as a number
         parsed[name] = _coerce(value, hints[name], f"{group}.{name}")
         if name in _POSITIVE_INTS and isinstance(parsed[name], int) and parsed[name] < 1:
             raise ConfigError(f"`{group}.{name}` must be at least 1, got {parsed[name]}.")
@@ -125,9 +130,6 @@ def _try(value: Any, option: Any) -> tuple[bool, Any]:
                 return False, None
         return False, None
     if option is str:
-        # Kedro reads `--params launch.rdzv_id=$SLURM_JOB_ID` as a number: names may be numbers.
-        if isinstance(value, int) and not isinstance(value, bool):
-            return True, str(value)
         return isinstance(value, str), value
     if origin is list:
         (item,) = typing.get_args(option)
