@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from meshtrain.config import RunConfig
-from meshtrain.launch.network import connected_peers
+from meshtrain.launch.network import IFNAME_VARIABLES, connected_peers
 from meshtrain.planner import Plan
 from meshtrain.trainer import WorkerSpec, train
 
@@ -41,7 +41,7 @@ def worker_main_sequence(specs: list[WorkerSpec]) -> list[dict[str, Any] | None]
     timeout = RunConfig.from_dict(specs[0].run).launch.collective_timeout_s
     dist.init_process_group(plan.backend, timeout=timedelta(seconds=timeout))
     if int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1:  # several nodes: say over what
-        interface = os.environ.get("GLOO_SOCKET_IFNAME") or os.environ.get("NCCL_SOCKET_IFNAME")
+        interface = next((os.environ[v] for v in IFNAME_VARIABLES if os.environ.get(v)), None)
         print(
             f"rank {dist.get_rank()}: {plan.backend} on interface {interface or '(its own pick)'}"
             f", TCP connections to {connected_peers()}",
