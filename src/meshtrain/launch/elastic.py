@@ -13,7 +13,9 @@ Several nodes: every node calls `run_workers` with the same `launch.nnodes`,
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import math
 import os
 import signal
@@ -22,6 +24,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
@@ -36,6 +39,8 @@ from meshtrain.launch.rendezvous import NodeLiveness, NodeRankRendezvous, free_p
 # How long the launchers wait for every node to join: nodes of one job may start minutes
 # apart (container pulls, a slow shared filesystem), but a missing node must not hang forever.
 JOIN_TIMEOUT_S = 600
+
+log = logging.getLogger(__name__)
 
 
 # The launcher's signals that stop the workers: torch elastic's, and SIGUSR1, which SLURM
@@ -148,9 +153,20 @@ def _common_settings(launch: LaunchConfig, log_dir: Path, run_id: str) -> dict[s
     }
 
 
+def _supported(settings: dict[str, Any]) -> dict[str, Any]:
+    """The settings this torch's launcher takes. meshtrain pins torch 2.13; an older torch
+    (a cluster's or a GPU image's own) lacks the stop settings, and loses only a graceful
+    stop's forwarding, which is said once."""
+    known = {field.name for field in dataclasses.fields(ElasticLaunchConfig)}
+    dropped = sorted(set(settings) - known)
+    if dropped:
+        log.warning("torch %s's launcher lacks %s: not set", torch.__version__, dropped)
+    return {name: value for name, value in settings.items() if name in known}
+
+
 def _one_node_config(launch: LaunchConfig, log_dir: Path, run_id: str) -> ElasticLaunchConfig:
     return ElasticLaunchConfig(
-        **_common_settings(launch, log_dir, run_id),
+        **_supported(_common_settings(launch, log_dir, run_id)),
         rdzv_backend="c10d",
         rdzv_endpoint=launch.rdzv_endpoint or f"127.0.0.1:{free_port()}",
         rdzv_configs={"join_timeout": JOIN_TIMEOUT_S},
@@ -171,7 +187,7 @@ def _multi_node_config(
     # the host name, which often resolves to 127.0.0.1 or 127.0.1.1 (`launch.network`).
     local_addr = node.address if node is not None else "127.0.0.1" if is_loopback(host) else None
     return ElasticLaunchConfig(
-        **_common_settings(launch, log_dir, run_id),
+        **_supported(_common_settings(launch, log_dir, run_id)),
         rdzv_backend=NodeRankRendezvous.BACKEND,
         rdzv_endpoint=f"[{host}]:{port}" if ":" in host else f"{host}:{port}",
         rdzv_configs={
