@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.profiler import record_function
+from transformers import PreTrainedModel
 
 from meshtrain.checkpoint.checkpointer import Checkpointer, OptimizerState
 from meshtrain.checkpoint.lora_base import base_identity, check_same_base, checkpoint_lora_state
@@ -52,7 +53,7 @@ from meshtrain.distributed.fsdp import mixed_precision_policy
 from meshtrain.distributed.parallel_dims import ParallelDims
 from meshtrain.distributed.tensor_parallel import local_tensor
 from meshtrain.models.builder import build_meta_model, config_from_dict, weight_source
-from meshtrain.models.converters import build_converters
+from meshtrain.models.converters import ModelConverter, build_converters
 from meshtrain.models.llama.parallelize import parallelize
 from meshtrain.models.parallel_model import ParallelModel
 from meshtrain.planner import Plan
@@ -83,6 +84,55 @@ class StepOutcome:
     started: float  # perf_counter at the step's start
     real_tokens: int  # the global batch's tokens, padding left out
     stop_signal: int = 0  # a stop signal some rank received during the step (0: none)
+
+
+def build_rank_model(
+    run: RunConfig,
+    plan: Plan,
+    dims: ParallelDims,
+    device: torch.device,
+    converters: list[ModelConverter],
+    meta_model: PreTrainedModel | None = None,
+) -> ParallelModel:
+    """Build the model on the meta device, identically on every rank; allocate and fill
+    only this rank's part of it (random init from the seed, or `model.init_from`). The
+    trainer's and the dry run's (`meshtrain.dryrun`) one way to a rank's model; the dry
+    run passes `meta_model` (`plan_meta_model`), built before its tensors turn fake."""
+    cfg, layout = run.training, plan.layout
+    autocast = partial(
+        torch.autocast,
+        device_type=device.type,
+        dtype=torch.bfloat16,
+        enabled=cfg.mixed_precision == "bf16",
+    )
+    meta_model = meta_model or plan_meta_model(run, plan)
+    with ExitStack() as stack:
+        weights = weight_source(
+            meta_model.config, seed=cfg.seed, init_from=run.model.init_from, stack=stack
+        )
+        pm = parallelize(
+            meta_model,
+            dims,
+            layout,
+            device,
+            autocast,
+            weights=weights,
+            compile_layers=cfg.compile,
+            converters=converters,
+            fsdp_policy=mixed_precision_policy(cfg.mixed_precision, cfg.grad_reduce_dtype),
+        )
+    pm.set_training(True)
+    return pm
+
+
+def plan_meta_model(run: RunConfig, plan: Plan) -> PreTrainedModel:
+    """The plan's model on the meta device, in the dtype its parameters train in."""
+    meta_model = build_meta_model(config_from_dict(plan.model_config))
+    if run.training.mixed_precision == "bf16_master" and not plan.layout.sharded:
+        # On the meta device: allocates nothing. (Sharded, the fp32 shards are the
+        # masters and FSDP2 gathers them as bf16.)
+        meta_model.to(torch.bfloat16)
+    return meta_model
 
 
 def train(spec: WorkerSpec) -> dict[str, Any] | None:
@@ -157,39 +207,7 @@ class Trainer:
         self.stop = StopSignals()
 
     def _build_model(self) -> ParallelModel:
-        """Build the model on the meta device, identically on every rank; allocate and fill
-        only this rank's part of it (random init from the seed, or `model.init_from`)."""
-        model_config = config_from_dict(self.plan.model_config)
-        autocast = partial(
-            torch.autocast,
-            device_type=self.device.type,
-            dtype=torch.bfloat16,
-            enabled=self.cfg.mixed_precision == "bf16",
-        )
-        meta_model = build_meta_model(model_config)
-        if self.cfg.mixed_precision == "bf16_master" and not self.layout.sharded:
-            # On the meta device: allocates nothing. (Sharded, the fp32 shards are the
-            # masters and FSDP2 gathers them as bf16.)
-            meta_model.to(torch.bfloat16)
-        with ExitStack() as stack:
-            weights = weight_source(
-                model_config, seed=self.cfg.seed, init_from=self.run.model.init_from, stack=stack
-            )
-            pm = parallelize(
-                meta_model,
-                self.dims,
-                self.layout,
-                self.device,
-                autocast,
-                weights=weights,
-                compile_layers=self.cfg.compile,
-                converters=self.converters,
-                fsdp_policy=mixed_precision_policy(
-                    self.cfg.mixed_precision, self.cfg.grad_reduce_dtype
-                ),
-            )
-        pm.set_training(True)
-        return pm
+        return build_rank_model(self.run, self.plan, self.dims, self.device, self.converters)
 
     def _checkpointer(self, optimizer_state: OptimizerState) -> Checkpointer:
         """The owner of this run's checkpoints, with what each of them holds."""

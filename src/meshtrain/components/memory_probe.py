@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -29,9 +31,20 @@ from torch.utils._pytree import tree_flatten
 
 @dataclass
 class PeakMemory:
-    """Peak bytes of live tensors during the measured block."""
+    """Peak bytes of live tensors during the measured block (on CPU and under fake tensors,
+    also what they were at that moment, by category, and where the step was)."""
 
     peak_bytes: int = 0
+    by_category: dict[str, int] = field(default_factory=dict)
+    at: str = ""
+
+
+# What a storage that exists before the measured block holds, and what one an operator
+# creates during it holds, by the step's phase then; FSDP2's gathered parameters and
+# unsharded gradients grow storage in place (`resize_`) and count as `gathered`.
+EXISTING = "existing"
+NEW_IN = {"forward": "activations", "backward": "backward", "optimizer": "optimizer_step"}
+GATHERED = "gathered"
 
 
 def _plain_tensors(value: torch.Tensor) -> Iterator[torch.Tensor]:
@@ -47,34 +60,75 @@ def _plain_tensors(value: torch.Tensor) -> Iterator[torch.Tensor]:
 
 
 class _LiveStorages(TorchDispatchMode):
-    """Adds up the bytes of the storages that operators create, until each is freed."""
+    """Adds up the bytes of the storages that operators create, until each is freed, by
+    category; keeps the categories and `where()` at each new peak.
 
-    def __init__(self, existing: Iterable[torch.Tensor]) -> None:
+    Storages are told apart by their StorageImpl (`_cdata`), which fake tensors have too
+    (their data pointer is 0); `fake`: count meta storages, which under fake tensors are
+    every tensor's."""
+
+    def __init__(
+        self,
+        existing: dict[str, Iterable[torch.Tensor]],
+        *,
+        fake: bool = False,
+        where: Callable[[], str] = lambda: "",
+    ) -> None:
         super().__init__()
-        self._refs: dict[int, weakref.ref] = {}
-        self.live = self.peak = self.existing = 0
-        for tensor in existing:
-            for plain in _plain_tensors(tensor):
-                self.existing += self._track(plain.untyped_storage())
-        self.live = self.peak = 0  # what the step adds on top of `existing`
+        self._refs: dict[int, tuple[weakref.ref, str, int]] = {}
+        self.fake, self.where, self.phase = fake, where, "forward"
+        self.live: dict[str, int] = defaultdict(int)
+        self.total = self.peak = 0
+        self._pending = False  # a new peak whose breakdown is taken once it ends
+        for category, tensors in existing.items():
+            for tensor in tensors:
+                for plain in _plain_tensors(tensor):
+                    self._track(plain.untyped_storage(), category)
+        self.existing = dict(self.live)
+        self.total = self.peak = 0  # what the step adds on top of `existing`
+        self.live = defaultdict(int)
+        self.at_peak: dict[str, int] = {}
+        self.peak_at, self._pending = "", False
 
-    def _track(self, storage: torch.UntypedStorage) -> int:
-        key, nbytes = storage.data_ptr(), storage.nbytes()
-        if nbytes == 0 or key in self._refs or storage.device.type == "meta":
+    def _track(self, storage: torch.UntypedStorage, category: str | None = None) -> int:
+        key, nbytes = storage._cdata, storage.nbytes()
+        if nbytes == 0 or key in self._refs or (storage.device.type == "meta" and not self.fake):
             return 0
-        self._refs[key] = weakref.ref(storage, lambda _, key=key, n=nbytes: self._free(key, n))
-        self.live += nbytes
-        self.peak = max(self.peak, self.live)
+        category = category or NEW_IN[self.phase]
+        ref = weakref.ref(storage, lambda _, key=key: self._free(key))
+        self._refs[key] = (ref, category, nbytes)
+        self._grow(category, nbytes)
         return nbytes
 
-    def _free(self, key: int, nbytes: int) -> None:
-        if self._refs.pop(key, None) is not None:
-            self.live -= nbytes
+    def _grow(self, category: str, nbytes: int) -> None:
+        if nbytes < 0 and self._pending:
+            self._take_peak()
+        self.live[category] += nbytes
+        self.total += nbytes
+        if self.total > self.peak:
+            self.peak, self._pending = self.total, True
+            self.peak_at = self.where()
+
+    def _take_peak(self) -> None:
+        self.at_peak, self._pending = dict(self.live), False
+
+    def _free(self, key: int) -> None:
+        entry = self._refs.pop(key, None)
+        if entry is not None:
+            _, category, nbytes = entry
+            self._grow(category, -nbytes)
+
+    def result(self) -> PeakMemory:
+        if self._pending:
+            self._take_peak()
+        by_category = {**self.existing, **{k: v for k, v in self.at_peak.items() if v}}
+        for name, nbytes in self.existing.items():
+            by_category[name] = nbytes + self.at_peak.get(name, 0)
+        return PeakMemory(sum(self.existing.values()) + self.peak, by_category, self.peak_at)
 
     def resized(self, before: int, after: int) -> None:
         """A storage grew or shrank in place by `after - before` bytes."""
-        self.live += after - before
-        self.peak = max(self.peak, self.live)
+        self._grow(GATHERED, after - before)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
         out = func(*args, **(kwargs or {}))
@@ -87,25 +141,40 @@ class _LiveStorages(TorchDispatchMode):
 
 @contextlib.contextmanager
 def measure_peak_memory(
-    device: torch.device, *, existing: Iterable[torch.Tensor]
-) -> Iterator[PeakMemory]:
-    """Measure the block; `PeakMemory` is filled in when the block ends.
+    device: torch.device,
+    *,
+    existing: Iterable[torch.Tensor] | dict[str, Iterable[torch.Tensor]],
+    fake: bool = False,
+    where: Callable[[], str] = lambda: "",
+) -> Iterator[tuple[PeakMemory, Callable[[str], None]]]:
+    """Measure the block; `PeakMemory` is filled in when the block ends. Yields it and a
+    function that names the step's phase (`NEW_IN`'s keys) for what is created next.
 
-    `existing`: every tensor that lives before the block and through it
-    (parameters, gradient buffers, optimizer states, persistent buffers).
+    `existing`: every tensor that lives before the block and through it (parameters,
+    gradient buffers, optimizer states, persistent buffers), by category if a dict.
+    `fake`: the block runs on fake tensors (`meshtrain.dryrun`), which CUDA's allocator
+    never sees, so they are followed as on CPU; `where`: the step's position, kept at
+    each new peak.
     """
     result = PeakMemory()
-    if device.type == "cuda":
+    if device.type == "cuda" and not fake:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
-        yield result
+        yield result, lambda phase: None
         torch.cuda.synchronize(device)
         result.peak_bytes = torch.cuda.max_memory_allocated(device)
         return
-    tracker = _LiveStorages(existing)
+    if not isinstance(existing, dict):
+        existing = {EXISTING: existing}
+    tracker = _LiveStorages(existing, fake=fake, where=where)
     with tracker, _following_resizes(tracker):
-        yield result
-    result.peak_bytes = tracker.existing + tracker.peak
+        yield result, partial(setattr, tracker, "phase")
+    measured = tracker.result()
+    result.peak_bytes, result.by_category, result.at = (
+        measured.peak_bytes,
+        measured.by_category,
+        measured.at,
+    )
 
 
 @contextlib.contextmanager

@@ -54,7 +54,7 @@ class MemoryProbe:
         if step != self.step:
             yield
             return
-        with measure_peak_memory(self.device, existing=self.existing()) as measured:
+        with measure_peak_memory(self.device, existing=self.existing()) as (measured, _):
             yield
         self.result = report_peak_memory(measured, self.tracker, step + 1, self.predicted_bytes)
 

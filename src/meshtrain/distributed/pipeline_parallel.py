@@ -74,10 +74,13 @@ class SharedWeightSync:
         # Their gradients are final only after this sum (data parallelism waits for it).
         self.parameter_names = frozenset(copies)
         self.group = None
-        grid = mesh.mesh  # global ranks, (pp, dp, tp)
-        me = dist.get_rank()
-        pairs = zip(grid[0].flatten().tolist(), grid[-1].flatten().tolist(), strict=True)
-        for first, last in pairs:
+        # The mesh is row-major with pp outermost (`ParallelDims`): the first stage's ranks
+        # are 0 .. world/pp - 1, the last stage's the same offsets in the last block.
+        # (Arithmetic, not the mesh tensor: a dry run's tensors are fake.)
+        me, per_stage = dist.get_rank(), mesh.size() // mesh["pp"].size()
+        last_block = mesh.size() - per_stage
+        for first in range(per_stage):
+            last = last_block + first
             group = dist.new_group([first, last])
             if me in (first, last):
                 self.group = group

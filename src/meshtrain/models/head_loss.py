@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from meshtrain.data.batch import IGNORE_INDEX
@@ -137,7 +138,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         group: dist.ProcessGroup | None,
     ) -> torch.Tensor:
         needs_hidden, needs_weight = ctx.needs_input_grad[:2]
-        trained = (labels != IGNORE_INDEX).nonzero().squeeze(1)
+        trained = _trained_rows(labels)
         all_trained = trained.numel() == labels.numel()
         rows = hidden if all_trained else hidden.index_select(0, trained)
         targets = labels if all_trained else labels.index_select(0, trained)
@@ -165,6 +166,15 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             grads.append(None if grad is None else grad.mul_(grad_loss.to(grad.dtype)))
         ctx.grad_hidden = ctx.grad_weight = None
         return (*grads, None, None, None, None, None)
+
+
+def _trained_rows(labels: torch.Tensor) -> torch.Tensor:
+    """The indices of the trained tokens. Which they are is data, which fake tensors
+    (`meshtrain.dryrun`) do not have: there every token counts as trained, the most
+    memory the loss can take."""
+    if is_fake(labels):
+        return torch.arange(labels.numel(), device=labels.device)
+    return (labels != IGNORE_INDEX).nonzero().squeeze(1)
 
 
 def _score_chunk(

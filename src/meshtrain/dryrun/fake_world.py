@@ -1,0 +1,105 @@
+"""One rank of any world, in this process: a fake process group and fake tensors.
+
+torch's `fake` backend accepts any world size and makes every collective return
+at once with its input unchanged; `FakeTensorMode` runs each operator on shapes,
+dtypes and devices alone, with no storage behind them. Together they let one CPU
+process run the real code of rank R of a 512-rank job: the device mesh, the
+parallelised model, the optimizer, a training step.
+
+Fake tensors can carry `cuda` on a machine without a GPU, but autograd cannot: its
+engine asks the CUDA runtime for streams as soon as a CUDA tensor requires a
+gradient, and a CPU-only torch has none. So a dry run takes the target's device
+type when this torch can run it (`torch.cuda.is_available()`), else the CPU's, and
+says which (`dry_run_device`). On CUDA two queries answer for the target, not
+for this machine (`cuda_answers`), and nothing else is patched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch.distributed.device_mesh import DeviceMesh
+
+GPU_PROFILES = ("h100", "h200")
+
+
+def dry_run_device(profile_device: str) -> tuple[torch.device, str]:
+    """The device the dry run's fake tensors carry, and why (for the report): the GPU
+    profiles' `cuda` where this torch can run it, else the CPU code path, which is also
+    the trainer's on CPU and on Trainium (whose XLA device meshtrain does not drive)."""
+    if profile_device not in GPU_PROFILES:
+        return torch.device("cpu"), f"{profile_device}: the trainer's CPU code path"
+    if torch.cuda.is_available():
+        return torch.device("cuda", 0), f"{profile_device}: cuda, the cluster's code path"
+    return torch.device("cpu"), (
+        f"{profile_device} trains on cuda, but this torch has no CUDA runtime (autograd needs "
+        "its streams even for fake tensors): the CPU code path stands in; run the dry run "
+        "where torch.cuda.is_available() to take the CUDA one"
+    )
+
+
+@contextlib.contextmanager
+def fake_process_group(rank: int, world_size: int) -> Iterator[None]:
+    """The default process group as rank `rank` of `world_size`, communicating nothing."""
+    if dist.is_initialized():
+        raise RuntimeError("a process group already exists in this process")
+    dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def fake_tensors(device: torch.device) -> Iterator[FakeTensorMode]:
+    """Every tensor made in the block is fake; on CUDA, the two device queries that gate
+    bf16 autocast answer for the target (a GPU that has bf16), whatever this machine is."""
+    with contextlib.ExitStack() as stack:
+        if device.type == "cuda":
+            stack.enter_context(cuda_answers())
+        stack.enter_context(real_device_meshes())
+        yield stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+
+
+@contextlib.contextmanager
+def real_device_meshes() -> Iterator[None]:
+    """A `DeviceMesh` keeps its ranks in a small real tensor and finds its own with
+    `nonzero`, which fake tensors cannot answer: its methods that make or read that tensor
+    (FSDP2 builds meshes as it shards) run outside the fake mode."""
+    patches = [
+        mock.patch.object(DeviceMesh, name, _outside_fake(getattr(DeviceMesh, name)))
+        for name in ("__init__", "_concatenate", "__getitem__", "_flatten")
+    ]
+    real_mesh = property(_outside_fake(DeviceMesh.mesh.fget))
+    patches.append(mock.patch.object(DeviceMesh, "mesh", real_mesh))
+    with contextlib.ExitStack() as stack:
+        for patch in patches:
+            stack.enter_context(patch)
+        yield
+
+
+def _outside_fake(function: Callable) -> Callable:
+    @functools.wraps(function)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with unset_fake_temporarily():
+            return function(*args, **kwargs)
+
+    return run
+
+
+@contextlib.contextmanager
+def cuda_answers() -> Iterator[None]:
+    """`torch.autocast('cuda', bfloat16)` asks whether CUDA is there and has bf16; the
+    target's GPUs have both (every profile with the nccl backend: Ampere or later)."""
+    with (
+        mock.patch("torch.cuda.is_available", return_value=True),
+        mock.patch("torch.cuda.is_bf16_supported", return_value=True),
+    ):
+        yield

@@ -1,0 +1,195 @@
+"""One rank's training step on fake tensors, with its memory measured by category.
+
+The rank runs the trainer's own code: `ParallelDims` (the device mesh of the whole
+world), `build_rank_model` (meta-device model, converters, pipeline stages, tensor
+and sequence parallelism, activation checkpointing, FSDP2, this rank's shards
+allocated and initialised), `build_optimizer` (the flat buffer and ZeRO-1, or AdamW
+over FSDP2's shards) and `ParallelModel.train_batch` (the pipeline schedule with its
+real order of microbatches, or forward and backward). Only the data is made up:
+random token ids of the planned batch shape. Two steps run; the second is measured
+(AdamW's moments exist from the first), as the trainer's memory probe does.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.distributed._tools.mod_tracker import ModTracker
+
+from meshtrain.components.memory_probe import measure_peak_memory
+from meshtrain.components.optimizer import ModelOptimizer, build_optimizer
+from meshtrain.config import RunConfig
+from meshtrain.data.batch import TokenBatch
+from meshtrain.distributed.parallel_dims import ParallelDims
+from meshtrain.distributed.tensor_parallel import local_tensor
+from meshtrain.dryrun.fake_world import fake_process_group, fake_tensors
+from meshtrain.models.converters import build_converters
+from meshtrain.models.cpu_linear import onednn_available
+from meshtrain.models.parallel_model import ParallelModel
+from meshtrain.planner import Plan
+from meshtrain.trainer import build_rank_model, plan_meta_model
+
+
+@dataclass
+class RankMemory:
+    """What one rank held in its measured step (bytes)."""
+
+    rank: int
+    coordinates: dict[str, int]  # pp, dp, tp
+    peak_bytes: int
+    model_states: dict[str, int]  # parameters, gradients, optimizer_states
+    at_peak: dict[str, int]  # by category (memory_probe's) at the step's peak
+    peak_at: str  # the phase and innermost module at the peak
+    seconds: float
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def beyond_model_states(self) -> int:
+        """Gathered parameters, activations, the loss, temporaries: the peak's remainder."""
+        return self.peak_bytes - sum(self.model_states.values())
+
+
+def dry_run_rank(run: RunConfig, plan: Plan, rank: int, device: torch.device) -> RankMemory:
+    """Rank `rank` of the plan's world: build it and run two training steps on fake
+    tensors under a fake process group; the second step's memory."""
+    layout, began = plan.layout, time.perf_counter()
+    with fake_process_group(rank, plan.world_size):
+        # The mesh is made of real (tiny) tensors: outside the fake mode.
+        dims = ParallelDims.build(
+            layout.data_parallel_size,
+            layout.tensor_parallel_size,
+            layout.pipeline_parallel_size,
+            device.type,
+            sdp=layout.sharded_data_parallel_degree,
+        )
+        # The one check that runs a real product (once per process, cached) runs on real
+        # tensors: the fake ones have no values to compare.
+        # So does the meta model: fake tensors would keep references to its parameters,
+        # which moving them to the device replaces.
+        onednn_available()
+        meta_model = plan_meta_model(run, plan)
+        with fake_tensors(device):
+            pm, optimizer = _build(run, plan, dims, device, meta_model)
+            batches = _batches(plan, dims, device)
+            trained_tokens = plan.global_batch_size * _block(plan)
+            _train_step(pm, optimizer, batches, trained_tokens)
+            existing = _persistent(pm, optimizer)
+            states: dict[str, int] = {}
+            with (
+                ModTracker() as modules,
+                measure_peak_memory(
+                    device, existing=existing, fake=True, where=lambda: _position(modules)
+                ) as (peak, phase),
+            ):
+                _train_step(
+                    pm,
+                    optimizer,
+                    batches,
+                    trained_tokens,
+                    phase=phase,
+                    after_update=lambda: states.update(_model_states(pm, optimizer)),
+                )
+        coordinates = {"pp": dims.pp_rank, "dp": dims.dp_rank, "tp": dims.tp_rank}
+    return RankMemory(
+        rank=rank,
+        coordinates=coordinates,
+        peak_bytes=peak.peak_bytes,
+        model_states=states,
+        at_peak=peak.by_category,
+        peak_at=peak.at,
+        seconds=time.perf_counter() - began,
+    )
+
+
+def _build(
+    run: RunConfig, plan: Plan, dims: ParallelDims, device: torch.device, meta_model: nn.Module
+) -> tuple[ParallelModel, ModelOptimizer]:
+    """The trainer's model and optimizer for this rank."""
+    cfg, layout = run.training, plan.layout
+    converters = build_converters(
+        cfg,
+        device.type,
+        tensor_parallel=dims.tp > 1,
+        lora=run.model.lora_settings,
+        sharded=layout.sharded,
+    )
+    pm = build_rank_model(run, plan, dims, device, converters, meta_model)
+    optimizer, _ = build_optimizer(
+        pm, training=cfg, accumulation_steps=plan.gradient_accumulation_steps
+    )
+    return pm, optimizer
+
+
+def _block(plan: Plan) -> int:
+    return plan.tokens_per_step // plan.global_batch_size
+
+
+def _batches(plan: Plan, dims: ParallelDims, device: torch.device) -> list[TokenBatch]:
+    """One step's microbatches on this rank: random ids of the planned shape."""
+    vocab = plan.model_config["vocab_size"]
+    shape = (plan.per_device_train_batch_size, _block(plan))
+    return [
+        TokenBatch.of_ids(torch.randint(vocab, shape, device=device))
+        for _ in range(plan.gradient_accumulation_steps)
+    ]
+
+
+def _train_step(
+    pm: ParallelModel,
+    optimizer: ModelOptimizer,
+    batches: list[TokenBatch],
+    trained_tokens: int,
+    *,
+    phase: Callable[[str], None] = lambda _: None,
+    after_update: Callable[[], None] = lambda: None,
+) -> None:
+    """`Trainer.train_step` without the data loader and the agreement on a stop signal
+    (a host sync, which fake tensors do not have)."""
+    phase("forward")
+    for batch in batches:
+        pm.train_batch(batch, trained_tokens)
+    pm.finish_gradients()
+    phase("optimizer")
+    optimizer.apply(optimizer.reduce_gradients())
+    after_update()
+    optimizer.zero_grad()
+    phase("forward")
+
+
+def _module_tensors(pm: ParallelModel) -> list[torch.Tensor]:
+    return [t for m in pm.modules for t in (*m.parameters(), *m.buffers())]
+
+
+def _nbytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of distinct storages (a flat buffer's views count once)."""
+    storages = {_storage_id(t): local_tensor(t).untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
+
+
+def _persistent(pm: ParallelModel, optimizer: ModelOptimizer) -> dict[str, list[torch.Tensor]]:
+    """What lives through a step, by the planner's categories: parameters (the modules'
+    and their buffers), gradients (as the update sees them: a flat buffer's views, FSDP2's
+    sharded ones), optimizer states (AdamW's, fp32 masters and their gradients)."""
+    parameters = _module_tensors(pm)
+    grads = [p.grad for m in pm.modules for p in m.parameters() if p.grad is not None]
+    known = {_storage_id(t) for t in (*parameters, *grads)}
+    states = [t for t in optimizer.held_tensors() if _storage_id(t) not in known]
+    return {"parameters": parameters, "gradients": grads, "optimizer_states": states}
+
+
+def _model_states(pm: ParallelModel, optimizer: ModelOptimizer) -> dict[str, int]:
+    return {name: _nbytes(tensors) for name, tensors in _persistent(pm, optimizer).items()}
+
+
+def _storage_id(tensor: torch.Tensor) -> int:
+    return local_tensor(tensor).untyped_storage()._cdata
+
+
+def _position(modules: ModTracker) -> str:
+    """'forward'/'backward' and the innermost module the step is in."""
+    innermost = max(modules.parents, key=len, default="")
+    return f"{'backward' if modules.is_bw else 'forward'} {innermost}".strip()
