@@ -85,7 +85,26 @@ def build_parser() -> argparse.ArgumentParser:
         "trained on; another is refused unless it is the same model)",
     )
     add_plan_parser(commands)
+    add_dryrun_parser(commands)
     return parser
+
+
+def add_dryrun_parser(commands: Any) -> None:
+    dryrun = commands.add_parser(
+        "dryrun",
+        help="run the planned layout's real code for chosen ranks on fake tensors",
+        description="Run one training step of chosen ranks of the planned layout, with the "
+        "real code, on fake tensors under a fake process group of the full world size, and "
+        "set its memory beside the planner's, term by term. Takes plan's flags.",
+    )
+    _plan_arguments(dryrun)
+    dryrun.add_argument(
+        "--rank",
+        type=int,
+        action="append",
+        help="a global rank to run (repeatable; default: the first and last pipeline "
+        "stage's first rank, and the planner's busiest)",
+    )
 
 
 def add_plan_parser(commands: Any) -> None:
@@ -96,6 +115,10 @@ def add_plan_parser(commands: Any) -> None:
         "fastest estimated layout that fits, its memory breakdown and step time, and why "
         "each other layout lost.",
     )
+    _plan_arguments(plan)
+
+
+def _plan_arguments(plan: Any) -> None:
     plan.add_argument("--model", required=True, help="a config.json or a folder with one")
     plan.add_argument("--devices", type=int, required=True, help="world size (all nodes)")
     plan.add_argument(
@@ -151,6 +174,10 @@ def add_plan_parser(commands: Any) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "dryrun":
+        from meshtrain.dryrun.command import run_dryrun  # noqa: PLC0415
+
+        return run_dryrun(args)
     if args.command == "plan":
         from meshtrain.planner.command import run_plan  # noqa: PLC0415  (torch; consolidate needs none)
 

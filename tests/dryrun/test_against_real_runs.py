@@ -55,7 +55,8 @@ def test_dry_runs_hold_what_the_real_ranks_held(tiny_blocks, tmp_path: Path):
         run, plan = RunConfig.from_dict(spec.run), Plan.from_dict(spec.plan)
         for rank, real in enumerate(measured):
             dry = dry_run_rank(run, plan, rank, torch.device("cpu"))
-            line = f"{name} rank {rank}: dry {dry.peak_bytes / 2**20:.3f} MiB, real {real / 2**20:.3f} MiB"
+            mib = dry.peak_bytes / 2**20, real / 2**20
+            line = f"{name} rank {rank}: dry {mib[0]:.3f} MiB, real {mib[1]:.3f} MiB"
             print(line, dry.at_peak, dry.peak_at)
             if abs(dry.peak_bytes / real - 1) > 0.05:
                 failures.append(line)

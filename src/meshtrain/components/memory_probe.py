@@ -36,6 +36,7 @@ class PeakMemory:
 
     peak_bytes: int = 0
     by_category: dict[str, int] = field(default_factory=dict)
+    by_module: dict[str, int] = field(default_factory=dict)  # what each module made, live
     at: str = ""
 
 
@@ -73,11 +74,14 @@ class _LiveStorages(TorchDispatchMode):
         *,
         fake: bool = False,
         where: Callable[[], str] = lambda: "",
+        owner: Callable[[], str] = lambda: "",
     ) -> None:
         super().__init__()
-        self._refs: dict[int, tuple[weakref.ref, str, int]] = {}
-        self.fake, self.where, self.phase = fake, where, "forward"
+        self._refs: dict[int, tuple[weakref.ref, str, str, int]] = {}
+        self.fake, self.where, self.owner, self.phase = fake, where, owner, "forward"
         self.live: dict[str, int] = defaultdict(int)
+        self.live_by_module: dict[str, int] = defaultdict(int)
+        self.by_module_at_peak: dict[str, int] = {}
         self.total = self.peak = 0
         self._pending = False  # a new peak whose breakdown is taken once it ends
         for category, tensors in existing.items():
@@ -94,16 +98,19 @@ class _LiveStorages(TorchDispatchMode):
         key, nbytes = storage._cdata, storage.nbytes()
         if nbytes == 0 or key in self._refs or (storage.device.type == "meta" and not self.fake):
             return 0
+        owner = "" if category else self.owner()
         category = category or NEW_IN[self.phase]
         ref = weakref.ref(storage, lambda _, key=key: self._free(key))
-        self._refs[key] = (ref, category, nbytes)
-        self._grow(category, nbytes)
+        self._refs[key] = (ref, category, owner, nbytes)
+        self._grow(category, nbytes, owner)
         return nbytes
 
-    def _grow(self, category: str, nbytes: int) -> None:
+    def _grow(self, category: str, nbytes: int, owner: str = "") -> None:
         if nbytes < 0 and self._pending:
             self._take_peak()
         self.live[category] += nbytes
+        if owner:
+            self.live_by_module[owner] += nbytes
         self.total += nbytes
         if self.total > self.peak:
             self.peak, self._pending = self.total, True
@@ -111,12 +118,13 @@ class _LiveStorages(TorchDispatchMode):
 
     def _take_peak(self) -> None:
         self.at_peak, self._pending = dict(self.live), False
+        self.by_module_at_peak = {k: v for k, v in self.live_by_module.items() if v}
 
     def _free(self, key: int) -> None:
         entry = self._refs.pop(key, None)
         if entry is not None:
-            _, category, nbytes = entry
-            self._grow(category, -nbytes)
+            _, category, owner, nbytes = entry
+            self._grow(category, -nbytes, owner)
 
     def result(self) -> PeakMemory:
         if self._pending:
@@ -124,7 +132,8 @@ class _LiveStorages(TorchDispatchMode):
         by_category = {**self.existing, **{k: v for k, v in self.at_peak.items() if v}}
         for name, nbytes in self.existing.items():
             by_category[name] = nbytes + self.at_peak.get(name, 0)
-        return PeakMemory(sum(self.existing.values()) + self.peak, by_category, self.peak_at)
+        total = sum(self.existing.values()) + self.peak
+        return PeakMemory(total, by_category, self.by_module_at_peak, self.peak_at)
 
     def resized(self, before: int, after: int) -> None:
         """A storage grew or shrank in place by `after - before` bytes."""
@@ -146,6 +155,7 @@ def measure_peak_memory(
     existing: Iterable[torch.Tensor] | dict[str, Iterable[torch.Tensor]],
     fake: bool = False,
     where: Callable[[], str] = lambda: "",
+    owner: Callable[[], str] = lambda: "",
 ) -> Iterator[tuple[PeakMemory, Callable[[str], None]]]:
     """Measure the block; `PeakMemory` is filled in when the block ends. Yields it and a
     function that names the step's phase (`NEW_IN`'s keys) for what is created next.
@@ -154,7 +164,8 @@ def measure_peak_memory(
     gradient buffers, optimizer states, persistent buffers), by category if a dict.
     `fake`: the block runs on fake tensors (`meshtrain.dryrun`), which CUDA's allocator
     never sees, so they are followed as on CPU; `where`: the step's position, kept at
-    each new peak.
+    each new peak; `owner`: the module an operator runs in, by which what it makes is
+    added up.
     """
     result = PeakMemory()
     if device.type == "cuda" and not fake:
@@ -166,15 +177,12 @@ def measure_peak_memory(
         return
     if not isinstance(existing, dict):
         existing = {EXISTING: existing}
-    tracker = _LiveStorages(existing, fake=fake, where=where)
+    tracker = _LiveStorages(existing, fake=fake, where=where, owner=owner)
     with tracker, _following_resizes(tracker):
         yield result, partial(setattr, tracker, "phase")
     measured = tracker.result()
-    result.peak_bytes, result.by_category, result.at = (
-        measured.peak_bytes,
-        measured.by_category,
-        measured.at,
-    )
+    result.peak_bytes, result.by_category = measured.peak_bytes, measured.by_category
+    result.by_module, result.at = measured.by_module, measured.at
 
 
 @contextlib.contextmanager

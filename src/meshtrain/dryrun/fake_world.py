@@ -50,6 +50,8 @@ def fake_process_group(rank: int, world_size: int) -> Iterator[None]:
     """The default process group as rank `rank` of `world_size`, communicating nothing."""
     if dist.is_initialized():
         raise RuntimeError("a process group already exists in this process")
+    if "fake" not in dist.Backend._plugins:  # torch < 2.13 registers it in its test utilities
+        import torch.testing._internal.distributed.fake_pg  # noqa: F401, PLC0415
     dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=world_size)
     try:
         yield

@@ -43,6 +43,7 @@ class RankMemory:
     peak_bytes: int
     model_states: dict[str, int]  # parameters, gradients, optimizer_states
     at_peak: dict[str, int]  # by category (memory_probe's) at the step's peak
+    by_module: dict[str, int]  # made in the step and live at its peak, by module kind
     peak_at: str  # the phase and innermost module at the peak
     seconds: float
     notes: list[str] = field(default_factory=list)
@@ -82,7 +83,11 @@ def dry_run_rank(run: RunConfig, plan: Plan, rank: int, device: torch.device) ->
             with (
                 ModTracker() as modules,
                 measure_peak_memory(
-                    device, existing=existing, fake=True, where=lambda: _position(modules)
+                    device,
+                    existing=existing,
+                    fake=True,
+                    where=lambda: _position(modules),
+                    owner=lambda: _owner(modules),
                 ) as (peak, phase),
             ):
                 _train_step(
@@ -100,6 +105,7 @@ def dry_run_rank(run: RunConfig, plan: Plan, rank: int, device: torch.device) ->
         peak_bytes=peak.peak_bytes,
         model_states=states,
         at_peak=peak.by_category,
+        by_module=peak.by_module,
         peak_at=peak.at,
         seconds=time.perf_counter() - began,
     )
@@ -193,3 +199,15 @@ def _position(modules: ModTracker) -> str:
     """'forward'/'backward' and the innermost module the step is in."""
     innermost = max(modules.parents, key=len, default="")
     return f"{'backward' if modules.is_bw else 'forward'} {innermost}".strip()
+
+
+def _owner(modules: ModTracker) -> str:
+    """The innermost module, its decoder layer's index left out (they are all alike): what
+    all layers' attention, MLP and norms hold adds up under one name each."""
+    innermost = max(modules.parents, key=len, default="")
+    parts = innermost.split(".")
+    if "layers" in parts:
+        index = parts.index("layers") + 1
+        parts[index : index + 1] = ["*"] if index < len(parts) else []
+    kind = "backward" if modules.is_bw else "forward"
+    return f"{kind} {'.'.join(parts[1:]) or parts[0]}"

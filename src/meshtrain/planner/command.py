@@ -22,18 +22,30 @@ from meshtrain.planner.types import LayoutError, Plan
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    planned = plan_from_args(args)
+    if isinstance(planned, str):
+        print(f"error: {planned}")
+        return 1
+    _, plan = planned
+    if args.json:
+        print(json.dumps(plan.to_dict(), indent=2, sort_keys=True))
+    else:
+        print(describe(plan, args))
+    return 0
+
+
+def plan_from_args(args: argparse.Namespace) -> tuple[RunConfig, Plan] | str:
+    """The run and the plan `plan`'s (and `dryrun`'s) flags describe, or why there is none."""
     from transformers import AutoConfig  # noqa: PLC0415
 
     path = Path(args.model)
     if not path.exists():
-        print(f"error: --model {path}: no such file or folder (give a config.json)")
-        return 1
+        return f"--model {path}: no such file or folder (give a config.json)"
     config = AutoConfig.from_pretrained(str(path))
     config._attn_implementation = "sdpa"
     per_node = args.devices_per_node or min(args.devices, _per_node(args.device))
     if args.devices % per_node:
-        print(f"error: --devices {args.devices} is not a multiple of {per_node} per node")
-        return 1
+        return f"--devices {args.devices} is not a multiple of {per_node} per node"
     try:
         run = RunConfig.from_params(
             parallel={
@@ -70,13 +82,8 @@ def run_plan(args: argparse.Namespace) -> int:
             cuda_available=False,
         )
     except (ConfigError, LayoutError) as error:
-        print(f"error: {error}")
-        return 1
-    if args.json:
-        print(json.dumps(plan.to_dict(), indent=2, sort_keys=True))
-    else:
-        print(describe(plan, args))
-    return 0
+        return str(error)
+    return run, plan
 
 
 def _chunk(value: str) -> int | str:
