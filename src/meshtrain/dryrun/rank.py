@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -46,7 +46,6 @@ class RankMemory:
     by_module: dict[str, int]  # made in the step and live at its peak, by module kind
     peak_at: str  # the phase and innermost module at the peak
     seconds: float
-    notes: list[str] = field(default_factory=list)
 
     @property
     def beyond_model_states(self) -> int:
@@ -75,7 +74,7 @@ def dry_run_rank(run: RunConfig, plan: Plan, rank: int, device: torch.device) ->
         meta_model = plan_meta_model(run, plan)
         with fake_tensors(device):
             pm, optimizer = _build(run, plan, dims, device, meta_model)
-            batches = _batches(plan, dims, device)
+            batches = _batches(plan, device)
             trained_tokens = plan.global_batch_size * _block(plan)
             _train_step(pm, optimizer, batches, trained_tokens)
             existing = _persistent(pm, optimizer)
@@ -134,7 +133,7 @@ def _block(plan: Plan) -> int:
     return plan.tokens_per_step // plan.global_batch_size
 
 
-def _batches(plan: Plan, dims: ParallelDims, device: torch.device) -> list[TokenBatch]:
+def _batches(plan: Plan, device: torch.device) -> list[TokenBatch]:
     """One step's microbatches on this rank: random ids of the planned shape."""
     vocab = plan.model_config["vocab_size"]
     shape = (plan.per_device_train_batch_size, _block(plan))
