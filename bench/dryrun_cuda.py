@@ -54,7 +54,8 @@ def main() -> None:
         result = throughput._launch(
             throughput.meshtrain_entry, job, (spec, job), root, "real", False
         )
-        real = result["summary"]["measured_peak_memory"]["peak_bytes"]
+        summary = result["summary"]
+        real = summary["measured_peak_memory"]["peak_bytes"]
         run, plan = RunConfig.from_dict(spec.run), Plan.from_dict(spec.plan)
         device, why = dry_run_device("h200" if cuda else "cpu")
         with warnings.catch_warnings():
@@ -69,6 +70,16 @@ def main() -> None:
     )
     print("dry run at the peak, MiB:", {k: round(v / MIB, 1) for k, v in dry.at_peak.items()})
     print("where:", dry.peak_at, "; model states:", dry.model_states)
+    if cuda:  # the allocator's and the runtime's share, over the whole run
+        allocated, reserved, used = (
+            summary[f"{name}_per_rank"][0]
+            for name in ("cuda_peak_allocated_mb", "cuda_peak_reserved_mb", "cuda_device_used_mb")
+        )
+        print(
+            f"run peaks, MiB: allocated {allocated:,.1f}, reserved {reserved:,.1f} "
+            f"(x{reserved / allocated:.4f}), device in use at the end {used:,.1f} "
+            f"(beyond the reserved peak: {used - reserved:,.1f})"
+        )
     print("torch", torch.__version__)
 
 

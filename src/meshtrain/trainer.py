@@ -86,6 +86,10 @@ class StepOutcome:
     stop_signal: int = 0  # a stop signal some rank received during the step (0: none)
 
 
+# The CUDA allocator's peaks and the device's use (`components.metrics.cuda_peak_mb`).
+CUDA_PEAKS = ("cuda_peak_allocated_mb", "cuda_peak_reserved_mb", "cuda_device_used_mb")
+
+
 def build_rank_model(
     run: RunConfig,
     plan: Plan,
@@ -452,20 +456,22 @@ class Trainer:
     def gather_peak_memory(self) -> dict[str, list[float]]:
         """Every rank's peak resident memory at start-up and over the run (and the CUDA
         allocator's peak), logged per rank by rank 0. Collective."""
-        mine = (self.startup_peak_rss_mb, rss_mb()[1], cuda_peak_mb(self.device))
-        gathered: list[tuple[float, float, float]] = [mine] * dist.get_world_size()
+        mine = (self.startup_peak_rss_mb, rss_mb()[1], *cuda_peak_mb(self.device))
+        gathered: list[tuple[float, ...]] = [mine] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
-        startup, run, cuda = (list(values) for values in zip(*gathered, strict=True))
-        metrics = {}
-        for rank in range(len(gathered)):
-            metrics[f"memory/startup_peak_rss_mb_rank{rank}"] = startup[rank]
-            metrics[f"memory/peak_rss_mb_rank{rank}"] = run[rank]
-            if self.device.type == "cuda":
-                metrics[f"memory/cuda_peak_allocated_mb_rank{rank}"] = cuda[rank]
-        self.tracker.log(metrics, step=self.cfg.max_steps)
-        peaks = {"startup_peak_rss_mb_per_rank": startup, "peak_rss_mb_per_rank": run}
-        if self.device.type == "cuda":
-            peaks["cuda_peak_allocated_mb_per_rank"] = cuda
+        names = ("startup_peak_rss_mb", "peak_rss_mb", *CUDA_PEAKS)
+        if self.device.type != "cuda":
+            names = names[:2]
+        per_rank = {name: [values[i] for values in gathered] for i, name in enumerate(names)}
+        self.tracker.log(
+            {
+                f"memory/{name}_rank{rank}": value
+                for name, values in per_rank.items()
+                for rank, value in enumerate(values)
+            },
+            step=self.cfg.max_steps,
+        )
+        peaks = {f"{name}_per_rank": values for name, values in per_rank.items()}
         return peaks
 
     @property

@@ -23,11 +23,12 @@ from meshtrain.components.lr_schedule import warmup_cosine
 from meshtrain.config import LaunchConfig, RunConfig
 from meshtrain.data.blocks import BlockStore, arrow_files
 from meshtrain.data.sampler import GlobalBatchSampler
+from meshtrain.dryrun.rank import dry_run_rank
 from meshtrain.launch.elastic import run_workers
 from meshtrain.launch.job import make_worker_spec
 from meshtrain.launch.worker import worker_main_sequence
 from meshtrain.models import build_model, build_model_config
-from meshtrain.planner import plan_run
+from meshtrain.planner import Plan, plan_run
 from meshtrain.trainer import WorkerSpec
 from tests.conftest import TINY_BLOCK, TINY_VOCAB
 
@@ -164,6 +165,22 @@ def run_group(specs: list[WorkerSpec], world: int, out: Path, run_id: str) -> li
         log_dir=out / "logs",
         run_id=run_id,
     )[0]
+
+
+def assert_dry_run_holds(
+    name: str, spec: WorkerSpec, summary: dict[str, Any], tolerance: float = 0.05
+) -> None:
+    """The dry run (`meshtrain.dryrun`: the rank's step on fake tensors under a fake
+    process group) holds the measured peak of live tensors within `tolerance`, for the
+    first rank of each pipeline stage (the other dp and tp ranks hold the same shapes)."""
+    run, plan = RunConfig.from_dict(spec.run), Plan.from_dict(spec.plan)
+    measured = summary["measured_peak_memory"]["peak_bytes_per_rank"]
+    per_stage = plan.world_size // plan.layout.pipeline_parallel_size
+    for rank in range(0, plan.world_size, per_stage):
+        dry = dry_run_rank(run, plan, rank, torch.device("cpu")).peak_bytes
+        assert abs(dry / measured[rank] - 1) <= tolerance, (
+            f"{name} rank {rank}: dry run {dry / 2**20:.3f} MiB, real {measured[rank] / 2**20:.3f}"
+        )
 
 
 def assert_memory_model_holds(name: str, summary: dict[str, Any], tolerance: float = 0.10) -> None:

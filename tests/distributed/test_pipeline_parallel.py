@@ -17,6 +17,7 @@ from tests.distributed.packed import packed_reference_run
 from tests.distributed.reference import (
     STEPS,
     References,
+    assert_dry_run_holds,
     assert_matches_reference,
     assert_memory_model_holds,
     make_spec,
@@ -115,11 +116,12 @@ def _run(cases: dict, world: int, blocks, out: Path, extra: tuple = ()) -> list[
         )
     results = run_group([*specs, *extra], world, out, f"t-pp{world}")
     references = References(blocks)
-    for (name, case), summary in zip(cases.items(), results, strict=False):
+    for (name, case), spec, summary in zip(cases.items(), specs, results, strict=False):
         architecture, fields = _model(case)
         losses, weights = references(architecture, fields)
         assert_matches_reference(name, summary, losses, weights, out / f"{name}-hf")
         assert_memory_model_holds(name, summary)
+        assert_dry_run_holds(name, spec, summary)
         if fields.get("tie_word_embeddings"):
             assert_one_tied_tensor(name, out / f"{name}-hf")
         if case[0].get("data_parallel_size", 1) > 1 and "sdp" not in name:

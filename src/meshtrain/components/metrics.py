@@ -25,9 +25,19 @@ def rss_mb() -> tuple[float, float]:
     return fields["VmRSS"], fields["VmHWM"]
 
 
-def cuda_peak_mb(device: torch.device) -> float:
-    """The CUDA allocator's peak since the start (0 off CUDA)."""
-    return torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else 0.0
+def cuda_peak_mb(device: torch.device) -> tuple[float, float, float]:
+    """The CUDA allocator's peaks since the start, of tensors and of what it reserved from
+    the device for them, and the device's memory in use by anything now (the process's
+    CUDA context and libraries, NCCL's buffers, other processes); zeros off CUDA. The
+    planner's per-profile runtime and allocator terms are read off these."""
+    if device.type != "cuda":
+        return 0.0, 0.0, 0.0
+    free, total = torch.cuda.mem_get_info(device)
+    return (
+        torch.cuda.max_memory_allocated(device) / 2**20,
+        torch.cuda.max_memory_reserved(device) / 2**20,
+        (total - free) / 2**20,
+    )
 
 
 def memory_metrics(device: torch.device, model_states_bytes: int) -> dict[str, float]:

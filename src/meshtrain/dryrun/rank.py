@@ -27,6 +27,7 @@ from meshtrain.data.batch import TokenBatch
 from meshtrain.distributed.parallel_dims import ParallelDims
 from meshtrain.distributed.tensor_parallel import local_tensor
 from meshtrain.dryrun.fake_world import fake_process_group, fake_tensors
+from meshtrain.dryrun.pipeline import static_setup, told_shapes
 from meshtrain.models.converters import build_converters
 from meshtrain.models.cpu_linear import onednn_available
 from meshtrain.models.parallel_model import ParallelModel
@@ -72,8 +73,10 @@ def dry_run_rank(run: RunConfig, plan: Plan, rank: int, device: torch.device) ->
         # which moving them to the device replaces.
         onednn_available()
         meta_model = plan_meta_model(run, plan)
-        with fake_tensors(device):
+        with fake_tensors(device), static_setup():
             pm, optimizer = _build(run, plan, dims, device, meta_model)
+            if pm.runner is not None:
+                told_shapes(pm.runner, run, plan, device)
             batches = _batches(plan, device)
             trained_tokens = plan.global_batch_size * _block(plan)
             _train_step(pm, optimizer, batches, trained_tokens)
