@@ -34,9 +34,16 @@ def test_llama_8b_sharded_over_eight_h100_runs_one_rank_in_a_few_gib(capsys) -> 
     assert report["peak_rss"] < 3 * GIB  # no tensor had storage
 
 
-def test_a_rank_outside_the_world_and_a_pipeline_are_refused(capsys) -> None:
+def test_a_rank_outside_the_world_is_refused(capsys) -> None:
     assert main(["dryrun", *LLAMA_8B_SDP8, "--rank", "8"]) == 1
     assert "--rank [8]: the world has ranks 0 to 7" in capsys.readouterr().out
+
+
+def test_a_pipeline_runs_its_first_and_last_stage(capsys) -> None:
     pipelined = [*LLAMA_8B_SDP8[:-8], "--dp", "4", "--tp", "1", "--pp", "2", "--sdp", "4"]
-    assert main(["dryrun", *pipelined]) == 1
-    assert "does not take pipeline layouts yet" in capsys.readouterr().out
+    assert main(["dryrun", *pipelined, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert report["layout"].startswith("dp4-tp1-pp2-sdp4-1f1b")
+    assert [(r["rank"], r["pp"]) for r in report["ranks"]] == [(0, 0), (4, 1)]
+    for rank in report["ranks"]:
+        assert rank["terms"]["step_peak"]["dry_run"] > 0

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 from unittest import mock
 
 import torch
@@ -28,6 +29,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh
 
 GPU_PROFILES = ("h100", "h200")
+T = TypeVar("T")
 
 
 def dry_run_device(profile_device: str) -> tuple[torch.device, str]:
@@ -57,6 +59,27 @@ def fake_process_group(rank: int, world_size: int) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+
+
+def in_own_thread(function: Callable[[], T]) -> T:
+    """`function()` in a thread of its own. torch caches what DTensor decides and how it
+    redistributes by device mesh, and a mesh compares by its shape, names and thread, not
+    its process groups: a dry run after another in the same thread would find the earlier
+    one's (destroyed) groups through a new mesh of the same shape."""
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = function()
+        except BaseException as error:  # handed to the caller's thread
+            outcome["error"] = error
+
+    thread = threading.Thread(target=run, name="meshtrain-dry-run")
+    thread.start()
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
 
 
 @contextlib.contextmanager

@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import nn
@@ -26,7 +27,7 @@ from meshtrain.config import RunConfig
 from meshtrain.data.batch import TokenBatch
 from meshtrain.distributed.parallel_dims import ParallelDims
 from meshtrain.distributed.tensor_parallel import local_tensor
-from meshtrain.dryrun.fake_world import fake_process_group, fake_tensors
+from meshtrain.dryrun.fake_world import fake_process_group, fake_tensors, in_own_thread
 from meshtrain.dryrun.pipeline import static_setup, told_shapes
 from meshtrain.models.converters import build_converters
 from meshtrain.models.cpu_linear import onednn_available
@@ -56,7 +57,12 @@ class RankMemory:
 
 def dry_run_rank(run: RunConfig, plan: Plan, rank: int, device: torch.device) -> RankMemory:
     """Rank `rank` of the plan's world: build it and run two training steps on fake
-    tensors under a fake process group; the second step's memory."""
+    tensors under a fake process group; the second step's memory. (In a thread of its
+    own, so that dry runs can follow each other in one process.)"""
+    return in_own_thread(partial(_dry_run_rank, run, plan, rank, device))
+
+
+def _dry_run_rank(run: RunConfig, plan: Plan, rank: int, device: torch.device) -> RankMemory:
     layout, began = plan.layout, time.perf_counter()
     with fake_process_group(rank, plan.world_size):
         # The mesh is made of real (tiny) tensors: outside the fake mode.
