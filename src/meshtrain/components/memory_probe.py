@@ -78,6 +78,7 @@ class _LiveStorages(TorchDispatchMode):
     ) -> None:
         super().__init__()
         self._refs: dict[int, tuple[weakref.ref, str, str, int]] = {}
+        self._resized: set[int] = set()  # storages counted by their in-place resizes
         self.fake, self.where, self.owner, self.phase = fake, where, owner, "forward"
         self.live: dict[str, int] = defaultdict(int)
         self.live_by_module: dict[str, int] = defaultdict(int)
@@ -96,7 +97,9 @@ class _LiveStorages(TorchDispatchMode):
 
     def _track(self, storage: torch.UntypedStorage, category: str | None = None) -> int:
         key, nbytes = storage._cdata, storage.nbytes()
-        if nbytes == 0 or key in self._refs or (storage.device.type == "meta" and not self.fake):
+        if nbytes == 0 or key in self._refs or key in self._resized:
+            return 0
+        if storage.device.type == "meta" and not self.fake:
             return 0
         owner = "" if category else self.owner()
         category = category or NEW_IN[self.phase]
@@ -135,8 +138,18 @@ class _LiveStorages(TorchDispatchMode):
         total = sum(self.existing.values()) + self.peak
         return PeakMemory(total, by_category, self.by_module_at_peak, self.peak_at)
 
-    def resized(self, before: int, after: int) -> None:
-        """A storage grew or shrank in place by `after - before` bytes."""
+    def resized(self, storage: torch.UntypedStorage, before: int, after: int) -> None:
+        """`storage` grew or shrank in place by `after - before` bytes. It is counted from
+        now on by its resizes alone: the tensors FSDP2 then makes of it (its gathered
+        parameters, views) are not new memory."""
+        key = storage._cdata
+        self._resized.add(key)
+        entry = self._refs.get(key)
+        if entry is not None:  # made during the block, then resized: follow its size
+            ref, category, owner, nbytes = entry
+            self._refs[key] = (ref, category, owner, after)
+            self._grow(category, after - before, owner)
+            return
         self._grow(GATHERED, after - before)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
@@ -193,7 +206,7 @@ def _following_resizes(tracker: _LiveStorages) -> Iterator[None]:
     def resize(storage: torch.UntypedStorage, size: int):
         before = storage.nbytes()
         out = original(storage, size)
-        tracker.resized(before, storage.nbytes())
+        tracker.resized(storage, before, storage.nbytes())
         return out
 
     torch.UntypedStorage.resize_ = resize

@@ -26,7 +26,6 @@ from typing import Any
 
 import torch
 from torch.distributed.pipelining import schedules
-from torch.distributed.pipelining._utils import InferenceMode, _StageMeta, extract_tensor_metas
 
 from meshtrain.config import RunConfig
 from meshtrain.distributed.pipeline_parallel import PipelineRunner
@@ -46,6 +45,8 @@ def told_shapes(runner: PipelineRunner, run: RunConfig, plan: Plan, device: torc
     hidden.requires_grad_(True)
     ids = torch.empty(microbatch, block, dtype=torch.long, device=device)
     loss = torch.empty((), dtype=torch.float32, device=device, requires_grad=True)
+    from torch.distributed.pipelining._utils import _StageMeta, extract_tensor_metas  # noqa: PLC0415
+
     for stage in runner.stages:
         inputs = ids if stage.is_first else hidden
         outputs = loss if stage.is_last else hidden
@@ -56,7 +57,13 @@ def told_shapes(runner: PipelineRunner, run: RunConfig, plan: Plan, device: torc
 
 @contextlib.contextmanager
 def static_setup() -> Iterator[None]:
-    """Every schedule settles its stages' vote as static, sending nothing."""
+    """Every schedule settles its stages' vote as static, sending nothing (where this
+    torch votes at all; elsewhere the dry run refuses pipeline layouts)."""
+    if not supported():
+        yield
+        return
+    from torch.distributed.pipelining._utils import InferenceMode  # noqa: PLC0415
+
     original = schedules._PipelineSchedule._warmup_p2p
 
     def settle(self: Any, stages: list, has_backward: bool, p2p_done: bool) -> None:
@@ -72,4 +79,6 @@ def static_setup() -> Iterator[None]:
 
 def supported() -> bool:
     """Whether this torch's schedules set their stages up the way this module settles."""
-    return hasattr(schedules._PipelineSchedule, "_warmup_p2p")
+    from torch.distributed.pipelining import _utils  # noqa: PLC0415
+
+    return hasattr(schedules._PipelineSchedule, "_warmup_p2p") and hasattr(_utils, "InferenceMode")
