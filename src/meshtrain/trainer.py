@@ -108,6 +108,13 @@ def build_rank_model(
         device_type=device.type,
         dtype=torch.bfloat16,
         enabled=cfg.mixed_precision == "bf16",
+        # autocast keeps the bf16 copy of every weight it casts until its region ends: the
+        # whole forward (a pipeline's whole step). Activation checkpointing saves none of
+        # them, so that cache alone would hold all the layers' bf16 weights at the forward's
+        # end (the dry run found it: 16 GiB a rank for Llama-3.1-70B at dp32 x tp8 with
+        # full recomputation); each use casts again instead. Without recomputation the
+        # backward keeps the copies anyway, and the cache shares one among microbatches.
+        cache_enabled=layout.activation_checkpointing == "none",
     )
     meta_model = meta_model or plan_meta_model(run, plan)
     with ExitStack() as stack:
