@@ -39,6 +39,10 @@ class DeviceProfile:
     # What a rank holds before any tensor of the model: the process's libraries and
     # interpreter on cpu (measured), the runtime's context and buffers on accelerators.
     runtime_gib: float = 0.0
+    # What a caching allocator reserves from the device beyond the tensors it holds, as a
+    # share of the step's peak of tensors (0: the process's own allocator, counted in
+    # runtime_gib on cpu).
+    allocator_share: float = 0.0
     # The share of compute time behind which sharded data parallelism's all-gathers and
     # reduce-scatters can run: 1 where copy engines and streams move the bytes while the
     # cores compute; 0 where the same cores do both (gloo on CPU).
@@ -203,7 +207,13 @@ BUILTIN_PROFILES: dict[str, DeviceProfile] = {
             inter_node_gbps=50.0,  # one 400 Gb/s InfiniBand NIC per GPU
             latency_us=10.0,
             memory_gbps=3350.0,
-            runtime_gib=1.0,  # CUDA context, cuBLAS workspace, NCCL buffers (typical)
+            # Measured on one H200 (torch 2.11, CUDA 13, 2026-12-04; bench/dryrun_cuda.py,
+            # conf/gpu's 1.1B, bf16, 4 x 2,048 tokens): the device's use beyond the
+            # allocator's reserved peak was 1,325 MiB (CUDA context, cuBLAS workspace,
+            # libraries; one GPU, so no NCCL communicator), and the allocator reserved
+            # 39,736 MiB for a peak of 38,406 MiB of tensors (3.5% more).
+            runtime_gib=1.3,
+            allocator_share=0.035,
             note="published H100 SXM figures, 40% of peak sustained",
         ),
         DeviceProfile(
@@ -218,7 +228,13 @@ BUILTIN_PROFILES: dict[str, DeviceProfile] = {
             inter_node_gbps=50.0,
             latency_us=10.0,
             memory_gbps=4800.0,
-            runtime_gib=1.0,  # CUDA context, cuBLAS workspace, NCCL buffers (typical)
+            # Measured on one H200 (torch 2.11, CUDA 13, 2026-12-04; bench/dryrun_cuda.py,
+            # conf/gpu's 1.1B, bf16, 4 x 2,048 tokens): the device's use beyond the
+            # allocator's reserved peak was 1,325 MiB (CUDA context, cuBLAS workspace,
+            # libraries; one GPU, so no NCCL communicator), and the allocator reserved
+            # 39,736 MiB for a peak of 38,406 MiB of tensors (3.5% more).
+            runtime_gib=1.3,
+            allocator_share=0.035,
             note="published H200 SXM figures (H100 compute, 141 GB HBM3e), 40% sustained",
         ),
         DeviceProfile(

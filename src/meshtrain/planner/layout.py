@@ -67,8 +67,11 @@ def plan_one_layout(run: RunConfig, context: PlanContext) -> Plan:
     shape = ModelShape.from_config(model_config)
     step = _step_shape(run, layout, context)
     adapters = context.adapter_shapes
+    tensors = estimate_memory(shapes, shape, step, adapters)
     memory = dataclasses.replace(
-        estimate_memory(shapes, shape, step, adapters), runtime=device.runtime_bytes
+        tensors,
+        runtime=device.runtime_bytes,
+        allocator=int(tensors.total * device.allocator_share),
     )
     time_estimate = estimate_step_time(
         shape,

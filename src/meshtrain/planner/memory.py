@@ -112,6 +112,9 @@ class MemoryEstimate:
     per_pipeline_rank: tuple[int, ...] = ()
     # Outside the step: what the process holds before the model (libraries, runtime).
     runtime: int = 0
+    # What the device's caching allocator reserves beyond the step's tensors (its rounding
+    # and fragmentation: the profile's `allocator_share` of `total`).
+    allocator: int = 0
     # Sharded data parallelism: parameters gathered for compute and unsharded gradients.
     gathered: int = 0
     # In host memory, not the device's: the saved activations offloading moves there.
@@ -128,11 +131,11 @@ class MemoryEstimate:
 
     @property
     def process_total(self) -> int:
-        """What the rank's process (or device) holds at its peak over the run: the runtime
-        and the step's peak (start-up allocates only the rank's shards, one full tensor
-        at a time, and checkpoints stream from the tensors' own memory, so neither
-        adds a peak of its own)."""
-        return self.runtime + self.total
+        """What the rank's process (or device) holds at its peak over the run: the runtime,
+        the allocator's share and the step's peak (start-up allocates only the rank's
+        shards, one full tensor at a time, and checkpoints stream from the tensors' own
+        memory, so neither adds a peak of its own)."""
+        return self.runtime + self.allocator + self.total
 
     def to_dict(self) -> dict[str, int | list[int]]:
         """The breakdown plan.json holds; `gathered` only under sharded data parallelism."""
@@ -147,6 +150,7 @@ class MemoryEstimate:
             "loss": self.loss,
             "total": self.total,
             "runtime": self.runtime,
+            **({"allocator": self.allocator} if self.allocator else {}),
             "process_total": self.process_total,
             "peak_pipeline_rank": self.pipeline_rank,
             "total_per_pipeline_rank": list(self.per_pipeline_rank),
