@@ -48,12 +48,14 @@ LM_EVAL = "evaluation.lm_eval_tasks=meshtrain_python_basics,evaluation.lm_eval_l
 # Adam's epsilon above the last-bit noise of near-zero gradients, so that the 3-D run
 # below can be held to the default run's weights at 1e-5 (it trains the same global batch).
 ADAM_EPSILON = "training.adam_epsilon=1e-5"
+# The planning node also dry-runs the plan's rank 0 (docs/dry_run.md).
+DRY_RUN = "planner.dry_run=true"
 
 
 @pytest.fixture(scope="module")
 def default_run(project: Path) -> subprocess.CompletedProcess:
     (project / "conf/local/mlflow.yml").write_text(f"registered_model_name: {REGISTERED}\n")
-    result = kedro_run(project, "--params", f"{SMALL_RUN},{LM_EVAL},{ADAM_EPSILON}")
+    result = kedro_run(project, "--params", f"{SMALL_RUN},{LM_EVAL},{ADAM_EPSILON},{DRY_RUN}")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     return result
 
@@ -108,6 +110,13 @@ def test_mlflow_run_holds_layout_params_and_metrics(project: Path, default_run):
     mfu = metrics["eval/train_tokens_per_s"] * plan["model_flops_per_token"] / peak
     assert metrics["eval/train_mfu"] == pytest.approx(mfu, rel=1e-6)
     assert 0 < metrics["eval/train_mfu"] < 1
+    # planner.dry_run: rank 0's step on fake tensors, in plan.json and as metrics, holds
+    # what the real rank 0 then measured within 5%.
+    (dry,) = plan["dry_run"]
+    assert dry["rank"] == 0 and dry["peak_at"].startswith(("forward", "backward"))
+    dry_peak = metrics["dry_run/step_peak_rank0_bytes"]
+    assert dry_peak == dry["terms"]["step_peak"]["dry_run"]
+    assert dry_peak / 2**20 == pytest.approx(metrics["memory/peak_tensor_mb_rank0"], rel=0.05)
     assert "eval/val_perplexity" in run.data.metrics
     assert "eval/meshtrain_python_basics/acc" in run.data.metrics
     assert run.data.tags["kedro.env"] == "local"

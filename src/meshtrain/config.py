@@ -127,6 +127,9 @@ class PlannerConfig:
     memory_margin: float = 0.1
     # Field overrides per profile name, or whole new profiles (see planner/devices.py).
     device_profiles: dict[str, Any] = field(default_factory=dict)
+    # Run the plan's busiest ranks on fake tensors (`meshtrain.dryrun`) and keep the
+    # result with the plan.
+    dry_run: bool = False
 
 
 @dataclass(frozen=True)

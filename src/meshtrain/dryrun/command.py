@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import resource
 import warnings
 
 import torch
 
+from meshtrain.config import RunConfig
 from meshtrain.dryrun import pipeline
 from meshtrain.dryrun.fake_world import dry_run_device
 from meshtrain.dryrun.rank import RankMemory, dry_run_rank
@@ -26,6 +28,7 @@ from meshtrain.planner import Plan
 from meshtrain.planner.command import plan_from_args
 from meshtrain.planner.devices import GIB
 
+log = logging.getLogger(__name__)
 STATES = ("parameters", "gradients", "optimizer_states")
 PIPELINES_NOT_YET = (
     f"this torch ({torch.__version__}) sets its pipeline stages up in a way the dry run "
@@ -64,6 +67,16 @@ def run_dryrun(args: argparse.Namespace) -> int:
     else:
         print(f"this process's peak resident memory: {rss / GIB:.2f} GiB")
     return 0
+
+
+def dry_run_plan(run: RunConfig, plan: Plan) -> list[dict]:
+    """`planner.dry_run`: the busiest ranks' comparisons, for plan.json and MLflow."""
+    device, why = dry_run_device(plan.device)
+    log.info("dry run of %s: %s", plan.layout.name, why)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The module hierarchy tracking")
+        ranks = [dry_run_rank(run, plan, rank, device) for rank in busiest_ranks(plan)]
+    return [compare(memory, plan) for memory in ranks]
 
 
 def busiest_ranks(plan: Plan) -> list[int]:

@@ -40,6 +40,9 @@ class Plan:
     config_hash: str = ""
     # The parameters the optimizer updates: all of them, or a LoRA run's adapters.
     num_trainable_parameters: int = 0
+    # `planner.dry_run`: the busiest ranks' step on fake tensors beside the estimate
+    # (`meshtrain.dryrun.command.compare`, one entry per rank; empty: not run).
+    dry_run: list[dict[str, Any]] = field(default_factory=list)
 
     def mfu(self, tokens_per_s: float) -> float | None:
         """Model FLOPs utilisation at `tokens_per_s` over the whole world (None: no peak)."""

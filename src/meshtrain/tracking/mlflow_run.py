@@ -104,10 +104,24 @@ def log_plan(plan: dict[str, Any], run_config: dict[str, Any]) -> None:
     if client.get_run(run_id).data.tags.get(TRAINS_TAG, "true") == "true":
         mlflow.set_tag("mlflow.runName", plan["layout_name"])
     mlflow.set_tag("meshtrain.layout", plan["layout_name"])
+    log_dry_run(plan.get("dry_run") or [])
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "plan.json"
         path.write_text(json.dumps(plan, indent=2, sort_keys=True))
         mlflow.log_artifact(str(path))
+
+
+def log_dry_run(ranks: list[dict[str, Any]]) -> None:
+    """`planner.dry_run`'s result as metrics, per rank and term: the dry run's bytes and the
+    planner's over them (the whole comparison is in the plan.json artifact)."""
+    metrics = {}
+    for rank in ranks:
+        for term, values in rank["terms"].items():
+            key = f"dry_run/{term}_rank{rank['rank']}"
+            metrics[f"{key}_bytes"] = values["dry_run"]
+            metrics[f"{key}_planner_over_dry_run"] = values["planner_over_dry_run"]
+    if metrics:
+        mlflow.log_metrics(metrics)
 
 
 def mark_model_training(experiment_id: str) -> None:

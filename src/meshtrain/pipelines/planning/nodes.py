@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import datasets
 
+from meshtrain.dryrun.command import dry_run_plan
 from meshtrain.pipelines.run_config import run_config
 from meshtrain.planner.resolve import plan_for_run
 from meshtrain.tracking import mlflow_run as tracking
@@ -25,6 +27,8 @@ def plan_layout(
         tokenizer,
         num_train_blocks=len(packed_blocks["train"]),
         num_validation_blocks=len(packed_blocks["validation"]),
-    ).to_dict()
-    tracking.log_plan(plan, run.to_dict())
-    return plan
+    )
+    if run.planner.dry_run:
+        plan = dataclasses.replace(plan, dry_run=dry_run_plan(run, plan))
+    tracking.log_plan(plan.to_dict(), run.to_dict())
+    return plan.to_dict()
