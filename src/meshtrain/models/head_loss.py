@@ -31,6 +31,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from meshtrain.data.batch import IGNORE_INDEX
+from meshtrain.distributed.tensor_parallel import vocabulary_start
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -112,14 +113,6 @@ def linear_cross_entropy_sum(
         vocab_start,
         group,
     )
-
-
-def vocabulary_start(weight: DTensor) -> int:
-    """The first vocabulary row of this rank's shard of a vocabulary-sharded weight
-    (DTensor's Shard(0): chunks of ceil(vocabulary / tp) rows, the last ones shorter)."""
-    mesh = weight.device_mesh
-    rows = -(-weight.shape[0] // mesh.size())
-    return min(mesh.get_local_rank() * rows, weight.shape[0])
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):

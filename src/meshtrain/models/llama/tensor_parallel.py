@@ -34,6 +34,7 @@ from meshtrain.distributed.kv_heads import repeat_kv_heads
 from meshtrain.distributed.lora_parallel import LoraColwiseParallel, LoraRowwiseParallel
 from meshtrain.distributed.tensor_parallel import (
     ParameterSharding,
+    VocabParallelEmbedding,
     VocabParallelLossHead,
     read_sharding,
 )
@@ -60,7 +61,7 @@ def tensor_parallel_plan(model: nn.Module, *, sequence_parallel: bool) -> dict[s
     residual = Shard(1) if sp else Replicate()
     plan: dict[str, ParallelStyle] = {}
     if hasattr(model.model, "embed_tokens"):
-        plan["model.embed_tokens"] = RowwiseParallel(
+        plan["model.embed_tokens"] = VocabParallelEmbedding(
             input_layouts=Replicate(), output_layouts=residual, use_local_output=not sp
         )
     if isinstance(getattr(model, "lm_head", None), ScoringHead):
