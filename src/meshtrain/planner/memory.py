@@ -119,6 +119,10 @@ class MemoryEstimate:
     gathered: int = 0
     # In host memory, not the device's: the saved activations offloading moves there.
     offloaded: int = 0
+    # Whether the gradients are alive at the step's peak: not FSDP2's sharded ones, made
+    # by the reduce-scatters late in the backward and cleared after the update, while the
+    # peak comes at the backward's start (measured by the dry run, docs/dry_run.md).
+    gradients_at_peak: bool = True
 
     @property
     def model_states(self) -> int:
@@ -127,7 +131,8 @@ class MemoryEstimate:
     @property
     def total(self) -> int:
         """The step's peak of live tensors (what the memory probe measures)."""
-        return self.model_states + self.gathered + self.activations + self.loss
+        states = self.model_states - (0 if self.gradients_at_peak else self.gradients)
+        return states + self.gathered + self.activations + self.loss
 
     @property
     def process_total(self) -> int:
@@ -306,6 +311,7 @@ def _sharded_model_states(
         activations=activations,
         loss=loss,
         gathered=gathered,
+        gradients_at_peak=False,
     )
 
 
@@ -315,20 +321,21 @@ def gathered_bytes(
     """Bytes of gathered parameters and unsharded gradients at the step's peak, for a rank
     holding `local` elements of which `layers` decoder layers of `layer` elements each.
 
-    Without pp, FSDP2 reshards after forward and prefetches one layer ahead: two layers'
-    parameters and one layer's unsharded gradient are in flight, and the root group
-    (embedding, final norm, LM head) stays gathered, its gradient growing, for the whole
-    step. Under pp the stage keeps its parameters gathered and accumulates unsharded
-    gradients until the last microbatch of the schedule step, whose backward reduces
-    group after group: the first one copies its gradients into a flat reduce-scatter
-    buffer while every other group is still gathered. (Only under sharding, N > 1.)"""
+    Without pp the peak is the backward's start (the dry run's finding, docs/dry_run.md):
+    the root group (embedding, final norm, LM head) stays gathered for the whole step, and
+    the last layer is gathered again for its backward; no gradient is unsharded yet (the
+    LM head's is the loss's, `planner.loss_memory`; the embedding's comes last, when the
+    activations are gone). Under pp the stage keeps its parameters gathered and
+    accumulates unsharded gradients until the last microbatch of the schedule step, whose
+    backward reduces group after group: the first one copies its gradients into a flat
+    reduce-scatter buffer while every other group is still gathered. (Only under
+    sharding, N > 1.)"""
     grad = step.gradient_bytes if gradients else 0  # a frozen base has none
     per_element = step.parameter_bytes + grad
     root = local - layers * layer
     if step.pp > 1:
         return local * per_element + max(root, layer) * grad
-    in_flight = min(2, layers)
-    return root * per_element + layer * (in_flight * step.parameter_bytes + grad)
+    return (root + min(1, layers) * layer) * step.parameter_bytes
 
 
 def layer_parameter_count(
