@@ -11,18 +11,9 @@ the model can be checked one to one against the measured peak of live tensors
   in it, ZeRO-1's owner included); AdamW's two moments, divided by dp under
   ZeRO-1;
 - the activations autograd saves in a Llama-family decoder layer (Hugging
-  Face's implementation with SDPA, whose attention keeps no sequence x
-  sequence matrix): per token, in elements,
-  `8h + 2kv + 4i + a` without tensor parallelism (the layer input, the two
-  RMSNorm intermediates and outputs, q after rotary, k and v, the attention
-  output, the post-attention residual; gate, up, SiLU and their product;
-  the attention's log-sum-exp per head), and with tensor parallelism
-  `6h + (2h + 2kv + 4i + a)/t` (norms replicated) or with sequence
-  parallelism `2h + (6h + 2kv + 4i + a)/t` (norms sequence-sharded, the two
-  all-gathered norm outputs kept by the column-parallel matmuls). This is the
-  Korthikanti et al. (2022) accounting redone for this layer: their
-  `sbh(34 + 5as/h)` counts a GPT block with dropout and materialised
-  attention scores;
+  Face's, with SDPA: no sequence x sequence matrix), per token and layer, with and
+  without tensor and sequence parallelism (`layer_activation_elements`; Korthikanti et
+  al. (2022)'s accounting redone for this layer);
 - full activation checkpointing keeps each layer's input and, in backward,
   one layer's activations at a time; selective keeps the matmul and
   attention outputs and recomputes norms, rotary and the gated activation;
