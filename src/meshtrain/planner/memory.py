@@ -1,15 +1,11 @@
 """Per-rank memory model: model states, saved activations, the loss, in-flight microbatches.
 
-Every term is counted from what meshtrain's own training step keeps alive, so
-the model can be checked one to one against the measured peak of live tensors
-(`meshtrain.components.memory_probe`, `bench/planner_validation.py`):
+Every term is counted from what meshtrain's own step keeps alive, checked against the
+measured peak of live tensors (`components.memory_probe`, `meshtrain.dryrun`):
 
-- model states, from the real (meta-device) parameter shapes: this rank's
-  tensor-parallel share of each sharded parameter (KV projections with their
-  replicated heads) and all of each replicated one, on its pipeline stages;
-  gradients in the flat buffer (the data-parallel reductions work in place
-  in it, ZeRO-1's owner included); AdamW's two moments, divided by dp under
-  ZeRO-1;
+- model states, from the real (meta-device) parameter shapes: this rank's tp share
+  (KV heads replicated) on its stages; gradients in the flat buffer; AdamW's two
+  moments, divided by dp under ZeRO-1;
 - the activations autograd saves in a Llama-family decoder layer (Hugging
   Face's, with SDPA: no sequence x sequence matrix), per token and layer, with and
   without tensor and sequence parallelism (`layer_activation_elements`; Korthikanti et
