@@ -21,8 +21,8 @@ measured peak of live tensors (`components.memory_probe`, `meshtrain.dryrun`):
   chunks (torch's schedule); the last stage keeps the loss's share of each
   microbatch in flight until its backward.
 
-`process_total`, the figure fitted into the device, adds the profile's `runtime_gib`
-(the process before the model); offloaded activations are counted apart (host memory).
+`process_total`, fitted into the device, adds the profile's runtime and allocator share;
+offloaded activations are counted apart (host memory).
 
 Precisions: under `no` and `bf16` (autocast) parameters and gradients are fp32
 (4 + 4 + 8/dp bytes per parameter under ZeRO-1; bf16 autocast's matmul outputs at
@@ -308,20 +308,21 @@ def gathered_bytes(
     """Bytes of gathered parameters and unsharded gradients at the step's peak, for a rank
     holding `local` elements of which `layers` decoder layers of `layer` elements each.
 
-    Without pp the peak is the backward's start (the dry run's finding, docs/dry_run.md):
-    the root group (embedding, final norm, LM head) stays gathered for the whole step, and
-    the last layer is gathered again for its backward; no gradient is unsharded yet (the
-    LM head's is the loss's, `planner.loss_memory`; the embedding's comes last, when the
-    activations are gone). Under pp the stage keeps its parameters gathered and
-    accumulates unsharded gradients until the last microbatch of the schedule step, whose
-    backward reduces group after group: the first one copies its gradients into a flat
-    reduce-scatter buffer while every other group is still gathered. (Only under
-    sharding, N > 1.)"""
+    Without pp the peak is the backward's start (dry runs, docs/dry_run.md): the root
+    group (embedding, final norm, LM head) gathered for the whole step, the last layer
+    gathered again; no gradient unsharded yet (the LM head's is the loss's, the
+    embedding's comes last). Under pp the stage stays gathered and accumulates unsharded
+    gradients until the schedule's last microbatch, whose backward copies the first group
+    into a flat reduce-scatter buffer while the others are still gathered; interleaved,
+    only the last chunk's gradients exist at the warm-up's peak. (Sharding only.)"""
     grad = step.gradient_bytes if gradients else 0  # a frozen base has none
-    per_element = step.parameter_bytes + grad
     root = local - layers * layer
+    if step.pp > 1 and step.schedule == "interleaved_1f1b":
+        # A rank's gradients are made by its chunks' first backwards: at the warm-up's
+        # peak only the last chunk has had one, and nothing is reduced yet (dry runs).
+        return local * step.parameter_bytes + local // step.virtual_stages * grad
     if step.pp > 1:
-        return local * per_element + max(root, layer) * grad
+        return local * (step.parameter_bytes + grad) + max(root, layer) * grad
     return (root + min(1, layers) * layer) * step.parameter_bytes
 
 
@@ -566,13 +567,15 @@ def _activations_on_rank(
 
 
 def _last_stage_in_flight(step: StepShape) -> int:
-    """Microbatches whose logits the last stage's rank holds at once."""
+    """Microbatches whose logits the last stage's rank holds at once (interleaved: its
+    first chunk holds all of them before its last chunk, the last stage, starts)."""
     if step.pp == 1 or step.schedule == "1f1b":
         return 1
     if step.schedule == "gpipe":
         return step.microbatches
     last_rank = (len(step.stage_layers) - 1) % step.pp
-    return in_flight_microbatches(step, last_rank) // step.virtual_stages
+    earlier_chunks = (step.virtual_stages - 1) * step.microbatches
+    return max(1, in_flight_microbatches(step, last_rank) - earlier_chunks)
 
 
 def _backward_working_set(m: ModelShape, step: StepShape, tokens: int) -> int:
