@@ -24,13 +24,11 @@ measured peak of live tensors (`components.memory_probe`, `meshtrain.dryrun`):
 `process_total`, fitted into the device, adds the profile's runtime and allocator share;
 offloaded activations are counted apart (host memory).
 
-Precisions: under `no` and `bf16` (autocast) parameters and gradients are fp32
-(4 + 4 + 8/dp bytes per parameter under ZeRO-1; bf16 autocast's matmul outputs at
-2 bytes); under `bf16_master` parameters and activations are bf16, gradients fp32 (or
-bf16), and AdamW holds an fp32 master beside the moments (2 + 4 + 12/dp). Sharded data
-parallelism (`StepShape.sharded` = N > 1, FSDP2): fp32 shards of every model state
-over N, and what is gathered for compute counted apart (`gathered_bytes`). Each term
-with its bytes: docs/planner.md, "Memory model" and "Sharded data parallelism".
+Precisions: `no` and `bf16` (autocast) keep fp32 parameters and gradients (bf16
+matmul outputs); `bf16_master` bf16 parameters and activations, fp32 gradients (or
+bf16) and an fp32 master in AdamW. Sharded (`StepShape.sharded` = N > 1, FSDP2): fp32
+shards over N, what is gathered counted apart (`gathered_bytes`). Each term with its
+bytes: docs/planner.md, "Memory model" and "Sharded data parallelism".
 """
 
 from __future__ import annotations
