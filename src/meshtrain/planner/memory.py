@@ -44,6 +44,11 @@ from meshtrain.models.llama.parameter_names import (
     is_kv_projection,
     is_tensor_parallel_sharded,
 )
+from meshtrain.planner.layer_memory import (
+    backward_working_set,
+    layer_activation_elements,
+    layer_matmul_elements,
+)
 from meshtrain.planner.loss_memory import head_keeps_its_input, loss_bytes
 
 if TYPE_CHECKING:
@@ -377,37 +382,6 @@ def gather_units(shapes: dict[str, tuple[int, ...]], m: ModelShape, step: StepSh
     )
 
 
-def layer_activation_elements(m: ModelShape, step: StepShape) -> tuple[float, float]:
-    """(fp32-kept, matmul-output) elements one decoder layer saves per token on one rank.
-
-    Split in two so bf16 autocast can count matmul outputs at 2 bytes while the
-    residual stream and the norms stay fp32.
-    """
-    t = step.tp
-    h, i, a = m.hidden, m.intermediate, m.heads
-    kv = max(m.kv_heads // t, 1) * m.head_dim  # a tp rank keeps a KV head at least (replicated)
-    q_and_out = 2 * h / t  # q after rotary, attention output (= o_proj input)
-    mlp = 4 * i / t  # gate, up, SiLU(gate), their product
-    per_head = a / t  # log-sum-exp
-    if step.activation_checkpointing == "selective":
-        # Kept: the layer input and the outputs of every matmul, the attention and every
-        # collective (no collective runs twice): q, k, v, attention, gate, up, and
-        # o_proj's and down_proj's whole-width partial sums; under tp also those sums
-        # all-reduced (or reduce-scattered under SP, which also keeps the two all-gathered
-        # norm outputs). Norms, rotary, SiLU and the gating product are recomputed.
-        core = 2 * h / t + 2 * kv + 2 * i / t + per_head + 2 * h
-        if t == 1:
-            return h, core
-        if step.sequence_parallel:
-            return h / t, core + 2 * h + 2 * h / t
-        return h, core + 2 * h
-    # fp32: input, normed input, residual, normed residual (sequence-sharded under SP,
-    # which needs tp > 1); matmul side: the two norm outputs as the matmuls keep them
-    # (whole: all-gathered under SP), q, attention output, k, v, the MLP.
-    kept = 4 * h / t if step.sequence_parallel else 4 * h
-    return kept, 2 * h + q_and_out + 2 * kv + mlp + per_head
-
-
 def estimate_memory(
     shapes: dict[str, tuple[int, ...]],
     m: ModelShape,
@@ -553,13 +527,17 @@ def _activations_on_rank(
         norm_bytes = 2 * kept_bytes * h / shard + (stream * h if head_keeps_its_input(step) else 0)
         per_microbatch += tokens * norm_bytes / chunks
     activations = int(per_microbatch * in_flight_microbatches(step, rank))
+    if step.bf16 and not step.master_weights and step.activation_checkpointing == "none":
+        # autocast's bf16 copy of each matmul weight, cached and kept by the backward
+        # (without recomputation the trainer keeps the cache: one copy per weight).
+        activations += layers * layer_matmul_elements(m, t) * BYTES_BF16
 
     # Two moments of the backward, whichever is higher: its start at the loss (what the
     # loss keeps per microbatch in flight, plus its working set), or inside a layer (a
     # recomputed layer and the gradients of its activations, one microbatch's loss share
     # gone).
     kept_loss, at_loss = loss_bytes(m, step, tokens) if holds_last else (0, 0)
-    in_layer = int(recomputed + _backward_working_set(m, step, tokens)) - kept_loss
+    in_layer = int(recomputed + backward_working_set(m, step, tokens)) - kept_loss
     kept_losses = kept_loss * _last_stage_in_flight(step)
     return activations + max(0, in_layer - at_loss), kept_losses + at_loss
 
@@ -574,12 +552,6 @@ def _last_stage_in_flight(step: StepShape) -> int:
     last_rank = (len(step.stage_layers) - 1) % step.pp
     earlier_chunks = (step.virtual_stages - 1) * step.microbatches
     return max(1, in_flight_microbatches(step, last_rank) - earlier_chunks)
-
-
-def _backward_working_set(m: ModelShape, step: StepShape, tokens: int) -> int:
-    """Gradients of a layer's activations alive at once during its backward."""
-    t = step.tp
-    return int(tokens * (2 * m.hidden + 2 * m.intermediate / t) * step.parameter_bytes)
 
 
 FP32 = StepShape(

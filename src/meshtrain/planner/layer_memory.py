@@ -1,0 +1,57 @@
+"""What one decoder layer of a Llama-family model keeps per token for its backward, and
+what its backward and autocast add (the per-layer terms of `planner.memory`)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from meshtrain.planner.memory import ModelShape, StepShape
+
+
+def layer_activation_elements(m: ModelShape, step: StepShape) -> tuple[float, float]:
+    """(fp32-kept, matmul-output) elements one decoder layer saves per token on one rank.
+
+    Split in two so bf16 autocast can count matmul outputs at 2 bytes while the
+    residual stream and the norms stay fp32.
+    """
+    t = step.tp
+    h, i, a = m.hidden, m.intermediate, m.heads
+    kv = max(m.kv_heads // t, 1) * m.head_dim  # a tp rank keeps a KV head at least (replicated)
+    q_and_out = 2 * h / t  # q after rotary, attention output (= o_proj input)
+    mlp = 4 * i / t  # gate, up, SiLU(gate), their product
+    per_head = a / t  # log-sum-exp
+    if step.activation_checkpointing == "selective":
+        # Kept: the layer input and the outputs of every matmul, the attention and every
+        # collective (no collective runs twice): q, k, v, attention, gate, up, and
+        # o_proj's and down_proj's whole-width partial sums; under tp also those sums
+        # all-reduced (or reduce-scattered under SP, which also keeps the two all-gathered
+        # norm outputs). Norms, rotary, SiLU and the gating product are recomputed.
+        core = 2 * h / t + 2 * kv + 2 * i / t + per_head + 2 * h
+        if t == 1:
+            return h, core
+        if step.sequence_parallel:
+            return h / t, core + 2 * h + 2 * h / t
+        return h, core + 2 * h
+    # fp32: input, normed input, residual, normed residual (sequence-sharded under SP,
+    # which needs tp > 1); matmul side: the two norm outputs as the matmuls keep them
+    # (whole: all-gathered under SP), q, attention output, k, v, the MLP.
+    kept = 4 * h / t if step.sequence_parallel else 4 * h
+    # bf16 autocast casts the fp32 norm output once per matmul that reads it and each
+    # keeps its own copy: q, k, v and gate, up (dry runs); one each otherwise.
+    norm_copies = 5 * h if step.bf16 and not step.master_weights else 2 * h
+    return kept, norm_copies + q_and_out + 2 * kv + mlp + per_head
+
+
+def layer_matmul_elements(m: ModelShape, t: int) -> int:
+    """One decoder layer's matmul weights on a tp rank (a KV head at least)."""
+    kv = max(m.kv_heads // t, 1) * m.head_dim
+    return int(2 * m.hidden * m.heads * m.head_dim / t + 2 * m.hidden * kv) + int(
+        3 * m.hidden * m.intermediate / t
+    )
+
+
+def backward_working_set(m: ModelShape, step: StepShape, tokens: int) -> int:
+    """Gradients of a layer's activations alive at once during its backward."""
+    t = step.tp
+    return int(tokens * (2 * m.hidden + 2 * m.intermediate / t) * step.parameter_bytes)
