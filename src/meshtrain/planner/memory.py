@@ -538,6 +538,10 @@ def _activations_on_rank(
     # gone).
     kept_loss, at_loss = loss_bytes(m, step, tokens) if holds_last else (0, 0)
     in_layer = int(recomputed + backward_working_set(m, step, tokens)) - kept_loss
+    if step.sharded > 1 and step.pp == 1:
+        # Inside a layer's backward FSDP2 holds two layers' all-gather buffers (the one
+        # running and the one prefetched) beside their gathered parameters (dry runs).
+        in_layer += 2 * layer_matmul_elements(m, step.tp) * step.parameter_bytes
     kept_losses = kept_loss * _last_stage_in_flight(step)
     return activations + max(0, in_layer - at_loss), kept_losses + at_loss
 
