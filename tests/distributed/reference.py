@@ -129,16 +129,19 @@ def make_spec(
     architecture: str,
     fields: dict[str, Any],
     model: dict[str, Any] | None = None,
+    block_size: int = TINY_BLOCK,
+    vocab_size: int = TINY_VOCAB,
 ) -> WorkerSpec:
-    """`model`: more `model.*` parameters (lora, init_from)."""
+    """`model`: more `model.*` parameters (lora, init_from); `block_size`, `vocab_size`:
+    those of `blocks` when they are not the tiny ones."""
     run = RunConfig.from_params(
         parallel=parallel,
         training={**TRAINING, **training, "output_dir": str(out), "run_name": name},
         launch={"nproc_per_node": world},
         model={"architecture": architecture, "config": fields, **(model or {})},
-        data={"block_size": TINY_BLOCK},
+        data={"block_size": block_size},
     )
-    config = build_model_config(architecture, fields, vocab_size=TINY_VOCAB)
+    config = build_model_config(architecture, fields, vocab_size=vocab_size)
     plan = plan_run(
         run,
         config,

@@ -1,20 +1,32 @@
 """The dry run against real runs: one rank's step on fake tensors under a fake process
 group holds, within 5%, the peak of live tensors the real rank's memory probe measured
-(`components.memory_probe`, the same tracker over real tensors), rank by rank."""
+(`components.memory_probe`, the same tracker over real tensors), rank by rank, at the
+27M shape (the pipeline tests hold it on the tiny model's pipelines, 3-D included)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import datasets
 import pytest
 import torch
 
 from meshtrain.config import RunConfig
 from meshtrain.dryrun.rank import dry_run_rank
 from meshtrain.planner import Plan
-from tests.conftest import TINY_MODEL
 from tests.distributed.reference import make_spec, run_group
 
+# bench/shapes.py's 27M Llama (hidden 512, 8 layers, 8 heads, 4 KV heads), vocabulary
+# 4,096, blocks of 256: model states and activations both weigh.
+SHAPE_27M = {
+    "hidden_size": 512,
+    "intermediate_size": 1344,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "max_position_embeddings": 256,
+}
+VOCAB, BLOCK = 4096, 256
 WORLD2 = {
     "dp2-zero1": ({"data_parallel_size": 2, "zero_1": True}, {}),
     "dp2-bf16-ckpt": (
@@ -22,29 +34,46 @@ WORLD2 = {
         {"mixed_precision": "bf16"},
     ),
     "tp2-sp": ({"tensor_parallel_size": 2, "sequence_parallel": True}, {}),
+    "pp2-1f1b": ({"pipeline_parallel_size": 2, "pipeline_schedule": "1f1b"}, {}),
     "sdp2": ({"data_parallel_size": 2, "sharded_data_parallel_degree": 2}, {}),
-    "sdp2-bf16-master": (
-        {"data_parallel_size": 2, "sharded_data_parallel_degree": 2},
-        {"mixed_precision": "bf16_master"},
-    ),
 }
 
 
+@pytest.fixture(scope="module")
+def blocks_27m(tmp_path_factory) -> datasets.DatasetDict:
+    """Random token blocks of the 27M shape's vocabulary, saved and memory-mapped back."""
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, VOCAB, (40, BLOCK), generator=generator, dtype=torch.int32)
+    blocks = datasets.DatasetDict(
+        {
+            "train": datasets.Dataset.from_dict({"input_ids": ids[:32].tolist()}),
+            "validation": datasets.Dataset.from_dict({"input_ids": ids[32:].tolist()}),
+        }
+    )
+    path = tmp_path_factory.mktemp("blocks27m") / "packed"
+    blocks.save_to_disk(str(path))
+    return datasets.load_from_disk(str(path))
+
+
 @pytest.mark.slow
-def test_dry_runs_hold_what_the_real_ranks_held(tiny_blocks, tmp_path: Path):
+def test_dry_runs_hold_what_the_real_ranks_held(blocks_27m, tmp_path: Path):
     specs = [
         make_spec(
-            tiny_blocks,
+            blocks_27m,
             tmp_path,
             name,
             world=2,
             parallel=parallel,
             training={
                 "per_device_train_batch_size": 8 // parallel.get("data_parallel_size", 1),
+                "max_steps": 3,  # the probe measures the second step
+                "eval_batches": 1,
                 **training,
             },
             architecture="llama",
-            fields=TINY_MODEL,
+            fields=SHAPE_27M,
+            block_size=BLOCK,
+            vocab_size=VOCAB,
         )
         for name, (parallel, training) in WORLD2.items()
     ]
