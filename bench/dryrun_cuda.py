@@ -15,7 +15,6 @@ from meshtrain.offline import use_offline_defaults
 use_offline_defaults()
 
 import contextlib  # noqa: E402
-import warnings  # noqa: E402
 
 import gpu_throughput  # noqa: E402  (bench/gpu_throughput.py: the 1B shape and its job)
 import throughput  # noqa: E402
@@ -58,9 +57,7 @@ def main() -> None:
         real = summary["measured_peak_memory"]["peak_bytes"]
         run, plan = RunConfig.from_dict(spec.run), Plan.from_dict(spec.plan)
         device, why = dry_run_device("h200" if cuda else "cpu")
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="The module hierarchy tracking")
-            dry = dry_run_rank(run, plan, 0, device)
+        dry = dry_run_rank(run, plan, 0, device)
     print(f"{plan.layout.name}, bf16, block {shape['block']} x {shape['batch']}; {why}")
     print(f"real step peak (torch.cuda.max_memory_allocated): {real / MIB:,.1f} MiB")
     print(f"dry run step peak ({device}):                     {dry.peak_bytes / MIB:,.1f} MiB")

@@ -16,7 +16,6 @@ import argparse
 import json
 import logging
 import resource
-import warnings
 
 import torch
 
@@ -43,7 +42,7 @@ def run_dryrun(args: argparse.Namespace) -> int:
         print(f"error: {planned}")
         return 1
     run, plan = planned
-    if plan.layout.pipeline_parallel_size > 1 and not pipeline.supported():
+    if not runs_here(plan):
         print(f"error: {plan.layout.name}: {PIPELINES_NOT_YET}")
         return 1
     ranks = args.rank or busiest_ranks(plan)
@@ -53,14 +52,11 @@ def run_dryrun(args: argparse.Namespace) -> int:
     device, why = dry_run_device(plan.device)
     print(f"{plan.layout.name} on {plan.world_size} x {plan.device}; {why}", flush=True)
     results = []
-    with warnings.catch_warnings():
-        # torch's module tracker warns at every pipeline microbatch's re-entry.
-        warnings.filterwarnings("ignore", message="The module hierarchy tracking")
-        for rank in ranks:
-            memory = dry_run_rank(run, plan, rank, device)
-            results.append(compare(memory, plan))
-            if not args.json:
-                print(describe(results[-1], memory), flush=True)
+    for rank in ranks:
+        memory = dry_run_rank(run, plan, rank, device)
+        results.append(compare(memory, plan))
+        if not args.json:
+            print(describe(results[-1], memory), flush=True)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     if args.json:
         print(json.dumps({"layout": plan.layout.name, "ranks": results, "peak_rss": rss}))
@@ -70,13 +66,20 @@ def run_dryrun(args: argparse.Namespace) -> int:
 
 
 def dry_run_plan(run: RunConfig, plan: Plan) -> list[dict]:
-    """`planner.dry_run`: the busiest ranks' comparisons, for plan.json and MLflow."""
+    """`planner.dry_run`: the busiest ranks' comparisons, for plan.json and MLflow (none,
+    with a warning, where this torch cannot run the plan's pipeline)."""
+    if not runs_here(plan):
+        log.warning("no dry run of %s: %s", plan.layout.name, PIPELINES_NOT_YET)
+        return []
     device, why = dry_run_device(plan.device)
     log.info("dry run of %s: %s", plan.layout.name, why)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="The module hierarchy tracking")
-        ranks = [dry_run_rank(run, plan, rank, device) for rank in busiest_ranks(plan)]
+    ranks = [dry_run_rank(run, plan, rank, device) for rank in busiest_ranks(plan)]
     return [compare(memory, plan) for memory in ranks]
+
+
+def runs_here(plan: Plan) -> bool:
+    """Whether this torch can dry-run the plan (a pipeline needs torch 2.13's schedules)."""
+    return plan.layout.pipeline_parallel_size == 1 or pipeline.supported()
 
 
 def busiest_ranks(plan: Plan) -> list[int]:

@@ -13,6 +13,7 @@ random token ids of the planned batch shape. Two steps run; the second is measur
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import partial
@@ -89,6 +90,7 @@ def _dry_run_rank(run: RunConfig, plan: Plan, rank: int, device: torch.device) -
             existing = _persistent(pm, optimizer)
             states: dict[str, int] = {}
             with (
+                warnings.catch_warnings(),
                 ModTracker() as modules,
                 measure_peak_memory(
                     device,
@@ -98,6 +100,8 @@ def _dry_run_rank(run: RunConfig, plan: Plan, rank: int, device: torch.device) -
                     owner=lambda: _owner(modules),
                 ) as (peak, phase),
             ):
+                # torch's module tracker warns at every pipeline microbatch's re-entry.
+                warnings.filterwarnings("ignore", message="The module hierarchy tracking")
                 _train_step(
                     pm,
                     optimizer,
