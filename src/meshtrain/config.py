@@ -53,6 +53,10 @@ class ParallelConfig:
     # auto (the planner picks the least recomputation that fits).
     activation_checkpointing: Literal["none", "full", "selective", "auto"] = "none"
     activation_offloading: bool = False
+    # Context parallelism: every sequence's tokens split over groups of this many ranks
+    # (load-balanced for causal attention), which share the parameters as dp ranks do
+    # (1 = off; auto = the planner decides; docs/context_parallel.md).
+    context_parallel_size: int | Literal["auto"] = 1
 
 
 @dataclass(frozen=True)
@@ -77,6 +81,8 @@ class Layout:
     # The loss over chunks of this many trained tokens, never the whole logits (0: over
     # the whole logits); `training.loss_chunk_tokens` as the planner resolved it.
     loss_chunk_tokens: int = 0
+    # Ranks that split each sequence's tokens (1: off).
+    context_parallel_size: int = 1
 
     @property
     def sharded(self) -> bool:
@@ -88,12 +94,14 @@ class Layout:
 
     @property
     def name(self) -> str:
-        """A short label for run names and folders, e.g. `dp2-tp1-pp1-zero1`."""
+        """A short label for run names and folders, e.g. `dp2-tp1-pp1-zero1`, `dp1-tp1-pp1-cp4`."""
         parts = [
             f"dp{self.data_parallel_size}",
             f"tp{self.tensor_parallel_size}",
             f"pp{self.pipeline_parallel_size}",
         ]
+        if self.context_parallel_size > 1:
+            parts.append(f"cp{self.context_parallel_size}")
         if self.zero_1:
             parts.append("zero1")
         if self.sharded:
