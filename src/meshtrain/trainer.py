@@ -167,13 +167,7 @@ class Trainer:
         self.device = torch.device(
             f"cuda:{torch.cuda.current_device()}" if self.plan.backend == "nccl" else "cpu"
         )
-        self.dims = ParallelDims.build(
-            self.layout.data_parallel_size,
-            self.layout.tensor_parallel_size,
-            self.layout.pipeline_parallel_size,
-            self.device.type,
-            sdp=self.layout.sharded_data_parallel_degree,
-        )
+        self.dims = ParallelDims.of_layout(self.layout, self.device.type)
         self.converters = build_converters(
             self.cfg,
             self.device.type,
@@ -393,11 +387,11 @@ class Trainer:
         """Log step `done` (1-based) to MLflow, and rank 0's progress line every 5% of the run.
 
         The loss is the only per-step host sync: from the last pipeline stage, averaged
-        over the data-parallel ranks. Collective."""
+        over the data- and context-parallel ranks. Collective."""
         loss_sum = outcome.loss_sum
         if self.dims.pp > 1:
             dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM, group=self.dims.pp_group)
-        dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM, group=self.dims.dp_group)
+        dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM, group=self.dims.dp_cp_group)
         loss = loss_sum.item()
         elapsed = time.perf_counter() - outcome.started
         # Real tokens: a fine-tuning block's padding is not throughput.

@@ -124,7 +124,7 @@ class Checkpointer:
                 n: tensor_entry(p, self.sharding[n], dims.pp_rank, dtype)
                 for n, p in self.stored.items()
             }
-            if dims.dp_rank == 0 and dims.tp_rank == 0
+            if dims.dp_cp_rank == 0 and dims.tp_rank == 0
             else {}
         )
         gathered: list[dict] = [{} for _ in range(dist.get_world_size())]

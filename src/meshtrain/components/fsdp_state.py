@@ -43,7 +43,7 @@ def tp_local_shape(parameter: torch.Tensor, spec: ParameterSharding, tp: int) ->
 def gather_piece(shard: torch.Tensor, shape: tuple[int, ...], dims: ParallelDims):
     """The tp piece of `shape` from its FSDP shards, on shard rank 0 (None elsewhere).
     Collective over the shard group; shards are padded to FSDP's chunk size to gather."""
-    rows, n = shape[0], dims.sdp
+    rows, n = shape[0], dims.shard_degree
     chunk = -(-rows // n)
     padded = shard.new_zeros((chunk, *shape[1:]))
     padded[: shard.shape[0]] = shard
@@ -86,7 +86,7 @@ class FSDPState:
         dims: ParallelDims,
     ) -> int:
         """On dp rank 0, its coordinate's weights and two moments; nothing elsewhere."""
-        if dims.dp_rank != 0:
+        if dims.dp_cp_rank != 0:
             return 0
         shapes = (tp_local_shape(p, sharding[n], dims.tp) for n, p in parameters.items())
         return 3 * sum(torch.Size(s).numel() for s in shapes) * self.state_dtype.itemsize
@@ -100,7 +100,7 @@ class FSDPState:
     ) -> None:
         """The first replica's shard group gathers each tensor to its dp rank 0, which
         writes it (other replicas hold the same shards)."""
-        if dims.dp_rank >= dims.sdp:
+        if dims.dp_cp_rank >= dims.shard_degree:
             return  # not in the first replica: its shards are copies of the first's
         shapes = {n: tp_local_shape(p, sharding[n], dims.tp) for n, p in parameters.items()}
 
@@ -113,7 +113,7 @@ class FSDPState:
                 )
                 yield gather_piece(shard, shapes[name], dims)
 
-        if dims.dp_rank != 0:
+        if dims.dp_cp_rank != 0:
             for key in (None, "exp_avg", "exp_avg_sq"):
                 for _ in gathered(key):
                     pass  # this rank's sends
@@ -146,7 +146,7 @@ class FSDPState:
 
         def mine(full: torch.Tensor, spec: ParameterSharding) -> torch.Tensor:
             piece = spec.local_piece(full, dims.tp_rank, dims.tp)
-            return shard_piece(piece, dims.shard_rank, dims.sdp)
+            return shard_piece(piece, dims.shard_rank, dims.shard_degree)
 
         moments: dict[str, dict[str, torch.Tensor]] = {}
         with torch.no_grad():

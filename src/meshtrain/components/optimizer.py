@@ -87,11 +87,11 @@ def build_optimizer(
     master_weights = training.mixed_precision == "bf16_master"
     grad_dtype = torch.float32 if master_weights and training.grad_reduce_dtype == "fp32" else None
     flat = FlatParameters(
-        pm.parameters.items(), num_shards=dims.dp, sharding=pm.sharding, grad_dtype=grad_dtype
+        pm.parameters.items(), num_shards=dims.dp_cp, sharding=pm.sharding, grad_dtype=grad_dtype
     )
     optimizer = ShardedAdamW(
         flat,
-        dims.dp_group,
+        dims.dp_cp_group,
         zero_1=pm.layout.zero_1,
         overlap_reduction=training.overlap_grad_reduce,
         bucket_bytes=int(training.grad_bucket_mb * 2**20),

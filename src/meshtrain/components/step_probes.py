@@ -111,7 +111,7 @@ def report_pipeline_timeline(
     """Gather one step's forward/backward spans from every pipeline rank; rank 0 draws
     them, logs the picture to MLflow and the measured bubble as a metric. Collective."""
     dims = pm.dims
-    mine = pm.runner.recorder.spans if dims.dp_rank == 0 and dims.tp_rank == 0 else []
+    mine = pm.runner.recorder.spans if dims.dp_cp_rank == 0 and dims.tp_rank == 0 else []
     pm.runner.recorder.spans = []
     gathered: list[tuple[int, list]] = [(0, [])] * dist.get_world_size()
     dist.all_gather_object(gathered, (dims.pp_rank, mine))

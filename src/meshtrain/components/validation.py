@@ -21,8 +21,9 @@ def evaluate_loss(
     """Mean loss per trained token over the first `eval_batches` global batches of
     validation (fine-tuning blocks: the tokens `data.loss_on` trains).
 
-    Every data-parallel rank scores a contiguous slice and the sums are
-    all-reduced (over the pipeline too: only the last stage has losses), so
+    Every data-parallel rank scores a contiguous slice (its context-parallel ranks a
+    share of each block's tokens) and the sums are all-reduced (over the pipeline
+    too: only the last stage has losses), so
     the number does not depend on the layout. Batches are the per-device
     training batch, whole ones only under pipeline parallelism (the schedule
     cuts them into its microbatches). Collective.
@@ -46,7 +47,8 @@ def evaluate_loss(
     for start in starts:
         batch = blocks.tokens(list(range(start, min(hi, start + per_rank)))).to(device)
         totals[0] += pm.eval_batch(batch).double()
-        totals[1] += batch.trained_tokens
+        if dims.cp_rank == 0:  # the cp ranks score parts of the same blocks
+            totals[1] += batch.trained_tokens
     if padding:
         filler = blocks.tokens(list(range(min(per_rank, len(blocks))))).to(device)
         for _ in range(padding):
@@ -56,7 +58,7 @@ def evaluate_loss(
         loss = totals[:1].clone()
         dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=dims.pp_group)
         totals[0] = loss[0]
-    dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=dims.dp_group)
+    dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=dims.dp_cp_group)
     pm.set_training(True)
     return (totals[0] / totals[1]).item() if totals[1] > 0 else float("nan")
 

@@ -40,7 +40,7 @@ class ZeroState:
 
     def writes_moments(self, dims: ParallelDims) -> bool:
         """Every ZeRO-1 owner writes its range; without ZeRO-1 dp rank 0 the whole."""
-        return self.optimizer.zero_1 or dims.dp_rank == 0
+        return self.optimizer.zero_1 or dims.dp_cp_rank == 0
 
     def checkpoint_bytes(
         self,
@@ -52,7 +52,7 @@ class ZeroState:
         the optimizer's moments."""
         itemsize = self.state_dtype.itemsize
         total = 0
-        if dims.dp_rank == 0:
+        if dims.dp_cp_rank == 0:
             total += sum(local_tensor(p).numel() for p in parameters.values()) * itemsize
         if self.writes_moments(dims):
             total += 2 * self.optimizer.owned_numel * itemsize
@@ -69,21 +69,21 @@ class ZeroState:
         its range of the optimizer's moments."""
         optimizer = self.optimizer
         weights = files.shard_weights(root, dims.tp_rank, dims.pp_rank)
-        if dims.dp_rank == 0:
+        if dims.dp_cp_rank == 0:
             weights.parent.mkdir(parents=True, exist_ok=True)
         if optimizer.master is not None:
             self._write_master_weights(weights, parameters, dims)
-        elif dims.dp_rank == 0:
+        elif dims.dp_cp_rank == 0:
             tensors = {n: local_tensor(p).detach() for n, p in parameters.items()}
             # Streamed tensor by tensor from the parameters' own memory: no serialised copy.
             save_safetensors(tensors, weights, metadata={"format": "pt"})
-        if dims.dp_rank == 0:
+        if dims.dp_cp_rank == 0:
             # Where each parameter sits in this coordinate's flat buffer, so optimizer
             # moments (saved as flat ranges) can be resharded onto another layout.
             index = files.flat_index(root, dims.tp_rank, dims.pp_rank)
             write_json_atomic(index, optimizer.flat.index())
         if self.writes_moments(dims):
-            name = files.optimizer_file_name(dims.dp_rank, dims.tp_rank, dims.pp_rank)
+            name = files.optimizer_file_name(dims.dp_cp_rank, dims.tp_rank, dims.pp_rank)
             write_moments(
                 root / files.OPTIMIZER / name,
                 dtype=self.state_dtype,
@@ -100,7 +100,7 @@ class ZeroState:
         ranks: each tensor is gathered to dp rank 0 as it is written, one at a time."""
         optimizer = self.optimizer
         slots = [slot for slot in optimizer.flat.slots if slot.name in parameters]
-        if dims.dp_rank != 0:
+        if dims.dp_cp_rank != 0:
             for slot in slots:
                 optimizer.full_master(slot)  # the sends of this rank's elements
             return

@@ -105,7 +105,9 @@ class FSDPAdamW:
     def check_views(self) -> None:
         """Fail loudly if a parameter stopped being a dp shard (something gathered it)."""
         for name, p in self.parameters.items():
-            if not isinstance(p, DTensor) or "dp_shard" not in (p.device_mesh.mesh_dim_names or ()):
+            if not isinstance(p, DTensor) or not any(
+                n.startswith("dp_shard") for n in p.device_mesh.mesh_dim_names or ()
+            ):
                 raise RuntimeError(f"parameter {name} is no longer sharded over the dp ranks")
 
     @property

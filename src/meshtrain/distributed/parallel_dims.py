@@ -1,21 +1,31 @@
 """The device mesh: the one place that turns a layout into process groups.
 
 Everything downstream asks `ParallelDims` for its coordinates and groups;
-nobody re-derives world sizes. The mesh is ordered (pp, dp, tp) so that the
-tensor-parallel ranks, which talk most, are neighbours (same node first).
+nobody re-derives world sizes. The mesh is ordered (pp, dp, cp, tp) so that the
+tensor-parallel ranks, which talk most, are neighbours (same node first), and the
+context-parallel ranks, which exchange keys and values every layer, next.
 
 Under sharded data parallelism of degree N the dp axis is itself two axes,
 (dp_replicate = dp / N, dp_shard = N): FSDP2 shards over `dp_shard` (a group of
 N neighbouring dp ranks) and replicates over `dp_replicate`; the flattened
 `dp` axis still names the data-parallel rank (the sampler's, the loss's).
+
+Context parallelism splits each sequence's tokens over `cp` ranks that hold the
+same parameters (torchtitan's `dp_shard_cp`): gradients are averaged, ZeRO-1 and
+FSDP2 shard, over the `dp x cp` ranks (`dp_cp`), while the sampler still deals
+batches over `dp` alone.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+if TYPE_CHECKING:
+    from meshtrain.config import Layout
 
 
 @dataclass
@@ -25,21 +35,46 @@ class ParallelDims:
     pp: int
     mesh: DeviceMesh
     sdp: int = 1  # sharded data parallelism's degree (1: off)
+    cp: int = 1  # context parallelism's degree (1: off)
 
     @classmethod
-    def build(cls, dp: int, tp: int, pp: int, device_type: str, sdp: int = 1) -> ParallelDims:
+    def build(
+        cls, dp: int, tp: int, pp: int, device_type: str, sdp: int = 1, cp: int = 1
+    ) -> ParallelDims:
         world = dist.get_world_size()
-        if dp * tp * pp != world:
-            raise ValueError(f"dp x tp x pp = {dp * tp * pp} but the world size is {world}")
+        if dp * tp * pp * cp != world:
+            raise ValueError(
+                f"dp x tp x pp x cp = {dp * tp * pp * cp} but the world size is {world}"
+            )
         if dp % sdp:
             raise ValueError(f"sharded data parallelism's degree {sdp} does not divide dp={dp}")
-        if sdp == 1:
-            mesh = init_device_mesh(device_type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
-        else:
-            names = ("pp", "dp_replicate", "dp_shard", "tp")
-            mesh = init_device_mesh(device_type, (pp, dp // sdp, sdp, tp), mesh_dim_names=names)
+        shape, names = [pp], ["pp"]
+        data_axes = ["dp"] if sdp == 1 else ["dp_replicate", "dp_shard"]
+        shape += [dp] if sdp == 1 else [dp // sdp, sdp]
+        names += data_axes
+        if cp > 1:
+            shape.append(cp)
+            names.append("cp")
+        mesh = init_device_mesh(device_type, (*shape, tp), mesh_dim_names=(*names, "tp"))
+        if sdp > 1:
             mesh["dp_replicate", "dp_shard"]._flatten("dp")
-        return cls(dp=dp, tp=tp, pp=pp, mesh=mesh, sdp=sdp)
+        if cp > 1:
+            mesh[(*data_axes, "cp")]._flatten("dp_cp")
+            if sdp > 1:
+                mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+        return cls(dp=dp, tp=tp, pp=pp, mesh=mesh, sdp=sdp, cp=cp)
+
+    @classmethod
+    def of_layout(cls, layout: Layout, device_type: str) -> ParallelDims:
+        """The mesh of a planned layout."""
+        return cls.build(
+            layout.data_parallel_size,
+            layout.tensor_parallel_size,
+            layout.pipeline_parallel_size,
+            device_type,
+            sdp=layout.sharded_data_parallel_degree,
+            cp=layout.context_parallel_size,
+        )
 
     @property
     def dp_rank(self) -> int:
@@ -54,6 +89,10 @@ class ParallelDims:
         return self.mesh.get_local_rank("pp")
 
     @property
+    def cp_rank(self) -> int:
+        return self.mesh.get_local_rank("cp") if self.cp > 1 else 0
+
+    @property
     def dp_group(self) -> dist.ProcessGroup:
         return self.mesh.get_group("dp")
 
@@ -62,18 +101,51 @@ class ParallelDims:
         return self.mesh.get_group("pp")
 
     @property
+    def cp_group(self) -> dist.ProcessGroup | None:
+        return self.mesh.get_group("cp") if self.cp > 1 else None
+
+    # -- the ranks that hold one copy of the parameters: dp x cp -------------------------
+
+    @property
+    def dp_cp(self) -> int:
+        """Ranks whose gradients are averaged (and ZeRO-1 shards spread over)."""
+        return self.dp * self.cp
+
+    @property
+    def dp_cp_rank(self) -> int:
+        return self.mesh.get_local_rank("dp_cp") if self.cp > 1 else self.dp_rank
+
+    @property
+    def dp_cp_group(self) -> dist.ProcessGroup:
+        return self.mesh.get_group("dp_cp") if self.cp > 1 else self.dp_group
+
+    # -- sharded data parallelism ----------------------------------------------------------
+
+    @property
+    def shard_degree(self) -> int:
+        """How many ranks FSDP2 shards one model copy over: sdp, times cp."""
+        return self.sdp * self.cp if self.sdp > 1 else 1
+
+    @property
     def fsdp_mesh(self) -> DeviceMesh:
-        """The mesh FSDP2 shards over: `dp_shard`, with `dp_replicate` in front for hybrid
-        sharding (HSDP: FSDP all-reduces the gradient shards across the replicas)."""
+        """The mesh FSDP2 shards over: `dp_shard` (with cp, `dp_shard_cp`), with
+        `dp_replicate` in front for hybrid sharding (HSDP: FSDP all-reduces the gradient
+        shards across the replicas)."""
+        shard = "dp_shard_cp" if self.cp > 1 else "dp_shard"
         if self.sdp == self.dp:
-            return self.mesh["dp_shard"]
-        return self.mesh["dp_replicate", "dp_shard"]
+            return self.mesh[shard]
+        return self.mesh["dp_replicate", shard]
 
     @property
     def shard_rank(self) -> int:
-        """This rank's index within its group of `sdp` ranks that share one model copy."""
-        return self.mesh.get_local_rank("dp_shard") if self.sdp > 1 else 0
+        """This rank's index within its group of `shard_degree` ranks that share one model
+        copy."""
+        if self.sdp == 1:
+            return 0
+        return self.mesh.get_local_rank("dp_shard_cp" if self.cp > 1 else "dp_shard")
 
     @property
     def shard_group(self) -> dist.ProcessGroup | None:
-        return self.mesh.get_group("dp_shard") if self.sdp > 1 else None
+        if self.sdp == 1:
+            return None
+        return self.mesh.get_group("dp_shard_cp" if self.cp > 1 else "dp_shard")

@@ -67,13 +67,7 @@ def _dry_run_rank(run: RunConfig, plan: Plan, rank: int, device: torch.device) -
     layout, began = plan.layout, time.perf_counter()
     with fake_process_group(rank, plan.world_size):
         # The mesh is made of real (tiny) tensors: outside the fake mode.
-        dims = ParallelDims.build(
-            layout.data_parallel_size,
-            layout.tensor_parallel_size,
-            layout.pipeline_parallel_size,
-            device.type,
-            sdp=layout.sharded_data_parallel_degree,
-        )
+        dims = ParallelDims.of_layout(layout, device.type)
         # The one check that runs a real product (once per process, cached) runs on real
         # tensors: the fake ones have no values to compare.
         # So does the meta model: fake tensors would keep references to its parameters,
@@ -110,7 +104,12 @@ def _dry_run_rank(run: RunConfig, plan: Plan, rank: int, device: torch.device) -
                     phase=phase,
                     after_update=lambda: states.update(_model_states(pm, optimizer)),
                 )
-        coordinates = {"pp": dims.pp_rank, "dp": dims.dp_rank, "tp": dims.tp_rank}
+        coordinates = {
+            "pp": dims.pp_rank,
+            "dp": dims.dp_rank,
+            "cp": dims.cp_rank,
+            "tp": dims.tp_rank,
+        }
     return RankMemory(
         rank=rank,
         coordinates=coordinates,

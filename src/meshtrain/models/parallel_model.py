@@ -20,6 +20,7 @@ from transformers import PretrainedConfig
 
 from meshtrain.config import Layout
 from meshtrain.data.batch import TokenBatch
+from meshtrain.distributed.context_parallel import ContextParallel
 from meshtrain.distributed.parallel_dims import ParallelDims
 from meshtrain.distributed.pipeline_parallel import PipelineRunner, SharedWeightSync
 from meshtrain.distributed.tensor_parallel import ParameterSharding, TensorParallelGradSync
@@ -57,6 +58,8 @@ class ParallelModel:
     # the name of its copy -> the name the checkpoint stores the one weight under.
     shared_sync: SharedWeightSync | None = None
     tied_copies: dict[str, str] = field(default_factory=dict)
+    # This rank's share of every sequence under context parallelism (None: off).
+    context: ContextParallel | None = None
 
     def loss_context(self) -> AbstractContextManager:
         # The unchunked cross-entropy on vocabulary-sharded logits: the full logits never
@@ -72,19 +75,26 @@ class ParallelModel:
         of the whole global batch), so the ranks' and microbatches' values add up to the
         step's mean loss.
 
-        The backward runs on that value times dp: data parallelism averages gradients over
-        its ranks, and the mean over the global batch's tokens wants their sum. Under
-        pipeline parallelism only the last stage knows the loss (0 elsewhere).
+        The backward runs on that value times dp x cp: data parallelism averages gradients
+        over the ranks that hold a copy of the parameters, and the mean over the global
+        batch's tokens wants their sum. Under context parallelism each rank scores its
+        share of the batch's tokens. Under pipeline parallelism only the last stage knows
+        the loss (0 elsewhere).
         """
+        batch = self.own_tokens(batch)
         with self.loss_context(), self.offload():
             if self.runner is not None:
                 with self.autocast(), record_function("meshtrain.pipeline"):
-                    return self.runner.train_step(batch, trained_tokens, self.dims.dp)
+                    return self.runner.train_step(batch, trained_tokens, self.dims.dp_cp)
             with record_function("meshtrain.forward"):
                 loss = self._loss_sum(batch) / trained_tokens
             with record_function("meshtrain.backward"):
-                (loss * self.dims.dp).backward()
+                (loss * self.dims.dp_cp).backward()
         return as_local(loss.detach())
+
+    def own_tokens(self, batch: TokenBatch) -> TokenBatch:
+        """This rank's share of the batch's tokens (all of them without cp)."""
+        return batch if self.context is None else self.context.shard(batch)
 
     def _loss_sum(self, batch: TokenBatch) -> torch.Tensor:
         with self.autocast():
@@ -94,7 +104,8 @@ class ParallelModel:
     @torch.no_grad()
     def eval_batch(self, batch: TokenBatch) -> torch.Tensor:
         """Summed loss over the batch's trained tokens, forward only (0 off the last
-        pipeline stage)."""
+        pipeline stage; this rank's share of them under cp)."""
+        batch = self.own_tokens(batch)
         with self.loss_context(), self.autocast():
             if self.runner is not None:
                 return self.runner.eval_step(batch)

@@ -26,6 +26,7 @@ from meshtrain.distributed.activation_checkpoint import (
     apply_activation_checkpointing,
     offload_context,
 )
+from meshtrain.distributed.context_parallel import ContextParallel
 from meshtrain.distributed.fsdp import apply_fully_shard
 from meshtrain.distributed.kv_heads import kv_replication_factor
 from meshtrain.distributed.parallel_dims import ParallelDims
@@ -102,7 +103,7 @@ def parallelize(
             device,
             tp_rank=dims.tp_rank,
             tp=dims.tp,
-            dp_shard=(dims.shard_rank, dims.sdp),
+            dp_shard=(dims.shard_rank, dims.shard_degree),
         )
     return _runtime(
         model.config,
@@ -160,6 +161,7 @@ def _runtime(
         # A frozen tied embedding (LoRA) has no gradient to sum: every rank knows it alike.
         shared_sync=SharedWeightSync(copies, dims.mesh) if dims.pp > 1 and tied_trained else None,
         tied_copies=stored_elsewhere(parameters, config),
+        context=context_of(dims),
     )
 
 
@@ -217,8 +219,9 @@ def pipeline_stages(
     model: nn.Module, dims: ParallelDims, layout: Layout
 ) -> tuple[list[int], list[nn.Module]]:
     """This rank's stage ids and modules (the whole model, id-less, without pp)."""
+    context = context_of(dims)
     if dims.pp == 1:
-        return [], [WholeModel(model)]
+        return [], [WholeModel(model, context)]
     stage_ids = stage_ids_of_rank(dims.pp_rank, dims.pp, layout.pipeline_parallel_virtual_stages)
     ranges = stage_layer_ranges(layout.pipeline_parallel_layers)
     last = layout.num_stages - 1
@@ -231,10 +234,18 @@ def pipeline_stages(
             is_last=i == last,
             tp_mesh=tp_mesh,
             sequence_parallel=layout.sequence_parallel,
+            context=context,
         )
         for i in stage_ids
     ]
     return stage_ids, modules
+
+
+def context_of(dims: ParallelDims) -> ContextParallel | None:
+    """This rank's place in its context-parallel group (None: cp is off)."""
+    if dims.cp == 1:
+        return None
+    return ContextParallel(dims.cp_group, dims.cp, dims.cp_rank)
 
 
 def shard_tensor_parallel(

@@ -8,8 +8,46 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from meshtrain.distributed.context_parallel import ContextAttention, ContextParallel
+from meshtrain.models.context_attention import use_context_parallel_attention
 from meshtrain.models.head_loss import head_loss
 from meshtrain.models.packed_attention import packed_causal_mask
+
+
+def decoder_inputs(
+    hidden: torch.Tensor, position_ids: torch.Tensor | None, context: ContextParallel | None
+) -> tuple[torch.Tensor, torch.Tensor | ContextAttention | None]:
+    """The rotary positions and the layers' attention mask of a stage's hidden states:
+    one causal sequence per row (no mask: sdpa's causal fast path, as HF does for unpadded
+    blocks), packed examples, or this rank's share of a context-parallel sequence."""
+    if context is not None:
+        return context.attention_inputs(position_ids, hidden.shape[1], hidden.device)
+    if position_ids is None:
+        return torch.arange(hidden.shape[1], device=hidden.device)[None], None
+    return position_ids, packed_causal_mask(position_ids)
+
+
+def run_layers(
+    decoder: nn.Module, hidden: torch.Tensor, positions: torch.Tensor, mask: object
+) -> torch.Tensor:
+    """`decoder`'s layers (a ModuleList, or a stage's ModuleDict) over `hidden`."""
+    position_embeddings = decoder.rotary_emb(hidden, positions)
+    layers = decoder.layers
+    for layer in layers.values() if isinstance(layers, nn.ModuleDict) else layers:
+        hidden = layer(
+            hidden,
+            attention_mask=mask,
+            position_ids=positions,
+            position_embeddings=position_embeddings,
+        )
+    return hidden
+
+
+def split_context(module: nn.Module, context: ContextParallel | None) -> None:
+    """Give a whole model or stage its place in a cp group (None: off)."""
+    module.context = context
+    if context is not None:
+        use_context_parallel_attention(module)
 
 
 class WholeModel(nn.Module):
@@ -21,11 +59,13 @@ class WholeModel(nn.Module):
     chunked loss never needs the logits (`models.head_loss`).
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, context: ContextParallel | None = None) -> None:
+        """`context`: this rank's share of every sequence under context parallelism."""
         super().__init__()
         self.config = model.config
         self.model = model.model
         self.lm_head = model.lm_head
+        split_context(self, context)
 
     def forward(
         self,
@@ -36,6 +76,12 @@ class WholeModel(nn.Module):
     ) -> torch.Tensor:
         """`position_ids`, `attention_mask`: those of packed examples (none: one sequence
         per row, causal)."""
+        if self.context is not None:
+            hidden = self.model.embed_tokens(input_ids)
+            hidden = run_layers(
+                self.model, hidden, *decoder_inputs(hidden, position_ids, self.context)
+            )
+            return head_loss(self.model.norm(hidden), self.lm_head, labels)
         hidden = self.model(
             input_ids=input_ids,
             position_ids=position_ids,
@@ -65,9 +111,11 @@ class LlamaStage(nn.Module):
         is_last: bool,
         tp_mesh: DeviceMesh | None = None,
         sequence_parallel: bool = False,
+        context: ContextParallel | None = None,
     ) -> None:
         """`tp_mesh`, `sequence_parallel`: how the stage's input arrives from the one
-        before (this rank's sequence shard, under sequence parallelism)."""
+        before (this rank's sequence shard, under sequence parallelism). `context`: this
+        rank's share of every sequence under context parallelism."""
         super().__init__()
         self.config = model.config
         self.is_first, self.is_last = is_first, is_last
@@ -81,6 +129,7 @@ class LlamaStage(nn.Module):
             self.lm_head = model.lm_head
         self.tp_mesh = tp_mesh
         self.sequence_parallel = sequence_parallel and tp_mesh is not None
+        split_context(self, context)
 
     def forward(
         self,
@@ -97,19 +146,7 @@ class LlamaStage(nn.Module):
             hidden = DTensor.from_local(inputs, self.tp_mesh, [Shard(1)], run_check=False)
         else:
             hidden = inputs
-        if position_ids is None:
-            # No mask: sdpa then applies the causal mask itself, as HF does for unpadded blocks.
-            positions, mask = torch.arange(hidden.shape[1], device=inputs.device)[None], None
-        else:
-            positions, mask = position_ids, packed_causal_mask(position_ids)
-        position_embeddings = self.model.rotary_emb(hidden, positions)
-        for layer in self.model.layers.values():
-            hidden = layer(
-                hidden,
-                attention_mask=mask,
-                position_ids=positions,
-                position_embeddings=position_embeddings,
-            )
+        hidden = run_layers(self.model, hidden, *decoder_inputs(hidden, position_ids, self.context))
         if self.is_last:
             return head_loss(self.model.norm(hidden), self.lm_head, labels)
         return hidden.to_local() if isinstance(hidden, DTensor) else hidden
