@@ -308,6 +308,37 @@ def test_three_d_run_is_tracked_and_equals_the_default_run(project: Path, defaul
         assert (got[key] - want).norm() / want.norm() <= 1e-5, key
 
 
+@pytest.mark.slow
+def test_context_parallel_run_is_tracked_and_equals_the_default_run(project: Path, default_run):
+    """`parallel.context_parallel_size=4` on 4 processes: every block's tokens split over the
+    4 ranks, one pipeline of the whole global batch; MLflow names the layout `cp4`, and the
+    consolidated weights equal those of the default dp=2 run."""
+    expected = _weights(project / "data/06_models/consolidated")
+    run = kedro_run(
+        project,
+        "--from-nodes",
+        "plan_layout",
+        "--params",
+        f"{SMALL_RUN},{ADAM_EPSILON},evaluation.log_model=false"
+        + ",training.per_device_train_batch_size=8,parallel.context_parallel_size=4"
+        + ",launch.nproc_per_node=4,consolidation.output_dir=data/06_models/cp4",
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
+    metrics = json.loads((project / "data/08_reporting/metrics.json").read_text())
+    assert metrics["layout"] == "dp1-tp1-pp1-cp4"
+    client = mlflow_client(project)
+    experiment = client.get_experiment_by_name("meshtrain")
+    (tracked,) = client.search_runs(
+        [experiment.experiment_id], "tags.mlflow.runName = 'dp1-tp1-pp1-cp4'"
+    )
+    assert tracked.data.params["parallel.context_parallel_size"] == "4"
+    assert tracked.data.params["parallel.data_parallel_size"] == "1"
+    got = _weights(project / "data/06_models/cp4")
+    assert got.keys() == expected.keys()
+    for key, want in expected.items():
+        assert (got[key] - want).norm() / want.norm() <= 1e-5, key
+
+
 def _spawned_workers(parent: int) -> list[int]:
     """Worker processes (multiprocessing spawn children) of the kedro process `parent`."""
     return [

@@ -86,8 +86,9 @@ def report_peak_memory(
 ) -> dict[str, Any]:
     """Gather every rank's measured peak; rank 0 logs the largest and each pipeline
     rank's, and returns them for the summary (the planner predicts the same). Collective."""
-    peaks: list[int] = [0] * dist.get_world_size()
-    dist.all_gather_object(peaks, measured.peak_bytes)
+    gathered: list[tuple[int, dict[str, int]]] = [(0, {})] * dist.get_world_size()
+    dist.all_gather_object(gathered, (measured.peak_bytes, measured.by_category))
+    peaks = [peak for peak, _ in gathered]
     worst = max(range(len(peaks)), key=peaks.__getitem__)
     tracker.log(
         {
@@ -102,6 +103,9 @@ def report_peak_memory(
         "peak_bytes": peaks[worst],
         "peak_rank": worst,
         "peak_bytes_per_rank": peaks,
+        # What each rank's peak held: tensors from before the step (`existing`: the model
+        # states), the forward's activations, the backward's, ... (`memory_probe`).
+        "at_peak_per_rank": [by_category for _, by_category in gathered],
     }
 
 
