@@ -36,7 +36,8 @@ def told_shapes(runner: PipelineRunner, run: RunConfig, plan: Plan, device: torc
     """Give each of the rank's stages the shapes its neighbours would have sent."""
     layout = plan.layout
     microbatch = plan.per_device_train_batch_size // layout.pipeline_parallel_num_microbatches
-    block = plan.tokens_per_step // plan.global_batch_size
+    # The rank's share of each block: 1 / cp of its tokens under context parallelism.
+    block = plan.tokens_per_step // plan.global_batch_size // layout.context_parallel_size
     sequence = block // layout.tensor_parallel_size if layout.sequence_parallel else block
     stream = torch.bfloat16 if run.training.mixed_precision == "bf16_master" else torch.float32
     hidden_size = plan.model_config["hidden_size"]
