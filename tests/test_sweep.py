@@ -100,6 +100,30 @@ from tests.kedro_project import KEDRO, SMALL_RUN, mlflow_client, project_env
                 "sharded_data_parallel_degree": 1,
             },
         ),
+        # Context parallelism: cpN, as in the layout's name.
+        (
+            "dp2-cp2",
+            {
+                "data_parallel_size": 2,
+                "tensor_parallel_size": 1,
+                "pipeline_parallel_size": 1,
+                "context_parallel_size": 2,
+            },
+        ),
+        (
+            "cp4",
+            {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "context_parallel_size": 4},
+        ),
+        (
+            "dp1-tp2-pp1-cp4-sp",
+            {
+                "data_parallel_size": 1,
+                "tensor_parallel_size": 2,
+                "pipeline_parallel_size": 1,
+                "context_parallel_size": 4,
+                "sequence_parallel": True,
+            },
+        ),
         # A run name reads back as the layout it names.
         (
             "dp1-tp2-pp2-sp-1f1b-mb4",
@@ -116,6 +140,7 @@ from tests.kedro_project import KEDRO, SMALL_RUN, mlflow_client, project_env
 )
 def test_layout_strings_name_the_parallel_parameters(text: str, expected: dict):
     spec = parse_shorthand(text)
+    expected = {"context_parallel_size": 1, **expected}  # cp not named: off, as tp and pp
     assert spec.params == {f"parallel.{k}": v for k, v in expected.items()}
 
 
@@ -133,6 +158,9 @@ def test_layout_strings_name_the_parallel_parameters(text: str, expected: dict):
         ("dp4-sdp0", ["token 'sdp0' asks for sdp=0"]),
         ("sdp2-nosdp", ["tokens 'sdp2' and 'nosdp' both set"]),
         ("dp4-zero1-sdp4", ["tokens 'zero1' and 'sdp4'", "includes ZeRO-1", "drop 'zero1'"]),
+        ("cp", ["token 'cp' is not understood", "it needs a number, e.g. cp2", "cpN"]),
+        ("cp0", ["token 'cp0' asks for cp=0", "sizes start at 1"]),
+        ("cp2-cp4", ["tokens 'cp2' and 'cp4' both set parallel.context_parallel_size"]),
     ],
 )
 def test_bad_layout_strings_say_which_token_why_and_what_works(text: str, says: list[str]):
@@ -179,6 +207,17 @@ def test_the_global_batch_comes_from_the_option_or_the_parameters():
     assert plan_sweep(parse_shorthands("dp2"), configured, global_batch_size=24)[0] == 24
     with pytest.raises(ValueError, match="--global-batch-size=12 and training.global_batch_size"):
         plan_sweep(parse_shorthands("dp2"), configured, global_batch_size=12)
+
+
+def test_context_parallel_ranks_count_in_the_world_and_leave_dp_the_rest():
+    batch, (dp2_cp2, cp2) = plan_sweep(parse_shorthands("dp2-cp2 cp2"), PARAMS)
+    assert dp2_cp2.overrides["launch.nproc_per_node"] == 4  # dp x cp
+    assert dp2_cp2.overrides["parallel.context_parallel_size"] == 2
+    assert "launch.nproc_per_node" not in cp2.overrides  # dp auto: 2 ranks / cp2 = dp1
+    assert batch == 4 * 2  # per-device 4 x the largest dp: dp2-cp2's 2, not its 4 ranks
+    two_nodes = {**PARAMS, "launch": {"nproc_per_node": 2, "nnodes": 2}}
+    _, (odd,) = plan_sweep(parse_shorthands("dp3-cp1"), two_nodes, global_batch_size=12)
+    assert "(dp x tp x pp x cp)" in odd.error
 
 
 def test_a_layout_the_world_cannot_hold_is_left_for_the_planner_to_refuse():

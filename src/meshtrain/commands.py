@@ -5,7 +5,7 @@
     python -m meshtrain consolidate CHECKPOINT_DIR [OUTPUT_DIR] [--max-shard-size 5GB]
         [--dtype bf16] [--no-verify]
     python -m meshtrain plan --model CONFIG_JSON --devices N --device trn1 [--seq-len 4096]
-        [--global-batch 256] [--tp/--pp/--dp SIZE] [--zero-1 true] [--json]
+        [--global-batch 256] [--tp/--pp/--dp/--cp SIZE] [--zero-1 true] [--json]
 """
 
 from __future__ import annotations
@@ -137,6 +137,12 @@ def _plan_arguments(plan: Any) -> None:
     plan.add_argument("--devices-per-node", type=int, default=None)
     for size in ("dp", "tp", "pp"):
         plan.add_argument(f"--{size}", default="auto", help=f"fix the {size} size (default auto)")
+    plan.add_argument(
+        "--cp",
+        default="auto",
+        help="fix parallel.context_parallel_size (1: off; default auto: weighed where "
+        "activations dominate or nothing fits without it)",
+    )
     plan.add_argument(
         "--sdp",
         default="auto",

@@ -85,43 +85,98 @@ def check_pipeline_parallel(pp: int, world: int, model_config: PretrainedConfig)
 
 
 def resolve_data_parallel(
-    par: ParallelConfig, launch: LaunchConfig, tp: int, pp: int, model_config: PretrainedConfig
+    par: ParallelConfig,
+    launch: LaunchConfig,
+    tp: int,
+    pp: int,
+    model_config: PretrainedConfig,
+    cp: int = 1,
 ) -> tuple[int, list[Refusal]]:
-    """dp (the rest of the world at `auto`), which must make dp x tp x pp the world."""
-    world = launch.world_size
+    """dp (the rest of the world at `auto`), which must make dp x tp x pp x cp the world."""
+    world, others = launch.world_size, tp * pp * cp
     ranks = f"launch.nproc_per_node={launch.nproc_per_node} x launch.nnodes={launch.nnodes}"
+    sizes = "tensor_parallel_size x pipeline_parallel_size" + (
+        " x context_parallel_size" if cp > 1 else ""
+    )
     if par.data_parallel_size == AUTO:
-        dp, rest = divmod(world, tp * pp)
+        dp, rest = divmod(world, others)
         if not rest and dp >= 1:
             return dp, []
         tp_ok = tensor_parallel_degrees(world, model_config)
         pp_ok = pipeline_parallel_degrees(world, model_config)
+        also = f", and context_parallel_size among {format_values(divisors(world))}"
         refusal = Refusal(
             "parallel.data_parallel_size",
             AUTO,
-            f"world size {world} ({ranks}) is not a multiple of "
-            f"tensor_parallel_size x pipeline_parallel_size = {tp * pp}",
+            f"world size {world} ({ranks}) is not a multiple of {sizes} = {others}",
             f"Choose tensor_parallel_size among {format_values(tp_ok)} and "
-            f"pipeline_parallel_size among {format_values(pp_ok)}.",
+            f"pipeline_parallel_size among {format_values(pp_ok)}{also if cp > 1 else ''}.",
         )
         return 1, [refusal]
     dp = par.data_parallel_size
-    if dp * tp * pp == world:
+    if dp * others == world:
         return dp, []
-    fit = world // (tp * pp) if world % (tp * pp) == 0 else None
+    fit = world // others if world % others == 0 else None
     fix = (
         f"Use data_parallel_size={fit} (or auto), or change launch.nproc_per_node."
         if fit
-        else f"Use launch.nproc_per_node={dp * tp * pp // launch.nnodes or 1} or change the sizes."
+        else f"Use launch.nproc_per_node={dp * others // launch.nnodes or 1} or change the sizes."
     )
+    names = "dp x tp x pp x cp" if cp > 1 else "dp x tp x pp"
+    values = " x ".join(str(v) for v in (dp, tp, pp, cp)[: 4 if cp > 1 else 3])
     refusal = Refusal(
         "parallel.data_parallel_size",
         dp,
-        f"dp x tp x pp = {dp} x {tp} x {pp} = {dp * tp * pp} must equal the world "
-        f"size {world} ({ranks})",
+        f"{names} = {values} = {dp * others} must equal the world size {world} ({ranks})",
         fix,
     )
     return dp, [refusal]
+
+
+def context_parallel_degrees(world: int, block_size: int, *, search: bool = False) -> list[int]:
+    """cp degrees the engine accepts: they divide the world, and each block into 2 x cp
+    equal chunks (1, off, always). `search`: only the powers of two, which `auto` weighs."""
+    return [
+        cp
+        for cp in divisors(world)
+        if cp == 1 or (block_size % (2 * cp) == 0 and (not search or cp & (cp - 1) == 0))
+    ]
+
+
+def check_context_parallel(cp: int, world: int, block_size: int) -> list[Refusal]:
+    """cp must divide the world, and each block must cut into 2 x cp equal chunks (rank r
+    of the group holds chunks r and 2cp-1-r, which balances causal attention's work)."""
+    if cp == 1:
+        return []
+    refusals = []
+    degrees = context_parallel_degrees(world, block_size)
+    if world % cp:
+        refusals.append(
+            Refusal(
+                "parallel.context_parallel_size",
+                cp,
+                f"it must divide the world size {world}",
+                f"Values that work here: {format_values(degrees)}.",
+            )
+        )
+    if block_size % (2 * cp):
+        sizes = [c for c in degrees if c > 1]
+        works = (
+            f"or parallel.context_parallel_size={' or '.join(map(str, sizes))}"
+            if sizes
+            else "or parallel.context_parallel_size=1"
+        )
+        lower = block_size - block_size % (2 * cp)
+        refusals.append(
+            Refusal(
+                "data.block_size",
+                block_size,
+                f"context_parallel_size={cp} cuts each block into 2 x {cp} = {2 * cp} equal "
+                "chunks (for causal load balance)",
+                f"Use a block size divisible by {2 * cp} (e.g. {lower or 2 * cp}), {works}.",
+            )
+        )
+    return refusals
 
 
 @dataclass(frozen=True)
@@ -254,9 +309,10 @@ def check_stage_layers(
 
 
 def resolve_sequence_parallel(
-    par: ParallelConfig, tp: int, block_size: int
+    par: ParallelConfig, tp: int, block_size: int, cp: int = 1
 ) -> tuple[bool, list[Refusal]]:
-    """On with tensor parallelism at `auto`; its blocks must split over the tp ranks."""
+    """On with tensor parallelism at `auto`; a rank's share of each block (block / cp
+    tokens) must split over the tp ranks."""
     refusals: list[Refusal] = []
     if par.sequence_parallel == AUTO:
         sequence_parallel = tp > 1
@@ -276,38 +332,47 @@ def resolve_sequence_parallel(
                     "parallel.tensor_parallel_size=2 or more.",
                 )
             )
-    if sequence_parallel and block_size % tp:
+    step = tp * cp  # under cp each rank's block / cp tokens are split over tp
+    if sequence_parallel and block_size % step and (cp == 1 or block_size % (2 * cp) == 0):
+        over = f" x context_parallel_size={cp}" if cp > 1 else ""
         refusals.append(
             Refusal(
                 "data.block_size",
                 block_size,
-                f"sequence parallelism splits each block over tensor_parallel_size={tp} ranks",
-                f"Use a block size divisible by {tp} (e.g. "
-                f"{block_size - block_size % tp or tp}), "
+                f"sequence parallelism splits each block over tensor_parallel_size={tp}{over} "
+                "ranks",
+                f"Use a block size divisible by {step} (e.g. "
+                f"{block_size - block_size % step or step}), "
                 "or parallel.sequence_parallel=false.",
             )
         )
     return sequence_parallel, refusals
 
 
-def resolve_zero_1(par: ParallelConfig, dp: int, sharded: int = 1) -> tuple[bool, list[str]]:
+def resolve_zero_1(
+    par: ParallelConfig, dp: int, sharded: int = 1, cp: int = 1
+) -> tuple[bool, list[str]]:
     """Off at `auto` (the search plans `auto` both ways and keeps ZeRO-1 only where memory
-    needs it); off, with a note, when there is nothing to shard; off under sharded data
-    parallelism (which shards the optimizer states itself)."""
+    needs it); off, with a note, when there is nothing to shard (it shards over the
+    dp x cp ranks, which hold the same parameters); off under sharded data parallelism
+    (which shards the optimizer states itself)."""
     if par.zero_1 == AUTO:
         return False, []
-    if par.zero_1 and dp == 1:
+    if par.zero_1 and dp * cp == 1:
         return False, ["parallel.zero_1 has nothing to shard at data_parallel_size=1; off."]
     return par.zero_1, []
 
 
-def sharded_data_parallel_degrees(dp: int, tp: int, devices_per_node: int) -> list[int]:
+def sharded_data_parallel_degrees(
+    dp: int, tp: int, devices_per_node: int, cp: int = 1
+) -> list[int]:
     """The degrees `auto` weighs: 1 (off), dp (full sharding) and, when the dp group spans
-    nodes, hybrid sharding within a node (N x tp = devices per node), so the all-gathers
-    and reduce-scatters stay on the fast link and only the replicas' all-reduce crosses."""
+    nodes, hybrid sharding within a node (N x cp x tp = devices per node: FSDP2 shards over
+    the N x cp ranks), so the all-gathers and reduce-scatters stay on the fast link and
+    only the replicas' all-reduce crosses."""
     options = {1, dp}
-    spans_nodes = dp * tp > devices_per_node
-    hybrid = devices_per_node // tp
+    spans_nodes = dp * cp * tp > devices_per_node
+    hybrid = devices_per_node // (tp * cp)
     if spans_nodes and 1 < hybrid < dp and dp % hybrid == 0:
         options.add(hybrid)
     return sorted(options)

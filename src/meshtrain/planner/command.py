@@ -52,6 +52,7 @@ def plan_from_args(args: argparse.Namespace) -> tuple[RunConfig, Plan] | str:
                 "data_parallel_size": args.dp,
                 "tensor_parallel_size": args.tp,
                 "pipeline_parallel_size": args.pp,
+                "context_parallel_size": getattr(args, "cp", AUTO),
                 "sharded_data_parallel_degree": getattr(args, "sdp", AUTO),
                 "zero_1": {"true": True, "false": False}.get(getattr(args, "zero_1", AUTO), AUTO),
                 "activation_checkpointing": args.activation_checkpointing,
@@ -122,6 +123,9 @@ def describe(plan: Plan, args: argparse.Namespace) -> str:
         parts.insert(3, "gathered")
     for part in parts:
         lines.append(f"    {part:22} {memory.get(part, 0) / GIB:8.2f} GiB{_note(plan, part)}")
+        if part == "activations" and plan.layout.context_parallel_size > 1:
+            for inner, words in (("context_kv", "gathered K/V"), ("context_mask", "masks")):
+                lines.append(f"      of which {words:13} {memory.get(inner, 0) / GIB:8.2f} GiB")
     lines.append(
         f"  step {time['step_s']:.2f} s, {time['tokens_per_s']:,.0f} tokens/s: "
         + ", ".join(f"{k[:-2].replace('_', ' ')} {time[k]:.2f} s" for k in TIME_PARTS if k in time)
@@ -134,6 +138,8 @@ def describe(plan: Plan, args: argparse.Namespace) -> str:
         )
     if plan.layout.sharded:
         lines.append(_sharding_line(plan))
+    if plan.layout.context_parallel_size > 1:
+        lines.append(_context_line(plan, args.seq_len))
     if plan.candidates:
         lines.append("other layouts:")
         lines.append(f"  {'layout':44} {'GiB/rank':>9} {'tokens/s':>12}  why not")
@@ -157,16 +163,24 @@ def _note(plan: Plan, part: str) -> str:
     return f"  (in chunks of {chunk:,} tokens)" if chunk else "  (over the whole logits)"
 
 
-TIME_PARTS = ("compute_s", "tensor_parallel_s", "pipeline_s", "data_parallel_s", "optimizer_s")
+TIME_PARTS = (
+    "compute_s",
+    "tensor_parallel_s",
+    "context_parallel_s",
+    "pipeline_s",
+    "data_parallel_s",
+    "optimizer_s",
+)
 
 
 def _precision_bytes(plan: Plan, precision: str) -> str:
     if not plan.layout.sharded:
         return PRECISION_BYTES[precision]
     gathered = "bf16" if precision == "bf16_master" else "fp32"
+    shards = plan.layout.sharded_data_parallel_degree * plan.layout.context_parallel_size
     return (
         "per parameter 4 B fp32 weight (the master) + 4 B fp32 gradient + 8 B moments, "
-        f"/{plan.layout.sharded_data_parallel_degree} sharded; layers gathered in {gathered}"
+        f"/{shards} sharded; layers gathered in {gathered}"
     )
 
 
@@ -179,6 +193,9 @@ def _sharding_line(plan: Plan) -> str:
     else:
         per, rounds, gathers = "microbatch", "microbatches", "two all-gathers (forward, backward)"
     hybrid = f", all-reduced over {dp // n} replicas" if n < dp else ""
+    if lay.context_parallel_size > 1:  # FSDP2 shards over the sdp x cp ranks
+        cp = lay.context_parallel_size
+        hybrid = f" x {cp} cp ranks{hybrid}"
     collectives = t["sdp_all_gather_s"] + t["sdp_reduce_scatter_s"] + t["sdp_replica_all_reduce_s"]
     return (
         f"  sharded over {n} of {dp} dp ranks{hybrid}: per layer and {per} {gathers} of "
@@ -186,4 +203,17 @@ def _sharding_line(plan: Plan) -> str:
         f"{t['sdp_reduce_scatter_per_layer_s'] * 1e3:.2f} ms, {int(t['sdp_rounds_per_step'])} "
         f"{rounds} per step: {collectives:.2f} s of collectives per step, "
         f"{t['sdp_overlapped_share']:.0%} hidden behind compute"
+    )
+
+
+def _context_line(plan: Plan, seq_len: int) -> str:
+    """The cp layout's split of each sequence and its K/V exchange."""
+    t, cp = plan.time_estimate, plan.layout.context_parallel_size
+    return (
+        f"  context parallel over {cp} ranks: {seq_len // cp:,} of each sequence's {seq_len:,} "
+        f"tokens per rank; per layer and microbatch a K/V all-gather of "
+        f"{t['cp_kv_all_gather_per_layer_s'] * 1e3:.2f} ms and a reduce-scatter of "
+        f"{t['cp_kv_reduce_scatter_per_layer_s'] * 1e3:.2f} ms, "
+        f"{t['context_parallel_s']:.2f} s per step, none hidden behind compute; attention "
+        f"{t['cp_attention_share']:.0%} of the compute"
     )

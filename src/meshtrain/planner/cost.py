@@ -41,6 +41,15 @@
   for the gathers and the last one's backward for the reductions), scaled by
   the device's `collective_overlap` (0 on CPU, where the same cores compute
   and run gloo), count;
+- context parallelism (`cp` > 1): each rank computes block / cp tokens of every row;
+  its attention covers (2cp + 1) c^2 query-key pairs per head and row (c = block / 2cp:
+  each query chunk attends every key up to its end, none skipped inside the masked
+  chunk), `1 + 1/(2cp)` times its causal share. Per layer and microbatch the K and V
+  are all-gathered over the cp group in the forward (again in full checkpointing's
+  recomputation) and their gradient reduce-scattered in the backward, each `(cp-1)/cp`
+  of the gathered pair, over the link of cp x tp consecutive devices. The exchange runs
+  right before attention, synchronously: none of it hides behind compute. The
+  gradients are averaged (or sharded) over the dp x cp ranks that hold the parameters;
 - the optimizer's elementwise AdamW update over the owned parameters.
 
 Everything else runs one after the other, as meshtrain does.
@@ -51,6 +60,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from meshtrain.planner.context_memory import gathered_kv_bytes
 from meshtrain.planner.devices import DeviceProfile
 from meshtrain.planner.memory import (
     BYTES_BF16,
@@ -97,6 +107,27 @@ class ShardingTime:
 
 
 @dataclass(frozen=True)
+class ContextTime:
+    """Context parallelism's K/V exchange in one optimizer step, in seconds (cp > 1)."""
+
+    all_gather_per_layer_s: float  # one layer's K and V, one microbatch
+    reduce_scatter_per_layer_s: float  # their gradient
+    exchanges_per_step: int  # layers on the busiest rank x microbatches x passes
+    total_s: float  # all exposed: the exchange runs right before attention, synchronously
+    attention_share: float  # of the rank's compute, the attention scores' part
+
+    def to_dict(self) -> dict[str, float]:
+        return {
+            "context_parallel_s": self.total_s,
+            "cp_kv_all_gather_per_layer_s": self.all_gather_per_layer_s,
+            "cp_kv_reduce_scatter_per_layer_s": self.reduce_scatter_per_layer_s,
+            "cp_exchanges_per_step": float(self.exchanges_per_step),
+            "cp_overlapped_share": 0.0,
+            "cp_attention_share": self.attention_share,
+        }
+
+
+@dataclass(frozen=True)
 class TimeEstimate:
     compute_s: float
     tensor_parallel_s: float
@@ -104,6 +135,11 @@ class TimeEstimate:
     data_parallel_s: float
     optimizer_s: float
     sharding: ShardingTime | None = None  # its exposed part is in data_parallel_s
+    context: ContextTime | None = None  # cp > 1: the K/V exchange, all of it exposed
+
+    @property
+    def context_parallel_s(self) -> float:
+        return self.context.total_s if self.context else 0.0
 
     @property
     def step_s(self) -> float:
@@ -113,6 +149,7 @@ class TimeEstimate:
             + self.pipeline_s
             + self.data_parallel_s
             + self.optimizer_s
+            + self.context_parallel_s
         )
 
     def to_dict(self) -> dict[str, float]:
@@ -124,6 +161,7 @@ class TimeEstimate:
             "optimizer_s": self.optimizer_s,
             "step_s": self.step_s,
         }
+        values |= self.context.to_dict() if self.context else {}
         return values | (self.sharding.to_dict() if self.sharding else {})
 
 
@@ -134,14 +172,21 @@ def _layer_matmul_weights(m: ModelShape) -> int:
     return m.hidden * (2 * q + 2 * kv) + 3 * m.hidden * m.intermediate
 
 
-def _layer_forward_flops(m: ModelShape, seq_len: int) -> float:
-    """Forward FLOPs per token of one decoder layer."""
+def _layer_forward_flops(m: ModelShape, seq_len: int, cp: int = 1) -> float:
+    """Forward FLOPs per token of one decoder layer (under cp, a rank's token: its query
+    chunks attend their masked diagonal chunk whole, `attention_excess`)."""
     attention_scores = 2 * seq_len * m.heads * m.head_dim  # QK^T and AV, causal half
-    return 2 * _layer_matmul_weights(m) + attention_scores
+    return 2 * _layer_matmul_weights(m) + attention_scores * attention_excess(cp)
+
+
+def attention_excess(cp: int) -> float:
+    """A cp rank's attention work over its causal share: its two chunks of c = s / 2cp
+    queries attend (2cp + 1) c^2 keys in all against s^2 / 2cp, so 1 + 1/(2cp)."""
+    return 1.0 + 1.0 / (2 * cp) if cp > 1 else 1.0
 
 
 def training_flops_per_token(
-    m: ModelShape, seq_len: int, checkpointing: str, *, frozen_base: bool = False
+    m: ModelShape, seq_len: int, checkpointing: str, *, frozen_base: bool = False, cp: int = 1
 ) -> float:
     """Forward + backward FLOPs per token of the whole model. The backward of a matmul is
     two: the input's gradient and the weight's; a frozen base (LoRA) skips the weight's,
@@ -149,7 +194,7 @@ def training_flops_per_token(
     no weight: their backward is two either way; the adapters' rank-r products are
     left out, a fraction r / hidden of the layers' own)."""
     h = m.hidden
-    forward = m.layers * _layer_forward_flops(m, seq_len) + 2 * h * m.vocab
+    forward = m.layers * _layer_forward_flops(m, seq_len, cp) + 2 * h * m.vocab
     extra = 0.0
     if checkpointing == "full":
         extra = forward - 2 * h * m.vocab  # every layer's forward again, not the head
@@ -177,7 +222,7 @@ def stage_shares(m: ModelShape, step: StepShape) -> list[float]:
     on the rank of the last stage ([1.0] without pp)."""
     if step.pp == 1:
         return [1.0]
-    layer, head = _layer_forward_flops(m, step.seq_len), 2 * m.hidden * m.vocab
+    layer, head = _layer_forward_flops(m, step.seq_len, step.cp), 2 * m.hidden * m.vocab
     stages = len(step.stage_layers)
     shares = []
     for rank in range(step.pp):
@@ -236,11 +281,11 @@ def estimate_step_time(
     """Seconds of one optimizer step on the slowest rank (`memory`: its estimate, whose
     gradient buffer dp reduces and whose optimizer states AdamW updates; `units`: what
     sharded data parallelism gathers, needed when `step.sharded` > 1)."""
-    tokens_per_microbatch = step.microbatch_size * step.seq_len
+    tokens_per_microbatch = step.microbatch_size * step.local_seq_len  # this rank's
     microbatches = step.microbatches * accumulation  # forwards per step per rank
     tokens = tokens_per_microbatch * microbatches
     flops = tokens * training_flops_per_token(
-        m, step.seq_len, step.activation_checkpointing, frozen_base=step.frozen_base
+        m, step.seq_len, step.activation_checkpointing, frozen_base=step.frozen_base, cp=step.cp
     )
     rate = device.tflops(
         step.bf16,
@@ -280,7 +325,7 @@ def estimate_step_time(
             step, device, units or GatherUnits(0, 0, 0), compute=compute, accumulation=accumulation
         )
         data_parallel = sharding.exposed_s
-    elif step.dp > 1:
+    elif step.grad_ranks > 1:
         data_parallel = _replicated_dp_time(
             step,
             device,
@@ -294,7 +339,12 @@ def estimate_step_time(
     # AdamW reads parameter, gradient and two moments and writes three: ~28 bytes each.
     owned = memory.optimizer_states / step.optimizer_bytes
     optimizer = owned * 28 / (device.memory_gbps * 1e9)
-    return TimeEstimate(compute, tensor_parallel, pipeline, data_parallel, optimizer, sharding)
+    context = (
+        estimate_context_time(m, step, device, microbatches=microbatches) if step.cp > 1 else None
+    )
+    return TimeEstimate(
+        compute, tensor_parallel, pipeline, data_parallel, optimizer, sharding, context
+    )
 
 
 def _replicated_dp_time(
@@ -313,19 +363,20 @@ def _replicated_dp_time(
     thirds of a microbatch; the gather behind the next first forward, one third) scaled
     by `collective_overlap` (0 on CPU, where the same cores compute and run gloo), except
     its edge bucket: the last one reduced, the first one gathered."""
-    dp_link = _link(device, step.dp * step.tp * step.pp)
+    ranks = step.grad_ranks  # dp x cp: the ranks holding the same parameters
+    dp_link = _link(device, ranks * step.tp * step.pp)
 
     def exposed(seconds: float, total_bytes: float, hidden_behind: float) -> float:
         edge_bucket = seconds * min(1.0, bucket_bytes / max(1, total_bytes))
         return max(seconds - hidden_behind * device.collective_overlap, edge_bucket)
 
     factor = 1.0 if step.zero_1 else 2.0
-    averaging = _ring(memory.gradients, step.dp, dp_link, device.latency_us, factor)
+    averaging = _ring(memory.gradients, ranks, dp_link, device.latency_us, factor)
     if overlap_grad_reduce:
         averaging = exposed(averaging, memory.gradients, 2 / 3 * microbatch_compute)
     if not step.zero_1:
         return averaging
-    gather = _ring(memory.parameters, step.dp, dp_link, device.latency_us, 1.0)
+    gather = _ring(memory.parameters, ranks, dp_link, device.latency_us, 1.0)
     if overlap_param_gather:
         gather = exposed(gather, memory.parameters, microbatch_compute / 3)
     return averaging + gather
@@ -340,9 +391,10 @@ def estimate_sharding_time(
     accumulation: int,
 ) -> ShardingTime:
     """FSDP2's all-gathers and reduce-scatters in one step, and what compute cannot hide."""
-    n, lat = step.sharded, device.latency_us
-    replicas = step.dp // n
-    shard_link, replica_link = _link(device, n * step.tp), _link(device, step.dp * step.tp)
+    n, lat = step.shard_ranks, device.latency_us  # sharded x cp
+    replicas = step.grad_ranks // n
+    shard_link = _link(device, n * step.tp)
+    replica_link = _link(device, step.grad_ranks * step.tp)
 
     def gather(elements: int) -> float:
         return _ring(elements * step.parameter_bytes, n, shard_link, lat, 1.0)
@@ -384,4 +436,35 @@ def estimate_sharding_time(
         reduce_scatter_s=scatters * rounds,
         replica_all_reduce_s=all_reduces * rounds,
         exposed_s=exposed * rounds,
+    )
+
+
+def estimate_context_time(
+    m: ModelShape, step: StepShape, device: DeviceProfile, *, microbatches: int
+) -> ContextTime:
+    """The K/V all-gather (forward, and again in full checkpointing's recomputation) and
+    the reduce-scatter of their gradient (backward), per layer and microbatch, over the
+    cp group: cp x tp consecutive devices (mesh order pp, dp, cp, tp). Nothing hides."""
+    kv_bytes = gathered_kv_bytes(m, step)  # the whole sequence's pair, one microbatch
+    link = _link(device, step.cp * step.tp)
+    gather = _ring(kv_bytes, step.cp, link, device.latency_us, 1.0)
+    scatter = _ring(kv_bytes, step.cp, link, device.latency_us, 1.0)
+    gathers = 2 if step.activation_checkpointing == "full" else 1
+    stages = len(step.stage_layers)
+    layers = max(
+        sum(step.stage_layers[s] for s in range(rank, stages, step.pp)) for rank in range(step.pp)
+    )
+    rounds = layers * microbatches
+    attention = 2 * step.seq_len * m.heads * m.head_dim * attention_excess(step.cp)
+    share = (
+        m.layers
+        * attention
+        / (m.layers * _layer_forward_flops(m, step.seq_len, step.cp) + 2 * m.hidden * m.vocab)
+    )
+    return ContextTime(
+        all_gather_per_layer_s=gather,
+        reduce_scatter_per_layer_s=scatter,
+        exchanges_per_step=rounds * (gathers + 1),
+        total_s=rounds * (gathers * gather + scatter),
+        attention_share=share,
     )

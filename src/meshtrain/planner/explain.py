@@ -1,4 +1,5 @@
-"""Why the planner chose what it chose: each runner-up's reason, and sharding's verdict.
+"""Why the planner chose what it chose: each runner-up's reason, and the verdicts on
+sharding and on context parallelism.
 
 The search (`meshtrain.planner.search`) ranks the layouts; this module only puts the
 ranking into words, for `Plan.candidates` and the plan's notes, so a reader sees what
@@ -50,6 +51,7 @@ def _lost_because(p: Plan, chosen: Plan, budget: float) -> str:
 def _preferred_because(chosen: Layout, other: Layout) -> str:
     """The first tie-breaker (tp, pp, sharding, recomputation) that told the two apart."""
     keys = (
+        ("context_parallel_size", "less context parallelism", "cp"),
         ("tensor_parallel_size", "less tensor parallelism", "tp"),
         ("pipeline_parallel_size", "less pipeline parallelism", "pp"),
         ("sharded_data_parallel_degree", "less sharding (paid only when it buys memory)", "sdp"),
@@ -136,10 +138,11 @@ def _sharding_cost(p: Plan) -> str:
 
 
 def _kind(lay: Layout) -> str:
-    n, dp = lay.sharded_data_parallel_degree, lay.data_parallel_size
+    n, dp, cp = lay.sharded_data_parallel_degree, lay.data_parallel_size, lay.context_parallel_size
+    over = f" x {cp} context-parallel" if cp > 1 else ""
     if n == dp:
-        return f"full sharding over the {dp} data-parallel ranks, which includes ZeRO-1"
-    return f"hybrid: sharded within groups of {n}, {dp // n} replicas"
+        return f"full sharding over the {dp} data-parallel{over} ranks, which includes ZeRO-1"
+    return f"hybrid: sharded within groups of {n}{over} ranks, {dp // n} replicas"
 
 
 def _versus(chosen: Plan, other: Plan) -> str:
@@ -178,11 +181,13 @@ def _same_but_sharding(a: Layout, b: Layout) -> bool:
         a.data_parallel_size,
         a.tensor_parallel_size,
         a.pipeline_parallel_size,
+        a.context_parallel_size,
         a.activation_checkpointing,
     ) == (
         b.data_parallel_size,
         b.tensor_parallel_size,
         b.pipeline_parallel_size,
+        b.context_parallel_size,
         b.activation_checkpointing,
     )
 
@@ -202,3 +207,63 @@ def _collectives(t: dict[str, float]) -> float:
 
 def _peak(p: Plan) -> int:
     return p.memory_estimate_per_rank["process_total"]
+
+
+# cp is weighed where activations and loss are at least this share of the step's tensors.
+CP_WORTH_WEIGHING = 0.5
+
+
+def context_parallel_wanted(without_cp: list[Plan], budget: float) -> str | None:
+    """Why `context_parallel_size: auto` should weigh cp > 1 beside the layouts planned
+    without it, or None: where no layout fits, or where what cp divides (activations and
+    loss) is at least half the best fitting layout's step tensors."""
+    fitting = [p for p in without_cp if _peak(p) <= budget]
+    if not fitting:
+        return f"no layout without it fits the {budget / GIB:.2f} GiB budget"
+    best = max(fitting, key=speed)
+    share = _per_token_share(best)
+    if share < CP_WORTH_WEIGHING:
+        return None
+    return f"activations and loss are {share:.0%} of {best.layout.name}'s step tensors"
+
+
+def context_note(
+    chosen: Plan, planned: list[Plan], without_cp: list[Plan], budget: float, reason: str | None
+) -> str:
+    """Why `context_parallel_size: auto` came out as it did, against the other side."""
+    cp = chosen.layout.context_parallel_size
+    head = f"parallel.context_parallel_size=auto: cp{cp}"
+    if reason is None:
+        return (
+            f"{head}, larger sizes not weighed: activations and loss, which cp divides, are "
+            f"{_per_token_share(chosen):.0%} of the step's tensors"
+        )
+    with_cp = [p for p in planned if p.layout.context_parallel_size > 1 and _peak(p) <= budget]
+    fits = [p for p in without_cp if _peak(p) <= budget]
+    if cp == 1:
+        rival = max(with_cp, key=speed, default=None)
+        if rival is None:
+            return f"{head} ({reason}); no cp layout fits either"
+        return (
+            f"{head} ({reason}); the fastest cp layout, {rival.layout.name}, is "
+            f"{_versus(chosen, rival)}"
+        )
+    t, memory = chosen.time_estimate, chosen.memory_estimate_per_rank
+    exchange = (
+        f"its K/V exchange takes {t.get('context_parallel_s', 0.0):.2f} s per step, none hidden "
+        f"behind compute; activations {memory['activations'] / GIB:.2f} GiB, of which gathered "
+        f"K/V {memory.get('context_kv', 0) / GIB:.2f} and masks "
+        f"{memory.get('context_mask', 0) / GIB:.2f}"
+    )
+    if not fits:
+        return f"{head}: {reason}; {exchange}"
+    best = max(fits, key=speed)
+    return (
+        f"{head} ({reason}); the fastest layout without cp, {best.layout.name}, is "
+        f"{_versus(chosen, best)}; {exchange}"
+    )
+
+
+def _per_token_share(p: Plan) -> float:
+    m = p.memory_estimate_per_rank
+    return (m["activations"] + m["loss"]) / max(1, m["total"])

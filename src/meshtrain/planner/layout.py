@@ -12,11 +12,12 @@ from dataclasses import dataclass
 
 from transformers import PretrainedConfig
 
-from meshtrain.config import AUTO, Layout, RunConfig
+from meshtrain.config import AUTO, DataConfig, Layout, RunConfig
 from meshtrain.models.converters import converter_names
 from meshtrain.planner.checks import (
     check_activation_checkpointing,
     check_batch_vs_data,
+    check_context_parallel,
     check_model_vs_data,
     check_pipeline_parallel,
     check_tensor_parallel,
@@ -124,19 +125,21 @@ def resolve_layout(run: RunConfig, context: PlanContext) -> tuple[Layout, str, l
     world = launch.world_size
     tp = 1 if par.tensor_parallel_size == AUTO else par.tensor_parallel_size
     pp = 1 if par.pipeline_parallel_size == AUTO else par.pipeline_parallel_size
+    cp = 1 if par.context_parallel_size == AUTO else par.context_parallel_size
 
     refusals = check_tensor_parallel(tp, world, model_config)
     refusals += check_pipeline_parallel(pp, world, model_config)
-    dp, found = resolve_data_parallel(par, launch, tp, pp, model_config)
+    refusals += check_context_parallel(cp, world, run.data.block_size)
+    dp, found = resolve_data_parallel(par, launch, tp, pp, model_config, cp)
     refusals += found
     pipeline = resolve_pipeline(par, pp, train.per_device_train_batch_size, model_config)
     refusals += pipeline.refusals
     notes = list(pipeline.notes)
-    sequence_parallel, found = resolve_sequence_parallel(par, tp, run.data.block_size)
+    sequence_parallel, found = resolve_sequence_parallel(par, tp, run.data.block_size, cp)
     refusals += found
     sharded, found = resolve_sharded_data_parallel(par, dp, par.zero_1)
     refusals += found
-    zero_1, found_notes = resolve_zero_1(par, dp, sharded)
+    zero_1, found_notes = resolve_zero_1(par, dp, sharded, cp)
     notes += found_notes
     refusals += check_activation_checkpointing(par.activation_checkpointing)
     found, found_notes = check_batch_vs_data(
@@ -167,19 +170,22 @@ def resolve_layout(run: RunConfig, context: PlanContext) -> tuple[Layout, str, l
         activation_checkpointing=par.activation_checkpointing,
         activation_offloading=par.activation_offloading,
         lora_rank=lora.r if (lora := run.model.lora_settings) else 0,
-        loss_chunk_tokens=resolve_loss_chunk(run, tp, pipeline.microbatches, model_config),
+        loss_chunk_tokens=resolve_loss_chunk(run, tp, pipeline.microbatches, model_config, cp),
+        context_parallel_size=cp,
     )
     return layout, backend, notes
 
 
 def resolve_loss_chunk(
-    run: RunConfig, tp: int, microbatches: int, model_config: PretrainedConfig
+    run: RunConfig, tp: int, microbatches: int, model_config: PretrainedConfig, cp: int = 1
 ) -> int:
-    """`training.loss_chunk_tokens`, `auto` resolved for this layout's microbatch."""
+    """`training.loss_chunk_tokens`, `auto` resolved for this layout's microbatch (under cp,
+    the rank's block / cp tokens of each row)."""
     chunk = run.training.loss_chunk_tokens
     if chunk != AUTO:
         return chunk
-    tokens = run.training.per_device_train_batch_size // microbatches * run.data.block_size
+    rows = run.training.per_device_train_batch_size // microbatches
+    tokens = rows * (run.data.block_size // cp)
     return auto_loss_chunk_tokens(model_config.vocab_size, tp, tokens)
 
 
@@ -227,6 +233,8 @@ def _layout_step_shape(run: RunConfig, layout: Layout, context: PlanContext) -> 
         offload_effective=layout.activation_offloading and context.device.name != "cpu",
         sharded=layout.sharded_data_parallel_degree,
         loss_chunk_tokens=layout.loss_chunk_tokens,
+        cp=layout.context_parallel_size,
+        packed=packs_examples(run.data),
         # The profile times the layers a converter runs on that converter's table.
         converters=converter_names(
             run.training,
@@ -234,3 +242,14 @@ def _layout_step_shape(run: RunConfig, layout: Layout, context: PlanContext) -> 
             tensor_parallel=layout.tensor_parallel_size > 1,
         ),
     )
+
+
+def packs_examples(data: DataConfig) -> bool:
+    """Whether the blocks hold packed examples (best-fit packing, positions restarting),
+    whose attention masks are made per row; a text corpus streams (one mask for all rows).
+    Where the format is only known from the data's columns, packed: the larger estimate."""
+    if data.packing != AUTO:
+        return data.packing == "bfd"
+    if data.format != AUTO:
+        return data.format != "text"
+    return data.source not in ("builtin", "text_files", "hub")

@@ -19,7 +19,9 @@ measured peak of live tensors (`components.memory_probe`, `meshtrain.dryrun`):
 - pipeline schedules: GPipe keeps every microbatch's activations, 1F1B at
   most `pp - stage` on a stage, interleaved 1F1B its warm-up depth in model
   chunks (torch's schedule); the last stage keeps the loss's share of each
-  microbatch in flight until its backward.
+  microbatch in flight until its backward (`planner.pipeline_memory`);
+- context parallelism: per-token terms at the rank's block / cp tokens, the gathered
+  K/V and the masks (`planner.context_memory`); ZeRO-1 and FSDP2 shard over x cp.
 
 `process_total`, fitted into the device, adds the profile's runtime and allocator share;
 offloaded activations are counted apart (host memory).
@@ -44,12 +46,19 @@ from meshtrain.models.llama.parameter_names import (
     is_kv_projection,
     is_tensor_parallel_sharded,
 )
+from meshtrain.planner.context_memory import (
+    context_breakdown,
+    extra_kv_bytes,
+    kv_gradient_bytes,
+    mask_bytes,
+)
 from meshtrain.planner.layer_memory import (
     backward_working_set,
     layer_activation_elements,
     layer_matmul_elements,
 )
 from meshtrain.planner.loss_memory import head_keeps_its_input, loss_bytes
+from meshtrain.planner.pipeline_memory import in_flight_microbatches, last_stage_in_flight
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -113,6 +122,10 @@ class MemoryEstimate:
     # by the reduce-scatters late in the backward and cleared after the update, while the
     # peak comes at the backward's start (measured by the dry run, docs/dry_run.md).
     gradients_at_peak: bool = True
+    # Context parallelism, parts of `activations`: the gathered K/V kept for the backward,
+    # and the attention masks (planner/context_memory.py).
+    context_kv: int = 0
+    context_mask: int = 0
 
     @property
     def model_states(self) -> int:
@@ -142,6 +155,8 @@ class MemoryEstimate:
             "optimizer_states": self.optimizer_states,
             **gathered,
             "activations": self.activations,
+            **({"context_kv": self.context_kv} if self.context_kv else {}),
+            **({"context_mask": self.context_mask} if self.context_mask else {}),
             "loss": self.loss,
             "total": self.total,
             "runtime": self.runtime,
@@ -186,6 +201,26 @@ class StepShape:
     unsaved_elements: float = 0.0
     # The loss over chunks of this many tokens (0: over the whole logits; planner/loss_memory).
     loss_chunk_tokens: int = 0
+    # Context parallelism: each row's tokens split over `cp` ranks holding the same
+    # parameters; `packed`: packed examples, whose attention masks are made per row.
+    cp: int = 1
+    packed: bool = False
+
+    @property
+    def local_seq_len(self) -> int:
+        """Tokens of each row this rank holds."""
+        return self.seq_len // self.cp
+
+    @property
+    def grad_ranks(self) -> int:
+        """Ranks holding the same parameters, whose gradients are averaged and over which
+        ZeRO-1 shards: dp x cp."""
+        return self.dp * self.cp
+
+    @property
+    def shard_ranks(self) -> int:
+        """Ranks FSDP2 shards one model copy over: sharded x cp (1: not sharded)."""
+        return self.sharded * self.cp if self.sharded > 1 else 1
 
     @property
     def parameter_bytes(self) -> int:
@@ -293,7 +328,7 @@ def _sharded_model_states(
     """The rank's 1/N of `local` elements: fp32 parameters (the master weights under
     bf16_master), fp32 gradients (FSDP2 casts the reduced gradient to the parameter's
     dtype) and the two moments, padded to a multiple of N."""
-    shard = math.ceil(local / step.sharded)
+    shard = math.ceil(local / step.shard_ranks)
     return MemoryEstimate(
         parameters=shard * BYTES_FP32,
         gradients=shard * BYTES_FP32,
@@ -420,12 +455,22 @@ def estimate_memory(
                 )
             )
             continue
-        padded = math.ceil(local / step.dp) * step.dp if step.zero_1 else local
-        owned = padded // step.dp if step.zero_1 else local
+        ranks = step.grad_ranks
+        padded = math.ceil(local / ranks) * ranks if step.zero_1 else local
+        owned = padded // ranks if step.zero_1 else local
         per_rank.append(_with_model_states(padded, owned, step, activations=activations, loss=loss))
     worst = max(range(step.pp), key=lambda r: per_rank[r].total)
+    mine = list(range(worst, stages, step.pp))
+    context_kv, context_mask = context_breakdown(
+        m,
+        step,
+        layers=sum(step.stage_layers[s] for s in mine) / len(mine),
+        in_flight=in_flight_microbatches(step, worst),
+    )
     return dataclasses.replace(
         per_rank[worst],
+        context_kv=context_kv,
+        context_mask=context_mask,
         pipeline_rank=worst,
         per_pipeline_rank=tuple(e.total for e in per_rank),
         offloaded=_offloaded(m, step, [e.activations for e in per_rank]),
@@ -453,28 +498,16 @@ def _lora_model_states(base: GatherUnits, trained: GatherUnits, step: StepShape)
         gathered = gathered_bytes(
             step, local=base.local, layer=base.layer, layers=base.layers, gradients=False
         ) + gathered_bytes(step, local=trained.local, layer=trained.layer, layers=trained.layers)
-        frozen = math.ceil(base.local / step.sharded) * BYTES_FP32
+        frozen = math.ceil(base.local / step.shard_ranks) * BYTES_FP32
         return dataclasses.replace(
             adapters, parameters=adapters.parameters + frozen, gathered=gathered
         )
-    padded = math.ceil(trained.local / step.dp) * step.dp if step.zero_1 else trained.local
-    owned = padded // step.dp if step.zero_1 else padded
+    ranks = step.grad_ranks
+    padded = math.ceil(trained.local / ranks) * ranks if step.zero_1 else trained.local
+    owned = padded // ranks if step.zero_1 else padded
     adapters = _with_model_states(padded, owned, step)
     frozen = base.local * (BYTES_BF16 if step.bf16 else BYTES_FP32)
     return dataclasses.replace(adapters, parameters=adapters.parameters + frozen)
-
-
-def in_flight_microbatches(step: StepShape, rank: int) -> int:
-    """Model chunks x microbatches whose activations a pipeline rank holds at once."""
-    m, p = step.microbatches, step.pp
-    if p == 1:
-        return 1
-    if step.schedule == "gpipe":  # one model chunk per rank: virtual stages interleave only
-        return m
-    if step.schedule == "interleaved_1f1b":
-        warmup = (step.virtual_stages - 1) * p + 2 * (p - 1 - rank)
-        return min(m * step.virtual_stages, warmup + 1)
-    return min(m, p - rank)
 
 
 def _activations_on_rank(
@@ -482,7 +515,7 @@ def _activations_on_rank(
 ) -> tuple[int, int]:
     """(activation bytes at the peak, loss bytes at the peak) for one pipeline rank."""
     t, h = step.tp, m.hidden
-    tokens = step.microbatch_size * step.seq_len  # per microbatch
+    tokens = step.microbatch_size * step.local_seq_len  # per microbatch, this rank's
     matmul_bytes = BYTES_BF16 if step.bf16 else BYTES_FP32
     # The residual stream's dtype: bf16 with bf16 parameters, else fp32.
     stream = step.parameter_bytes
@@ -496,7 +529,7 @@ def _activations_on_rank(
     kept_bytes = (BYTES_FP32 + BYTES_BF16) / 2 if step.master_weights else BYTES_FP32
     if step.master_weights and step.activation_checkpointing == "selective":
         kept_bytes = BYTES_BF16  # only the layer's input is kept
-    layer_bytes = tokens * (kept * kept_bytes + matmul * matmul_bytes)
+    layer_bytes = tokens * (kept * kept_bytes + matmul * matmul_bytes) + extra_kv_bytes(m, step)
     if step.activation_checkpointing != "full":
         layer_bytes += tokens * step.adapter_bytes_per_token
     holds_first = 0 in stages
@@ -514,8 +547,8 @@ def _activations_on_rank(
         saved_per_layer = 0  # saved tensors wait in host memory
 
     per_microbatch = saved_per_layer * layers / chunks
-    # Rotary cos/sin for the microbatch, shared by the layers.
-    per_microbatch += 2 * step.seq_len * m.head_dim * stream
+    # Rotary cos/sin for the rank's positions, and cp's masks: shared by the layers.
+    per_microbatch += 2 * step.local_seq_len * m.head_dim * stream + mask_bytes(step)
     if holds_first:
         per_microbatch += tokens * (INT64 + h / shard * stream / chunks)
     if step.pp > 1:
@@ -538,24 +571,13 @@ def _activations_on_rank(
     # gone).
     kept_loss, at_loss = loss_bytes(m, step, tokens) if holds_last else (0, 0)
     in_layer = int(recomputed + backward_working_set(m, step, tokens)) - kept_loss
+    in_layer += kv_gradient_bytes(m, step)
     if step.sharded > 1 and step.pp == 1:
         # Inside a layer's backward FSDP2 holds two layers' all-gather buffers (the one
         # running and the one prefetched) beside their gathered parameters (dry runs).
         in_layer += 2 * layer_matmul_elements(m, step.tp) * step.parameter_bytes
-    kept_losses = kept_loss * _last_stage_in_flight(step)
+    kept_losses = kept_loss * last_stage_in_flight(step)
     return activations + max(0, in_layer - at_loss), kept_losses + at_loss
-
-
-def _last_stage_in_flight(step: StepShape) -> int:
-    """Microbatches whose logits the last stage's rank holds at once (interleaved: its
-    first chunk holds all of them before its last chunk, the last stage, starts)."""
-    if step.pp == 1 or step.schedule == "1f1b":
-        return 1
-    if step.schedule == "gpipe":
-        return step.microbatches
-    last_rank = (len(step.stage_layers) - 1) % step.pp
-    earlier_chunks = (step.virtual_stages - 1) * step.microbatches
-    return max(1, in_flight_microbatches(step, last_rank) - earlier_chunks)
 
 
 FP32 = StepShape(

@@ -21,12 +21,20 @@ from meshtrain.models.llama.parameter_names import llama_family_shapes
 from meshtrain.models.lora import LoraConverter, check_pretrained_base
 from meshtrain.planner.checks import (
     IMPLEMENTED_ACTIVATION_CHECKPOINTING,
+    context_parallel_degrees,
     pipeline_parallel_degrees,
     sharded_data_parallel_degrees,
     tensor_parallel_degrees,
 )
 from meshtrain.planner.devices import GIB, DeviceProfile, resolve_device
-from meshtrain.planner.explain import TIE, candidates, sharding_note, speed
+from meshtrain.planner.explain import (
+    TIE,
+    candidates,
+    context_note,
+    context_parallel_wanted,
+    sharding_note,
+    speed,
+)
 from meshtrain.planner.layout import PlanContext, plan_one_layout
 from meshtrain.planner.types import LayoutError, Plan, Refusal, divisors
 
@@ -52,6 +60,11 @@ def plan_run(
     preferring (within 2% of the best estimated tokens/s) smaller tp, then smaller
     pp, then less recomputation.
     The others are kept in `Plan.candidates` with the reason each lost.
+
+    `context_parallel_size: auto` plans cp 1 first, and the cp sizes only where no layout
+    fits without them or activations and loss are most of the best one's memory (what
+    cp divides): cp adds work and an exchange nothing hides, so it wins on memory, or
+    where it frees dp ranks the batch cannot use.
     """
     cuda = torch.cuda.is_available() if cuda_available is None else cuda_available
     device = resolve_device(run.planner.device, run.planner.device_profiles, cuda)
@@ -69,14 +82,22 @@ def plan_run(
     )
     plan = functools.partial(plan_one_layout, context=context)
     plan = functools.partial(_zero_1_where_needed, plan, budget=budget)
-    variants = _search_space(run, model_config)
-    if len(variants) == 1:
+    cp_auto = run.parallel.context_parallel_size == AUTO
+    first = _with_parallel(run, context_parallel_size=1) if cp_auto else run
+    variants = _search_space(first, model_config)
+    if len(variants) == 1 and not cp_auto:
         only = plan(_fit_global_batch(variants[0]))
         if only.memory_estimate_per_rank["process_total"] > budget:
             raise LayoutError([_over_memory(only, device, run)])
         return only
 
     planned, rejected, errors = _plan_each(variants, plan)
+    without_cp = list(planned)
+    cp_reason = context_parallel_wanted(planned, budget) if cp_auto else None
+    sizes = context_parallel_degrees(run.launch.world_size, run.data.block_size, search=True)
+    if cp_reason and len(sizes) > 1:
+        found, lost, failed = _plan_each(_search_space(run, model_config, sizes[1:]), plan)
+        planned, rejected, errors = planned + found, rejected + lost, errors + failed
     fitting = [p for p in planned if p.memory_estimate_per_rank["process_total"] <= budget]
     if not fitting:
         if planned:
@@ -98,13 +119,15 @@ def plan_run(
             ]
         )
     chosen = _choose(fitting)
-    note = sharding_note(chosen, planned, budget)
+    added = [sharding_note(chosen, planned, budget)]
+    if cp_auto:
+        added.append(context_note(chosen, planned, without_cp, budget, cp_reason))
     return dataclasses.replace(
         chosen,
         candidates=[*candidates(planned, chosen, budget), *rejected],
         notes=[
             *chosen.notes,
-            *([note] if note else []),
+            *[note for note in added if note],
             f"chosen among {len(planned)} valid layouts on {device.name}",
         ],
     )
@@ -129,21 +152,24 @@ def _zero_1_where_needed(
     only that makes it fit: its parameter all-gather after every step is not free."""
     plain = plan(run)
     lay = plain.layout
-    if run.parallel.zero_1 != AUTO or lay.data_parallel_size == 1 or lay.sharded:
+    copies = lay.data_parallel_size * lay.context_parallel_size  # ZeRO-1 shards over dp x cp
+    if run.parallel.zero_1 != AUTO or copies == 1 or lay.sharded:
         return plain
     need = plain.memory_estimate_per_rank["process_total"]
     if need <= budget:
         note = f"parallel.zero_1=auto: off, {lay.name} fits without it"
         return dataclasses.replace(plain, notes=[*plain.notes, note])
-    with_zero_1 = plan(
-        dataclasses.replace(run, parallel=dataclasses.replace(run.parallel, zero_1=True))
-    )
+    with_zero_1 = plan(_with_parallel(run, zero_1=True))
     note = (
         f"parallel.zero_1=auto: on, without it {lay.name} needs {_size(need)} per rank, "
         f"over the {_size(budget)} budget; with it "
         f"{_size(with_zero_1.memory_estimate_per_rank['process_total'])}"
     )
     return dataclasses.replace(with_zero_1, notes=[*with_zero_1.notes, note])
+
+
+def _with_parallel(run: RunConfig, **changes: Any) -> RunConfig:
+    return dataclasses.replace(run, parallel=dataclasses.replace(run.parallel, **changes))
 
 
 def _size(bytes_: float) -> str:
@@ -192,8 +218,8 @@ def _reasons(rejected: list[dict[str, Any]], most: int = 4) -> str:
 
 
 def _choose(fitting: list[Plan]) -> Plan:
-    """The fastest; among those within `TIE` of it, the least parallel (tp, then pp, then
-    sharding: it is paid only when it buys something) and recomputed."""
+    """The fastest; among those within `TIE` of it, the least parallel (cp, tp, then pp,
+    then sharding: each is paid only when it buys something) and recomputed."""
     best = max(speed(p) for p in fitting)
 
     def preference(p: Plan) -> tuple:
@@ -202,6 +228,7 @@ def _choose(fitting: list[Plan]) -> Plan:
         return (
             not tied,
             0.0 if tied else -speed(p),
+            lay.context_parallel_size,
             lay.tensor_parallel_size,
             lay.pipeline_parallel_size,
             lay.sharded_data_parallel_degree,
@@ -236,11 +263,12 @@ def _memory_changes(plan: Plan, run: RunConfig) -> list[str]:
         for name, value in (
             ("tensor", par.tensor_parallel_size),
             ("pipeline", par.pipeline_parallel_size),
+            ("context", par.context_parallel_size),
         )
         if value != AUTO
     ]
     changes = [f"more {' or '.join(fixed)} parallelism (or `auto`)"] if fixed else []
-    if layout.data_parallel_size > 1 and not layout.sharded:
+    if layout.data_parallel_size * layout.context_parallel_size > 1 and not layout.sharded:
         if not layout.zero_1 and par.zero_1 != AUTO:
             changes.append("ZeRO-1 (parallel.zero_1=true)")
         if par.sharded_data_parallel_degree != AUTO:
@@ -260,8 +288,12 @@ def _memory_changes(plan: Plan, run: RunConfig) -> list[str]:
     return changes
 
 
-def _search_space(run: RunConfig, model_config: PretrainedConfig) -> list[RunConfig]:
-    """Every combination of the `auto` knobs the fixed values allow (one if none is auto)."""
+def _search_space(
+    run: RunConfig, model_config: PretrainedConfig, cp_options: list[int] | None = None
+) -> list[RunConfig]:
+    """Every combination of the `auto` knobs the fixed values allow (one if none is auto);
+    `cp_options`: the context parallel sizes to weigh (None: the one given, and the run
+    as it is when nothing combines, for the planner to refuse with its reasons)."""
     par, world = run.parallel, run.launch.world_size
     tp_options = (
         tensor_parallel_degrees(world, model_config)
@@ -278,27 +310,32 @@ def _search_space(run: RunConfig, model_config: PretrainedConfig) -> list[RunCon
         if par.activation_checkpointing == AUTO
         else [par.activation_checkpointing]
     )
+    sizes = [
+        (tp, pp, cp)
+        for cp in cp_options or [par.context_parallel_size]
+        for tp in tp_options
+        for pp in pp_options
+        if world % (tp * pp * cp) == 0 and par.data_parallel_size in (AUTO, world // (tp * pp * cp))
+    ]
     variants = []
-    for tp in tp_options:
-        for pp in pp_options:
-            if world % (tp * pp):
-                continue
-            if par.data_parallel_size != AUTO and par.data_parallel_size * tp * pp != world:
-                continue
-            for sdp in _sharding_options(run, world // (tp * pp), tp):
-                for ac in ac_options:
-                    parallel = dataclasses.replace(
-                        par,
-                        tensor_parallel_size=tp,
-                        pipeline_parallel_size=pp,
-                        sharded_data_parallel_degree=sdp,
-                        activation_checkpointing=ac,
-                    )
-                    variants.append(dataclasses.replace(run, parallel=parallel))
+    for tp, pp, cp in sizes:
+        for sdp in _sharding_options(run, world // (tp * pp * cp), tp, cp):
+            for ac in ac_options:
+                parallel = dataclasses.replace(
+                    par,
+                    tensor_parallel_size=tp,
+                    pipeline_parallel_size=pp,
+                    context_parallel_size=cp,
+                    sharded_data_parallel_degree=sdp,
+                    activation_checkpointing=ac,
+                )
+                variants.append(dataclasses.replace(run, parallel=parallel))
+    if cp_options is not None:
+        return variants  # the cp sizes weighed beside cp 1: none may fit the fixed sizes
     return variants or [run]
 
 
-def _sharding_options(run: RunConfig, dp: int, tp: int) -> list[int | str]:
+def _sharding_options(run: RunConfig, dp: int, tp: int, cp: int = 1) -> list[int | str]:
     """The sharded data parallel degrees to weigh: as given, or at `auto` off, full and
     (across nodes) hybrid; only off when ZeRO-1 is asked for (sharding includes it) and
     on Neuron."""
@@ -308,7 +345,7 @@ def _sharding_options(run: RunConfig, dp: int, tp: int) -> list[int | str]:
     # The engine shards with torch's FSDP2, which the Neuron (XLA) backend does not run.
     if run.parallel.zero_1 is True or run.launch.backend == "neuron":
         return [1]
-    return list(sharded_data_parallel_degrees(dp, tp, run.launch.nproc_per_node))
+    return list(sharded_data_parallel_degrees(dp, tp, run.launch.nproc_per_node, cp))
 
 
 def _fit_global_batch(run: RunConfig) -> RunConfig:
@@ -324,11 +361,12 @@ def _fit_global_batch(run: RunConfig) -> RunConfig:
         return run
     tp = 1 if par.tensor_parallel_size == AUTO else par.tensor_parallel_size
     pp = 1 if par.pipeline_parallel_size == AUTO else par.pipeline_parallel_size
+    cp = 1 if par.context_parallel_size == AUTO else par.context_parallel_size
     world = run.launch.world_size
     if par.data_parallel_size == AUTO:
-        if world % (tp * pp):
+        if world % (tp * pp * cp):
             return run  # the planner refuses the sizes themselves, with the reason
-        dp = world // (tp * pp)
+        dp = world // (tp * pp * cp)
     else:
         dp = par.data_parallel_size
     if target % dp:
@@ -356,9 +394,10 @@ def _fit_global_batch(run: RunConfig) -> RunConfig:
 
 def _variant_name(run: RunConfig) -> str:
     par = run.parallel
-    sdp = par.sharded_data_parallel_degree
+    sdp, cp = par.sharded_data_parallel_degree, par.context_parallel_size
     return (
         f"tp{par.tensor_parallel_size}-pp{par.pipeline_parallel_size}"
+        + (f"-cp{cp}" if cp not in (1, AUTO) else "")
         + (f"-sdp{sdp}" if sdp not in (1, AUTO) else "")
         + f"-ac-{par.activation_checkpointing}"
     )

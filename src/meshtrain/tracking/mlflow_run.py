@@ -248,7 +248,11 @@ def log_memory_report(plan: dict[str, Any], summary: dict[str, Any]) -> str | No
     predicted = plan["memory_estimate_per_rank"]
     # (memory/predicted_peak_mb and memory/peak_tensor_mb come from rank 0 at that step.)
     mlflow.log_metric("memory/predicted_over_measured", predicted["total"] / measured["peak_bytes"])
-    ranks_per_stage = layout["data_parallel_size"] * layout["tensor_parallel_size"]
+    ranks_per_stage = (
+        layout["data_parallel_size"]
+        * layout["tensor_parallel_size"]
+        * layout.get("context_parallel_size", 1)
+    )
     with tempfile.TemporaryDirectory() as tmp:
         path = memory_breakdown(
             predicted,

@@ -1,7 +1,8 @@
 """Layout sweeps: the same data and model trained under several layouts, compared side by side.
 
 A layout shorthand names a whole layout in a few letters, the way people say it:
-`dp2`, `tp2`, `pp2`, `dp2xtp2`, `tp2xpp2-gpipe-mb8`, `dp4-nozero1`, `dp4-sdp4`. This module
+`dp2`, `tp2`, `pp2`, `dp2xtp2`, `tp2xpp2-gpipe-mb8`, `dp4-nozero1`, `dp4-sdp4`, `dp2-cp2`,
+`cp4`. This module
 turns such strings into `--params` overrides, holds the global batch fixed
 across the layouts (the layout-independence contract compares runs at the
 same global batch; the planner splits it per layout), and builds the
@@ -32,12 +33,13 @@ SWEEP_STATUS_TAG = "meshtrain.sweep.status"
 SWEEP_ERROR_TAG = "meshtrain.sweep.error"
 SWEEP_STAGE_TAG = "meshtrain.sweep.stage"
 
-_SIZE = re.compile(r"^(sdp|dp|tp|pp|mb|v)(\d+)$")
+_SIZE = re.compile(r"^(sdp|dp|tp|pp|cp|mb|v)(\d+)$")
 _SIZE_PARAMS = {
     "sdp": "parallel.sharded_data_parallel_degree",
     "dp": "parallel.data_parallel_size",
     "tp": "parallel.tensor_parallel_size",
     "pp": "parallel.pipeline_parallel_size",
+    "cp": "parallel.context_parallel_size",
     "mb": "parallel.pipeline_parallel_num_microbatches",
     "v": "parallel.pipeline_parallel_virtual_stages",
 }
@@ -57,11 +59,13 @@ _FLAGS: dict[str, tuple[str, Any]] = {
     "i1f1b": ("parallel.pipeline_schedule", "interleaved_1f1b"),
 }
 GRAMMAR = (
-    "a layout is tokens joined by 'x' or '-': dpN, tpN, ppN (N a whole number >= 1; "
-    "tp and pp default to 1, dp to auto = the rest of the world size), and optionally "
+    "a layout is tokens joined by 'x' or '-': dpN, tpN, ppN, cpN (N a whole number >= 1; "
+    "tp, pp and cp (context parallel) default to 1, dp to auto = the rest of the world "
+    "size), and optionally "
     f"{', '.join(_FLAGS)}, mbN (pipeline microbatches), vN (virtual stages per rank), "
     "sdpN (sharded data parallel degree: N divides dp; N = dp shards fully). "
-    "Examples: dp2, tp2, pp2, dp2xtp2, tp2xpp2-gpipe-mb8, dp4-nozero1, dp2xtp2-ac, dp4-sdp4"
+    "Examples: dp2, tp2, pp2, dp2xtp2, tp2xpp2-gpipe-mb8, dp4-nozero1, dp2xtp2-ac, dp4-sdp4, "
+    "dp2-cp2, cp4"
 )
 
 
@@ -88,11 +92,20 @@ class LayoutShorthand:
     def pp(self) -> int:
         return self.params["parallel.pipeline_parallel_size"]
 
+    @property
+    def cp(self) -> int:
+        return self.params["parallel.context_parallel_size"]
+
+    @property
+    def model_ranks(self) -> int:
+        """The ranks besides dp: tp x pp x cp (the world is dp times these)."""
+        return self.tp * self.pp * self.cp
+
 
 def parse_shorthand(text: str) -> LayoutShorthand:
     """`"dp2xtp2-zero1"` -> the `parallel.*` parameters it names.
 
-    tp and pp not named are 1 (a layout shorthand describes the whole layout); dp not
+    tp, pp and cp not named are 1 (a layout shorthand describes the whole layout); dp not
     named stays `auto` (the world size over tp x pp, as in `kedro run`). Anything
     else not named keeps the project's configured value.
     """
@@ -121,7 +134,7 @@ def parse_shorthand(text: str) -> LayoutShorthand:
             name, value = _FLAGS[token]
         else:
             hint = ""
-            if re.fullmatch(r"(sdp|dp|tp|pp|mb|v)", token):
+            if re.fullmatch(r"(sdp|dp|tp|pp|cp|mb|v)", token):
                 hint = f" (it needs a number, e.g. {token}2)"
             raise ShorthandError(
                 f"layout {original!r}: token {token!r} is not understood{hint}; {GRAMMAR}"
@@ -136,6 +149,7 @@ def parse_shorthand(text: str) -> LayoutShorthand:
     _check_sharding_beside_zero_1(original, params, given_by)
     params.setdefault("parallel.tensor_parallel_size", 1)
     params.setdefault("parallel.pipeline_parallel_size", 1)
+    params.setdefault("parallel.context_parallel_size", 1)
     return LayoutShorthand(text=original.strip(), params=params)
 
 
@@ -229,9 +243,9 @@ def plan_sweep(
     if batch is None:
         world = launch.nproc_per_node * launch.nnodes
         dps = [
-            spec.explicit_dp or world // (spec.tp * spec.pp)
+            spec.explicit_dp or world // spec.model_ranks
             for spec in specs
-            if spec.explicit_dp or world % (spec.tp * spec.pp) == 0
+            if spec.explicit_dp or world % spec.model_ranks == 0
         ]
         batch = (
             training.per_device_train_batch_size
@@ -246,17 +260,17 @@ def plan_sweep(
         entry = SweepEntry(spec, overrides=dict(spec.params))
         entries.append(entry)
         if spec.explicit_dp is not None:
-            world = spec.explicit_dp * spec.tp * spec.pp
+            world = spec.explicit_dp * spec.model_ranks
             if world % launch.nnodes:
                 entry.error = (
-                    f"layout {spec.text!r} needs {world} processes (dp x tp x pp), which "
+                    f"layout {spec.text!r} needs {world} processes (dp x tp x pp x cp), which "
                     f"launch.nnodes={launch.nnodes} nodes cannot share equally; use a layout "
-                    f"whose dp x tp x pp is a multiple of {launch.nnodes}, or change "
+                    f"whose dp x tp x pp x cp is a multiple of {launch.nnodes}, or change "
                     "launch.nnodes"
                 )
                 continue
             entry.overrides["launch.nproc_per_node"] = world // launch.nnodes
-        elif (launch.nproc_per_node * launch.nnodes) % (spec.tp * spec.pp):
+        elif (launch.nproc_per_node * launch.nnodes) % spec.model_ranks:
             # dp=auto cannot fill this world: the planner refuses the sizes themselves, and
             # its message about those is the useful one (a global batch would be refused
             # first, "over data_parallel_size=0").
