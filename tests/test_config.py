@@ -44,6 +44,7 @@ def test_defaults_when_nothing_is_given() -> None:
     assert run.parallel.data_parallel_size == AUTO
     assert run.parallel.tensor_parallel_size == 1
     assert run.parallel.zero_1 == AUTO
+    assert run.parallel.context_parallel_size == 1  # off unless asked for
     assert run.training.resume_from is None
     assert run.launch.world_size == 2
     assert run.model.architecture == "auto"
@@ -122,6 +123,8 @@ def test_wrong_kind_message_says_what_was_expected() -> None:
         ("parallel", "data_parallel_size", "auto", AUTO),
         ("parallel", "data_parallel_size", "AUTO", AUTO),
         ("parallel", "tensor_parallel_size", "auto", AUTO),
+        ("parallel", "context_parallel_size", "4", 4),
+        ("parallel", "context_parallel_size", "auto", AUTO),
         ("parallel", "zero_1", "true", True),
         ("parallel", "zero_1", "False", False),
         ("parallel", "zero_1", "auto", AUTO),
@@ -164,6 +167,7 @@ def test_null_string_is_none_for_optional_strings(group: str, key: str, text: st
         ("parallel", "tensor_parallel_size"),
         ("parallel", "pipeline_parallel_size"),
         ("parallel", "pipeline_parallel_num_microbatches"),
+        ("parallel", "context_parallel_size"),
         ("training", "per_device_train_batch_size"),
         ("training", "gradient_accumulation_steps"),
         ("training", "max_steps"),

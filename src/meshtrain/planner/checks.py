@@ -159,12 +159,12 @@ def check_context_parallel(cp: int, world: int, block_size: int) -> list[Refusal
                 f"Values that work here: {format_values(degrees)}.",
             )
         )
-    if block_size % (2 * cp):
+    elif block_size % (2 * cp):  # (a size that cannot fill the world is refused alone)
         sizes = [c for c in degrees if c > 1]
         works = (
             f"or parallel.context_parallel_size={' or '.join(map(str, sizes))}"
             if sizes
-            else "or parallel.context_parallel_size=1"
+            else "or parallel.context_parallel_size=1 (off)"
         )
         lower = block_size - block_size % (2 * cp)
         refusals.append(
