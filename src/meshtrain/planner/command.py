@@ -175,7 +175,11 @@ TIME_PARTS = (
 
 def _precision_bytes(plan: Plan, precision: str) -> str:
     if not plan.layout.sharded:
-        return PRECISION_BYTES[precision]
+        words = PRECISION_BYTES[precision]
+        # ZeRO-1 shards over the dp x cp ranks that hold the same parameters.
+        return (
+            words.replace("/dp", "/(dp x cp)") if plan.layout.context_parallel_size > 1 else words
+        )
     gathered = "bf16" if precision == "bf16_master" else "fp32"
     shards = plan.layout.sharded_data_parallel_degree * plan.layout.context_parallel_size
     return (

@@ -243,7 +243,7 @@ def context_note(
     if cp == 1:
         rival = max(with_cp, key=speed, default=None)
         if rival is None:
-            return f"{head} ({reason}); no cp layout fits either"
+            return f"{head} ({reason}); no cp layout runs here or fits either"
         return (
             f"{head} ({reason}); the fastest cp layout, {rival.layout.name}, is "
             f"{_versus(chosen, rival)}"

@@ -57,8 +57,8 @@ def plan_run(
     `activation_checkpointing` at `auto`, every layout the fixed values allow is
     planned; those refused or over the device's memory (less
     `planner.memory_margin`) drop out, and the fastest estimated step wins,
-    preferring (within 2% of the best estimated tokens/s) smaller tp, then smaller
-    pp, then less recomputation.
+    preferring (within 2% of the best estimated tokens/s) smaller cp, then tp, then
+    pp, then less sharding and recomputation.
     The others are kept in `Plan.candidates` with the reason each lost.
 
     `context_parallel_size: auto` plans cp 1 first, and the cp sizes only where no layout
@@ -100,24 +100,7 @@ def plan_run(
         planned, rejected, errors = planned + found, rejected + lost, errors + failed
     fitting = [p for p in planned if p.memory_estimate_per_rank["process_total"] <= budget]
     if not fitting:
-        if planned:
-            smallest = min(planned, key=lambda p: p.memory_estimate_per_rank["process_total"])
-            raise LayoutError([_over_memory(smallest, device, run)])
-        # A value that refuses every layout (e.g. launch.backend, data.block_size) is the
-        # refusal itself: no layout is to blame.
-        shared = _shared_refusals(errors)
-        if shared:
-            raise LayoutError(shared)
-        raise LayoutError(
-            [
-                Refusal(
-                    "parallel",
-                    "auto",
-                    "no layout of this world size can run this model: " + _reasons(rejected),
-                    "Change launch.nproc_per_node or the model's head/layer counts.",
-                )
-            ]
-        )
+        raise _none_fits(run, device, planned, rejected, errors)
     chosen = _choose(fitting)
     added = [sharding_note(chosen, planned, budget)]
     if cp_auto:
@@ -130,6 +113,34 @@ def plan_run(
             *[note for note in added if note],
             f"chosen among {len(planned)} valid layouts on {device.name}",
         ],
+    )
+
+
+def _none_fits(
+    run: RunConfig,
+    device: DeviceProfile,
+    planned: list[Plan],
+    rejected: list[dict[str, Any]],
+    errors: list[LayoutError],
+) -> LayoutError:
+    """Why no layout runs: the smallest over the memory, else the refusals."""
+    if planned:
+        smallest = min(planned, key=lambda p: p.memory_estimate_per_rank["process_total"])
+        return LayoutError([_over_memory(smallest, device, run)])
+    # A value that refuses every layout (e.g. launch.backend, data.block_size) is the
+    # refusal itself: no layout is to blame.
+    shared = _shared_refusals(errors)
+    if shared:
+        return LayoutError(shared)
+    return LayoutError(
+        [
+            Refusal(
+                "parallel",
+                "auto",
+                "no layout of this world size can run this model: " + _reasons(rejected),
+                "Change launch.nproc_per_node or the model's head/layer counts.",
+            )
+        ]
     )
 
 
