@@ -8,8 +8,9 @@ and runs on the rank's own tokens; rotary positions are the tokens' original pos
 
 Attention needs every earlier key: each layer all-gathers K and V over the group (Llama
 3's all-gather form; cheap under GQA, where K/V are a fraction of Q) into the original
-order, and each of the rank's query chunks attends the keys up to its own end. The
-backward reduce-scatters the gathered K/V's gradient back to the ranks that own them.
+order, and each of the rank's query chunks attends the keys up to its own end
+(`distributed.gathered_attention`). The backward gathers them again and reduce-scatters
+their gradient back to the ranks that own them.
 
 The same code runs on gloo (CPU) and NCCL: plain collectives, plain sdpa with a mask.
 """
@@ -137,24 +138,16 @@ def to_rank_order(sequence: torch.Tensor, cp: int) -> torch.Tensor:
     return pairs.reshape(cp, batch, length // cp, *sequence.shape[2:])
 
 
-class GatherSequence(torch.autograd.Function):
-    """(batch, local tokens, ...) on each cp rank -> (batch, sequence, ...) in sequence
-    order on all of them; the backward sums each token's gradient over the ranks that
-    used it and returns it to the rank that holds the token (a reduce-scatter)."""
-
-    @staticmethod
-    def forward(ctx, local: torch.Tensor, context: ContextParallel) -> torch.Tensor:  # noqa: ANN001
-        ctx.context = context
-        return to_sequence_order(all_gather_rows(local, context), context.size)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # noqa: ANN205 (autograd's signature)
-        context: ContextParallel = ctx.context
-        pieces = to_rank_order(grad, context.size).contiguous()
-        mine = grad.new_empty(pieces.shape[1:])
-        dist.reduce_scatter_single(mine, pieces.flatten(0, 1), group=context.group)
-        return mine, None
-
-
 def gather_sequence(local: torch.Tensor, context: ContextParallel) -> torch.Tensor:
-    return GatherSequence.apply(local, context)
+    """(batch, local tokens, ...) on each cp rank -> (batch, sequence, ...) in the sequence's
+    order on all of them."""
+    return to_sequence_order(all_gather_rows(local, context), context.size)
+
+
+def reduce_scatter_sequence(grad: torch.Tensor, context: ContextParallel) -> torch.Tensor:
+    """The inverse's gradient: (batch, sequence, ...) on each cp rank -> each of its tokens'
+    sum over the ranks, on the rank that holds the token: (batch, local tokens, ...)."""
+    pieces = to_rank_order(grad, context.size).contiguous()
+    mine = grad.new_empty(pieces.shape[1:])
+    dist.reduce_scatter_single(mine, pieces.flatten(0, 1), group=context.group)
+    return mine

@@ -11,11 +11,11 @@ from __future__ import annotations
 import copy
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import AttentionInterface
 
-from meshtrain.distributed.context_parallel import ContextAttention, gather_sequence
+from meshtrain.distributed.context_parallel import ContextAttention
+from meshtrain.distributed.gathered_attention import gathered_kv_attention
 
 ATTENTION = "meshtrain_context_parallel"
 
@@ -32,26 +32,13 @@ def context_parallel_attention(
 ) -> tuple[torch.Tensor, None]:
     """Each of this rank's query chunks attends the whole sequence's keys up to its own
     end; returns (batch, local tokens, heads, head dim), as transformers' sdpa does."""
-    view = attention_mask
-    context = view.context
-    # Gathered in (batch, tokens, heads, dim) order, so that a prefix of the keys is a view.
-    keys = gather_sequence(key.transpose(1, 2), context).transpose(1, 2)
-    values = gather_sequence(value.transpose(1, 2), context).transpose(1, 2)
-    outputs = []
-    for part, (rows, visible) in enumerate(view.query_chunks()):
-        q = query[:, :, rows]
-        outputs.append(
-            F.scaled_dot_product_attention(
-                q,
-                keys[:, :, :visible],
-                values[:, :, :visible],
-                attn_mask=view.mask(part, q.dtype, q.device),
-                dropout_p=dropout if module.training else 0.0,
-                scale=scaling,
-                enable_gqa=query.shape[1] != key.shape[1],
-            )
+    if dropout and module.training:
+        raise ValueError(
+            f"attention dropout {dropout} under context parallelism: set the model's "
+            "attention_dropout to 0 (Llama-family models train without it)"
         )
-    return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
+    output = gathered_kv_attention(query, key, value, attention_mask, scaling)
+    return output.transpose(1, 2).contiguous(), None
 
 
 AttentionInterface.register(ATTENTION, context_parallel_attention)
