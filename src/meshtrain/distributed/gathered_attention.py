@@ -118,4 +118,10 @@ def gathered_kv_attention(
     view: ContextAttention,
     scale: float | None = None,
 ) -> torch.Tensor:
+    """`GatheredKVAttention` in the autocast dtype where autocast is on (as sdpa would
+    run: rotary embeddings leave queries and keys in fp32 beside bf16 values)."""
+    device = query.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        query, key, value = (t.to(dtype) for t in (query, key, value))
     return GatheredKVAttention.apply(query, key, value, view, scale)
