@@ -21,15 +21,10 @@ from meshtrain.planner.context_memory import gathered_kv_bytes, mask_bytes
 from meshtrain.planner.cost import attention_excess
 from meshtrain.planner.memory import FP32, ModelShape, estimate_memory
 from meshtrain.tracking.mlflow_run import flatten
+from tests.planner.test_layout import SHAPE as LAYOUT_SHAPE
 
-SHAPE = {
-    "hidden_size": 128,
-    "intermediate_size": 352,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 8192,
-}
+# test_layout's small Llama, with room for long blocks.
+SHAPE = {**LAYOUT_SHAPE, "max_position_embeddings": 8192}
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "model_configs"
 
 
