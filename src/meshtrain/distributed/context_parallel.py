@@ -75,11 +75,22 @@ class ContextParallel:
         return position_ids, ContextAttention(self, local_length // 2, examples)
 
 
+@dataclass(frozen=True)
+class KeyBlock:
+    """Keys [start, stop) of the sequence that a query chunk attends in one kernel call:
+    every one of them, the causal triangle of its own chunk, or those a mask allows."""
+
+    start: int
+    stop: int
+    causal: bool = False
+    mask: torch.Tensor | None = None
+
+
 @dataclass
 class ContextAttention:
     """One forward's view of the whole sequence for the attention of every layer (it
     travels as the layers' `attention_mask`): the chunk length, packed examples' ids in
-    sequence order (None: one sequence per row), and the masks, built once per dtype."""
+    sequence order (None: one sequence per row), and their masks, built once per dtype."""
 
     context: ContextParallel
     chunk: int
@@ -87,14 +98,24 @@ class ContextAttention:
     _masks: dict[tuple[int, torch.dtype], torch.Tensor] = field(default_factory=dict)
 
     def query_chunks(self) -> list[tuple[slice, int]]:
-        """(this rank's query rows, the number of keys they may attend) per chunk."""
+        """(this rank's query rows, the number of keys they may see) per chunk."""
         c = self.chunk
         return [(slice(k * c, (k + 1) * c), (i + 1) * c) for k, i in enumerate(self.context.chunks)]
 
+    def key_blocks(self, part: int, dtype: torch.dtype, device: torch.device) -> list[KeyBlock]:
+        """What query chunk `part` attends, block by block: one sequence per row, the
+        earlier chunks whole and its own causally (no mask exists: the kernel skips the
+        masked half); packed examples, one masked block."""
+        own = self.context.chunks[part] * self.chunk
+        if self.examples is not None:
+            return [KeyBlock(0, own + self.chunk, mask=self.mask(part, dtype, device))]
+        blocks = [KeyBlock(0, own)] if own else []
+        return [*blocks, KeyBlock(own, own + self.chunk, causal=True)]
+
     def mask(self, part: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """The additive mask of query chunk `part` over keys [0, its end): causal, and
-        inside each packed example. In the queries' dtype and shared by every layer (sdpa
-        keeps a mask it need not convert, not a copy per layer)."""
+        """Packed examples' additive mask of query chunk `part` over keys [0, its end):
+        causal, inside each example, (batch, 1, chunk, keys). In the queries' dtype and
+        shared by every layer (sdpa keeps a mask it need not convert, not one per layer)."""
         key = (part, dtype)
         if key not in self._masks:
             self._masks[key] = self._build_mask(part, dtype, device)
@@ -103,13 +124,11 @@ class ContextAttention:
     def _build_mask(self, part: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         c, start = self.chunk, self.context.chunks[part] * self.chunk
         keys = start + c
-        allowed = torch.ones(c, keys, dtype=torch.bool, device=device).tril(start)
-        if self.examples is not None:
-            queries = self.examples[:, start:keys]
-            same = queries[:, :, None] == self.examples[:, None, :keys]
-            allowed = (allowed & same).unsqueeze(1)
+        causal = torch.ones(c, keys, dtype=torch.bool, device=device).tril(start)
+        queries = self.examples[:, start:keys]
+        allowed = causal & (queries[:, :, None] == self.examples[:, None, :keys])
         blocked = torch.zeros(allowed.shape, dtype=dtype, device=device)
-        return blocked.masked_fill_(~allowed, float("-inf"))
+        return blocked.masked_fill_(~allowed, float("-inf")).unsqueeze(1)
 
 
 def all_gather_rows(local: torch.Tensor, context: ContextParallel) -> torch.Tensor:
@@ -142,6 +161,19 @@ def gather_sequence(local: torch.Tensor, context: ContextParallel) -> torch.Tens
     """(batch, local tokens, ...) on each cp rank -> (batch, sequence, ...) in the sequence's
     order on all of them."""
     return to_sequence_order(all_gather_rows(local, context), context.size)
+
+
+class GatherSequence(torch.autograd.Function):
+    """`gather_sequence` under autograd: the backward is `reduce_scatter_sequence`."""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, context: ContextParallel) -> torch.Tensor:  # noqa: ANN001
+        ctx.context = context
+        return gather_sequence(local, context)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # noqa: ANN205 (autograd's signature)
+        return reduce_scatter_sequence(grad, ctx.context), None
 
 
 def reduce_scatter_sequence(grad: torch.Tensor, context: ContextParallel) -> torch.Tensor:
