@@ -120,8 +120,9 @@ def compare(memory: RankMemory, plan: Plan) -> dict:
 
 def describe(result: dict, memory: RankMemory) -> str:
     """One rank's comparison as a person reads it."""
+    cp = f"cp {result['cp']}, " if "cp" in result else ""
     lines = [
-        f"rank {result['rank']} (pp {result['pp']}, dp {result['dp']}, tp {result['tp']}), "
+        f"rank {result['rank']} (pp {result['pp']}, dp {result['dp']}, {cp}tp {result['tp']}), "
         f"{result['seconds']} s; peak at {result['peak_at'] or 'the step'}",
         f"  {'term':22} {'dry run':>10} {'planner':>10} {'planner/dry':>12}",
     ]

@@ -42,7 +42,7 @@ class RankMemory:
     """What one rank held in its measured step (bytes)."""
 
     rank: int
-    coordinates: dict[str, int]  # pp, dp, tp
+    coordinates: dict[str, int]  # pp, dp, cp, tp
     peak_bytes: int
     model_states: dict[str, int]  # parameters, gradients, optimizer_states
     at_peak: dict[str, int]  # by category (memory_probe's) at the step's peak
@@ -104,12 +104,9 @@ def _dry_run_rank(run: RunConfig, plan: Plan, rank: int, device: torch.device) -
                     phase=phase,
                     after_update=lambda: states.update(_model_states(pm, optimizer)),
                 )
-        coordinates = {
-            "pp": dims.pp_rank,
-            "dp": dims.dp_rank,
-            "cp": dims.cp_rank,
-            "tp": dims.tp_rank,
-        }
+        coordinates = {"pp": dims.pp_rank, "dp": dims.dp_rank, "tp": dims.tp_rank}
+        if dims.cp > 1:
+            coordinates["cp"] = dims.cp_rank
     return RankMemory(
         rank=rank,
         coordinates=coordinates,
