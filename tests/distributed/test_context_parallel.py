@@ -21,7 +21,9 @@ from tests.conftest import TINY_MODEL
 from tests.distributed.packed import packed_reference_run
 from tests.distributed.reference import (
     STEPS,
+    assert_dry_run_holds,
     assert_matches_reference,
+    assert_memory_model_holds,
     make_spec,
     reference_run,
     run_group,
@@ -124,6 +126,9 @@ def test_context_parallel_on_four_ranks_matches_one_process(tiny_blocks, tmp_pat
         assert "cp" in summary["layout_name"], summary["layout_name"]
         assert_matches_reference(name, summary, losses, weights, tmp_path / f"{name}-hf")
         assert summary["initial_val_loss"] > summary["final_val_loss"], name
+        assert_memory_model_holds(name, summary)
+    # The dry run (fake tensors, fake process group) runs a cp rank's real step too.
+    assert_dry_run_holds("cp4", specs[1], results["cp4"])
     for name in RESUMED:
         summary = results[name]
         assert [step for step, _ in summary["losses"]] == list(range(SAVE_AT + 1, STEPS + 1))
@@ -144,7 +149,9 @@ def test_context_parallel_on_two_ranks_matches_one_process(
     losses, weights = reference_run(tiny_blocks, "llama", FOUR_LAYERS)
     for name, summary in zip(WORLD_2, results, strict=True):
         assert_matches_reference(name, summary, losses, weights, tmp_path / f"{name}-hf")
+        assert_memory_model_holds(name, summary)
     for (_, got), want in zip(bf16["losses"], losses, strict=True):
         assert abs(got - want) / want < 0.02
     sft_losses, sft_weights = packed_reference_run(packed_blocks, FOUR_LAYERS)
     assert_matches_reference("sft-cp2", packed, sft_losses, sft_weights, tmp_path / "sft-hf")
+    assert_memory_model_holds("sft-cp2", packed)
