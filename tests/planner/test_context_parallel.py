@@ -17,8 +17,9 @@ from meshtrain.models import build_model_config
 from meshtrain.models.llama.parameter_names import llama_family_shapes
 from meshtrain.planner import LayoutError, Plan, plan_run
 from meshtrain.planner.checks import context_parallel_degrees
-from meshtrain.planner.context_memory import gathered_kv_bytes, mask_bytes
+from meshtrain.planner.context_memory import gathered_kv_bytes, kv_gradient_bytes, mask_bytes
 from meshtrain.planner.cost import attention_excess
+from meshtrain.planner.explain import context_parallel_wanted
 from meshtrain.planner.memory import FP32, ModelShape, estimate_memory
 from meshtrain.tracking.mlflow_run import flatten
 from tests.planner.test_layout import SHAPE as LAYOUT_SHAPE
@@ -117,20 +118,52 @@ def _memory(model_config: PretrainedConfig, **step: Any):
     )
 
 
-def test_activations_divide_by_cp_plus_the_gathered_kv_and_masks(model_config) -> None:
+def test_activations_divide_by_cp_plus_every_layers_gathered_kv_on_accelerators(
+    model_config,
+) -> None:
     shape = ModelShape.from_config(model_config)
     one, four = _memory(model_config), _memory(model_config, cp=4)
-    per_token = four.activations - four.context_kv - four.context_mask
+    per_token = four.activations - four.context_kv
     assert per_token == pytest.approx(one.activations / 4, rel=0.1)
-    # Every layer keeps the whole sequence's K and V (2 x 4096 x 2 KV heads x 32, fp32).
+    # Autograd through sdpa: every layer keeps the whole sequence's K and V
+    # (2 x 4096 x 2 KV heads x 32, fp32).
     assert four.context_kv == shape.layers * 2 * 4096 * 64 * 4
-    # (2cp + 1) c^2 mask elements, c = 4096 / 8; per row when examples are packed.
-    assert four.context_mask == 9 * 512**2 * 4
-    packed = _memory(model_config, cp=4, microbatch_size=2, packed=True)
-    assert packed.context_mask == 2 * four.context_mask
+    # One sequence per row runs unmasked kernels: no mask at all.
+    assert four.context_mask == 0 and "context_mask" not in four.to_dict()
     assert four.loss == pytest.approx(one.loss / 4, rel=0.1)
     assert one.context_kv == one.context_mask == 0 and "context_kv" not in one.to_dict()
     assert four.to_dict()["context_kv"] == four.context_kv
+
+
+def test_only_packed_examples_have_masks(model_config) -> None:
+    # (2cp + 1) c^2 mask elements per row, c = 4096 / 8, shared by the layers.
+    packed = _memory(model_config, cp=4, packed=True)
+    assert packed.context_mask == 9 * 512**2 * 4
+    two_rows = _memory(model_config, cp=4, microbatch_size=2, packed=True)
+    assert two_rows.context_mask == 2 * packed.context_mask
+    cpu = _memory(model_config, cp=4, packed=True, cp_fused_backward=True)
+    assert cpu.context_mask == packed.context_mask
+
+
+def test_cpu_keeps_no_gathered_kv_and_gathers_them_again_in_the_backward(model_config) -> None:
+    shape = ModelShape.from_config(model_config)
+    step = dataclasses.replace(FP32, seq_len=4096, cp=4)
+    pair = gathered_kv_bytes(shape, step)
+    cpu = _memory(model_config, cp=4, cp_fused_backward=True)
+    accelerator = _memory(model_config, cp=4)
+    # The rank keeps only its own q, K, V, output and log-sum-exps (the per-token terms).
+    assert cpu.context_kv == 0 < accelerator.context_kv
+    kept = shape.layers * pair * 3 // 4  # every layer's other ranks' share
+    assert accelerator.activations - cpu.activations == kept  # the loss sets the peak here
+    # The backward's layer holds the pair gathered again, its gradient and the rank-order
+    # copy for the reduce-scatter: three pairs against the accelerators' two.
+    assert kv_gradient_bytes(shape, step) == 2 * pair
+    cpu_step = dataclasses.replace(step, cp_fused_backward=True)
+    assert kv_gradient_bytes(shape, cpu_step) == 3 * pair
+    # With a chunked loss a layer's backward sets the peak: there the CPU holds a pair more.
+    chunked = {"cp": 4, "loss_chunk_tokens": 256}
+    cpu = _memory(model_config, cp_fused_backward=True, **chunked)
+    assert _memory(model_config, **chunked).activations - cpu.activations == kept - pair
 
 
 def test_model_states_shard_over_dp_times_cp(model_config) -> None:
@@ -146,36 +179,59 @@ def test_the_cp_terms_follow_checkpointing_and_the_compute_dtype(model_config) -
     shape = ModelShape.from_config(model_config)
     step = dataclasses.replace(FP32, seq_len=4096, cp=4)
     assert full.context_kv == gathered_kv_bytes(shape, step)  # one recomputed layer's
-    bf16 = dataclasses.replace(step, bf16=True)
+    bf16 = dataclasses.replace(step, bf16=True, packed=True)
     assert gathered_kv_bytes(shape, bf16) * 2 == gathered_kv_bytes(shape, step)
-    assert mask_bytes(bf16) * 2 == mask_bytes(step)
+    assert mask_bytes(bf16) * 2 == mask_bytes(dataclasses.replace(step, packed=True))
 
 
 # --- time -----------------------------------------------------------------------------------
 
 
-def test_the_kv_exchange_is_exposed_and_attention_does_a_little_more(model_config) -> None:
+def test_the_kv_exchange_is_exposed_and_attention_is_the_causal_share(model_config) -> None:
     one = _plan(
         model_config, parallel={"context_parallel_size": 1, "data_parallel_size": 1}, world=1
     )
     four = _plan(model_config, parallel={"context_parallel_size": 4})
-    t = four.time_estimate
-    # Per layer: the forward all-gather and the backward reduce-scatter, nothing hidden.
-    assert t["cp_exchanges_per_step"] == SHAPE["num_hidden_layers"] * 2
+    t, layers = four.time_estimate, SHAPE["num_hidden_layers"]
+    # On CPU, per layer: the forward's all-gather, the backward's again and its
+    # reduce-scatter, nothing hidden.
+    assert t["cp_kv_all_gathers_per_layer"] == 2
+    assert t["cp_exchanges_per_step"] == layers * 3
     assert t["cp_overlapped_share"] == 0.0
     assert t["context_parallel_s"] == pytest.approx(
-        4 * (t["cp_kv_all_gather_per_layer_s"] + t["cp_kv_reduce_scatter_per_layer_s"])
+        layers * (2 * t["cp_kv_all_gather_per_layer_s"] + t["cp_kv_reduce_scatter_per_layer_s"])
     )
     assert t["step_s"] >= t["compute_s"] + t["context_parallel_s"]
-    # A quarter of the tokens, and attention's masked chunks computed whole: 1 + 1/8.
-    assert attention_excess(4) == 1.125 and attention_excess(1) == 1.0
-    assert 1 / 4 < t["compute_s"] / one.time_estimate["compute_s"] < 1.125 / 4
+    # A quarter of the tokens, each attending its causal share: no masked chunk computed
+    # whole, except where packed examples' masked call covers each chunk's rectangle.
+    step = dataclasses.replace(FP32, cp=4)
+    assert attention_excess(step) == 1.0 and attention_excess(FP32) == 1.0
+    assert attention_excess(dataclasses.replace(step, packed=True)) == 1.125
+    assert t["compute_s"] / one.time_estimate["compute_s"] < 1.01 / 4
     full = _plan(
         model_config, parallel={"context_parallel_size": 4, "activation_checkpointing": "full"}
     )
-    assert full.time_estimate["cp_exchanges_per_step"] == SHAPE["num_hidden_layers"] * 3
+    assert full.time_estimate["cp_exchanges_per_step"] == layers * 4
     # The gradients are averaged over the dp x cp = 4 ranks that hold the parameters.
     assert t["data_parallel_s"] > 0
+
+
+def test_accelerators_keep_the_gathered_kv_and_gather_once_a_layer(model_config) -> None:
+    h100 = {"planner": {"device": "h100"}}
+    four = _plan(model_config, parallel={"context_parallel_size": 4}, **h100)
+    t, layers = four.time_estimate, SHAPE["num_hidden_layers"]
+    assert t["cp_kv_all_gathers_per_layer"] == 1
+    assert t["cp_exchanges_per_step"] == layers * 2
+    # Every layer keeps the whole sequence's K and V (fp32: no mixed precision here).
+    shape = ModelShape.from_config(model_config)
+    step = dataclasses.replace(FP32, seq_len=4096, cp=4)
+    assert four.memory_estimate_per_rank["context_kv"] == layers * gathered_kv_bytes(shape, step)
+    full = _plan(
+        model_config,
+        parallel={"context_parallel_size": 4, "activation_checkpointing": "full"},
+        **h100,
+    )
+    assert full.time_estimate["cp_exchanges_per_step"] == layers * 3
 
 
 # --- auto -----------------------------------------------------------------------------------
@@ -202,6 +258,13 @@ def test_auto_leaves_cp_off_where_model_states_dominate(model_config) -> None:
     assert not any("-cp" in c["layout"] for c in plan.candidates)
 
 
+def test_auto_weighs_cp_for_long_blocks_whatever_their_share(model_config) -> None:
+    plan = _plan(model_config, block=64, parallel={"context_parallel_size": 1}, world=2)
+    assert context_parallel_wanted([plan], budget=1e15, block_size=64) is None
+    why = context_parallel_wanted([plan], budget=1e15, block_size=16384)
+    assert why == "blocks of 16,384 tokens, at least 16,384"
+
+
 def _plan_8b(capsys, *extra: str) -> str:
     """`python -m meshtrain plan` for Llama-3.1-8B on 8 x H100 at 131,072 tokens: its output."""
     args = [
@@ -212,16 +275,23 @@ def _plan_8b(capsys, *extra: str) -> str:
     return capsys.readouterr().out
 
 
-def test_8b_at_128k_weighs_cp_and_says_why(capsys) -> None:
+def test_8b_at_128k_chooses_cp_and_says_why(capsys) -> None:
     plan = json.loads(_plan_8b(capsys, "--json"))
+    # cp's K/V exchange (0.12 s a step at cp2) costs less than tp's collectives (1.89 s at
+    # tp4), attention is its exact causal share and no mask exists: cp wins on speed.
+    assert plan["layout"]["context_parallel_size"] > 1
+    assert "context_mask" not in plan["memory_estimate_per_rank"]
     (note,) = [n for n in plan["notes"] if "context_parallel_size=auto" in n]
-    assert "activations and loss are" in note and "the fastest cp layout" in note
+    assert "activations and loss are" in note
+    assert "the fastest layout without cp, dp2-tp4-pp1-sp-ac-full, is" in note
+    assert "K/V exchange takes" in note and "tp 1.89" in note
     weighed = [c["layout"] for c in plan["candidates"] if "lost_because" in c]
     assert any("-cp4-" in name for name in weighed)
-    # With tensor parallelism held to 2, nothing fits without cp: cp is chosen.
+    # With tensor parallelism held to 2, nothing fits without cp.
     pinned = json.loads(_plan_8b(capsys, "--tp", "2", "--json"))
-    assert pinned["layout"]["context_parallel_size"] == 4
-    assert pinned["memory_estimate_per_rank"]["context_mask"] > 0
+    assert pinned["layout"]["context_parallel_size"] == 2
+    assert pinned["memory_estimate_per_rank"]["context_kv"] > 0  # an accelerator keeps them
     text = _plan_8b(capsys, "--tp", "2")
-    assert "context parallel over 4 ranks: 32,768 of each sequence's 131,072 tokens" in text
-    assert "cp4: no layout without it fits" in text
+    assert "context parallel over 2 ranks: 65,536 of each sequence's 131,072 tokens" in text
+    assert "2 K/V all-gathers" in text  # the forward's and full checkpointing's
+    assert "cp2: no layout without it fits" in text

@@ -125,6 +125,8 @@ def describe(plan: Plan, args: argparse.Namespace) -> str:
         lines.append(f"    {part:22} {memory.get(part, 0) / GIB:8.2f} GiB{_note(plan, part)}")
         if part == "activations" and plan.layout.context_parallel_size > 1:
             for inner, words in (("context_kv", "gathered K/V"), ("context_mask", "masks")):
+                if inner == "context_mask" and not memory.get(inner):
+                    continue  # packed examples only
                 lines.append(f"      of which {words:13} {memory.get(inner, 0) / GIB:8.2f} GiB")
     lines.append(
         f"  step {time['step_s']:.2f} s, {time['tokens_per_s']:,.0f} tokens/s: "
@@ -213,10 +215,12 @@ def _sharding_line(plan: Plan) -> str:
 def _context_line(plan: Plan, seq_len: int) -> str:
     """The cp layout's split of each sequence and its K/V exchange."""
     t, cp = plan.time_estimate, plan.layout.context_parallel_size
+    gathers = int(t["cp_kv_all_gathers_per_layer"])
     return (
         f"  context parallel over {cp} ranks: {seq_len // cp:,} of each sequence's {seq_len:,} "
-        f"tokens per rank; per layer and microbatch a K/V all-gather of "
-        f"{t['cp_kv_all_gather_per_layer_s'] * 1e3:.2f} ms and a reduce-scatter of "
+        f"tokens per rank; per layer and microbatch {gathers} K/V all-gather"
+        f"{'s' if gathers > 1 else ''} of {t['cp_kv_all_gather_per_layer_s'] * 1e3:.2f} ms "
+        f"and a reduce-scatter of "
         f"{t['cp_kv_reduce_scatter_per_layer_s'] * 1e3:.2f} ms, "
         f"{t['context_parallel_s']:.2f} s per step, none hidden behind compute; attention "
         f"{t['cp_attention_share']:.0%} of the compute"

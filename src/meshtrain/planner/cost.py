@@ -41,15 +41,18 @@
   for the gathers and the last one's backward for the reductions), scaled by
   the device's `collective_overlap` (0 on CPU, where the same cores compute
   and run gloo), count;
-- context parallelism (`cp` > 1): each rank computes block / cp tokens of every row;
-  its attention covers (2cp + 1) c^2 query-key pairs per head and row (c = block / 2cp:
-  each query chunk attends every key up to its end, none skipped inside the masked
-  chunk), `1 + 1/(2cp)` times its causal share. Per layer and microbatch the K and V
-  are all-gathered over the cp group in the forward (again in full checkpointing's
-  recomputation) and their gradient reduce-scattered in the backward, each `(cp-1)/cp`
-  of the gathered pair, over the link of cp x tp consecutive devices. The exchange runs
-  right before attention, synchronously: none of it hides behind compute. The
-  gradients are averaged (or sharded) over the dp x cp ranks that hold the parameters;
+- context parallelism (`cp` > 1): each rank computes block / cp tokens of every row and
+  its exact causal share of attention: one sequence per row runs each query chunk over
+  the earlier chunks whole and its own causally, no masked pair computed. Packed
+  examples' masked call computes each chunk's whole rectangle of keys [0, its end):
+  (2cp + 1) c^2 pairs per head and row (c = block / 2cp), `1 + 1/(2cp)` times the causal
+  share. Per layer and microbatch the K and V are all-gathered over the cp group in the
+  forward (again in full checkpointing's recomputation, and on CPU again in the
+  backward, whose fused kernel keeps no gathered pair) and their gradient
+  reduce-scattered in the backward, each `(cp-1)/cp` of the gathered pair, over the
+  link of cp x tp consecutive devices. The exchange runs right before attention,
+  synchronously: none of it hides behind compute. The gradients are averaged (or
+  sharded) over the dp x cp ranks that hold the parameters;
 - the optimizer's elementwise AdamW update over the owned parameters.
 
 Everything else runs one after the other, as meshtrain does.
@@ -112,6 +115,7 @@ class ContextTime:
 
     all_gather_per_layer_s: float  # one layer's K and V, one microbatch
     reduce_scatter_per_layer_s: float  # their gradient
+    gathers_per_layer: int  # forward, full checkpointing's recomputation, CPU's backward
     exchanges_per_step: int  # layers on the busiest rank x microbatches x passes
     total_s: float  # all exposed: the exchange runs right before attention, synchronously
     attention_share: float  # of the rank's compute, the attention scores' part
@@ -121,6 +125,7 @@ class ContextTime:
             "context_parallel_s": self.total_s,
             "cp_kv_all_gather_per_layer_s": self.all_gather_per_layer_s,
             "cp_kv_reduce_scatter_per_layer_s": self.reduce_scatter_per_layer_s,
+            "cp_kv_all_gathers_per_layer": float(self.gathers_per_layer),
             "cp_exchanges_per_step": float(self.exchanges_per_step),
             "cp_overlapped_share": 0.0,
             "cp_attention_share": self.attention_share,
@@ -172,21 +177,28 @@ def _layer_matmul_weights(m: ModelShape) -> int:
     return m.hidden * (2 * q + 2 * kv) + 3 * m.hidden * m.intermediate
 
 
-def _layer_forward_flops(m: ModelShape, seq_len: int, cp: int = 1) -> float:
-    """Forward FLOPs per token of one decoder layer (under cp, a rank's token: its query
-    chunks attend their masked diagonal chunk whole, `attention_excess`)."""
+def _layer_forward_flops(m: ModelShape, seq_len: int, excess: float = 1.0) -> float:
+    """Forward FLOPs per token of one decoder layer (`excess`: the attention computed
+    beyond the causal share, `attention_excess`)."""
     attention_scores = 2 * seq_len * m.heads * m.head_dim  # QK^T and AV, causal half
-    return 2 * _layer_matmul_weights(m) + attention_scores * attention_excess(cp)
+    return 2 * _layer_matmul_weights(m) + attention_scores * excess
 
 
-def attention_excess(cp: int) -> float:
-    """A cp rank's attention work over its causal share: its two chunks of c = s / 2cp
-    queries attend (2cp + 1) c^2 keys in all against s^2 / 2cp, so 1 + 1/(2cp)."""
-    return 1.0 + 1.0 / (2 * cp) if cp > 1 else 1.0
+def attention_excess(step: StepShape) -> float:
+    """A rank's attention work over its causal share. Only packed examples under cp do
+    more: each masked query chunk of c = s / 2cp is computed against every key up to its
+    end, (2cp + 1) c^2 pairs in all against s^2 / 2cp, so 1 + 1/(2cp). One sequence per
+    row runs the earlier chunks whole and its own causally: exactly the causal share."""
+    return 1.0 + 1.0 / (2 * step.cp) if step.cp > 1 and step.packed else 1.0
 
 
 def training_flops_per_token(
-    m: ModelShape, seq_len: int, checkpointing: str, *, frozen_base: bool = False, cp: int = 1
+    m: ModelShape,
+    seq_len: int,
+    checkpointing: str,
+    *,
+    frozen_base: bool = False,
+    excess: float = 1.0,
 ) -> float:
     """Forward + backward FLOPs per token of the whole model. The backward of a matmul is
     two: the input's gradient and the weight's; a frozen base (LoRA) skips the weight's,
@@ -194,7 +206,7 @@ def training_flops_per_token(
     no weight: their backward is two either way; the adapters' rank-r products are
     left out, a fraction r / hidden of the layers' own)."""
     h = m.hidden
-    forward = m.layers * _layer_forward_flops(m, seq_len, cp) + 2 * h * m.vocab
+    forward = m.layers * _layer_forward_flops(m, seq_len, excess) + 2 * h * m.vocab
     extra = 0.0
     if checkpointing == "full":
         extra = forward - 2 * h * m.vocab  # every layer's forward again, not the head
@@ -222,7 +234,8 @@ def stage_shares(m: ModelShape, step: StepShape) -> list[float]:
     on the rank of the last stage ([1.0] without pp)."""
     if step.pp == 1:
         return [1.0]
-    layer, head = _layer_forward_flops(m, step.seq_len, step.cp), 2 * m.hidden * m.vocab
+    layer = _layer_forward_flops(m, step.seq_len, attention_excess(step))
+    head = 2 * m.hidden * m.vocab
     stages = len(step.stage_layers)
     shares = []
     for rank in range(step.pp):
@@ -284,8 +297,9 @@ def estimate_step_time(
     tokens_per_microbatch = step.microbatch_size * step.local_seq_len  # this rank's
     microbatches = step.microbatches * accumulation  # forwards per step per rank
     tokens = tokens_per_microbatch * microbatches
+    checkpointing, excess = step.activation_checkpointing, attention_excess(step)
     flops = tokens * training_flops_per_token(
-        m, step.seq_len, step.activation_checkpointing, frozen_base=step.frozen_base, cp=step.cp
+        m, step.seq_len, checkpointing, frozen_base=step.frozen_base, excess=excess
     )
     rate = device.tflops(
         step.bf16,
@@ -442,28 +456,31 @@ def estimate_sharding_time(
 def estimate_context_time(
     m: ModelShape, step: StepShape, device: DeviceProfile, *, microbatches: int
 ) -> ContextTime:
-    """The K/V all-gather (forward, and again in full checkpointing's recomputation) and
-    the reduce-scatter of their gradient (backward), per layer and microbatch, over the
-    cp group: cp x tp consecutive devices (mesh order pp, dp, cp, tp). Nothing hides."""
+    """The K/V all-gather (forward; again in full checkpointing's recomputation, and on
+    CPU in the backward, which keeps no gathered pair) and the reduce-scatter of their
+    gradient (backward), per layer and microbatch, over the cp group: cp x tp
+    consecutive devices (mesh order pp, dp, cp, tp). Nothing hides."""
     kv_bytes = gathered_kv_bytes(m, step)  # the whole sequence's pair, one microbatch
     link = _link(device, step.cp * step.tp)
     gather = _ring(kv_bytes, step.cp, link, device.latency_us, 1.0)
     scatter = _ring(kv_bytes, step.cp, link, device.latency_us, 1.0)
-    gathers = 2 if step.activation_checkpointing == "full" else 1
+    gathers = 1 + int(step.activation_checkpointing == "full") + int(step.cp_fused_backward)
     stages = len(step.stage_layers)
     layers = max(
         sum(step.stage_layers[s] for s in range(rank, stages, step.pp)) for rank in range(step.pp)
     )
     rounds = layers * microbatches
-    attention = 2 * step.seq_len * m.heads * m.head_dim * attention_excess(step.cp)
+    excess = attention_excess(step)
+    attention = 2 * step.seq_len * m.heads * m.head_dim * excess
     share = (
         m.layers
         * attention
-        / (m.layers * _layer_forward_flops(m, step.seq_len, step.cp) + 2 * m.hidden * m.vocab)
+        / (m.layers * _layer_forward_flops(m, step.seq_len, excess) + 2 * m.hidden * m.vocab)
     )
     return ContextTime(
         all_gather_per_layer_s=gather,
         reduce_scatter_per_layer_s=scatter,
+        gathers_per_layer=gathers,
         exchanges_per_step=rounds * (gathers + 1),
         total_s=rounds * (gathers * gather + scatter),
         attention_share=share,

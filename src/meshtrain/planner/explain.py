@@ -28,15 +28,16 @@ def speed(plan: Plan) -> float:
 def candidates(planned: list[Plan], chosen: Plan, budget: float) -> list[dict[str, Any]]:
     """Every other planned layout, fastest first, with why it lost to `chosen`."""
     found: list[dict[str, Any]] = []
+    fastest = max((p for p in planned if _peak(p) <= budget), key=speed, default=chosen)
     for p in sorted(planned, key=speed, reverse=True):
         if p is chosen:
             continue
-        why = _lost_because(p, chosen, budget) + _sharding_clause(p, planned, budget)
+        why = _lost_because(p, chosen, fastest, budget) + _sharding_clause(p, planned, budget)
         found.append(summary(p) | {"lost_because": why})
     return found
 
 
-def _lost_because(p: Plan, chosen: Plan, budget: float) -> str:
+def _lost_because(p: Plan, chosen: Plan, fastest: Plan, budget: float) -> str:
     ratio = speed(chosen) / speed(p)
     if _peak(p) > budget:
         return (
@@ -45,6 +46,12 @@ def _lost_because(p: Plan, chosen: Plan, budget: float) -> str:
         )
     if ratio > TIE:
         return f"slower: the chosen layout's estimated tokens/s is {ratio:.2f}x"
+    if speed(p) * TIE < speed(fastest):
+        # Ties are measured against the fastest: within 2% of the chosen one is not enough.
+        return (
+            f"slower: {ratio:.3f}x behind the chosen layout and {_behind(fastest, p)}, "
+            "outside the tie-break"
+        )
     return f"as fast within 2%; the chosen one has {_preferred_because(chosen.layout, p.layout)}"
 
 
@@ -145,6 +152,12 @@ def _kind(lay: Layout) -> str:
     return f"hybrid: sharded within groups of {n}{over} ranks, {dp // n} replicas"
 
 
+def _behind(fastest: Plan, p: Plan) -> str:
+    return (
+        f"more than 2% behind the fastest, {fastest.layout.name} ({speed(fastest) / speed(p):.3f}x)"
+    )
+
+
 def _versus(chosen: Plan, other: Plan) -> str:
     ratio = speed(chosen) / speed(other)
     if ratio > TIE:
@@ -209,22 +222,27 @@ def _peak(p: Plan) -> int:
     return p.memory_estimate_per_rank["process_total"]
 
 
-# cp is weighed where activations and loss are at least this share of the step's tensors.
+# cp is weighed where activations and loss are at least this share of the step's tensors,
+# or blocks are at least this long (attention's K/V exchange is then small beside its
+# compute, and a sequence's activations are what grows); not for conf/base's 128 tokens.
 CP_WORTH_WEIGHING = 0.5
+CP_LONG_BLOCK = 16384
 
 
-def context_parallel_wanted(without_cp: list[Plan], budget: float) -> str | None:
+def context_parallel_wanted(without_cp: list[Plan], budget: float, block_size: int) -> str | None:
     """Why `context_parallel_size: auto` should weigh cp > 1 beside the layouts planned
-    without it, or None: where no layout fits, or where what cp divides (activations and
-    loss) is at least half the best fitting layout's step tensors."""
+    without it, or None: where no layout fits, where what cp divides (activations and
+    loss) is at least half the best fitting layout's step tensors, or for long blocks."""
     fitting = [p for p in without_cp if _peak(p) <= budget]
     if not fitting:
         return f"no layout without it fits the {budget / GIB:.2f} GiB budget"
     best = max(fitting, key=speed)
     share = _per_token_share(best)
-    if share < CP_WORTH_WEIGHING:
-        return None
-    return f"activations and loss are {share:.0%} of {best.layout.name}'s step tensors"
+    if share >= CP_WORTH_WEIGHING:
+        return f"activations and loss are {share:.0%} of {best.layout.name}'s step tensors"
+    if block_size >= CP_LONG_BLOCK:
+        return f"blocks of {block_size:,} tokens, at least {CP_LONG_BLOCK:,}"
+    return None
 
 
 def context_note(
@@ -236,7 +254,8 @@ def context_note(
     if reason is None:
         return (
             f"{head}, larger sizes not weighed: activations and loss, which cp divides, are "
-            f"{_per_token_share(chosen):.0%} of the step's tensors"
+            f"{_per_token_share(chosen):.0%} of the step's tensors and blocks are shorter "
+            f"than {CP_LONG_BLOCK:,} tokens"
         )
     with_cp = [p for p in planned if p.layout.context_parallel_size > 1 and _peak(p) <= budget]
     fits = [p for p in without_cp if _peak(p) <= budget]
@@ -249,19 +268,43 @@ def context_note(
             f"{_versus(chosen, rival)}"
         )
     t, memory = chosen.time_estimate, chosen.memory_estimate_per_rank
+    masks = memory.get("context_mask", 0)
     exchange = (
-        f"its K/V exchange takes {t.get('context_parallel_s', 0.0):.2f} s per step, none hidden "
-        f"behind compute; activations {memory['activations'] / GIB:.2f} GiB, of which gathered "
-        f"K/V {memory.get('context_kv', 0) / GIB:.2f} and masks "
-        f"{memory.get('context_mask', 0) / GIB:.2f}"
+        f"cp{cp}'s K/V exchange takes {t.get('context_parallel_s', 0.0):.2f} s per step, none "
+        f"hidden behind compute; activations {memory['activations'] / GIB:.2f} GiB, of which "
+        f"gathered K/V {memory.get('context_kv', 0) / GIB:.2f}"
+        + (f" and masks {masks / GIB:.2f}" if masks else "")
     )
     if not fits:
         return f"{head}: {reason}; {exchange}"
     best = max(fits, key=speed)
+    fastest = max([*with_cp, *fits], key=speed)
+    # A cp layout wins only where no layout without cp ties with the fastest.
+    tie = (
+        f" and {speed(fastest) / speed(best):.3f}x behind the fastest, {fastest.layout.name}, "
+        "outside the 2% tie-break"
+        if fastest is not chosen
+        else ""
+    )
     return (
         f"{head} ({reason}); the fastest layout without cp, {best.layout.name}, is "
-        f"{_versus(chosen, best)}; {exchange}"
+        f"{speed(chosen) / speed(best):.3f}x slower{tie}: step {_step_parts(best)} against "
+        f"{_step_parts(chosen)}; {exchange}"
     )
+
+
+def _step_parts(p: Plan) -> str:
+    """A step's seconds and their nonzero parts, e.g. `66.92 s (compute 65.01, tp 1.89)`."""
+    t = p.time_estimate
+    parts = (
+        ("compute", "compute_s"),
+        ("tp", "tensor_parallel_s"),
+        ("cp", "context_parallel_s"),
+        ("pp", "pipeline_s"),
+        ("dp", "data_parallel_s"),
+    )
+    named = [f"{short} {t[key]:.2f}" for short, key in parts if t.get(key, 0.0) >= 0.005]
+    return f"{t['step_s']:.2f} s ({', '.join(named)})"
 
 
 def _per_token_share(p: Plan) -> float:

@@ -235,6 +235,8 @@ def _layout_step_shape(run: RunConfig, layout: Layout, context: PlanContext) -> 
         loss_chunk_tokens=layout.loss_chunk_tokens,
         cp=layout.context_parallel_size,
         packed=packs_examples(run.data),
+        # The engine's fused CPU backward (distributed/gathered_attention.py).
+        cp_fused_backward=context.device.name == "cpu",
         # The profile times the layers a converter runs on that converter's table.
         converters=converter_names(
             run.training,

@@ -21,7 +21,7 @@ measured peak of live tensors (`components.memory_probe`, `meshtrain.dryrun`):
   chunks (torch's schedule); the last stage keeps the loss's share of each
   microbatch in flight until its backward (`planner.pipeline_memory`);
 - context parallelism: per-token terms at the rank's block / cp tokens, the gathered
-  K/V and the masks (`planner.context_memory`); ZeRO-1 and FSDP2 shard over x cp.
+  K/V and packed examples' masks (`planner.context_memory`); ZeRO-1 and FSDP2 over x cp.
 
 `process_total`, fitted into the device, adds the profile's runtime and allocator share;
 offloaded activations are counted apart (host memory).
@@ -122,8 +122,8 @@ class MemoryEstimate:
     # by the reduce-scatters late in the backward and cleared after the update, while the
     # peak comes at the backward's start (measured by the dry run, docs/dry_run.md).
     gradients_at_peak: bool = True
-    # Context parallelism, parts of `activations`: the gathered K/V kept for the backward,
-    # and the attention masks (planner/context_memory.py).
+    # Context parallelism, parts of `activations`: the gathered K/V at the peak and packed
+    # examples' attention masks (planner/context_memory.py).
     context_kv: int = 0
     context_mask: int = 0
 
@@ -202,9 +202,11 @@ class StepShape:
     # The loss over chunks of this many tokens (0: over the whole logits; planner/loss_memory).
     loss_chunk_tokens: int = 0
     # Context parallelism: each row's tokens split over `cp` ranks holding the same
-    # parameters; `packed`: packed examples, whose attention masks are made per row.
+    # parameters; `packed`: packed examples, whose attention masks are made per row;
+    # `cp_fused_backward`: the CPU's, which gathers K/V again instead of keeping them.
     cp: int = 1
     packed: bool = False
+    cp_fused_backward: bool = False
 
     @property
     def local_seq_len(self) -> int:
@@ -547,7 +549,7 @@ def _activations_on_rank(
         saved_per_layer = 0  # saved tensors wait in host memory
 
     per_microbatch = saved_per_layer * layers / chunks
-    # Rotary cos/sin for the rank's positions, and cp's masks: shared by the layers.
+    # Rotary cos/sin for the rank's positions, and packed cp's masks: shared by the layers.
     per_microbatch += 2 * step.local_seq_len * m.head_dim * stream + mask_bytes(step)
     if holds_first:
         per_microbatch += tokens * (INT64 + h / shard * stream / chunks)

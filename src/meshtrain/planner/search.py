@@ -62,9 +62,10 @@ def plan_run(
     The others are kept in `Plan.candidates` with the reason each lost.
 
     `context_parallel_size: auto` plans cp 1 first, and the cp sizes only where no layout
-    fits without them or activations and loss are most of the best one's memory (what
-    cp divides): cp adds work and an exchange nothing hides, so it wins on memory, or
-    where it frees dp ranks the batch cannot use.
+    fits without them, activations and loss are most of the best one's memory (what cp
+    divides), or blocks are long (`CP_LONG_BLOCK`): cp adds an exchange nothing hides,
+    so it wins on memory, against tp's collectives, or where it frees dp ranks the
+    batch cannot use.
     """
     cuda = torch.cuda.is_available() if cuda_available is None else cuda_available
     device = resolve_device(run.planner.device, run.planner.device_profiles, cuda)
@@ -93,7 +94,7 @@ def plan_run(
 
     planned, rejected, errors = _plan_each(variants, plan)
     without_cp = list(planned)
-    cp_reason = context_parallel_wanted(planned, budget) if cp_auto else None
+    cp_reason = context_parallel_wanted(planned, budget, run.data.block_size) if cp_auto else None
     sizes = context_parallel_degrees(run.launch.world_size, run.data.block_size, search=True)
     if cp_reason and len(sizes) > 1:
         found, lost, failed = _plan_each(_search_space(run, model_config, sizes[1:]), plan)
