@@ -55,7 +55,7 @@ def side(
             planner=planner,
         )
     except Refused as refusal:
-        return str(refusal).splitlines()[0]
+        return " ".join(line.strip(" -") for line in str(refusal).splitlines()[1:3])
     return run_side(spec, cp, root, name), plan
 
 
