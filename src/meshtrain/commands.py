@@ -110,7 +110,7 @@ def add_dryrun_parser(commands: Any) -> None:
 def add_plan_parser(commands: Any) -> None:
     plan = commands.add_parser(
         "plan",
-        help="choose dp/tp/pp, ZeRO-1, SP and checkpointing for a model on N devices",
+        help="choose dp/tp/pp/cp, ZeRO-1, SP and checkpointing for a model on N devices",
         description="Choose a layout for a model and a cluster without the hardware: the "
         "fastest estimated layout that fits, its memory breakdown and step time, and why "
         "each other layout lost.",
