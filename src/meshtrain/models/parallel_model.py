@@ -97,8 +97,14 @@ class ParallelModel:
         return batch if self.context is None else self.context.shard(batch)
 
     def _loss_sum(self, batch: TokenBatch) -> torch.Tensor:
+        # Under cp the model builds its view of the whole sequence from the positions.
+        inputs = (
+            attention_inputs(batch)
+            if self.context is None
+            else {"position_ids": batch.position_ids}
+        )
         with self.autocast():
-            loss = self.modules[0](batch.input_ids, batch.labels, **attention_inputs(batch))
+            loss = self.modules[0](batch.input_ids, batch.labels, **inputs)
         return as_local(loss)
 
     @torch.no_grad()
