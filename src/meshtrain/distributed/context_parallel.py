@@ -12,7 +12,7 @@ order, and each of the rank's query chunks attends the keys up to its own end
 (`distributed.gathered_attention`). The backward gathers them again and reduce-scatters
 their gradient back to the ranks that own them.
 
-The same code runs on gloo (CPU) and NCCL: plain collectives, plain sdpa with a mask.
+The same code runs on gloo (CPU) and NCCL: plain collectives (docs/context_parallel.md).
 """
 
 from __future__ import annotations
