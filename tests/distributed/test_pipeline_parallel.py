@@ -92,6 +92,23 @@ WORLD_8 = {
 }
 
 
+CONTEXT_8 = {
+    "dp4-sdp2-cp2": (
+        {"data_parallel_size": 4, "sharded_data_parallel_degree": 2, "context_parallel_size": 2},
+        {"per_device_train_batch_size": 2},
+    ),
+    "dp2-tp2-cp2-no-sp": (
+        {
+            "data_parallel_size": 2,
+            "tensor_parallel_size": 2,
+            "context_parallel_size": 2,
+            "sequence_parallel": False,
+        },
+        {"per_device_train_batch_size": 4},
+    ),
+}
+
+
 def _model(case: tuple) -> tuple[str, dict]:
     return (case[2], case[3]) if len(case) > 2 else ("llama", FOUR_LAYERS)
 
@@ -190,8 +207,31 @@ def test_three_dimensional_layout_on_eight_ranks_matches_one_process(
         fields=GQA,
         model={"lora": LORA, "init_from": str(save_base(tmp_path / "base"))},
     )
-    summary, lora_summary = _run(WORLD_8, 8, tiny_blocks, tmp_path, extra=(sft, lora))
+    # Context parallelism's eight-rank compositions ride this group (a group's start-up
+    # is most of a test's time): hybrid sharding (FSDP2 over dp_shard x cp, replicated
+    # across dp_replicate) and tp without SP beside dp (tests/distributed/
+    # test_context_parallel.py has the others).
+    context = [
+        make_spec(
+            tiny_blocks,
+            tmp_path,
+            cp_name,
+            world=8,
+            parallel=cp_parallel,
+            training=cp_training,
+            architecture="llama",
+            fields=FOUR_LAYERS,
+        )
+        for cp_name, (cp_parallel, cp_training) in CONTEXT_8.items()
+    ]
+    summary, lora_summary, *cp_summaries = _run(
+        WORLD_8, 8, tiny_blocks, tmp_path, extra=(sft, lora, *context)
+    )
     losses, weights = packed_reference_run(packed_blocks, FOUR_LAYERS)
     assert_matches_reference(name, summary, losses, weights, tmp_path / f"{name}-hf")
     lora_losses, _, _ = peft_reference_run(tiny_blocks, GQA, LORA, STEPS)
     assert_matches_peft("lora-dp2-pp2-tp2-zero1-sp", lora_summary, lora_losses)
+    losses, weights = References(tiny_blocks)("llama", FOUR_LAYERS)
+    for cp_name, cp_summary in zip(CONTEXT_8, cp_summaries, strict=True):
+        assert_matches_reference(cp_name, cp_summary, losses, weights, tmp_path / f"{cp_name}-hf")
+        assert_memory_model_holds(cp_name, cp_summary)
