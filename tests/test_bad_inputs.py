@@ -252,6 +252,18 @@ CASES = [
     case("model.config.num_key_value_heads=3", id="kv-heads-not-dividing-heads"),
     case("model.config.rope_theta=-1", id="negative-rope-theta"),
     case("training.resume_from=/nonexistent/checkpoint-4", id="resume-from-missing"),
+    case("parallel.context_parallel_size=0", id="cp-zero"),
+    case("parallel.context_parallel_size=3", id="cp-not-dividing-the-world"),
+    case(
+        "parallel.context_parallel_size=2,parallel.data_parallel_size=2",
+        "parallel.data_parallel_size",
+        id="dp-times-cp-not-the-world",
+    ),
+    case(
+        "parallel.context_parallel_size=2,data.block_size=126",
+        "data.block_size",
+        id="block-not-splitting-into-cp-chunks",
+    ),
     # planner.*
     case("planner.memory_margin=1.5", id="margin-above-one"),
     case("planner.device=tpu", id="unknown-device"),
