@@ -36,6 +36,11 @@ def next_token_labels(
     return labels
 
 
+def example_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """Which packed example each position belongs to, numbered from 1 along each row."""
+    return (position_ids == 0).cumsum(dim=1)
+
+
 @dataclass(frozen=True)
 class TokenBatch:
     """What one forward needs: ids, targets and, for packed examples, their positions."""

@@ -22,8 +22,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from meshtrain.data.batch import TokenBatch
-from meshtrain.models.packed_attention import example_ids
+from meshtrain.data.batch import TokenBatch, example_ids
 
 
 @dataclass(frozen=True)

@@ -122,7 +122,11 @@ class FusedGatheredAttention(torch.autograd.Function):
 
 
 def _sdpa_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, view, scale: float | None
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    view: ContextAttention,
+    scale: float | None,
 ) -> torch.Tensor:
     """The same attention through autograd: each chunk's visible keys in one sdpa call,
     causal by torch's lower-right bias, or the packed examples' mask."""

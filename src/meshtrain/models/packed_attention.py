@@ -11,10 +11,7 @@ from __future__ import annotations
 
 import torch
 
-
-def example_ids(position_ids: torch.Tensor) -> torch.Tensor:
-    """Which packed example each position belongs to, numbered from 1 along each row."""
-    return (position_ids == 0).cumsum(dim=1)
+from meshtrain.data.batch import example_ids
 
 
 def packed_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
