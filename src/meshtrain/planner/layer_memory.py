@@ -37,10 +37,19 @@ def layer_activation_elements(m: ModelShape, step: StepShape) -> tuple[float, fl
     # which needs tp > 1); matmul side: the two norm outputs as the matmuls keep them
     # (whole: all-gathered under SP), q, attention output, k, v, the MLP.
     kept = 4 * h / t if step.sequence_parallel else 4 * h
+    if m.head_norms:
+        kept += _head_norm_elements(m, t)
     # bf16 autocast casts the fp32 norm output once per matmul that reads it and each
     # keeps its own copy: q, k, v and gate, up (dry runs); one each otherwise.
     norm_copies = 5 * h if step.bf16 and not step.master_weights else 2 * h
     return kept, norm_copies + q_and_out + 2 * kv + mlp + per_head
+
+
+def _head_norm_elements(m: ModelShape, t: int) -> float:
+    """What per-head query and key norms keep per token in fp32: each norm's input and its
+    normalised output, and one inverse root mean square per head."""
+    q_heads, kv_heads = m.heads / t, max(m.kv_heads // t, 1)
+    return (q_heads + kv_heads) * (2 * m.head_dim + 1)
 
 
 def layer_matmul_elements(m: ModelShape, t: int) -> int:

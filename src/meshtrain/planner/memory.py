@@ -81,6 +81,7 @@ class ModelShape:
     head_dim: int
     vocab: int
     tied_embeddings: bool
+    head_norms: bool = False  # an RMSNorm over each query and key head (Qwen3)
 
     @classmethod
     def from_config(cls, config: PretrainedConfig) -> ModelShape:
@@ -95,6 +96,7 @@ class ModelShape:
             head_dim=head_dim,
             vocab=config.vocab_size,
             tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            head_norms=getattr(config, "model_type", "") == "qwen3",
         )
 
 
