@@ -10,9 +10,8 @@ measured peak of live tensors (`components.memory_probe`, `meshtrain.dryrun`):
   Face's, with SDPA: no sequence x sequence matrix), per token and layer, with and
   without tensor and sequence parallelism (`layer_activation_elements`; Korthikanti et
   al. (2022)'s accounting redone for this layer);
-- full activation checkpointing keeps each layer's input and, in backward,
-  one layer's activations at a time; selective keeps the matmul and
-  attention outputs and recomputes norms, rotary and the gated activation;
+- full activation checkpointing keeps each layer's input and, in backward, one layer's
+  activations at a time; selective keeps the matmul and attention outputs;
 - the loss, counted in `planner.loss_memory` (chunked, or over the whole logits);
 - tied embeddings over pipeline stages: the last stage's LM head is a copy of
   the embedding, with its own gradient and AdamW moments;
