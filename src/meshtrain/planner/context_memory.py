@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from meshtrain.planner.layer_memory import local_kv_heads
+
 if TYPE_CHECKING:
     from meshtrain.planner.memory import ModelShape, StepShape
 
@@ -38,7 +40,7 @@ def compute_bytes(step: StepShape) -> int:
 def gathered_kv_bytes(m: ModelShape, step: StepShape) -> int:
     """One layer's K and V for the whole sequence, one microbatch (the tp rank's KV heads,
     a head at least: replicated where tp > KV heads). At cp 1, the layer's own K and V."""
-    kv = max(m.kv_heads // step.tp, 1) * m.head_dim
+    kv = local_kv_heads(m, step.tp) * m.head_dim
     return 2 * step.microbatch_size * step.seq_len * kv * compute_bytes(step)
 
 

@@ -9,6 +9,11 @@ if TYPE_CHECKING:
     from meshtrain.planner.memory import ModelShape, StepShape
 
 
+def local_kv_heads(m: ModelShape, t: int) -> int:
+    """The KV heads on one tp rank: a share, or one at least (replicated past kv_heads)."""
+    return max(m.kv_heads // t, 1)
+
+
 def layer_activation_elements(m: ModelShape, step: StepShape) -> tuple[float, float]:
     """(fp32-kept, matmul-output) elements one decoder layer saves per token on one rank.
 
@@ -17,7 +22,7 @@ def layer_activation_elements(m: ModelShape, step: StepShape) -> tuple[float, fl
     """
     t = step.tp
     h, i, a = m.hidden, m.intermediate, m.heads
-    kv = max(m.kv_heads // t, 1) * m.head_dim  # a tp rank keeps a KV head at least (replicated)
+    kv = local_kv_heads(m, t) * m.head_dim
     q_and_out = 2 * h / t  # q after rotary, attention output (= o_proj input)
     mlp = 4 * i / t  # gate, up, SiLU(gate), their product
     per_head = a / t  # log-sum-exp
@@ -48,13 +53,12 @@ def layer_activation_elements(m: ModelShape, step: StepShape) -> tuple[float, fl
 def _head_norm_elements(m: ModelShape, t: int) -> float:
     """What per-head query and key norms keep per token in fp32: each norm's input and its
     normalised output, and one inverse root mean square per head."""
-    q_heads, kv_heads = m.heads / t, max(m.kv_heads // t, 1)
-    return (q_heads + kv_heads) * (2 * m.head_dim + 1)
+    return (m.heads / t + local_kv_heads(m, t)) * (2 * m.head_dim + 1)
 
 
 def layer_matmul_elements(m: ModelShape, t: int) -> int:
     """One decoder layer's matmul weights on a tp rank (a KV head at least)."""
-    kv = max(m.kv_heads // t, 1) * m.head_dim
+    kv = local_kv_heads(m, t) * m.head_dim
     return int(2 * m.hidden * m.heads * m.head_dim / t + 2 * m.hidden * kv) + int(
         3 * m.hidden * m.intermediate / t
     )
