@@ -9,7 +9,7 @@ import pytest
 
 from meshtrain.config_parsing import ConfigError
 from meshtrain.data.bfd import best_fit_decreasing, pack_examples
-from meshtrain.data.builtin_chats import builtin_instructions
+from meshtrain.data.builtin import builtin_instructions
 from meshtrain.data.chat_tokens import tokenize_examples
 from meshtrain.data.corpus import load_corpus
 from meshtrain.data.tokenizer import train_tokenizer

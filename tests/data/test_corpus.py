@@ -9,8 +9,8 @@ from pathlib import Path
 import datasets
 import pytest
 
-from meshtrain.data import corpus as corpus_module
-from meshtrain.data.corpus import DEFAULT_BUILTIN_MAX_CHARS, MIN_DOC_CHARS, load_corpus
+from meshtrain.data.builtin import DEFAULT_BUILTIN_MAX_CHARS, MIN_DOC_CHARS, stdlib_sources
+from meshtrain.data.corpus import load_corpus
 
 COMMON_WORDS = ("the", "of", "and", "to", "is", "a", "in", "if", "for", "be")
 
@@ -71,7 +71,7 @@ def test_builtin_cap_below_first_document_errors() -> None:
 def test_builtin_includes_stdlib_docstrings_but_not_tests(builtin: datasets.Dataset) -> None:
     texts = _texts(builtin)
     assert any(t.startswith("Ordered dictionary") or "OrderedDict" in t for t in texts)
-    sources = corpus_module._stdlib_sources()
+    sources = stdlib_sources()
     assert sources == sorted(sources)
     skipped = {"test", "idlelib", "lib2to3", "site-packages", "turtledemo"}
     assert all(not skipped.intersection(p.parts) for p in sources)

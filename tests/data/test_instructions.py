@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from meshtrain.data.builtin_chats import (
+from meshtrain.data.builtin import (
     MAX_ANSWER_CHARS,
     SYSTEM_PROMPT,
     builtin_instructions,

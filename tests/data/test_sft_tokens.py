@@ -14,7 +14,7 @@ import types
 import datasets
 import pytest
 
-from meshtrain.data.builtin_chats import builtin_instructions
+from meshtrain.data.builtin import builtin_instructions
 from meshtrain.data.chat_tokens import ChatTemplateError, tokenize_example
 from meshtrain.data.corpus import load_corpus
 from meshtrain.data.tokenizer import train_tokenizer

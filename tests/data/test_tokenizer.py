@@ -8,8 +8,17 @@ import datasets
 import pytest
 import transformers
 
+from meshtrain.config import DataConfig
 from meshtrain.data.corpus import load_corpus
-from meshtrain.data.tokenizer import EOS_TOKEN, load_tokenizer, train_tokenizer
+from meshtrain.data.pretrained_tokenizer import TokenizerMismatch
+from meshtrain.data.tokenizer import (
+    EOS_TOKEN,
+    TokenizerSource,
+    load_tokenizer,
+    tokenizer_size,
+    tokenizer_source,
+    train_tokenizer,
+)
 
 VOCAB = 512
 SAMPLES = [
@@ -84,3 +93,26 @@ def test_small_batches_give_same_tokenizer(
 def test_too_small_vocab_errors(corpus: datasets.Dataset, vocab_size: int) -> None:
     with pytest.raises(ValueError, match="data.vocab_size"):
         train_tokenizer(corpus, vocab_size)
+
+
+def test_the_tokenizer_source_is_data_tokenizer_else_the_models_else_trained() -> None:
+    named = DataConfig(tokenizer="./tok")
+    assert tokenizer_source(named, "Qwen/Qwen2.5-0.5B") == TokenizerSource("./tok", False)
+    assert tokenizer_source(DataConfig(), "./model") == TokenizerSource("./model", True)
+    assert tokenizer_source(DataConfig(), None) == TokenizerSource(None, False)
+
+
+def test_tokenizer_size_is_what_the_data_pipeline_will_have(
+    tok: transformers.PreTrainedTokenizerBase, tmp_path: Path
+) -> None:
+    tok.save_pretrained(tmp_path / "tok")
+    (tmp_path / "bare").mkdir()
+    folder = str(tmp_path / "tok")
+    assert tokenizer_size(DataConfig(vocab_size=1000), None) == 1000  # trained: at most
+    assert tokenizer_size(DataConfig(tokenizer=folder), None) == len(tok)
+    assert tokenizer_size(DataConfig(), folder) == len(tok)  # the model folder's own
+    assert tokenizer_size(DataConfig(tokenizer=folder), "Qwen/Qwen2.5-0.5B") == len(tok)
+    assert tokenizer_size(DataConfig(), "Qwen/Qwen2.5-0.5B") is None  # known once fetched
+    assert tokenizer_size(DataConfig(tokenizer="Qwen/Qwen2.5-0.5B"), None) is None
+    with pytest.raises(TokenizerMismatch, match="has no tokenizer"):
+        tokenizer_size(DataConfig(), str(tmp_path / "bare"))

@@ -2,7 +2,7 @@
 packed example starts.
 
 Pretraining blocks are one stream of documents: every position predicts the next token.
-Fine-tuning blocks hold whole examples packed side by side (`data/bin_packing.py`): a
+Fine-tuning blocks hold whole examples packed side by side (`data/bfd.py`): a
 position is trained only when the next token belongs to the same example and is one the
 run learns (`data.loss_on`), and positions restart at each example so attention can be
 kept inside it (`models/packed_attention.py`).

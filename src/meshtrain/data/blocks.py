@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 
 PACKED_COLUMNS = ("position_ids", "loss_mask")
-"""The columns of fine-tuning blocks (`data/bin_packing.py`) beside `input_ids`."""
+"""The columns of fine-tuning blocks (`data/bfd.py`) beside `input_ids`."""
 
 
 def is_packed(split: datasets.Dataset) -> bool:

@@ -1,38 +1,23 @@
 """Load a text corpus as a ``datasets.Dataset`` with one document per row in column ``text``.
 
-Three sources: a small real-English corpus built offline from the documentation that ships
-with the Python standard library (so tests and laptops need no download), local text files,
-and a dataset from the Hugging Face Hub (for real runs on connected machines).
+Three sources: the builtin corpus (`data/builtin.py`: real English made offline from the
+documentation that ships with Python, so tests and laptops need no download), local text
+files, and a dataset from the Hugging Face Hub (for real runs on connected machines).
 """
 
 from __future__ import annotations
 
-import ast
 import codecs
-import gc
 import glob
 import os
-import sysconfig
-import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import datasets
 
 from meshtrain.config_parsing import ConfigError
+from meshtrain.data.builtin import builtin_corpus
 
 SOURCES = ("builtin", "text_files", "hub")
-DEFAULT_BUILTIN_MAX_CHARS = 3_000_000
-MIN_DOC_CHARS = 80
-"""Docstrings shorter than this are mostly one-line stubs ("Return self."), not prose."""
-
-_SKIPPED_DIRS = frozenset(
-    {"test", "tests", "idlelib", "lib2to3", "site-packages", "dist-packages", "turtledemo"}
-)
-"""Stdlib folders whose text is test fixtures, third-party code or old-syntax sources."""
-
-_DOCSTRING_NODES = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
 
 
 class CorpusError(ConfigError):
@@ -55,8 +40,7 @@ def load_corpus(
 ) -> datasets.Dataset:
     """Return the corpus named by ``source``; blank documents are dropped for every source."""
     if source == "builtin":
-        max_chars = DEFAULT_BUILTIN_MAX_CHARS if builtin_max_chars is None else builtin_max_chars
-        return _load_builtin(max_chars)
+        return builtin_corpus(builtin_max_chars)
     if source == "text_files":
         if not text_files:
             raise CorpusError(
@@ -87,107 +71,6 @@ def checked_corpus(corpus: datasets.Dataset, where: str) -> datasets.Dataset:
             "(text files are cut into documents at blank lines): add text, or more files"
         )
     return corpus
-
-
-# --- builtin -------------------------------------------------------------------------------
-
-
-def _load_builtin(max_chars: int) -> datasets.Dataset:
-    """Collect whole documents in a fixed order until the next one would pass ``max_chars``."""
-    if max_chars <= 0:
-        raise ValueError(f"data.builtin_max_chars must be positive; got {max_chars}")
-    docs: list[str] = []
-    seen: set[str] = set()
-    total = 0
-    for doc in _builtin_documents():
-        if doc in seen:  # identical docstrings are common; duplicates would leak across splits
-            continue
-        if total + len(doc) > max_chars:
-            break
-        seen.add(doc)
-        docs.append(doc)
-        total += len(doc)
-    if not docs:
-        raise ValueError(
-            f"data.builtin_max_chars={max_chars} is smaller than the first builtin document; "
-            "raise it"
-        )
-    return datasets.Dataset.from_dict({"text": docs})
-
-
-def _builtin_documents() -> Iterator[str]:
-    """Yield help topics then stdlib docstrings, lazily, so a small cap parses few files."""
-    from pydoc_data.topics import topics
-
-    for key in sorted(topics):
-        text = topics[key].strip()
-        if len(text) >= MIN_DOC_CHARS:
-            yield text
-    for path in _stdlib_sources():
-        with _gc_paused():
-            docs = list(_docstrings(path))
-        yield from docs
-
-
-def _stdlib_sources() -> list[Path]:
-    """Sorted stdlib ``.py`` files, minus tests, IDLE, lib2to3 and installed packages."""
-    root = sysconfig.get_paths()["stdlib"]
-    found: list[Path] = []
-    for folder, subdirs, names in os.walk(root):
-        subdirs[:] = [d for d in subdirs if d not in _SKIPPED_DIRS and d != "__pycache__"]
-        found.extend(Path(folder, name) for name in names if name.endswith(".py"))
-    return sorted(found)
-
-
-@contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Pause the cyclic GC while a file is parsed.
-
-    ``ast.parse`` allocates a node per syntax element and each allocation burst triggers a GC
-    pass over every live object; pausing it makes parsing the stdlib about 3x faster. The tree
-    is dropped right after, so no garbage accumulates.
-    """
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
-
-
-def _docstrings(path: Path) -> Iterator[str]:
-    """Module, class and function docstrings of one file, parsed with ``ast`` (never imported)."""
-    try:
-        with warnings.catch_warnings():  # invalid escapes in old sources warn on parse
-            warnings.simplefilter("ignore")
-            tree = ast.parse(path.read_bytes(), filename=str(path))
-    except (SyntaxError, ValueError, OSError):
-        return
-    for node in _definitions(tree):
-        text = (ast.get_docstring(node, clean=True) or "").strip()
-        if len(text) >= MIN_DOC_CHARS:
-            yield text
-
-
-def _definitions(tree: ast.Module) -> Iterator[ast.AST]:
-    """The module, then its classes and functions in source order, visiting statements only.
-
-    Docstrings live only on these nodes, so expressions (most of the tree) are never walked;
-    definitions nested in ``if``/``try``/``with`` blocks are still found.
-    """
-    stack: list[ast.AST] = [tree]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, _DOCSTRING_NODES):
-            yield node
-        children = [
-            child
-            for field in ("body", "orelse", "finalbody", "handlers", "cases")
-            for child in getattr(node, field, ())
-            if isinstance(child, ast.stmt | ast.excepthandler | ast.match_case)
-        ]
-        stack.extend(reversed(children))
 
 
 # --- local text files ----------------------------------------------------------------------
@@ -275,10 +158,7 @@ def _strip_batch(batch: dict[str, list[str]]) -> dict[str, list[str]]:
 
 def _load_hub(name: str, config: str | None, split: str, text_column: str) -> datasets.Dataset:
     """Download (or reuse the cached) Hub split and keep only its text column as ``text``."""
-    try:
-        ds = datasets.load_dataset(name, config, split=split)
-    except ConnectionError as error:  # offline, or no network, and not in the local cache
-        raise _unreachable(name, config, split) from error
+    ds = load_hub_split(name, config, split)
     if text_column not in ds.column_names:
         raise CorpusError(
             f"data.text_column={text_column!r} is not a column of {name}; "
@@ -288,6 +168,15 @@ def _load_hub(name: str, config: str | None, split: str, text_column: str) -> da
     if text_column != "text":
         ds = ds.rename_column(text_column, "text")
     return ds
+
+
+def load_hub_split(name: str, config: str | None, split: str) -> datasets.Dataset:
+    """A Hub dataset's split, downloaded or from the local cache; where it is neither
+    reachable nor cached, refused saying how to get it (text corpus and examples alike)."""
+    try:
+        return datasets.load_dataset(name, config, split=split)
+    except ConnectionError as error:  # offline, or no network, and not in the local cache
+        raise _unreachable(name, config, split) from error
 
 
 def _drop_blank(ds: datasets.Dataset) -> datasets.Dataset:

@@ -13,8 +13,8 @@ from typing import Any
 
 import datasets
 
-from meshtrain.data.builtin_chats import builtin_instructions
-from meshtrain.data.corpus import CorpusError, _unreachable, expand_patterns
+from meshtrain.data.builtin import builtin_instructions
+from meshtrain.data.corpus import CorpusError, expand_patterns, load_hub_split
 
 FORMAT_COLUMNS = {
     "conversational": ("messages",),
@@ -51,10 +51,7 @@ def load_examples(
         # Parquet reads strings as large_string, JSON as string: one schema for all.
         return datasets.concatenate_datasets([p.cast(parts[0].features) for p in parts])
     if source == "hub":
-        try:
-            ds = datasets.load_dataset(hub_dataset, hub_config, split=hub_split)
-        except ConnectionError as error:
-            raise _unreachable(hub_dataset, hub_config, hub_split) from error
+        ds = load_hub_split(hub_dataset, hub_config, hub_split)
         return _canonical(ds, columns, f"data.hub_dataset={hub_dataset}")
     if source == "catalog":
         return _canonical(_from_catalog(in_memory), columns, "raw_examples")

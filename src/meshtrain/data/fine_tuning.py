@@ -3,7 +3,7 @@
 Examples (TRL's formats: text, prompt/completion, conversational) are split into train
 and validation whole, tokenized through the chat template with the mask of the tokens
 `data.loss_on` trains, and best-fit into blocks where each keeps its own positions and
-attention (`bin_packing`). What was skipped, dropped or truncated is counted and said.
+attention (`data/bfd.py`). What was skipped, dropped or truncated is counted and said.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Which tokenizer a run reads its data with, and whether it fits the model it feeds.
+"""Pretrained tokenizers: reading one, and whether it fits the model it feeds.
 
 With `model.init_from` the pretrained folder defines the model, and its tokenizer (the
 vocabulary the embedding was trained on, its special tokens, its chat template) comes
@@ -13,9 +13,12 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from meshtrain.config_parsing import ConfigError, names_a_path
+
+if TYPE_CHECKING:
+    import transformers
 
 # Any of these makes a folder a tokenizer folder for AutoTokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -55,8 +58,6 @@ def check_tokenizer_fits(data_tokenizer: str | None, init_from: str | None) -> N
         return
     if Path(data_tokenizer).resolve() == Path(init_from).resolve():
         return
-    from meshtrain.data.tokenizer import load_tokenizer  # noqa: PLC0415
-
     theirs = load_tokenizer(data_tokenizer)
     rows = json.loads((Path(init_from) / "config.json").read_text()).get("vocab_size")
     if rows is not None and len(theirs) > rows:
@@ -111,8 +112,6 @@ def check_tokenizer_name(data_tokenizer: str | None) -> None:
 def load_data_tokenizer(name: str) -> Any:
     """The tokenizer `data.tokenizer` (or model.init_from's folder) names; a folder or hub
     id transformers cannot read is refused naming it, with transformers' reason."""
-    from meshtrain.data.tokenizer import load_tokenizer  # noqa: PLC0415
-
     try:
         return load_tokenizer(name)
     except (OSError, ValueError) as error:
@@ -121,3 +120,16 @@ def load_data_tokenizer(name: str) -> Any:
             f"`data.tokenizer` {name!r} cannot be read as a tokenizer ({reason}): name a "
             "tokenizer folder or a hub id reachable from here."
         ) from None
+
+
+def load_tokenizer(name_or_path: str) -> transformers.PreTrainedTokenizerBase:
+    """Load a saved tokenizer folder or a Hub id; packing needs it to have an eos token."""
+    # transformers takes seconds to import; the checks above (preflight's) need none of it.
+    import transformers  # noqa: PLC0415
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(name_or_path)
+    if tokenizer.eos_token_id is None:
+        raise ValueError(
+            f"tokenizer {name_or_path!r} has no eos token; packing needs one to separate documents"
+        )
+    return tokenizer

@@ -1,13 +1,15 @@
-"""Train a byte-level BPE tokenizer on the corpus, or load a pretrained one.
+"""The run's tokenizer: which one (`tokenizer_source`), its size, or one trained here.
 
-Byte-level BPE needs no unknown token (every byte is in the base alphabet) and decodes back to
-the exact input text, so a small model trained from scratch can use a vocabulary fitted to its
-own corpus.
+`data.tokenizer`, else the `model.init_from` model's own, else a byte-level BPE trained on
+the corpus. Byte-level BPE needs no unknown token (every byte is in the base alphabet) and
+decodes back to the exact input text, so a small model trained from scratch can use a
+vocabulary fitted to its own corpus.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any, NamedTuple
 
 import datasets
 import transformers
@@ -15,7 +17,49 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 
 # What the trained tokenizer is made of, declared beside `data.vocab_size` (whose check
 # needs them) so that config imports nothing from data.
-from meshtrain.config import BYTE_ALPHABET_SIZE, EOS_TOKEN, SPECIAL_TOKENS
+from meshtrain.config import BYTE_ALPHABET_SIZE, EOS_TOKEN, SPECIAL_TOKENS, DataConfig
+from meshtrain.config_parsing import names_a_path
+from meshtrain.data.pretrained_tokenizer import load_data_tokenizer, tokenizer_to_load
+
+# Read with the other pretrained tokenizers' readers; importers of this module's name keep it.
+from meshtrain.data.pretrained_tokenizer import load_tokenizer as load_tokenizer
+
+
+class TokenizerSource(NamedTuple):
+    """Where the run's tokenizer comes from (`make_tokenizer` and `tokenizer_size` both
+    ask `tokenizer_source`)."""
+
+    name: str | None
+    """`data.tokenizer`, else `model.init_from` (a folder or a hub id); None: trained here."""
+    of_model: bool
+    """`name` is `model.init_from`: the tokenizer the model's embedding was trained with,
+    read from its folder (a hub model is fetched with its weights)."""
+
+
+def tokenizer_source(data: DataConfig, init_from: str | None) -> TokenizerSource:
+    """`data.tokenizer`, else the `model.init_from` model's own, else one trained here."""
+    if data.tokenizer:
+        return TokenizerSource(data.tokenizer, of_model=False)
+    return TokenizerSource(init_from or None, of_model=bool(init_from))
+
+
+def tokenizer_size(data: DataConfig, init_from: str | None) -> int | None:
+    """The length the run's tokenizer will have, without building it: at most
+    `data.vocab_size` for one trained here (a small corpus yields fewer merges), a local
+    folder's own length, None for a hub tokenizer or model (known once downloaded)."""
+    source = tokenizer_source(data, init_from)
+    if source.name is None:
+        return data.vocab_size
+    if not names_a_path(source.name):
+        return None
+    return len(read_tokenizer(source.name, of_model=source.of_model))
+
+
+def read_tokenizer(name: str, *, of_model: bool) -> Any:
+    """The tokenizer `name` holds (`of_model`: the model's folder, refused if it ships
+    none); one transformers cannot read is refused naming it."""
+    folder = tokenizer_to_load(None, name) if of_model else name
+    return load_data_tokenizer(folder)
 
 
 def train_tokenizer(
@@ -85,16 +129,6 @@ CHATML_TEMPLATE = (
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
 )
-
-
-def load_tokenizer(name_or_path: str) -> transformers.PreTrainedTokenizerBase:
-    """Load a saved tokenizer folder or a Hub id; packing needs it to have an eos token."""
-    tokenizer = transformers.AutoTokenizer.from_pretrained(name_or_path)
-    if tokenizer.eos_token_id is None:
-        raise ValueError(
-            f"tokenizer {name_or_path!r} has no eos token; packing needs one to separate documents"
-        )
-    return tokenizer
 
 
 def _text_batches(corpus: datasets.Dataset, batch_size: int) -> Iterator[list[str]]:
