@@ -20,7 +20,8 @@ from meshtrain.planner.checks import context_parallel_degrees
 from meshtrain.planner.context_memory import gathered_kv_bytes, kv_gradient_bytes, mask_bytes
 from meshtrain.planner.cost import attention_excess
 from meshtrain.planner.explain import context_parallel_wanted
-from meshtrain.planner.memory import FP32, ModelShape, estimate_memory
+from meshtrain.planner.memory import estimate_memory
+from meshtrain.planner.shapes import FP32, ModelShape
 from meshtrain.tracking.mlflow_run import flatten
 from tests.planner.test_layout import SHAPE as LAYOUT_SHAPE
 

@@ -22,14 +22,8 @@ every layer, (2cp + 1) c^2 elements (c = block / 2cp).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from meshtrain.planner.layer_memory import local_kv_heads
-
-if TYPE_CHECKING:
-    from meshtrain.planner.memory import ModelShape, StepShape
-
-BYTES_FP32, BYTES_BF16 = 4, 2
+from meshtrain.planner.shapes import BYTES_BF16, BYTES_FP32, ModelShape, StepShape
 
 
 def compute_bytes(step: StepShape) -> int:

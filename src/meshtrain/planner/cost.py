@@ -61,113 +61,20 @@ Everything else runs one after the other, as meshtrain does.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 from meshtrain.planner.context_memory import gathered_kv_bytes
 from meshtrain.planner.devices import DeviceProfile
-from meshtrain.planner.memory import (
+from meshtrain.planner.shapes import (
     BYTES_BF16,
     BYTES_FP32,
+    ContextTime,
     GatherUnits,
     MemoryEstimate,
     ModelShape,
+    ShardingTime,
     StepShape,
+    TimeEstimate,
 )
-
-
-@dataclass(frozen=True)
-class ShardingTime:
-    """Sharded data parallelism's collectives in one optimizer step, in seconds."""
-
-    all_gather_per_layer_s: float
-    reduce_scatter_per_layer_s: float
-    rounds: int  # gather/reduce rounds per step: microbatches (no pp) or schedule steps (pp)
-    all_gather_s: float
-    reduce_scatter_s: float
-    replica_all_reduce_s: float  # hybrid sharding only
-    exposed_s: float
-
-    @property
-    def total_s(self) -> float:
-        return self.all_gather_s + self.reduce_scatter_s + self.replica_all_reduce_s
-
-    @property
-    def overlapped_share(self) -> float:
-        """The share of the collectives' time hidden behind compute."""
-        return 1.0 - self.exposed_s / self.total_s if self.total_s else 1.0
-
-    def to_dict(self) -> dict[str, float]:
-        return {
-            "sdp_all_gather_per_layer_s": self.all_gather_per_layer_s,
-            "sdp_reduce_scatter_per_layer_s": self.reduce_scatter_per_layer_s,
-            "sdp_rounds_per_step": float(self.rounds),
-            "sdp_all_gather_s": self.all_gather_s,
-            "sdp_reduce_scatter_s": self.reduce_scatter_s,
-            "sdp_replica_all_reduce_s": self.replica_all_reduce_s,
-            "sdp_exposed_s": self.exposed_s,
-            "sdp_overlapped_share": self.overlapped_share,
-        }
-
-
-@dataclass(frozen=True)
-class ContextTime:
-    """Context parallelism's K/V exchange in one optimizer step, in seconds (cp > 1)."""
-
-    all_gather_per_layer_s: float  # one layer's K and V, one microbatch
-    reduce_scatter_per_layer_s: float  # their gradient
-    gathers_per_layer: int  # forward, full checkpointing's recomputation, CPU's backward
-    exchanges_per_step: int  # layers on the busiest rank x microbatches x passes
-    total_s: float  # all exposed: the exchange runs right before attention, synchronously
-    attention_share: float  # of the rank's compute, the attention scores' part
-
-    def to_dict(self) -> dict[str, float]:
-        return {
-            "context_parallel_s": self.total_s,
-            "cp_kv_all_gather_per_layer_s": self.all_gather_per_layer_s,
-            "cp_kv_reduce_scatter_per_layer_s": self.reduce_scatter_per_layer_s,
-            "cp_kv_all_gathers_per_layer": float(self.gathers_per_layer),
-            "cp_exchanges_per_step": float(self.exchanges_per_step),
-            "cp_overlapped_share": 0.0,
-            "cp_attention_share": self.attention_share,
-        }
-
-
-@dataclass(frozen=True)
-class TimeEstimate:
-    compute_s: float
-    tensor_parallel_s: float
-    pipeline_s: float
-    data_parallel_s: float
-    optimizer_s: float
-    sharding: ShardingTime | None = None  # its exposed part is in data_parallel_s
-    context: ContextTime | None = None  # cp > 1: the K/V exchange, all of it exposed
-
-    @property
-    def context_parallel_s(self) -> float:
-        return self.context.total_s if self.context else 0.0
-
-    @property
-    def step_s(self) -> float:
-        return (
-            self.compute_s
-            + self.tensor_parallel_s
-            + self.pipeline_s
-            + self.data_parallel_s
-            + self.optimizer_s
-            + self.context_parallel_s
-        )
-
-    def to_dict(self) -> dict[str, float]:
-        values = {
-            "compute_s": self.compute_s,
-            "tensor_parallel_s": self.tensor_parallel_s,
-            "pipeline_s": self.pipeline_s,
-            "data_parallel_s": self.data_parallel_s,
-            "optimizer_s": self.optimizer_s,
-            "step_s": self.step_s,
-        }
-        values |= self.context.to_dict() if self.context else {}
-        return values | (self.sharding.to_dict() if self.sharding else {})
 
 
 def _layer_matmul_weights(m: ModelShape) -> int:

@@ -33,12 +33,8 @@ from meshtrain.planner.cost import estimate_step_time, model_flops_per_token
 from meshtrain.planner.devices import DeviceProfile
 from meshtrain.planner.lora_memory import lora_activation_terms
 from meshtrain.planner.loss_memory import auto_loss_chunk_tokens
-from meshtrain.planner.memory import (
-    ModelShape,
-    StepShape,
-    estimate_memory,
-    gather_units,
-)
+from meshtrain.planner.memory import estimate_memory, gather_units
+from meshtrain.planner.shapes import ModelShape, StepShape
 from meshtrain.planner.types import LayoutError, Plan
 
 

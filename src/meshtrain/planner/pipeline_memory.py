@@ -3,10 +3,7 @@ torch's schedules (the multipliers of `planner.memory`'s per-microbatch terms)."
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from meshtrain.planner.memory import StepShape
+from meshtrain.planner.shapes import StepShape
 
 
 def in_flight_microbatches(step: StepShape, rank: int) -> int:
