@@ -16,9 +16,8 @@ import torch
 from transformers import PretrainedConfig
 
 from meshtrain.config import AUTO, RunConfig
-from meshtrain.models.builder import build_meta_model
-from meshtrain.models.llama.parameter_names import llama_family_shapes
-from meshtrain.models.lora import LoraConverter, check_pretrained_base
+from meshtrain.models.lora import check_pretrained_base
+from meshtrain.models.shapes import lora_adapter_shapes, parameter_shapes
 from meshtrain.planner.checks import (
     IMPLEMENTED_ACTIVATION_CHECKPOINTING,
     context_parallel_degrees,
@@ -72,7 +71,7 @@ def plan_run(
     budget = device.memory_bytes * (1 - run.planner.memory_margin)
     context = PlanContext(
         model_config=model_config,
-        shapes=llama_family_shapes(model_config),
+        shapes=parameter_shapes(model_config),
         adapter_shapes=adapter_shapes(run, model_config),
         num_train_blocks=num_train_blocks,
         num_validation_blocks=num_validation_blocks,
@@ -146,15 +145,14 @@ def _none_fits(
 
 
 def adapter_shapes(run: RunConfig, model_config: PretrainedConfig) -> dict[str, tuple[int, ...]]:
-    """The LoRA adapters' shapes, found by converting the meta model (which also refuses a
-    target the model does not have, before any worker starts); empty without LoRA."""
+    """The LoRA adapters' shapes, from the config and the LoRA settings as the converter
+    makes them (refusing a target the model does not have, before any worker starts);
+    empty without LoRA."""
     settings = run.model.lora_settings
     if settings is None:
         return {}
     check_pretrained_base(settings, run.model.init_from)
-    converter = LoraConverter(settings, run.training.seed)
-    converter.convert(build_meta_model(model_config))
-    return dict(converter.shapes)
+    return lora_adapter_shapes(model_config, settings)
 
 
 def _zero_1_where_needed(
