@@ -14,26 +14,28 @@ from transformers import PretrainedConfig
 
 from meshtrain.config import AUTO, DataConfig, Layout, RunConfig
 from meshtrain.models.converters import converter_names
-from meshtrain.planner.checks import (
-    check_activation_checkpointing,
-    check_batch_vs_data,
-    check_context_parallel,
-    check_model_vs_data,
-    check_pipeline_parallel,
-    check_tensor_parallel,
-    global_batch_size,
-    resolve_backend,
+from meshtrain.planner.axes.context import check_context_parallel
+from meshtrain.planner.axes.data import (
     resolve_data_parallel,
-    resolve_pipeline,
-    resolve_sequence_parallel,
     resolve_sharded_data_parallel,
     resolve_zero_1,
 )
-from meshtrain.planner.cost import estimate_step_time, model_flops_per_token
+from meshtrain.planner.axes.pipeline import check_pipeline_parallel, resolve_pipeline
+from meshtrain.planner.axes.tensor import check_tensor_parallel, resolve_sequence_parallel
+from meshtrain.planner.checks import (
+    check_activation_checkpointing,
+    check_batch_vs_data,
+    check_model_vs_data,
+    global_batch_size,
+    resolve_backend,
+)
+from meshtrain.planner.cost import estimate_step_time
 from meshtrain.planner.devices import DeviceProfile
+from meshtrain.planner.flops import model_flops_per_token
 from meshtrain.planner.lora_memory import lora_activation_terms
 from meshtrain.planner.loss_memory import auto_loss_chunk_tokens
-from meshtrain.planner.memory import estimate_memory, gather_units
+from meshtrain.planner.memory import estimate_memory
+from meshtrain.planner.parameters import gather_units
 from meshtrain.planner.shapes import ModelShape, StepShape
 from meshtrain.planner.types import LayoutError, Plan
 

@@ -18,9 +18,9 @@ measured peak of live tensors (`components.memory_probe`, `meshtrain.dryrun`):
 - pipeline schedules: GPipe keeps every microbatch's activations, 1F1B at
   most `pp - stage` on a stage, interleaved 1F1B its warm-up depth in model
   chunks (torch's schedule); the last stage keeps the loss's share of each
-  microbatch in flight until its backward (`planner.pipeline_memory`);
+  microbatch in flight until its backward (`planner.axes.pipeline`);
 - context parallelism: per-token terms at the rank's block / cp tokens, the gathered
-  K/V and packed examples' masks (`planner.context_memory`); ZeRO-1 and FSDP2 over x cp.
+  K/V and packed examples' masks (`planner.axes.context`); ZeRO-1 and FSDP2 over x cp.
 
 `process_total`, fitted into the device, adds the profile's runtime and allocator share;
 offloaded activations are counted apart (host memory).
@@ -28,7 +28,7 @@ offloaded activations are counted apart (host memory).
 Precisions: `no` and `bf16` (autocast) keep fp32 parameters and gradients (bf16
 matmul outputs); `bf16_master` bf16 parameters and activations, fp32 gradients (or
 bf16) and an fp32 master in AdamW. Sharded (`StepShape.sharded` = N > 1, FSDP2): fp32
-shards over N, what is gathered counted apart (`gathered_bytes`). Each term with its
+shards over N, what is gathered counted apart (`axes.data.gathered_bytes`). Each term with its
 bytes: docs/planner.md, "Memory model" and "Sharded data parallelism".
 """
 
@@ -37,196 +37,35 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from meshtrain.distributed.kv_heads import kv_replication_factor
-from meshtrain.models.llama.parameter_names import (
-    EMBEDDING,
-    is_kv_projection,
-    is_tensor_parallel_sharded,
-)
-from meshtrain.planner.context_memory import (
+from meshtrain.planner.axes.context import (
     context_breakdown,
     extra_kv_bytes,
     kv_gradient_bytes,
     mask_bytes,
 )
+from meshtrain.planner.axes.data import (
+    gathered_bytes,
+    lora_model_states,
+    sharded_model_states,
+    with_model_states,
+)
+from meshtrain.planner.axes.pipeline import in_flight_microbatches, last_stage_in_flight
 from meshtrain.planner.layer_memory import (
     backward_working_set,
     layer_activation_elements,
     layer_matmul_elements,
 )
 from meshtrain.planner.loss_memory import head_keeps_its_input, loss_bytes
-from meshtrain.planner.pipeline_memory import in_flight_microbatches, last_stage_in_flight
+from meshtrain.planner.parameters import local_counts
 from meshtrain.planner.shapes import (
     BYTES_BF16,
     BYTES_FP32,
-    FP32,
     INT64,
     GatherUnits,
     MemoryEstimate,
     ModelShape,
     StepShape,
 )
-
-
-def local_parameter_count(
-    shapes: dict[str, tuple[int, ...]], *, tp: int, kv_replication: int = 1
-) -> int:
-    """Elements of all parameters one tensor-parallel rank holds."""
-    return sum(_local_numel(name, shape, tp, kv_replication) for name, shape in shapes.items())
-
-
-def _local_numel(name: str, shape: tuple[int, ...], tp: int, kv_replication: int) -> int:
-    numel = math.prod(shape)
-    if tp > 1 and is_tensor_parallel_sharded(name):
-        copies = kv_replication if is_kv_projection(name) else 1
-        return math.ceil(numel * copies / tp)
-    return numel
-
-
-def stage_parameter_counts(
-    shapes: dict[str, tuple[int, ...]],
-    stage_layers: tuple[int, ...],
-    *,
-    tp: int,
-    kv_replication: int,
-    tied_embeddings: bool = False,
-) -> list[int]:
-    """Local parameter elements of each pipeline stage (embeddings first, head last).
-
-    Tied embeddings over several stages: the last stage holds a copy of the embedding
-    as its LM head (the shapes list the tied weight once)."""
-    first_layer = [sum(stage_layers[:i]) for i in range(len(stage_layers))]
-    counts = [0] * len(stage_layers)
-    for name, shape in shapes.items():
-        numel = _local_numel(name, shape, tp, kv_replication)
-        if ".layers." in name:
-            layer = int(name.split(".layers.")[1].split(".")[0])
-            stage = max(i for i, start in enumerate(first_layer) if start <= layer)
-        elif name == EMBEDDING:
-            stage = 0
-            if tied_embeddings and len(stage_layers) > 1:
-                counts[-1] += numel
-        else:  # final norm, lm_head
-            stage = len(stage_layers) - 1
-        counts[stage] += numel
-    return counts
-
-
-def estimate_model_states(
-    shapes: dict[str, tuple[int, ...]],
-    *,
-    dp: int,
-    tp: int,
-    pp: int,
-    zero_1: bool,
-    kv_replication: int = 1,
-    precision: StepShape | None = None,
-    sharded: int = 1,
-) -> MemoryEstimate:
-    """Bytes per rank of parameters, gradients and optimizer states, stages averaged
-    (`precision`: a step shape whose precision fields apply; default fp32; `sharded`:
-    the sharded data parallel degree, which divides all three)."""
-    local = math.ceil(local_parameter_count(shapes, tp=tp, kv_replication=kv_replication) / pp)
-    step = dataclasses.replace(precision or FP32, sharded=sharded)
-    if sharded > 1:
-        return _sharded_model_states(local, step)
-    owned = math.ceil(local / dp) if zero_1 else local
-    return _with_model_states(local, owned, step)
-
-
-def _with_model_states(
-    held: int, owned: int, step: StepShape, *, activations: int = 0, loss: int = 0
-) -> MemoryEstimate:
-    """Parameters and gradients of `held` elements, optimizer states of the `owned` ones,
-    at the step's precision."""
-    return MemoryEstimate(
-        parameters=held * step.parameter_bytes,
-        gradients=held * step.gradient_bytes,
-        optimizer_states=owned * step.optimizer_bytes,
-        activations=activations,
-        loss=loss,
-    )
-
-
-def _sharded_model_states(
-    local: int, step: StepShape, *, gathered: int = 0, activations: int = 0, loss: int = 0
-) -> MemoryEstimate:
-    """The rank's 1/N of `local` elements: fp32 parameters (the master weights under
-    bf16_master), fp32 gradients (FSDP2 casts the reduced gradient to the parameter's
-    dtype) and the two moments, padded to a multiple of N."""
-    shard = math.ceil(local / step.shard_ranks)
-    return MemoryEstimate(
-        parameters=shard * BYTES_FP32,
-        gradients=shard * BYTES_FP32,
-        optimizer_states=shard * step.optimizer_bytes,
-        activations=activations,
-        loss=loss,
-        gathered=gathered,
-        gradients_at_peak=False,
-    )
-
-
-def gathered_bytes(
-    step: StepShape, *, local: int, layer: int, layers: int, gradients: bool = True
-) -> int:
-    """Bytes of gathered parameters and unsharded gradients at the step's peak, for a rank
-    holding `local` elements of which `layers` decoder layers of `layer` elements each.
-
-    Without pp the peak is the backward's start (dry runs, docs/dry_run.md): the root
-    group (embedding, final norm, LM head) gathered for the whole step, the last layer
-    gathered again; no gradient unsharded yet (the LM head's is the loss's, the
-    embedding's comes last). Under pp the stage stays gathered and accumulates unsharded
-    gradients until the schedule's last microbatch, whose backward copies the first group
-    into a flat reduce-scatter buffer while the others are still gathered; interleaved,
-    only the last chunk's gradients exist at the warm-up's peak. (Sharding only.)"""
-    grad = step.gradient_bytes if gradients else 0  # a frozen base has none
-    root = local - layers * layer
-    if step.pp > 1 and step.schedule == "interleaved_1f1b":
-        # A rank's gradients are made by its chunks' first backwards: at the warm-up's
-        # peak only the last chunk has had one, and nothing is reduced yet (dry runs).
-        return local * step.parameter_bytes + local // step.virtual_stages * grad
-    if step.pp > 1:
-        return local * (step.parameter_bytes + grad) + max(root, layer) * grad
-    return (root + min(1, layers) * layer) * step.parameter_bytes
-
-
-def layer_parameter_count(
-    shapes: dict[str, tuple[int, ...]], *, tp: int, kv_replication: int = 1
-) -> int:
-    """Local elements of one decoder layer (they are all alike): FSDP2's unit of gathering."""
-    return sum(
-        _local_numel(name, shape, tp, kv_replication)
-        for name, shape in shapes.items()
-        if ".layers.0." in name
-    )
-
-
-def _local_counts(
-    shapes: dict[str, tuple[int, ...]], m: ModelShape, step: StepShape
-) -> tuple[list[int], int]:
-    """Each stage's local parameter count, and one decoder layer's, under step's tp."""
-    kv_replication = kv_replication_factor(m.kv_heads, step.tp)
-    counts = stage_parameter_counts(
-        shapes,
-        step.stage_layers,
-        tp=step.tp,
-        kv_replication=kv_replication,
-        tied_embeddings=m.tied_embeddings,
-    )
-    return counts, layer_parameter_count(shapes, tp=step.tp, kv_replication=kv_replication)
-
-
-def gather_units(shapes: dict[str, tuple[int, ...]], m: ModelShape, step: StepShape) -> GatherUnits:
-    """The units of gathering of the pipeline rank holding the most parameters."""
-    counts, layer = _local_counts(shapes, m, step)
-    stages = len(step.stage_layers)
-    ranks = [list(range(rank, stages, step.pp)) for rank in range(step.pp)]
-    mine = max(ranks, key=lambda stages_: sum(counts[s] for s in stages_))
-    return GatherUnits(
-        local=sum(counts[s] for s in mine),
-        layer=layer,
-        layers=sum(step.stage_layers[s] for s in mine),
-    )
 
 
 def estimate_memory(
@@ -237,10 +76,10 @@ def estimate_memory(
 ) -> MemoryEstimate:
     """Peak bytes of live tensors on the most loaded rank, with its breakdown
     (`adapter_shapes`: a LoRA run's adapters, the only parameters it trains)."""
-    counts, layer = _local_counts(shapes, m, step)
+    counts, layer = local_counts(shapes, m, step)
     stages = len(step.stage_layers)
     adapters, adapter_layer = (
-        _local_counts(adapter_shapes, m, step) if adapter_shapes else ([0] * stages, 0)
+        local_counts(adapter_shapes, m, step) if adapter_shapes else ([0] * stages, 0)
     )
     # Rank r holds stages r, r + pp, ... (interleaved) or just stage r.
     per_rank: list[MemoryEstimate] = []
@@ -255,14 +94,14 @@ def estimate_memory(
                 sum(step.stage_layers[s] for s in mine),
             )
             base = GatherUnits(local, layer, trained.layers)
-            states = _lora_model_states(base, trained, step)
+            states = lora_model_states(base, trained, step)
             per_rank.append(dataclasses.replace(states, activations=activations, loss=loss))
             continue
         if step.sharded > 1:
             layers = sum(step.stage_layers[s] for s in mine)
             gathered = gathered_bytes(step, local=local, layer=layer, layers=layers)
             per_rank.append(
-                _sharded_model_states(
+                sharded_model_states(
                     local, step, gathered=gathered, activations=activations, loss=loss
                 )
             )
@@ -270,7 +109,7 @@ def estimate_memory(
         ranks = step.grad_ranks
         padded = math.ceil(local / ranks) * ranks if step.zero_1 else local
         owned = padded // ranks if step.zero_1 else local
-        per_rank.append(_with_model_states(padded, owned, step, activations=activations, loss=loss))
+        per_rank.append(with_model_states(padded, owned, step, activations=activations, loss=loss))
     worst = max(range(step.pp), key=lambda r: per_rank[r].total)
     mine = list(range(worst, stages, step.pp))
     context_kv, context_mask = context_breakdown(
@@ -300,26 +139,6 @@ def _offloaded(m: ModelShape, step: StepShape, on_device: list[int]) -> int:
         _activations_on_rank(m, kept, rank, list(range(rank, stages, step.pp)))[0] - device
         for rank, device in enumerate(on_device)
     )
-
-
-def _lora_model_states(base: GatherUnits, trained: GatherUnits, step: StepShape) -> MemoryEstimate:
-    """The frozen base's parameters alone (fp32 shards under sharding, else the compute
-    dtype: bf16 under bf16 autocast too), and the adapters' full states (`trained`)."""
-    if step.sharded > 1:
-        adapters = _sharded_model_states(trained.local, step)
-        gathered = gathered_bytes(
-            step, local=base.local, layer=base.layer, layers=base.layers, gradients=False
-        ) + gathered_bytes(step, local=trained.local, layer=trained.layer, layers=trained.layers)
-        frozen = math.ceil(base.local / step.shard_ranks) * BYTES_FP32
-        return dataclasses.replace(
-            adapters, parameters=adapters.parameters + frozen, gathered=gathered
-        )
-    ranks = step.grad_ranks
-    padded = math.ceil(trained.local / ranks) * ranks if step.zero_1 else trained.local
-    owned = padded // ranks if step.zero_1 else padded
-    adapters = _with_model_states(padded, owned, step)
-    frozen = base.local * (BYTES_BF16 if step.bf16 else BYTES_FP32)
-    return dataclasses.replace(adapters, parameters=adapters.parameters + frozen)
 
 
 def _activations_on_rank(

@@ -18,23 +18,19 @@ from transformers import PretrainedConfig
 from meshtrain.config import AUTO, RunConfig
 from meshtrain.models.lora import check_pretrained_base
 from meshtrain.models.shapes import lora_adapter_shapes, parameter_shapes
-from meshtrain.planner.checks import (
-    IMPLEMENTED_ACTIVATION_CHECKPOINTING,
-    context_parallel_degrees,
-    pipeline_parallel_degrees,
-    sharded_data_parallel_degrees,
-    tensor_parallel_degrees,
-)
-from meshtrain.planner.devices import GIB, DeviceProfile, resolve_device
-from meshtrain.planner.explain import (
-    TIE,
-    candidates,
+from meshtrain.planner.axes.context import (
     context_note,
+    context_parallel_degrees,
     context_parallel_wanted,
-    sharding_note,
-    speed,
 )
+from meshtrain.planner.axes.data import sharded_data_parallel_degrees, sharding_note
+from meshtrain.planner.axes.pipeline import pipeline_parallel_degrees
+from meshtrain.planner.axes.tensor import tensor_parallel_degrees
+from meshtrain.planner.checks import IMPLEMENTED_ACTIVATION_CHECKPOINTING
+from meshtrain.planner.devices import GIB, DeviceProfile, resolve_device
+from meshtrain.planner.explain import candidates
 from meshtrain.planner.layout import PlanContext, plan_one_layout
+from meshtrain.planner.ranking import TIE, speed
 from meshtrain.planner.types import LayoutError, Plan, Refusal, divisors
 
 # Less recomputation first, among layouts as fast.
