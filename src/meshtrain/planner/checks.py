@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig
 
-from meshtrain.config import AUTO, DataConfig, LaunchConfig, TrainingConfig
+from meshtrain.config import DataConfig, TrainingConfig
 from meshtrain.planner.types import Refusal
 
 # What the engine can run today. The planner is the one place that knows.
@@ -103,32 +103,3 @@ def check_model_vs_data(
             )
         )
     return refusals
-
-
-def resolve_backend(
-    launch: LaunchConfig, cuda: bool, cuda_devices: int
-) -> tuple[str, list[Refusal]]:
-    """NCCL with CUDA, gloo without (at `auto`); NCCL needs a GPU for each local rank."""
-    refusals: list[Refusal] = []
-    backend = launch.backend
-    if backend == AUTO:
-        backend = "nccl" if cuda else "gloo"
-    elif backend == "nccl" and not cuda:
-        refusals.append(
-            Refusal(
-                "launch.backend",
-                "nccl",
-                "NCCL needs CUDA devices and none is visible",
-                "Use launch.backend=gloo (or auto) on CPU machines.",
-            )
-        )
-    if cuda and backend == "nccl" and launch.nproc_per_node > cuda_devices:
-        refusals.append(
-            Refusal(
-                "launch.nproc_per_node",
-                launch.nproc_per_node,
-                f"only {cuda_devices} CUDA devices are visible",
-                f"Use launch.nproc_per_node<={cuda_devices}.",
-            )
-        )
-    return backend, refusals

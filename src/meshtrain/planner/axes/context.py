@@ -26,6 +26,11 @@ every layer, (2cp + 1) c^2 elements (c = block / 2cp).
 
 from __future__ import annotations
 
+from transformers import PretrainedConfig
+
+from meshtrain.config import AUTO, RunConfig
+from meshtrain.planner.axes.base import AxisChecks
+from meshtrain.planner.candidate import Candidate
 from meshtrain.planner.collectives import link, ring
 from meshtrain.planner.devices import GIB, DeviceProfile
 from meshtrain.planner.flops import attention_excess, layer_forward_flops
@@ -279,3 +284,30 @@ def context_line(plan: Plan, seq_len: int) -> str:
         f"{t['context_parallel_s']:.2f} s per step, none hidden behind compute; attention "
         f"{t['cp_attention_share']:.0%} of the compute"
     )
+
+
+class ContextAxis:
+    """Context parallelism: each row's tokens over cp ranks."""
+
+    name = "context"
+
+    def options(self, run: RunConfig, model_config: PretrainedConfig) -> list[int]:
+        """cp as given; at `auto`, the powers of two the block allows (cp 1 first: the
+        search weighs the others only where `context_parallel_wanted` says so)."""
+        degree = run.parallel.context_parallel_size
+        if degree == AUTO:
+            return context_parallel_degrees(run.launch.world_size, run.data.block_size, search=True)
+        return [degree]
+
+    def check(self, c: Candidate, run: RunConfig, model_config: PretrainedConfig) -> AxisChecks:
+        world, block_size = run.launch.world_size, run.data.block_size
+        return AxisChecks(
+            degree=check_context_parallel(c.cp, world, block_size),
+            layout={"context_parallel_size": c.cp},
+        )
+
+    def describe(self, plan: Plan, seq_len: int) -> str | None:
+        return context_line(plan, seq_len) if plan.layout.context_parallel_size > 1 else None
+
+
+AXIS = ContextAxis()

@@ -11,9 +11,11 @@ import math
 
 from transformers import PretrainedConfig
 
-from meshtrain.config import AUTO, LaunchConfig, Layout, ParallelConfig
+from meshtrain.config import AUTO, LaunchConfig, Layout, RunConfig
+from meshtrain.planner.axes.base import AxisChecks
 from meshtrain.planner.axes.pipeline import pipeline_parallel_degrees
 from meshtrain.planner.axes.tensor import tensor_parallel_degrees
+from meshtrain.planner.candidate import Candidate
 from meshtrain.planner.collectives import link, ring
 from meshtrain.planner.devices import GIB, DeviceProfile
 from meshtrain.planner.parameters import local_parameter_count
@@ -30,24 +32,19 @@ from meshtrain.planner.shapes import (
 from meshtrain.planner.types import Plan, Refusal, divisors, format_values
 
 
-def resolve_data_parallel(
-    par: ParallelConfig,
-    launch: LaunchConfig,
-    tp: int,
-    pp: int,
-    model_config: PretrainedConfig,
-    cp: int = 1,
-) -> tuple[int, list[Refusal]]:
+def check_data_parallel(
+    c: Candidate, launch: LaunchConfig, model_config: PretrainedConfig
+) -> list[Refusal]:
     """dp (the rest of the world at `auto`), which must make dp x tp x pp x cp the world."""
+    tp, pp, cp = c.tp, c.pp, c.cp
     world, others = launch.world_size, tp * pp * cp
     ranks = f"launch.nproc_per_node={launch.nproc_per_node} x launch.nnodes={launch.nnodes}"
     sizes = "tensor_parallel_size x pipeline_parallel_size" + (
         " x context_parallel_size" if cp > 1 else ""
     )
-    if par.data_parallel_size == AUTO:
-        dp, rest = divmod(world, others)
-        if not rest and dp >= 1:
-            return dp, []
+    if c.chosen("dp"):
+        if world % others == 0:
+            return []
         tp_ok = tensor_parallel_degrees(world, model_config)
         pp_ok = pipeline_parallel_degrees(world, model_config)
         also = f", and context_parallel_size among {format_values(divisors(world))}"
@@ -58,10 +55,10 @@ def resolve_data_parallel(
             f"Choose tensor_parallel_size among {format_values(tp_ok)} and "
             f"pipeline_parallel_size among {format_values(pp_ok)}{also if cp > 1 else ''}.",
         )
-        return 1, [refusal]
-    dp = par.data_parallel_size
+        return [refusal]
+    dp = c.dp
     if dp * others == world:
-        return dp, []
+        return []
     fit = world // others if world % others == 0 else None
     fix = (
         f"Use data_parallel_size={fit} (or auto), or change launch.nproc_per_node."
@@ -76,21 +73,16 @@ def resolve_data_parallel(
         f"{names} = {values} = {dp * others} must equal the world size {world} ({ranks})",
         fix,
     )
-    return dp, [refusal]
+    return [refusal]
 
 
-def resolve_zero_1(
-    par: ParallelConfig, dp: int, sharded: int = 1, cp: int = 1
-) -> tuple[bool, list[str]]:
-    """Off at `auto` (the search plans `auto` both ways and keeps ZeRO-1 only where memory
-    needs it); off, with a note, when there is nothing to shard (it shards over the
-    dp x cp ranks, which hold the same parameters); off under sharded data parallelism
-    (which shards the optimizer states itself)."""
-    if par.zero_1 == AUTO:
-        return False, []
-    if par.zero_1 and dp * cp == 1:
+def resolve_zero_1(c: Candidate) -> tuple[bool, list[str]]:
+    """Off, with a note, when there is nothing to shard (it shards over the dp x cp ranks,
+    which hold the same parameters). At `auto` the search plans it off, and on only where
+    memory needs it (`search`)."""
+    if c.zero_1 and c.dp * c.cp == 1:
         return False, ["parallel.zero_1 has nothing to shard at data_parallel_size=1; off."]
-    return par.zero_1, []
+    return c.zero_1, []
 
 
 def sharded_data_parallel_degrees(
@@ -108,16 +100,12 @@ def sharded_data_parallel_degrees(
     return sorted(options)
 
 
-def resolve_sharded_data_parallel(
-    par: ParallelConfig, dp: int, zero_1: bool | str
-) -> tuple[int, list[Refusal]]:
+def check_sharded_data_parallel(c: Candidate) -> tuple[int, list[Refusal]]:
     """The degree N of sharded data parallelism; N must divide data_parallel_size, and
     ZeRO-1 on top of it is refused (it is already included). The search expands `auto`
     into `sharded_data_parallel_degrees` and plans each; a layout planned alone at `auto`
     is not sharded."""
-    degree = par.sharded_data_parallel_degree
-    if degree == AUTO:
-        return 1, []
+    degree, dp = c.sdp, c.dp
     if degree < 1 or dp % degree:
         works = format_values(divisors(dp))
         return 1, [
@@ -129,7 +117,7 @@ def resolve_sharded_data_parallel(
                 f"Use one of {works} (1: off; {dp}: full sharding).",
             )
         ]
-    if degree > 1 and zero_1 is True:
+    if degree > 1 and c.zero_1:
         return degree, [
             Refusal(
                 "parallel.zero_1",
@@ -466,3 +454,35 @@ def lora_model_states(base: GatherUnits, trained: GatherUnits, step: StepShape) 
     adapters = with_model_states(padded, owned, step)
     frozen = base.local * (BYTES_BF16 if step.bf16 else BYTES_FP32)
     return dataclasses.replace(adapters, parameters=adapters.parameters + frozen)
+
+
+class DataAxis:
+    """Data parallelism, ZeRO-1 and sharded data parallelism."""
+
+    name = "data"
+
+    def options(self, run: RunConfig, model_config: PretrainedConfig) -> list[int]:
+        """dp as given, or at `auto` whatever the other axes leave of the world (the search
+        derives it per layout)."""
+        degree = run.parallel.data_parallel_size
+        return [] if degree == AUTO else [degree]
+
+    def check(self, c: Candidate, run: RunConfig, model_config: PretrainedConfig) -> AxisChecks:
+        sharded, refusals = check_sharded_data_parallel(c)
+        zero_1, notes = resolve_zero_1(c)
+        return AxisChecks(
+            degree=check_data_parallel(c, run.launch, model_config),
+            options=refusals,
+            notes=notes,
+            layout={
+                "data_parallel_size": c.dp,
+                "zero_1": zero_1,
+                "sharded_data_parallel_degree": sharded,
+            },
+        )
+
+    def describe(self, plan: Plan, seq_len: int) -> str | None:
+        return sharding_line(plan) if plan.layout.sharded else None
+
+
+AXIS = DataAxis()

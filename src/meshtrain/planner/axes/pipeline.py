@@ -11,10 +11,12 @@ from dataclasses import dataclass
 
 from transformers import PretrainedConfig
 
-from meshtrain.config import AUTO, ParallelConfig
+from meshtrain.config import AUTO, ParallelConfig, RunConfig
+from meshtrain.planner.axes.base import AxisChecks
+from meshtrain.planner.candidate import Candidate
 from meshtrain.planner.flops import attention_excess, layer_forward_flops
 from meshtrain.planner.shapes import ModelShape, StepShape
-from meshtrain.planner.types import Refusal, divisors, format_values
+from meshtrain.planner.types import Plan, Refusal, divisors, format_values
 
 
 def in_flight_microbatches(step: StepShape, rank: int) -> int:
@@ -84,13 +86,13 @@ class PipelineSplit:
 
 
 def resolve_pipeline(
-    par: ParallelConfig, pp: int, batch: int, model_config: PretrainedConfig
+    par: ParallelConfig, c: Candidate, batch: int, model_config: PretrainedConfig
 ) -> PipelineSplit:
     """Microbatches, virtual stages and the layer split for a per-device batch of `batch`."""
-    requested = par.pipeline_parallel_num_microbatches
+    pp, requested = c.pp, c.microbatches
     if pp == 1:
         notes: list[str] = []
-        if requested not in (AUTO, 1):
+        if not c.chosen("microbatches") and requested != 1:
             notes.append(
                 f"parallel.pipeline_parallel_num_microbatches={requested} has no effect without "
                 "pipeline parallelism; using 1."
@@ -113,12 +115,7 @@ def resolve_pipeline(
 
     schedule = par.pipeline_schedule
     virtual = par.pipeline_parallel_virtual_stages if schedule == "interleaved_1f1b" else 1
-    if requested == AUTO:
-        # Two microbatches per stage keeps the 1F1B bubble under a third; fewer if the batch
-        # cannot be cut that finely.
-        microbatches = max(m for m in divisors(batch) if m <= 2 * pp)
-    else:
-        microbatches = requested
+    microbatches = requested
     stage_layers, layer_refusals = check_stage_layers(
         par.pipeline_parallel_layers, pp, virtual, model_config.num_hidden_layers
     )
@@ -225,3 +222,45 @@ def fill_and_drain(shares: list[float], virtual_stages: int) -> float:
     with the LM head making the last rank the busiest, less (tiny pp2: 0.43, not 1, as
     its schedule's picture shows)."""
     return (sum(shares) - max(shares)) / max(shares) / virtual_stages
+
+
+def auto_microbatches(pp: int, batch: int) -> int:
+    """`pipeline_parallel_num_microbatches: auto`: two microbatches per stage keeps the
+    1F1B bubble under a third; fewer if the batch cannot be cut that finely (1 without pp)."""
+    if pp == 1:
+        return 1
+    return max(m for m in divisors(batch) if m <= 2 * pp)
+
+
+class PipelineAxis:
+    """Pipeline parallelism: stages, microbatches, the schedule."""
+
+    name = "pipeline"
+
+    def options(self, run: RunConfig, model_config: PretrainedConfig) -> list[int]:
+        degree = run.parallel.pipeline_parallel_size
+        if degree == AUTO:
+            return pipeline_parallel_degrees(run.launch.world_size, model_config)
+        return [degree]
+
+    def check(self, c: Candidate, run: RunConfig, model_config: PretrainedConfig) -> AxisChecks:
+        batch = run.training.per_device_train_batch_size
+        split = resolve_pipeline(run.parallel, c, batch, model_config)
+        return AxisChecks(
+            degree=check_pipeline_parallel(c.pp, run.launch.world_size, model_config),
+            split=split.refusals,
+            notes=split.notes,
+            layout={
+                "pipeline_parallel_size": c.pp,
+                "pipeline_parallel_num_microbatches": split.microbatches,
+                "pipeline_schedule": run.parallel.pipeline_schedule,
+                "pipeline_parallel_virtual_stages": split.virtual_stages,
+                "pipeline_parallel_layers": split.stage_layers,
+            },
+        )
+
+    def describe(self, plan: Plan, seq_len: int) -> str | None:
+        return None
+
+
+AXIS = PipelineAxis()

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig
 
-from meshtrain.config import AUTO, ParallelConfig
-from meshtrain.planner.types import Refusal, divisors, format_values
+from meshtrain.config import AUTO, RunConfig
+from meshtrain.planner.axes.base import AxisChecks
+from meshtrain.planner.candidate import Candidate
+from meshtrain.planner.types import Plan, Refusal, divisors, format_values
 
 
 def tensor_parallel_degrees(world: int, model_config: PretrainedConfig) -> list[int]:
@@ -46,30 +48,23 @@ def check_tensor_parallel(tp: int, world: int, model_config: PretrainedConfig) -
     ]
 
 
-def resolve_sequence_parallel(
-    par: ParallelConfig, tp: int, block_size: int, cp: int = 1
-) -> tuple[bool, list[Refusal]]:
-    """On with tensor parallelism at `auto`; a rank's share of each block (block / cp
-    tokens) must split over the tp ranks."""
+def check_sequence_parallel(c: Candidate, block_size: int) -> list[Refusal]:
+    """Sequence parallelism needs tp ranks to shard over, and a rank's share of each
+    block (block / cp tokens) must split over them."""
     refusals: list[Refusal] = []
-    if par.sequence_parallel == AUTO:
-        sequence_parallel = tp > 1
-    else:
-        sequence_parallel = par.sequence_parallel
-        if sequence_parallel and tp == 1:
-            chosen = (
-                " (the only size auto can choose here)" if par.tensor_parallel_size == AUTO else ""
+    tp, cp, sequence_parallel = c.tp, c.cp, c.sp
+    if sequence_parallel and tp == 1:
+        chosen = " (the only size auto can choose here)" if c.chosen("tp") else ""
+        refusals.append(
+            Refusal(
+                "parallel.sequence_parallel",
+                True,
+                f"it needs parallel.tensor_parallel_size > 1, and that is 1{chosen}: "
+                "sequence parallelism shards activations over the tensor-parallel ranks",
+                "Use sequence_parallel=auto (on whenever tp > 1) or false, or "
+                "parallel.tensor_parallel_size=2 or more.",
             )
-            refusals.append(
-                Refusal(
-                    "parallel.sequence_parallel",
-                    True,
-                    f"it needs parallel.tensor_parallel_size > 1, and that is 1{chosen}: "
-                    "sequence parallelism shards activations over the tensor-parallel ranks",
-                    "Use sequence_parallel=auto (on whenever tp > 1) or false, or "
-                    "parallel.tensor_parallel_size=2 or more.",
-                )
-            )
+        )
     step = tp * cp  # under cp each rank's block / cp tokens are split over tp
     if sequence_parallel and block_size % step and (cp == 1 or block_size % (2 * cp) == 0):
         over = f" x context_parallel_size={cp}" if cp > 1 else ""
@@ -84,4 +79,29 @@ def resolve_sequence_parallel(
                 "or parallel.sequence_parallel=false.",
             )
         )
-    return sequence_parallel, refusals
+    return refusals
+
+
+class TensorAxis:
+    """Tensor parallelism and sequence parallelism over its ranks."""
+
+    name = "tensor"
+
+    def options(self, run: RunConfig, model_config: PretrainedConfig) -> list[int]:
+        degree = run.parallel.tensor_parallel_size
+        if degree == AUTO:
+            return tensor_parallel_degrees(run.launch.world_size, model_config)
+        return [degree]
+
+    def check(self, c: Candidate, run: RunConfig, model_config: PretrainedConfig) -> AxisChecks:
+        return AxisChecks(
+            degree=check_tensor_parallel(c.tp, run.launch.world_size, model_config),
+            options=check_sequence_parallel(c, run.data.block_size),
+            layout={"tensor_parallel_size": c.tp, "sequence_parallel": c.sp},
+        )
+
+    def describe(self, plan: Plan, seq_len: int) -> str | None:
+        return None
+
+
+AXIS = TensorAxis()
