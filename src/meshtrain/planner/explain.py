@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from meshtrain.config import Layout
+from meshtrain.planner.axes import TIE_BREAK
 from meshtrain.planner.axes.data import sharding_clause
 from meshtrain.planner.devices import GIB
 from meshtrain.planner.ranking import TIE, peak, speed
@@ -50,14 +51,8 @@ def _lost_because(p: Plan, chosen: Plan, fastest: Plan, budget: float) -> str:
 
 def _preferred_because(chosen: Layout, other: Layout) -> str:
     """The first tie-breaker (tp, pp, sharding, recomputation) that told the two apart."""
-    keys = (
-        ("context_parallel_size", "less context parallelism", "cp"),
-        ("tensor_parallel_size", "less tensor parallelism", "tp"),
-        ("pipeline_parallel_size", "less pipeline parallelism", "pp"),
-        ("sharded_data_parallel_degree", "less sharding (paid only when it buys memory)", "sdp"),
-    )
-    for field, words, short in keys:
-        mine, theirs = getattr(chosen, field), getattr(other, field)
+    for degree, words, short in TIE_BREAK:
+        mine, theirs = degree(chosen), degree(other)
         if mine != theirs:
             return f"{words}: {short}{mine} against {short}{theirs}"
     if chosen.activation_checkpointing != other.activation_checkpointing:

@@ -61,7 +61,7 @@ def plan_one_layout(run: RunConfig, candidate: Candidate, context: PlanContext) 
     model_config, shapes, device = context.model_config, context.shapes, context.device
     train, block_size = run.training, run.data.block_size
     shape = ModelShape.from_config(model_config)
-    step = _step_shape(run, layout, context)
+    step = _step_shape(run, candidate, layout, context)
     adapters = context.adapter_shapes
     tensors = estimate_memory(shapes, shape, step, adapters)
     memory = dataclasses.replace(
@@ -85,7 +85,7 @@ def plan_one_layout(run: RunConfig, candidate: Candidate, context: PlanContext) 
             "parallel.activation_offloading has no effect on CPU (activations already live in "
             "host memory); it is kept for accelerators."
         )
-    global_batch = global_batch_size(train, layout.data_parallel_size)
+    global_batch = global_batch_size(train, candidate.dp)
     return Plan(
         layout=layout,
         world_size=run.launch.world_size,
@@ -148,10 +148,10 @@ def resolve_layout(
     return layout, context.backend, notes
 
 
-def _step_shape(run: RunConfig, layout: Layout, context: PlanContext) -> StepShape:
+def _step_shape(run: RunConfig, c: Candidate, layout: Layout, context: PlanContext) -> StepShape:
     """What one rank runs per step under `layout`, as the memory and time models read it
     (with LoRA's frozen base and adapters)."""
-    step = _layout_step_shape(run, layout, context)
+    step = _layout_step_shape(run, c, layout, context)
     lora = run.model.lora_settings
     if lora is None:
         return step
@@ -168,11 +168,14 @@ def _step_shape(run: RunConfig, layout: Layout, context: PlanContext) -> StepSha
     )
 
 
-def _layout_step_shape(run: RunConfig, layout: Layout, context: PlanContext) -> StepShape:
-    pp, microbatches = layout.pipeline_parallel_size, layout.pipeline_parallel_num_microbatches
+def _layout_step_shape(
+    run: RunConfig, c: Candidate, layout: Layout, context: PlanContext
+) -> StepShape:
+    """The candidate's degrees, with what the axes resolved from them (`layout`)."""
+    pp, microbatches = c.pp, layout.pipeline_parallel_num_microbatches
     return StepShape(
-        dp=layout.data_parallel_size,
-        tp=layout.tensor_parallel_size,
+        dp=c.dp,
+        tp=c.tp,
         pp=pp,
         zero_1=layout.zero_1,
         sequence_parallel=layout.sequence_parallel,
@@ -190,9 +193,9 @@ def _layout_step_shape(run: RunConfig, layout: Layout, context: PlanContext) -> 
         master_weights=run.training.mixed_precision == "bf16_master",
         grad_reduce_bf16=run.training.grad_reduce_dtype == "bf16",
         offload_effective=layout.activation_offloading and context.device.name != "cpu",
-        sharded=layout.sharded_data_parallel_degree,
+        sharded=c.sdp,
         loss_chunk_tokens=layout.loss_chunk_tokens,
-        cp=layout.context_parallel_size,
+        cp=c.cp,
         packed=context.packed,
         # The engine's fused CPU backward (distributed/gathered_attention.py).
         cp_fused_backward=context.device.name == "cpu",
@@ -200,6 +203,6 @@ def _layout_step_shape(run: RunConfig, layout: Layout, context: PlanContext) -> 
         converters=converter_names(
             run.training,
             "cuda" if context.cuda else "cpu",
-            tensor_parallel=layout.tensor_parallel_size > 1,
+            tensor_parallel=c.tp > 1,
         ),
     )

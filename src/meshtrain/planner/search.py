@@ -18,6 +18,11 @@ from transformers import PretrainedConfig
 from meshtrain.config import AUTO, RunConfig
 from meshtrain.models.lora import check_pretrained_base
 from meshtrain.models.shapes import lora_adapter_shapes, parameter_shapes
+from meshtrain.planner.axes import TIE_BREAK
+from meshtrain.planner.axes import context as cp_axis
+from meshtrain.planner.axes import data as dp_axis
+from meshtrain.planner.axes import pipeline as pp_axis
+from meshtrain.planner.axes import tensor as tp_axis
 from meshtrain.planner.axes.context import (
     context_note,
     context_parallel_degrees,
@@ -54,15 +59,14 @@ def plan_run(
 ) -> Plan:
     """Resolve `auto`, validate the layout against model, world, data and device memory.
 
-    With `tensor_parallel_size`, `pipeline_parallel_size` or
-    `activation_checkpointing` at `auto`, every layout the fixed values allow is
-    planned; those refused or over the device's memory (less
+    With tp, pp, sharding or `activation_checkpointing` at `auto`, every layout the fixed
+    values allow is planned; those refused or over the device's memory (less
     `planner.memory_margin`) drop out, and the fastest estimated step wins,
     preferring (within 2% of the best estimated tokens/s) smaller cp, then tp, then
     pp, then less sharding and recomputation.
     The others are kept in `Plan.candidates` with the reason each lost.
 
-    `context_parallel_size: auto` plans cp 1 first, and the cp sizes only where no layout
+    cp at `auto` plans cp 1 first, and the cp sizes only where no layout
     fits without them, activations and loss are most of the best one's memory (what cp
     divides), or blocks are long (`CP_LONG_BLOCK`): cp adds an exchange nothing hides,
     so it wins on memory, against tp's collectives, or where it frees dp ranks the
@@ -88,8 +92,8 @@ def plan_run(
         packed=packs_examples(run.data),
     )
     plan = functools.partial(_zero_1_where_needed, context=context, budget=budget)
-    cp_auto = run.parallel.context_parallel_size == AUTO
-    first = with_parallel(run, context_parallel_size=1) if cp_auto else run
+    cp_auto = getattr(run.parallel, cp_axis.PARAMETER) == AUTO
+    first = with_parallel(run, **{cp_axis.PARAMETER: 1}) if cp_auto else run
     variants = search_space(first, model_config)
     if len(variants) == 1 and not cp_auto:
         only = plan(fit_global_batch(variants[0]))
@@ -245,10 +249,7 @@ def _choose(fitting: list[Plan]) -> Plan:
         return (
             not tied,
             0.0 if tied else -speed(p),
-            lay.context_parallel_size,
-            lay.tensor_parallel_size,
-            lay.pipeline_parallel_size,
-            lay.sharded_data_parallel_degree,
+            *(degree(lay) for degree, _, _ in TIE_BREAK),
             _AC_ORDER[lay.activation_checkpointing],
         )
 
@@ -277,21 +278,20 @@ def _memory_changes(plan: Plan, run: RunConfig) -> list[str]:
     layout, par = plan.layout, run.parallel
     fixed = [
         name
-        for name, value in (
-            ("tensor", par.tensor_parallel_size),
-            ("pipeline", par.pipeline_parallel_size),
-            ("context", par.context_parallel_size),
+        for name, parameter in (
+            ("tensor", tp_axis.PARAMETER),
+            ("pipeline", pp_axis.PARAMETER),
+            ("context", cp_axis.PARAMETER),
         )
-        if value != AUTO
+        if getattr(par, parameter) != AUTO
     ]
     changes = [f"more {' or '.join(fixed)} parallelism (or `auto`)"] if fixed else []
-    if layout.data_parallel_size * layout.context_parallel_size > 1 and not layout.sharded:
+    if dp_axis.AXIS.degree(layout) * cp_axis.AXIS.degree(layout) > 1 and not layout.sharded:
         if not layout.zero_1 and par.zero_1 != AUTO:
             changes.append("ZeRO-1 (parallel.zero_1=true)")
-        if par.sharded_data_parallel_degree != AUTO:
+        if getattr(par, dp_axis.SHARDING) != AUTO:
             changes.append(
-                "sharded data parallelism (parallel.sharded_data_parallel_degree=auto, or a "
-                "divisor of dp)"
+                f"sharded data parallelism (parallel.{dp_axis.SHARDING}=auto, or a divisor of dp)"
             )
     more_recompute = {"none": "selective or full", "selective": "full"}
     if layout.activation_checkpointing in more_recompute and par.activation_checkpointing != AUTO:

@@ -9,4 +9,13 @@ from meshtrain.planner.axes.base import Axis, AxisChecks
 
 AXES: tuple[Axis, ...] = (tensor.AXIS, pipeline.AXIS, context.AXIS, data.AXIS)
 
-__all__ = ["AXES", "Axis", "AxisChecks"]
+# The search's preference among layouts as fast, in order (each degree is paid only where
+# it buys something): how to read the degree from a layout, the words, the short name.
+TIE_BREAK = (
+    (context.AXIS.degree, "less context parallelism", "cp"),
+    (tensor.AXIS.degree, "less tensor parallelism", "tp"),
+    (pipeline.AXIS.degree, "less pipeline parallelism", "pp"),
+    (data.sharding_degree, "less sharding (paid only when it buys memory)", "sdp"),
+)
+
+__all__ = ["AXES", "TIE_BREAK", "Axis", "AxisChecks"]

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 from transformers import PretrainedConfig
 
-from meshtrain.config import RunConfig
+from meshtrain.config import Layout, RunConfig
 from meshtrain.planner.candidate import Candidate
 from meshtrain.planner.types import Plan, Refusal
 
@@ -37,6 +37,11 @@ class Axis(Protocol):
     """One parallelism axis."""
 
     name: str  # "data", "tensor", ...
+    short: str  # its degree's name in layout names and words: "dp", "tp", ...
+
+    def degree(self, layout: Layout) -> int:
+        """Its degree in a resolved layout."""
+        ...
 
     def options(self, run: RunConfig, model_config: PretrainedConfig) -> list[int]:
         """The degrees this axis offers the search (its parameter as given, or every

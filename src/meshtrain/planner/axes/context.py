@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig
 
-from meshtrain.config import AUTO, RunConfig
+from meshtrain.config import AUTO, Layout, RunConfig
 from meshtrain.planner.axes.base import AxisChecks
 from meshtrain.planner.candidate import Candidate
 from meshtrain.planner.collectives import link, ring
@@ -38,6 +38,9 @@ from meshtrain.planner.layer_memory import local_kv_heads
 from meshtrain.planner.ranking import peak, speed, versus
 from meshtrain.planner.shapes import BYTES_BF16, BYTES_FP32, ContextTime, ModelShape, StepShape
 from meshtrain.planner.types import Plan, Refusal, divisors, format_values
+
+# The parameter (and `config.Layout` field) this axis owns; other modules name it here.
+PARAMETER = "context_parallel_size"
 
 
 def compute_bytes(step: StepShape) -> int:
@@ -290,6 +293,11 @@ class ContextAxis:
     """Context parallelism: each row's tokens over cp ranks."""
 
     name = "context"
+    short = "cp"
+
+    def degree(self, layout: Layout) -> int:
+        """This axis's degree in a resolved layout."""
+        return layout.context_parallel_size
 
     def options(self, run: RunConfig, model_config: PretrainedConfig) -> list[int]:
         """cp as given; at `auto`, the powers of two the block allows (cp 1 first: the

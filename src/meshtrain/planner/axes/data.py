@@ -12,6 +12,7 @@ import math
 from transformers import PretrainedConfig
 
 from meshtrain.config import AUTO, LaunchConfig, Layout, RunConfig
+from meshtrain.planner.axes import context, pipeline, tensor
 from meshtrain.planner.axes.base import AxisChecks
 from meshtrain.planner.axes.pipeline import pipeline_parallel_degrees
 from meshtrain.planner.axes.tensor import tensor_parallel_degrees
@@ -31,6 +32,12 @@ from meshtrain.planner.shapes import (
 )
 from meshtrain.planner.types import Plan, Refusal, divisors, format_values
 
+# The parameter (and `config.Layout` field) this axis owns; other modules name it here.
+PARAMETER = "data_parallel_size"
+# Its options: ZeRO-1, and sharding over groups of this many dp ranks.
+ZERO_1 = "zero_1"
+SHARDING = "sharded_data_parallel_degree"
+
 
 def check_data_parallel(
     c: Candidate, launch: LaunchConfig, model_config: PretrainedConfig
@@ -39,21 +46,21 @@ def check_data_parallel(
     tp, pp, cp = c.tp, c.pp, c.cp
     world, others = launch.world_size, tp * pp * cp
     ranks = f"launch.nproc_per_node={launch.nproc_per_node} x launch.nnodes={launch.nnodes}"
-    sizes = "tensor_parallel_size x pipeline_parallel_size" + (
-        " x context_parallel_size" if cp > 1 else ""
+    sizes = f"{tensor.PARAMETER} x {pipeline.PARAMETER}" + (
+        f" x {context.PARAMETER}" if cp > 1 else ""
     )
     if c.chosen("dp"):
         if world % others == 0:
             return []
         tp_ok = tensor_parallel_degrees(world, model_config)
         pp_ok = pipeline_parallel_degrees(world, model_config)
-        also = f", and context_parallel_size among {format_values(divisors(world))}"
+        also = f", and {context.PARAMETER} among {format_values(divisors(world))}"
         refusal = Refusal(
             "parallel.data_parallel_size",
             AUTO,
             f"world size {world} ({ranks}) is not a multiple of {sizes} = {others}",
-            f"Choose tensor_parallel_size among {format_values(tp_ok)} and "
-            f"pipeline_parallel_size among {format_values(pp_ok)}{also if cp > 1 else ''}.",
+            f"Choose {tensor.PARAMETER} among {format_values(tp_ok)} and "
+            f"{pipeline.PARAMETER} among {format_values(pp_ok)}{also if cp > 1 else ''}.",
         )
         return [refusal]
     dp = c.dp
@@ -283,7 +290,7 @@ def _sharding_cost(p: Plan) -> str:
 
 
 def _kind(lay: Layout) -> str:
-    n, dp, cp = lay.sharded_data_parallel_degree, lay.data_parallel_size, lay.context_parallel_size
+    n, dp, cp = lay.sharded_data_parallel_degree, lay.data_parallel_size, context.AXIS.degree(lay)
     over = f" x {cp} context-parallel" if cp > 1 else ""
     if n == dp:
         return f"full sharding over the {dp} data-parallel{over} ranks, which includes ZeRO-1"
@@ -315,15 +322,15 @@ def _twin(lay: Layout, planned: list[Plan], *, sharded: int) -> Plan | None:
 def _same_but_sharding(a: Layout, b: Layout) -> bool:
     return (
         a.data_parallel_size,
-        a.tensor_parallel_size,
-        a.pipeline_parallel_size,
-        a.context_parallel_size,
+        tensor.AXIS.degree(a),
+        pipeline.AXIS.degree(a),
+        context.AXIS.degree(a),
         a.activation_checkpointing,
     ) == (
         b.data_parallel_size,
-        b.tensor_parallel_size,
-        b.pipeline_parallel_size,
-        b.context_parallel_size,
+        tensor.AXIS.degree(b),
+        pipeline.AXIS.degree(b),
+        context.AXIS.degree(b),
         b.activation_checkpointing,
     )
 
@@ -340,13 +347,13 @@ def sharding_line(plan: Plan) -> str:
     """The sharded layout's collectives: per layer, per step, and the share hidden."""
     t, lay = plan.time_estimate, plan.layout
     n, dp = lay.sharded_data_parallel_degree, lay.data_parallel_size
-    if lay.pipeline_parallel_size > 1:
+    if pipeline.AXIS.degree(lay) > 1:
         per, rounds, gathers = "schedule step", "schedule steps", "one all-gather"
     else:
         per, rounds, gathers = "microbatch", "microbatches", "two all-gathers (forward, backward)"
     hybrid = f", all-reduced over {dp // n} replicas" if n < dp else ""
-    if lay.context_parallel_size > 1:  # FSDP2 shards over the sdp x cp ranks
-        cp = lay.context_parallel_size
+    cp = context.AXIS.degree(lay)
+    if cp > 1:  # FSDP2 shards over the sdp x cp ranks
         hybrid = f" x {cp} cp ranks{hybrid}"
     collectives = t["sdp_all_gather_s"] + t["sdp_reduce_scatter_s"] + t["sdp_replica_all_reduce_s"]
     return (
@@ -456,10 +463,20 @@ def lora_model_states(base: GatherUnits, trained: GatherUnits, step: StepShape) 
     return dataclasses.replace(adapters, parameters=adapters.parameters + frozen)
 
 
+def sharding_degree(layout: Layout) -> int:
+    """The sharded data parallel degree of a resolved layout (1: not sharded)."""
+    return layout.sharded_data_parallel_degree
+
+
 class DataAxis:
     """Data parallelism, ZeRO-1 and sharded data parallelism."""
 
     name = "data"
+    short = "dp"
+
+    def degree(self, layout: Layout) -> int:
+        """This axis's degree in a resolved layout."""
+        return layout.data_parallel_size
 
     def options(self, run: RunConfig, model_config: PretrainedConfig) -> list[int]:
         """dp as given, or at `auto` whatever the other axes leave of the world (the search

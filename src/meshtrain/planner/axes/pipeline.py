@@ -11,12 +11,15 @@ from dataclasses import dataclass
 
 from transformers import PretrainedConfig
 
-from meshtrain.config import AUTO, ParallelConfig, RunConfig
+from meshtrain.config import AUTO, Layout, ParallelConfig, RunConfig
 from meshtrain.planner.axes.base import AxisChecks
 from meshtrain.planner.candidate import Candidate
 from meshtrain.planner.flops import attention_excess, layer_forward_flops
 from meshtrain.planner.shapes import ModelShape, StepShape
 from meshtrain.planner.types import Plan, Refusal, divisors, format_values
+
+# The parameter (and `config.Layout` field) this axis owns; other modules name it here.
+PARAMETER = "pipeline_parallel_size"
 
 
 def in_flight_microbatches(step: StepShape, rank: int) -> int:
@@ -236,6 +239,11 @@ class PipelineAxis:
     """Pipeline parallelism: stages, microbatches, the schedule."""
 
     name = "pipeline"
+    short = "pp"
+
+    def degree(self, layout: Layout) -> int:
+        """This axis's degree in a resolved layout."""
+        return layout.pipeline_parallel_size
 
     def options(self, run: RunConfig, model_config: PretrainedConfig) -> list[int]:
         degree = run.parallel.pipeline_parallel_size

@@ -6,10 +6,14 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig
 
-from meshtrain.config import AUTO, RunConfig
+from meshtrain.config import AUTO, Layout, RunConfig
+from meshtrain.planner.axes import context
 from meshtrain.planner.axes.base import AxisChecks
 from meshtrain.planner.candidate import Candidate
 from meshtrain.planner.types import Plan, Refusal, divisors, format_values
+
+# The parameter (and `config.Layout` field) this axis owns; other modules name it here.
+PARAMETER = "tensor_parallel_size"
 
 
 def tensor_parallel_degrees(world: int, model_config: PretrainedConfig) -> list[int]:
@@ -67,7 +71,7 @@ def check_sequence_parallel(c: Candidate, block_size: int) -> list[Refusal]:
         )
     step = tp * cp  # under cp each rank's block / cp tokens are split over tp
     if sequence_parallel and block_size % step and (cp == 1 or block_size % (2 * cp) == 0):
-        over = f" x context_parallel_size={cp}" if cp > 1 else ""
+        over = f" x {context.PARAMETER}={cp}" if cp > 1 else ""
         refusals.append(
             Refusal(
                 "data.block_size",
@@ -86,6 +90,11 @@ class TensorAxis:
     """Tensor parallelism and sequence parallelism over its ranks."""
 
     name = "tensor"
+    short = "tp"
+
+    def degree(self, layout: Layout) -> int:
+        """This axis's degree in a resolved layout."""
+        return layout.tensor_parallel_size
 
     def options(self, run: RunConfig, model_config: PretrainedConfig) -> list[int]:
         degree = run.parallel.tensor_parallel_size
