@@ -16,7 +16,8 @@ from meshtrain.config import RunConfig
 from meshtrain.models import build_model_config
 from meshtrain.models.llama.parameter_names import llama_family_shapes
 from meshtrain.planner import LayoutError, Plan, plan_run
-from meshtrain.planner.axes.data import estimate_model_states, sharded_data_parallel_degrees
+from meshtrain.planner.axes.data import estimate_model_states
+from meshtrain.planner.axes.sharding import sharded_data_parallel_degrees
 from meshtrain.planner.memory import estimate_memory
 from meshtrain.planner.parameters import gather_units
 from meshtrain.planner.shapes import FP32, ModelShape

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from meshtrain.config import AUTO, ConfigError, RunConfig
 from meshtrain.planner.axes.context import context_line
-from meshtrain.planner.axes.data import sharding_line
+from meshtrain.planner.axes.sharding import sharding_line
 from meshtrain.planner.devices import BUILTIN_PROFILES, GIB
 from meshtrain.planner.search import plan_run
 from meshtrain.planner.types import LayoutError, Plan

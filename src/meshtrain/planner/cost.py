@@ -61,8 +61,9 @@ Everything else runs one after the other, as meshtrain does.
 from __future__ import annotations
 
 from meshtrain.planner.axes.context import estimate_context_time
-from meshtrain.planner.axes.data import estimate_sharding_time, replicated_dp_time
+from meshtrain.planner.axes.data import replicated_dp_time
 from meshtrain.planner.axes.pipeline import fill_and_drain, stage_shares
+from meshtrain.planner.axes.sharding import estimate_sharding_time
 from meshtrain.planner.collectives import link, ring
 from meshtrain.planner.devices import DeviceProfile
 from meshtrain.planner.flops import attention_excess, matmul_width, training_flops_per_token

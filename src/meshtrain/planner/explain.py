@@ -13,7 +13,7 @@ from typing import Any
 
 from meshtrain.config import Layout
 from meshtrain.planner.axes import TIE_BREAK
-from meshtrain.planner.axes.data import sharding_clause
+from meshtrain.planner.axes.sharding import sharding_clause
 from meshtrain.planner.devices import GIB
 from meshtrain.planner.ranking import TIE, peak, speed
 from meshtrain.planner.types import Plan

@@ -35,7 +35,6 @@ bytes: docs/planner.md, "Memory model" and "Sharded data parallelism".
 from __future__ import annotations
 
 import dataclasses
-import math
 
 from meshtrain.planner.axes.context import (
     context_breakdown,
@@ -43,13 +42,9 @@ from meshtrain.planner.axes.context import (
     kv_gradient_bytes,
     mask_bytes,
 )
-from meshtrain.planner.axes.data import (
-    gathered_bytes,
-    lora_model_states,
-    sharded_model_states,
-    with_model_states,
-)
+from meshtrain.planner.axes.data import lora_model_states, replicated_model_states
 from meshtrain.planner.axes.pipeline import in_flight_microbatches, last_stage_in_flight
+from meshtrain.planner.axes.sharding import gathered_bytes, sharded_model_states
 from meshtrain.planner.layer_memory import (
     backward_working_set,
     layer_activation_elements,
@@ -106,10 +101,7 @@ def estimate_memory(
                 )
             )
             continue
-        ranks = step.grad_ranks
-        padded = math.ceil(local / ranks) * ranks if step.zero_1 else local
-        owned = padded // ranks if step.zero_1 else local
-        per_rank.append(with_model_states(padded, owned, step, activations=activations, loss=loss))
+        per_rank.append(replicated_model_states(local, step, activations=activations, loss=loss))
     worst = max(range(step.pp), key=lambda r: per_rank[r].total)
     mine = list(range(worst, stages, step.pp))
     context_kv, context_mask = context_breakdown(

@@ -15,7 +15,7 @@ from typing import Any
 from transformers import PretrainedConfig
 
 from meshtrain.config import AUTO, DataConfig, LaunchConfig, RunConfig
-from meshtrain.planner.axes import data, pipeline, tensor
+from meshtrain.planner.axes import pipeline, sharding, tensor
 from meshtrain.planner.candidate import Candidate
 from meshtrain.planner.checks import IMPLEMENTED_ACTIVATION_CHECKPOINTING
 from meshtrain.planner.loss_memory import auto_loss_chunk_tokens
@@ -145,7 +145,7 @@ def sharding_options(run: RunConfig, dp: int, tp: int, cp: int = 1) -> list[int 
     # The engine shards with torch's FSDP2, which the Neuron (XLA) backend does not run.
     if run.parallel.zero_1 is True or run.launch.backend == "neuron":
         return [1]
-    return list(data.sharded_data_parallel_degrees(dp, tp, run.launch.nproc_per_node, cp))
+    return list(sharding.sharded_data_parallel_degrees(dp, tp, run.launch.nproc_per_node, cp))
 
 
 def fit_global_batch(run: RunConfig) -> RunConfig:

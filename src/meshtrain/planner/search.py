@@ -18,7 +18,7 @@ from transformers import PretrainedConfig
 from meshtrain.config import AUTO, RunConfig
 from meshtrain.models.lora import check_pretrained_base
 from meshtrain.models.shapes import lora_adapter_shapes, parameter_shapes
-from meshtrain.planner.axes import TIE_BREAK
+from meshtrain.planner.axes import TIE_BREAK, sharding
 from meshtrain.planner.axes import context as cp_axis
 from meshtrain.planner.axes import data as dp_axis
 from meshtrain.planner.axes import pipeline as pp_axis
@@ -28,7 +28,7 @@ from meshtrain.planner.axes.context import (
     context_parallel_degrees,
     context_parallel_wanted,
 )
-from meshtrain.planner.axes.data import sharding_note
+from meshtrain.planner.axes.sharding import sharding_note
 from meshtrain.planner.devices import GIB, DeviceProfile, resolve_device
 from meshtrain.planner.explain import candidates
 from meshtrain.planner.layout import PlanContext, plan_one_layout
@@ -289,9 +289,9 @@ def _memory_changes(plan: Plan, run: RunConfig) -> list[str]:
     if dp_axis.AXIS.degree(layout) * cp_axis.AXIS.degree(layout) > 1 and not layout.sharded:
         if not layout.zero_1 and par.zero_1 != AUTO:
             changes.append("ZeRO-1 (parallel.zero_1=true)")
-        if getattr(par, dp_axis.SHARDING) != AUTO:
+        if getattr(par, sharding.SHARDING) != AUTO:
             changes.append(
-                f"sharded data parallelism (parallel.{dp_axis.SHARDING}=auto, or a divisor of dp)"
+                f"sharded data parallelism (parallel.{sharding.SHARDING}=auto, or a divisor of dp)"
             )
     more_recompute = {"none": "selective or full", "selective": "full"}
     if layout.activation_checkpointing in more_recompute and par.activation_checkpointing != AUTO:

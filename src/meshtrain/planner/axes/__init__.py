@@ -4,7 +4,7 @@
 reported); a new axis is a module with an `AXIS` and one line here.
 """
 
-from meshtrain.planner.axes import context, data, pipeline, tensor
+from meshtrain.planner.axes import context, data, pipeline, sharding, tensor
 from meshtrain.planner.axes.base import Axis, AxisChecks
 
 AXES: tuple[Axis, ...] = (tensor.AXIS, pipeline.AXIS, context.AXIS, data.AXIS)
@@ -15,7 +15,7 @@ TIE_BREAK = (
     (context.AXIS.degree, "less context parallelism", "cp"),
     (tensor.AXIS.degree, "less tensor parallelism", "tp"),
     (pipeline.AXIS.degree, "less pipeline parallelism", "pp"),
-    (data.sharding_degree, "less sharding (paid only when it buys memory)", "sdp"),
+    (sharding.sharding_degree, "less sharding (paid only when it buys memory)", "sdp"),
 )
 
 __all__ = ["AXES", "TIE_BREAK", "Axis", "AxisChecks"]
