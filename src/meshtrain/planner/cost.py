@@ -62,9 +62,9 @@ from __future__ import annotations
 
 from meshtrain.planner.axes.context import estimate_context_time
 from meshtrain.planner.axes.data import replicated_dp_time
-from meshtrain.planner.axes.pipeline import fill_and_drain, stage_shares
+from meshtrain.planner.axes.pipeline import pipeline_time, stage_shares
 from meshtrain.planner.axes.sharding import estimate_sharding_time
-from meshtrain.planner.collectives import link, ring
+from meshtrain.planner.axes.tensor import tensor_parallel_time
 from meshtrain.planner.devices import DeviceProfile
 from meshtrain.planner.flops import attention_excess, matmul_width, training_flops_per_token
 from meshtrain.planner.shapes import (
@@ -110,26 +110,21 @@ def estimate_step_time(
     compute = flops * max(shares) / step.tp / (rate * 1e12)  # the busiest pipeline rank
 
     activation_bytes = tokens_per_microbatch * m.hidden * (BYTES_BF16 if step.bf16 else BYTES_FP32)
-    tp_link = link(device, step.tp)
-    layers_per_rank = m.layers / step.pp
-    # Four all-reduce-sized collectives per layer (two forward, two backward), plus the
-    # embedding's and the vocabulary-parallel head's.
-    per_microbatch = (4 * layers_per_rank + 2) * ring(
-        activation_bytes, step.tp, tp_link, device.latency_us, 2.0
+    tensor_parallel = tensor_parallel_time(
+        m, step, device, activation_bytes=activation_bytes, microbatches=microbatches
     )
-    tensor_parallel = per_microbatch * microbatches
-
     pipeline = 0.0
     if step.pp > 1:
-        pp_link = link(device, step.tp * step.pp)
-        send = activation_bytes / step.tp / (pp_link * 1e9) + device.send_latency_us * 1e-6
-        per_microbatch_time = (compute + tensor_parallel) / microbatches
-        bubble = fill_and_drain(shares, step.virtual_stages) * per_microbatch_time * accumulation
-        pipeline = bubble + 2 * send * microbatches
-        if m.tied_embeddings:
-            # The first and last stages sum their copies' gradients once per step.
-            tied_grad = m.vocab * m.hidden / step.tp * step.gradient_bytes
-            pipeline += ring(tied_grad, 2, pp_link, device.latency_us, 2.0)
+        pipeline = pipeline_time(
+            m,
+            step,
+            device,
+            activation_bytes=activation_bytes,
+            # The busiest rank's microbatch, its compute and tp collectives.
+            microbatch_s=(compute + tensor_parallel) / microbatches,
+            shares=shares,
+            accumulation=accumulation,
+        )
 
     data_parallel = 0.0
     sharding = None

@@ -25,7 +25,6 @@ from meshtrain.planner.axes import pipeline as pp_axis
 from meshtrain.planner.axes import tensor as tp_axis
 from meshtrain.planner.axes.context import (
     context_note,
-    context_parallel_degrees,
     context_parallel_wanted,
 )
 from meshtrain.planner.axes.sharding import sharding_note
@@ -104,7 +103,7 @@ def plan_run(
     planned, rejected, errors = _plan_each(variants, plan)
     without_cp = list(planned)
     cp_reason = context_parallel_wanted(planned, budget, run.data.block_size) if cp_auto else None
-    sizes = context_parallel_degrees(run.launch.world_size, run.data.block_size, search=True)
+    sizes = cp_axis.AXIS.degrees(run, model_config)
     if cp_reason and len(sizes) > 1:
         found, lost, failed = _plan_each(search_space(run, model_config, sizes[1:]), plan)
         planned, rejected, errors = planned + found, rejected + lost, errors + failed

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 from transformers import PretrainedConfig
 
-from meshtrain.config import Layout, RunConfig
+from meshtrain.config import AUTO, Layout, RunConfig
 from meshtrain.planner.candidate import Candidate
 from meshtrain.planner.types import Plan, Refusal
 
@@ -55,3 +55,26 @@ class Axis(Protocol):
     def describe(self, plan: Plan, seq_len: int) -> str | None:
         """Its line in the plan's description (None: nothing to say for this layout)."""
         ...
+
+
+class AxisBase:
+    """What the axes share: the degree read from a layout by the parameter's name, and
+    the options (the parameter as given, or at `auto` every degree `degrees` allows)."""
+
+    name: str
+    short: str
+    parameter: str  # the `parallel.*` parameter and `config.Layout` field of its degree
+
+    def degree(self, layout: Layout) -> int:
+        return getattr(layout, self.parameter)
+
+    def options(self, run: RunConfig, model_config: PretrainedConfig) -> list[int]:
+        degree = getattr(run.parallel, self.parameter)
+        return self.degrees(run, model_config) if degree == AUTO else [degree]
+
+    def degrees(self, run: RunConfig, model_config: PretrainedConfig) -> list[int]:
+        """Every degree that can run here (what `auto` weighs)."""
+        raise NotImplementedError
+
+    def describe(self, plan: Plan, seq_len: int) -> str | None:
+        return None

@@ -28,8 +28,8 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig
 
-from meshtrain.config import AUTO, Layout, RunConfig
-from meshtrain.planner.axes.base import AxisChecks
+from meshtrain.config import RunConfig
+from meshtrain.planner.axes.base import AxisBase, AxisChecks
 from meshtrain.planner.candidate import Candidate
 from meshtrain.planner.collectives import link, ring
 from meshtrain.planner.devices import GIB, DeviceProfile
@@ -289,23 +289,17 @@ def context_line(plan: Plan, seq_len: int) -> str:
     )
 
 
-class ContextAxis:
+class ContextAxis(AxisBase):
     """Context parallelism: each row's tokens over cp ranks."""
 
     name = "context"
     short = "cp"
+    parameter = PARAMETER
 
-    def degree(self, layout: Layout) -> int:
-        """This axis's degree in a resolved layout."""
-        return layout.context_parallel_size
-
-    def options(self, run: RunConfig, model_config: PretrainedConfig) -> list[int]:
-        """cp as given; at `auto`, the powers of two the block allows (cp 1 first: the
-        search weighs the others only where `context_parallel_wanted` says so)."""
-        degree = run.parallel.context_parallel_size
-        if degree == AUTO:
-            return context_parallel_degrees(run.launch.world_size, run.data.block_size, search=True)
-        return [degree]
+    def degrees(self, run: RunConfig, model_config: PretrainedConfig) -> list[int]:
+        """The powers of two the block allows (cp 1 first: the search weighs the others
+        only where `context_parallel_wanted` says so)."""
+        return context_parallel_degrees(run.launch.world_size, run.data.block_size, search=True)
 
     def check(self, c: Candidate, run: RunConfig, model_config: PretrainedConfig) -> AxisChecks:
         world, block_size = run.launch.world_size, run.data.block_size

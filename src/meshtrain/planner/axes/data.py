@@ -11,9 +11,9 @@ import math
 
 from transformers import PretrainedConfig
 
-from meshtrain.config import AUTO, LaunchConfig, Layout, RunConfig
+from meshtrain.config import AUTO, LaunchConfig, RunConfig
 from meshtrain.planner.axes import context, pipeline, tensor
-from meshtrain.planner.axes.base import AxisChecks
+from meshtrain.planner.axes.base import AxisBase, AxisChecks
 from meshtrain.planner.axes.pipeline import pipeline_parallel_degrees
 from meshtrain.planner.axes.sharding import (
     SHARDING,
@@ -196,21 +196,17 @@ def lora_model_states(base: GatherUnits, trained: GatherUnits, step: StepShape) 
     return dataclasses.replace(adapters, parameters=adapters.parameters + frozen)
 
 
-class DataAxis:
+class DataAxis(AxisBase):
     """Data parallelism, ZeRO-1 and sharded data parallelism."""
 
     name = "data"
     short = "dp"
+    parameter = PARAMETER
 
-    def degree(self, layout: Layout) -> int:
-        """This axis's degree in a resolved layout."""
-        return layout.data_parallel_size
-
-    def options(self, run: RunConfig, model_config: PretrainedConfig) -> list[int]:
-        """dp as given, or at `auto` whatever the other axes leave of the world (the search
-        derives it per layout)."""
-        degree = run.parallel.data_parallel_size
-        return [] if degree == AUTO else [degree]
+    def degrees(self, run: RunConfig, model_config: PretrainedConfig) -> list[int]:
+        """None of its own at `auto`: dp is what the other axes leave of the world (the
+        search derives it per layout)."""
+        return []
 
     def check(self, c: Candidate, run: RunConfig, model_config: PretrainedConfig) -> AxisChecks:
         sharded, refusals = check_sharded_data_parallel(c)

@@ -11,12 +11,14 @@ from dataclasses import dataclass
 
 from transformers import PretrainedConfig
 
-from meshtrain.config import AUTO, Layout, ParallelConfig, RunConfig
-from meshtrain.planner.axes.base import AxisChecks
+from meshtrain.config import ParallelConfig, RunConfig
+from meshtrain.planner.axes.base import AxisBase, AxisChecks
 from meshtrain.planner.candidate import Candidate
+from meshtrain.planner.collectives import link, ring
+from meshtrain.planner.devices import DeviceProfile
 from meshtrain.planner.flops import attention_excess, layer_forward_flops
 from meshtrain.planner.shapes import ModelShape, StepShape
-from meshtrain.planner.types import Plan, Refusal, divisors, format_values
+from meshtrain.planner.types import Refusal, divisors, format_values
 
 # The parameter (and `config.Layout` field) this axis owns; other modules name it here.
 PARAMETER = "pipeline_parallel_size"
@@ -227,6 +229,31 @@ def fill_and_drain(shares: list[float], virtual_stages: int) -> float:
     return (sum(shares) - max(shares)) / max(shares) / virtual_stages
 
 
+def pipeline_time(
+    m: ModelShape,
+    step: StepShape,
+    device: DeviceProfile,
+    *,
+    activation_bytes: float,
+    microbatch_s: float,
+    shares: list[float],
+    accumulation: int,
+) -> float:
+    """Seconds pp adds to a step (pp > 1): the bubble around the busiest rank, one
+    activation and one gradient send per microbatch and stage boundary, and with tied
+    embeddings the first and last stages' sum of their copies' gradients."""
+    microbatches = step.microbatches * accumulation
+    pp_link = link(device, step.tp * step.pp)
+    send = activation_bytes / step.tp / (pp_link * 1e9) + device.send_latency_us * 1e-6
+    bubble = fill_and_drain(shares, step.virtual_stages) * microbatch_s * accumulation
+    pipeline = bubble + 2 * send * microbatches
+    if m.tied_embeddings:
+        # The first and last stages sum their copies' gradients once per step.
+        tied_grad = m.vocab * m.hidden / step.tp * step.gradient_bytes
+        pipeline += ring(tied_grad, 2, pp_link, device.latency_us, 2.0)
+    return pipeline
+
+
 def auto_microbatches(pp: int, batch: int) -> int:
     """`pipeline_parallel_num_microbatches: auto`: two microbatches per stage keeps the
     1F1B bubble under a third; fewer if the batch cannot be cut that finely (1 without pp)."""
@@ -235,21 +262,15 @@ def auto_microbatches(pp: int, batch: int) -> int:
     return max(m for m in divisors(batch) if m <= 2 * pp)
 
 
-class PipelineAxis:
+class PipelineAxis(AxisBase):
     """Pipeline parallelism: stages, microbatches, the schedule."""
 
     name = "pipeline"
     short = "pp"
+    parameter = PARAMETER
 
-    def degree(self, layout: Layout) -> int:
-        """This axis's degree in a resolved layout."""
-        return layout.pipeline_parallel_size
-
-    def options(self, run: RunConfig, model_config: PretrainedConfig) -> list[int]:
-        degree = run.parallel.pipeline_parallel_size
-        if degree == AUTO:
-            return pipeline_parallel_degrees(run.launch.world_size, model_config)
-        return [degree]
+    def degrees(self, run: RunConfig, model_config: PretrainedConfig) -> list[int]:
+        return pipeline_parallel_degrees(run.launch.world_size, model_config)
 
     def check(self, c: Candidate, run: RunConfig, model_config: PretrainedConfig) -> AxisChecks:
         batch = run.training.per_device_train_batch_size
@@ -266,9 +287,6 @@ class PipelineAxis:
                 "pipeline_parallel_layers": split.stage_layers,
             },
         )
-
-    def describe(self, plan: Plan, seq_len: int) -> str | None:
-        return None
 
 
 AXIS = PipelineAxis()

@@ -6,11 +6,14 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig
 
-from meshtrain.config import AUTO, Layout, RunConfig
+from meshtrain.config import RunConfig
 from meshtrain.planner.axes import context
-from meshtrain.planner.axes.base import AxisChecks
+from meshtrain.planner.axes.base import AxisBase, AxisChecks
 from meshtrain.planner.candidate import Candidate
-from meshtrain.planner.types import Plan, Refusal, divisors, format_values
+from meshtrain.planner.collectives import link, ring
+from meshtrain.planner.devices import DeviceProfile
+from meshtrain.planner.shapes import ModelShape, StepShape
+from meshtrain.planner.types import Refusal, divisors, format_values
 
 # The parameter (and `config.Layout` field) this axis owns; other modules name it here.
 PARAMETER = "tensor_parallel_size"
@@ -86,21 +89,35 @@ def check_sequence_parallel(c: Candidate, block_size: int) -> list[Refusal]:
     return refusals
 
 
-class TensorAxis:
+def tensor_parallel_time(
+    m: ModelShape,
+    step: StepShape,
+    device: DeviceProfile,
+    *,
+    activation_bytes: float,
+    microbatches: int,
+) -> float:
+    """Seconds of tp's collectives in one step: per layer and microbatch four all-reduce-
+    sized collectives of the activations (two forward, two backward; all-gathers and
+    reduce-scatters under sequence parallelism, the same bytes), plus the embedding's and
+    the vocabulary-parallel head's."""
+    tp_link = link(device, step.tp)
+    layers_per_rank = m.layers / step.pp
+    per_microbatch = (4 * layers_per_rank + 2) * ring(
+        activation_bytes, step.tp, tp_link, device.latency_us, 2.0
+    )
+    return per_microbatch * microbatches
+
+
+class TensorAxis(AxisBase):
     """Tensor parallelism and sequence parallelism over its ranks."""
 
     name = "tensor"
     short = "tp"
+    parameter = PARAMETER
 
-    def degree(self, layout: Layout) -> int:
-        """This axis's degree in a resolved layout."""
-        return layout.tensor_parallel_size
-
-    def options(self, run: RunConfig, model_config: PretrainedConfig) -> list[int]:
-        degree = run.parallel.tensor_parallel_size
-        if degree == AUTO:
-            return tensor_parallel_degrees(run.launch.world_size, model_config)
-        return [degree]
+    def degrees(self, run: RunConfig, model_config: PretrainedConfig) -> list[int]:
+        return tensor_parallel_degrees(run.launch.world_size, model_config)
 
     def check(self, c: Candidate, run: RunConfig, model_config: PretrainedConfig) -> AxisChecks:
         return AxisChecks(
@@ -108,9 +125,6 @@ class TensorAxis:
             options=check_sequence_parallel(c, run.data.block_size),
             layout={"tensor_parallel_size": c.tp, "sequence_parallel": c.sp},
         )
-
-    def describe(self, plan: Plan, seq_len: int) -> str | None:
-        return None
 
 
 AXIS = TensorAxis()
