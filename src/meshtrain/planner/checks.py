@@ -1,4 +1,6 @@
-"""The planner's checks, one concern each: what the model, world, data and devices allow.
+"""The planner's checks that belong to no parallelism axis, one concern each: the
+activation checkpointing mode, the batch against the corpus, the model against the data.
+(Each axis's own checks are in `planner.axes`.)
 
 Each check returns its refusals (and the value it resolved, or its notes) instead of
 raising, so the planner can run them all and report every problem of a layout at once.

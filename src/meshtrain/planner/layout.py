@@ -1,7 +1,8 @@
 """Plan one layout: run every check, refuse it with all their reasons, or estimate it.
 
-`meshtrain.planner.search` calls this once per layout it weighs; every check runs
-before any refusal is raised, so one run of the planner reports every problem.
+`meshtrain.planner.search` calls this once per `Candidate` it weighs (every `auto`
+already resolved); each axis of `planner.axes.AXES` and the run-wide checks run before
+any refusal is raised, so one run of the planner reports every problem.
 """
 
 from __future__ import annotations

@@ -76,7 +76,7 @@ class MemoryEstimate:
     # peak comes at the backward's start (measured by the dry run, docs/dry_run.md).
     gradients_at_peak: bool = True
     # Context parallelism, parts of `activations`: the gathered K/V at the peak and packed
-    # examples' attention masks (planner/context_memory.py).
+    # examples' attention masks (planner/axes/context.py).
     context_kv: int = 0
     context_mask: int = 0
 
