@@ -15,8 +15,8 @@ from transformers import PretrainedConfig
 from meshtrain.config import Layout, RunConfig
 from meshtrain.models import build_model, build_model_config
 from meshtrain.planner import LayoutError, Plan, Refusal, plan_run
+from meshtrain.planner.axes.data import estimate_model_states
 from meshtrain.planner.devices import GIB
-from meshtrain.planner.memory import estimate_model_states
 from meshtrain.planner.plan_inputs import check_plan_matches, plan_inputs_hash
 from meshtrain.planner.resolve import plan_for_run
 

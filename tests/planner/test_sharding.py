@@ -16,14 +16,11 @@ from meshtrain.config import RunConfig
 from meshtrain.models import build_model_config
 from meshtrain.models.llama.parameter_names import llama_family_shapes
 from meshtrain.planner import LayoutError, Plan, plan_run
-from meshtrain.planner.checks import sharded_data_parallel_degrees
-from meshtrain.planner.memory import (
-    FP32,
-    ModelShape,
-    estimate_memory,
-    estimate_model_states,
-    gather_units,
-)
+from meshtrain.planner.axes.data import estimate_model_states
+from meshtrain.planner.axes.sharding import sharded_data_parallel_degrees
+from meshtrain.planner.memory import estimate_memory
+from meshtrain.planner.parameters import gather_units
+from meshtrain.planner.shapes import FP32, ModelShape
 from tests.planner.test_layout import SHAPE, VOCAB
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "model_configs"

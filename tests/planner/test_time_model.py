@@ -167,8 +167,8 @@ def test_model_flops_count_every_matmul_weight_and_attention(architecture: str) 
     12 x layers x attention width x sequence, counted from the built model's own weights
     (qwen3's head_dim 128 makes the attention wider than the hidden size)."""
     from meshtrain.models import build_model
-    from meshtrain.planner.cost import model_flops_per_token
-    from meshtrain.planner.memory import ModelShape
+    from meshtrain.planner.flops import model_flops_per_token
+    from meshtrain.planner.shapes import ModelShape
 
     fields = {**SHAPE, "head_dim": 256} if architecture == "qwen3" else dict(SHAPE)
     config = build_model_config(architecture, fields, vocab_size=4096)
@@ -202,7 +202,7 @@ def test_a_plan_carries_its_mfu_basis_in_the_training_dtype(model_config) -> Non
 
 
 def _pipeline_step(layers: tuple[int, ...], pp: int = 2, virtual: int = 1):
-    from meshtrain.planner.memory import FP32
+    from meshtrain.planner.shapes import FP32
 
     return dataclasses.replace(
         FP32,
@@ -219,8 +219,8 @@ def test_the_bubble_is_the_other_ranks_microbatch_around_the_busiest() -> None:
     """Balanced stages give the textbook (p-1)/v microbatch times; where the LM head makes
     the last rank the busiest, the first rank's lighter microbatch is all the fill and
     drain (tiny pp2's schedule picture: 16 ms of bubble around 39 ms microbatches)."""
-    from meshtrain.planner.cost import fill_and_drain, stage_shares
-    from meshtrain.planner.memory import ModelShape
+    from meshtrain.planner.axes.pipeline import fill_and_drain, stage_shares
+    from meshtrain.planner.shapes import ModelShape
 
     tiny = ModelShape.from_config(
         build_model_config(

@@ -17,10 +17,8 @@ shard starts from the same values. How they are split under tensor parallelism i
 
 from __future__ import annotations
 
-import difflib
 import functools
 import math
-import re
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,15 +30,10 @@ from torch.distributed.tensor import DTensor
 from meshtrain.config import ConfigError, LoraSettings, ModelConfig, TrainingConfig
 from meshtrain.distributed.tensor_parallel import ParameterSharding
 from meshtrain.models.llama.weights import WeightSource
+from meshtrain.models.shapes import select_lora_targets
 
 NAME = "lora"
 ADAPTER_PARTS = ("lora_A", "lora_B")
-# PEFT's default targets for the Llama family (its TRANSFORMERS_MODELS_TO_LORA_TARGET_
-# MODULES_MAPPING), used when `model.lora.target_modules` is null.
-DEFAULT_TARGETS = ("q_proj", "v_proj")
-ALL_LINEAR = "all-linear"
-# Not adapted here: the LM head (PEFT's all-linear leaves it out too) and the embedding.
-_NOT_ADAPTABLE = ("lm_head", "embed_tokens")
 
 
 def is_adapter(name: str) -> bool:
@@ -92,57 +85,10 @@ def linear_names(model: nn.Module) -> list[str]:
 
 
 def target_names(model: nn.Module, settings: LoraSettings) -> list[str]:
-    """The Linear layers `settings.target_modules` selects, with PEFT's matching rules;
-    refuses a target the model does not have (naming the closest) or cannot adapt."""
-    linears = linear_names(model)
-    targets = settings.target_modules
-    if targets is None:
-        targets = list(DEFAULT_TARGETS)
-    if targets == ALL_LINEAR or targets == [ALL_LINEAR]:
-        return [n for n in linears if n.rsplit(".", 1)[-1] not in _NOT_ADAPTABLE]
-    if isinstance(targets, str):
-        chosen = [n for n in linears if re.fullmatch(targets, n)]
-        if not chosen:
-            raise ConfigError(
-                f"`model.lora.target_modules` {targets!r} (a regular expression, as PEFT reads "
-                f"one string) matches no Linear layer; they are named like {linears[0]!r}. "
-                "List module names instead, e.g. [q_proj, v_proj], or use all-linear."
-            )
-        return _adaptable(chosen)
-    modules = {name for name, _ in model.named_modules()}
-    short = sorted({n.rsplit(".", 1)[-1] for n in modules if n})
-    adaptable = sorted({n.rsplit(".", 1)[-1] for n in linears} - set(_NOT_ADAPTABLE))
-    for target in targets:
-        if target in _NOT_ADAPTABLE:
-            _refuse_not_adaptable(target)
-        if not any(n == target or n.endswith("." + target) for n in linears):
-            close = difflib.get_close_matches(target, short, n=3)
-            hint = f" Closest: {', '.join(close)}." if close else ""
-            raise ConfigError(
-                f"`model.lora.target_modules` names {target!r}, which is not a Linear layer "
-                f"of this model.{hint} Its adaptable layers: "
-                f"{', '.join(adaptable)}."
-            )
-    chosen = [n for n in linears if any(n == t or n.endswith("." + t) for t in targets)]
-    return _adaptable(chosen)
-
-
-def _adaptable(names: list[str]) -> list[str]:
-    for name in names:
-        last = name.rsplit(".", 1)[-1]
-        if last in _NOT_ADAPTABLE:
-            _refuse_not_adaptable(last)
-    return names
-
-
-def _refuse_not_adaptable(target: str) -> None:
-    raise ConfigError(
-        f"`model.lora.target_modules` includes {target!r}: meshtrain adapts the decoder "
-        "layers' Linear projections (q/k/v/o_proj, gate/up/down_proj), not the embedding or "
-        "the LM head, whose adapters would need their own vocabulary-parallel split and, "
-        "with tied embeddings, one adapter shared by two pipeline stages. Leave it out "
-        "(all-linear already does)."
-    )
+    """The Linear layers `settings.target_modules` selects (`models.shapes`' rules, which
+    the planner reads from the config alone); refuses a target the model lacks."""
+    modules = [name for name, _ in model.named_modules()]
+    return select_lora_targets(linear_names(model), modules, settings)
 
 
 @dataclass

@@ -16,6 +16,8 @@ import json
 from pathlib import Path
 
 from meshtrain.config import AUTO, ConfigError, RunConfig
+from meshtrain.planner.axes.context import context_line
+from meshtrain.planner.axes.sharding import sharding_line
 from meshtrain.planner.devices import BUILTIN_PROFILES, GIB
 from meshtrain.planner.search import plan_run
 from meshtrain.planner.types import LayoutError, Plan
@@ -139,9 +141,9 @@ def describe(plan: Plan, args: argparse.Namespace) -> str:
             f"TFLOP/s ({plan.device}'s published peak; a run logs what it reaches as `mfu`)"
         )
     if plan.layout.sharded:
-        lines.append(_sharding_line(plan))
+        lines.append(sharding_line(plan))
     if plan.layout.context_parallel_size > 1:
-        lines.append(_context_line(plan, args.seq_len))
+        lines.append(context_line(plan, args.seq_len))
     if plan.candidates:
         lines.append("other layouts:")
         lines.append(f"  {'layout':44} {'GiB/rank':>9} {'tokens/s':>12}  why not")
@@ -187,41 +189,4 @@ def _precision_bytes(plan: Plan, precision: str) -> str:
     return (
         "per parameter 4 B fp32 weight (the master) + 4 B fp32 gradient + 8 B moments, "
         f"/{shards} sharded; layers gathered in {gathered}"
-    )
-
-
-def _sharding_line(plan: Plan) -> str:
-    """The sharded layout's collectives: per layer, per step, and the share hidden."""
-    t, lay = plan.time_estimate, plan.layout
-    n, dp = lay.sharded_data_parallel_degree, lay.data_parallel_size
-    if lay.pipeline_parallel_size > 1:
-        per, rounds, gathers = "schedule step", "schedule steps", "one all-gather"
-    else:
-        per, rounds, gathers = "microbatch", "microbatches", "two all-gathers (forward, backward)"
-    hybrid = f", all-reduced over {dp // n} replicas" if n < dp else ""
-    if lay.context_parallel_size > 1:  # FSDP2 shards over the sdp x cp ranks
-        cp = lay.context_parallel_size
-        hybrid = f" x {cp} cp ranks{hybrid}"
-    collectives = t["sdp_all_gather_s"] + t["sdp_reduce_scatter_s"] + t["sdp_replica_all_reduce_s"]
-    return (
-        f"  sharded over {n} of {dp} dp ranks{hybrid}: per layer and {per} {gathers} of "
-        f"{t['sdp_all_gather_per_layer_s'] * 1e3:.2f} ms and a reduce-scatter of "
-        f"{t['sdp_reduce_scatter_per_layer_s'] * 1e3:.2f} ms, {int(t['sdp_rounds_per_step'])} "
-        f"{rounds} per step: {collectives:.2f} s of collectives per step, "
-        f"{t['sdp_overlapped_share']:.0%} hidden behind compute"
-    )
-
-
-def _context_line(plan: Plan, seq_len: int) -> str:
-    """The cp layout's split of each sequence and its K/V exchange."""
-    t, cp = plan.time_estimate, plan.layout.context_parallel_size
-    gathers = int(t["cp_kv_all_gathers_per_layer"])
-    return (
-        f"  context parallel over {cp} ranks: {seq_len // cp:,} of each sequence's {seq_len:,} "
-        f"tokens per rank; per layer and microbatch {gathers} K/V all-gather"
-        f"{'s' if gathers > 1 else ''} of {t['cp_kv_all_gather_per_layer_s'] * 1e3:.2f} ms "
-        f"and a reduce-scatter of "
-        f"{t['cp_kv_reduce_scatter_per_layer_s'] * 1e3:.2f} ms, "
-        f"{t['context_parallel_s']:.2f} s per step, none hidden behind compute; attention "
-        f"{t['cp_attention_share']:.0%} of the compute"
     )

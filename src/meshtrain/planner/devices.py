@@ -124,6 +124,31 @@ def _interpolate_log2(points: list[tuple[float, float]], x: float) -> float:
     return points[-1][1]
 
 
+# The H100 SXM; the H200 is the same chip with more and faster memory.
+_HOPPER = DeviceProfile(
+    name="h100",
+    memory_gib=80.0,
+    devices_per_node=8,
+    # 989 TFLOPs dense bf16, ~495 TF32 peak (SXM); 40% sustained.
+    tflops_fp32=198.0,
+    tflops_bf16=396.0,
+    peak_tflops_fp32=494.7,
+    peak_tflops_bf16=989.4,
+    intra_node_gbps=450.0,  # NVLink 4: 900 GB/s bidirectional
+    inter_node_gbps=50.0,  # one 400 Gb/s InfiniBand NIC per GPU
+    latency_us=10.0,
+    memory_gbps=3350.0,
+    # Measured on one H200 (torch 2.11, CUDA 13, 2026-12-04; bench/dryrun_cuda.py,
+    # conf/gpu's 1.1B, bf16, 4 x 2,048 tokens): the device's use beyond the
+    # allocator's reserved peak was 1,325 MiB (CUDA context, cuBLAS workspace,
+    # libraries; one GPU, so no NCCL communicator), and the allocator reserved
+    # 39,736 MiB for a peak of 38,406 MiB of tensors (3.5% more).
+    runtime_gib=1.3,
+    allocator_share=0.035,
+    note="published H100 SXM figures, 40% of peak sustained",
+)
+
+
 BUILTIN_PROFILES: dict[str, DeviceProfile] = {
     profile.name: profile
     for profile in (
@@ -194,47 +219,12 @@ BUILTIN_PROFILES: dict[str, DeviceProfile] = {
             collective_overlap=0.0,
             note="measured on the project's 2-core machines (gloo over loopback)",
         ),
-        DeviceProfile(
-            name="h100",
-            memory_gib=80.0,
-            devices_per_node=8,
-            # 989 TFLOPs dense bf16, ~495 TF32 peak (SXM); 40% sustained.
-            tflops_fp32=198.0,
-            tflops_bf16=396.0,
-            peak_tflops_fp32=494.7,
-            peak_tflops_bf16=989.4,
-            intra_node_gbps=450.0,  # NVLink 4: 900 GB/s bidirectional
-            inter_node_gbps=50.0,  # one 400 Gb/s InfiniBand NIC per GPU
-            latency_us=10.0,
-            memory_gbps=3350.0,
-            # Measured on one H200 (torch 2.11, CUDA 13, 2026-12-04; bench/dryrun_cuda.py,
-            # conf/gpu's 1.1B, bf16, 4 x 2,048 tokens): the device's use beyond the
-            # allocator's reserved peak was 1,325 MiB (CUDA context, cuBLAS workspace,
-            # libraries; one GPU, so no NCCL communicator), and the allocator reserved
-            # 39,736 MiB for a peak of 38,406 MiB of tensors (3.5% more).
-            runtime_gib=1.3,
-            allocator_share=0.035,
-            note="published H100 SXM figures, 40% of peak sustained",
-        ),
-        DeviceProfile(
+        _HOPPER,
+        dataclasses.replace(
+            _HOPPER,
             name="h200",
             memory_gib=141.0 * 1e9 / GIB,
-            devices_per_node=8,
-            tflops_fp32=198.0,
-            tflops_bf16=396.0,
-            peak_tflops_fp32=494.7,
-            peak_tflops_bf16=989.4,
-            intra_node_gbps=450.0,
-            inter_node_gbps=50.0,
-            latency_us=10.0,
             memory_gbps=4800.0,
-            # Measured on one H200 (torch 2.11, CUDA 13, 2026-12-04; bench/dryrun_cuda.py,
-            # conf/gpu's 1.1B, bf16, 4 x 2,048 tokens): the device's use beyond the
-            # allocator's reserved peak was 1,325 MiB (CUDA context, cuBLAS workspace,
-            # libraries; one GPU, so no NCCL communicator), and the allocator reserved
-            # 39,736 MiB for a peak of 38,406 MiB of tensors (3.5% more).
-            runtime_gib=1.3,
-            allocator_share=0.035,
             note="published H200 SXM figures (H100 compute, 141 GB HBM3e), 40% sustained",
         ),
         DeviceProfile(

@@ -3,10 +3,7 @@ what its backward and autocast add (the per-layer terms of `planner.memory`)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from meshtrain.planner.memory import ModelShape, StepShape
+from meshtrain.planner.shapes import ModelShape, StepShape
 
 
 def local_kv_heads(m: ModelShape, t: int) -> int:

@@ -1,7 +1,8 @@
 """Plan one layout: run every check, refuse it with all their reasons, or estimate it.
 
-`meshtrain.planner.search` calls this once per layout it weighs; every check runs
-before any refusal is raised, so one run of the planner reports every problem.
+`meshtrain.planner.search` calls this once per `Candidate` it weighs (every `auto`
+already resolved); each axis of `planner.axes.AXES` and the run-wide checks run before
+any refusal is raised, so one run of the planner reports every problem.
 """
 
 from __future__ import annotations
@@ -12,34 +13,24 @@ from dataclasses import dataclass
 
 from transformers import PretrainedConfig
 
-from meshtrain.config import AUTO, DataConfig, Layout, RunConfig
+from meshtrain.config import Layout, RunConfig
 from meshtrain.models.converters import converter_names
+from meshtrain.planner.axes import AXES
+from meshtrain.planner.candidate import Candidate
 from meshtrain.planner.checks import (
     check_activation_checkpointing,
     check_batch_vs_data,
-    check_context_parallel,
     check_model_vs_data,
-    check_pipeline_parallel,
-    check_tensor_parallel,
     global_batch_size,
-    resolve_backend,
-    resolve_data_parallel,
-    resolve_pipeline,
-    resolve_sequence_parallel,
-    resolve_sharded_data_parallel,
-    resolve_zero_1,
 )
-from meshtrain.planner.cost import estimate_step_time, model_flops_per_token
+from meshtrain.planner.cost import estimate_step_time
 from meshtrain.planner.devices import DeviceProfile
+from meshtrain.planner.flops import model_flops_per_token
 from meshtrain.planner.lora_memory import lora_activation_terms
-from meshtrain.planner.loss_memory import auto_loss_chunk_tokens
-from meshtrain.planner.memory import (
-    ModelShape,
-    StepShape,
-    estimate_memory,
-    gather_units,
-)
-from meshtrain.planner.types import LayoutError, Plan
+from meshtrain.planner.memory import estimate_memory
+from meshtrain.planner.parameters import gather_units
+from meshtrain.planner.shapes import ModelShape, StepShape
+from meshtrain.planner.types import LayoutError, Plan, Refusal
 
 
 @dataclass(frozen=True)
@@ -58,15 +49,20 @@ class PlanContext:
     cuda: bool
     cuda_devices: int
     device: DeviceProfile
+    # The run's own `auto`s, resolved once by the search: the backend (and its refusals,
+    # reported with every layout's) and whether the blocks hold packed examples.
+    backend: str
+    backend_refusals: list[Refusal]
+    packed: bool
 
 
-def plan_one_layout(run: RunConfig, context: PlanContext) -> Plan:
-    """Validate one layout (only dp may be `auto`) and estimate its memory and step time."""
-    layout, backend, notes = resolve_layout(run, context)
+def plan_one_layout(run: RunConfig, candidate: Candidate, context: PlanContext) -> Plan:
+    """Validate one candidate layout of `run` and estimate its memory and step time."""
+    layout, backend, notes = resolve_layout(run, candidate, context)
     model_config, shapes, device = context.model_config, context.shapes, context.device
     train, block_size = run.training, run.data.block_size
     shape = ModelShape.from_config(model_config)
-    step = _step_shape(run, layout, context)
+    step = _step_shape(run, candidate, layout, context)
     adapters = context.adapter_shapes
     tensors = estimate_memory(shapes, shape, step, adapters)
     memory = dataclasses.replace(
@@ -90,7 +86,7 @@ def plan_one_layout(run: RunConfig, context: PlanContext) -> Plan:
             "parallel.activation_offloading has no effect on CPU (activations already live in "
             "host memory); it is kept for accelerators."
         )
-    global_batch = global_batch_size(train, layout.data_parallel_size)
+    global_batch = global_batch_size(train, candidate.dp)
     return Plan(
         layout=layout,
         world_size=run.launch.world_size,
@@ -118,81 +114,45 @@ def plan_one_layout(run: RunConfig, context: PlanContext) -> Plan:
     )
 
 
-def resolve_layout(run: RunConfig, context: PlanContext) -> tuple[Layout, str, list[str]]:
-    """The layout, its backend and the notes; every check runs, then all refusals are raised."""
-    model_config = context.model_config
-    par, train, launch = run.parallel, run.training, run.launch
-    world = launch.world_size
-    tp = 1 if par.tensor_parallel_size == AUTO else par.tensor_parallel_size
-    pp = 1 if par.pipeline_parallel_size == AUTO else par.pipeline_parallel_size
-    cp = 1 if par.context_parallel_size == AUTO else par.context_parallel_size
-
-    refusals = check_tensor_parallel(tp, world, model_config)
-    refusals += check_pipeline_parallel(pp, world, model_config)
-    refusals += check_context_parallel(cp, world, run.data.block_size)
-    dp, found = resolve_data_parallel(par, launch, tp, pp, model_config, cp)
-    refusals += found
-    pipeline = resolve_pipeline(par, pp, train.per_device_train_batch_size, model_config)
-    refusals += pipeline.refusals
-    notes = list(pipeline.notes)
-    sequence_parallel, found = resolve_sequence_parallel(par, tp, run.data.block_size, cp)
-    refusals += found
-    sharded, found = resolve_sharded_data_parallel(par, dp, par.zero_1)
-    refusals += found
-    zero_1, found_notes = resolve_zero_1(par, dp, sharded, cp)
-    notes += found_notes
-    refusals += check_activation_checkpointing(par.activation_checkpointing)
+def resolve_layout(
+    run: RunConfig, c: Candidate, context: PlanContext
+) -> tuple[Layout, str, list[str]]:
+    """The layout, its backend and the notes; every check runs, then all refusals are raised
+    (each axis's degree first, then the pipeline's split, then each axis's options)."""
+    model_config, train = context.model_config, run.training
+    checks = [axis.check(c, run, model_config) for axis in AXES]
+    refusals = [r for found in checks for r in found.degree]
+    refusals += [r for found in checks for r in found.split]
+    refusals += [r for found in checks for r in found.options]
+    notes = [note for found in checks for note in found.notes]
+    refusals += check_activation_checkpointing(c.activation_checkpointing)
     found, found_notes = check_batch_vs_data(
         train,
-        dp,
+        c.dp,
         num_train_blocks=context.num_train_blocks,
         num_validation_blocks=context.num_validation_blocks,
     )
     refusals += found
     notes += found_notes
     refusals += check_model_vs_data(run.data, model_config, context.tokenizer_size)
-    backend, found = resolve_backend(launch, context.cuda, context.cuda_devices)
-    refusals += found
+    refusals += context.backend_refusals
     if refusals:
         raise LayoutError(refusals)
-
+    fields = {name: value for found in checks for name, value in found.layout.items()}
     layout = Layout(
-        data_parallel_size=dp,
-        tensor_parallel_size=tp,
-        pipeline_parallel_size=pp,
-        pipeline_parallel_num_microbatches=pipeline.microbatches,
-        pipeline_schedule=par.pipeline_schedule,
-        pipeline_parallel_virtual_stages=pipeline.virtual_stages,
-        pipeline_parallel_layers=pipeline.stage_layers,
-        sequence_parallel=sequence_parallel,
-        zero_1=zero_1,
-        sharded_data_parallel_degree=sharded,
-        activation_checkpointing=par.activation_checkpointing,
-        activation_offloading=par.activation_offloading,
+        **fields,
+        activation_checkpointing=c.activation_checkpointing,
+        activation_offloading=run.parallel.activation_offloading,
         lora_rank=lora.r if (lora := run.model.lora_settings) else 0,
-        loss_chunk_tokens=resolve_loss_chunk(run, tp, pipeline.microbatches, model_config, cp),
-        context_parallel_size=cp,
+        loss_chunk_tokens=c.loss_chunk_tokens,
     )
-    return layout, backend, notes
+    return layout, context.backend, notes
 
 
-def resolve_loss_chunk(
-    run: RunConfig, tp: int, microbatches: int, model_config: PretrainedConfig, cp: int = 1
-) -> int:
-    """`training.loss_chunk_tokens`, `auto` resolved for this layout's microbatch (under cp,
-    the rank's block / cp tokens of each row)."""
-    chunk = run.training.loss_chunk_tokens
-    if chunk != AUTO:
-        return chunk
-    rows = run.training.per_device_train_batch_size // microbatches
-    tokens = rows * (run.data.block_size // cp)
-    return auto_loss_chunk_tokens(model_config.vocab_size, tp, tokens)
-
-
-def _step_shape(run: RunConfig, layout: Layout, context: PlanContext) -> StepShape:
+def _step_shape(run: RunConfig, c: Candidate, layout: Layout, context: PlanContext) -> StepShape:
     """What one rank runs per step under `layout`, as the memory and time models read it
     (with LoRA's frozen base and adapters)."""
-    step = _layout_step_shape(run, layout, context)
+    step = _layout_step_shape(run, c, layout, context)
     lora = run.model.lora_settings
     if lora is None:
         return step
@@ -209,11 +169,14 @@ def _step_shape(run: RunConfig, layout: Layout, context: PlanContext) -> StepSha
     )
 
 
-def _layout_step_shape(run: RunConfig, layout: Layout, context: PlanContext) -> StepShape:
-    pp, microbatches = layout.pipeline_parallel_size, layout.pipeline_parallel_num_microbatches
+def _layout_step_shape(
+    run: RunConfig, c: Candidate, layout: Layout, context: PlanContext
+) -> StepShape:
+    """The candidate's degrees, with what the axes resolved from them (`layout`)."""
+    pp, microbatches = c.pp, layout.pipeline_parallel_num_microbatches
     return StepShape(
-        dp=layout.data_parallel_size,
-        tp=layout.tensor_parallel_size,
+        dp=c.dp,
+        tp=c.tp,
         pp=pp,
         zero_1=layout.zero_1,
         sequence_parallel=layout.sequence_parallel,
@@ -231,27 +194,16 @@ def _layout_step_shape(run: RunConfig, layout: Layout, context: PlanContext) -> 
         master_weights=run.training.mixed_precision == "bf16_master",
         grad_reduce_bf16=run.training.grad_reduce_dtype == "bf16",
         offload_effective=layout.activation_offloading and context.device.name != "cpu",
-        sharded=layout.sharded_data_parallel_degree,
+        sharded=c.sdp,
         loss_chunk_tokens=layout.loss_chunk_tokens,
-        cp=layout.context_parallel_size,
-        packed=packs_examples(run.data),
+        cp=c.cp,
+        packed=context.packed,
         # The engine's fused CPU backward (distributed/gathered_attention.py).
         cp_fused_backward=context.device.name == "cpu",
         # The profile times the layers a converter runs on that converter's table.
         converters=converter_names(
             run.training,
             "cuda" if context.cuda else "cpu",
-            tensor_parallel=layout.tensor_parallel_size > 1,
+            tensor_parallel=c.tp > 1,
         ),
     )
-
-
-def packs_examples(data: DataConfig) -> bool:
-    """Whether the blocks hold packed examples (best-fit packing, positions restarting),
-    whose attention masks are made per row; a text corpus streams (one mask for all rows).
-    Where the format is only known from the data's columns, packed: the larger estimate."""
-    if data.packing != AUTO:
-        return data.packing == "bfd"
-    if data.format != AUTO:
-        return data.format != "text"
-    return data.source not in ("builtin", "text_files", "hub")

@@ -4,10 +4,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from meshtrain.planner.memory import ModelShape
+from meshtrain.planner.shapes import ModelShape
 
 
 def lora_activation_terms(

@@ -18,12 +18,9 @@ weights), and under tensor parallelism the hidden states gathered whole.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from meshtrain.planner.memory import ModelShape, StepShape
+from meshtrain.planner.shapes import BYTES_BF16, BYTES_FP32, ModelShape, StepShape
 
-BYTES_FP32, BYTES_BF16 = 4, 2
 # auto: chunks whose fp32 logits stay near this size, but never fewer tokens than the
 # floor, which keeps the head's matmuls large enough to run at speed (bench/large_vocab.py).
 AUTO_CHUNK_LOGITS_BYTES = 256 * 2**20

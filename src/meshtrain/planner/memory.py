@@ -18,9 +18,9 @@ measured peak of live tensors (`components.memory_probe`, `meshtrain.dryrun`):
 - pipeline schedules: GPipe keeps every microbatch's activations, 1F1B at
   most `pp - stage` on a stage, interleaved 1F1B its warm-up depth in model
   chunks (torch's schedule); the last stage keeps the loss's share of each
-  microbatch in flight until its backward (`planner.pipeline_memory`);
+  microbatch in flight until its backward (`planner.axes.pipeline`);
 - context parallelism: per-token terms at the rank's block / cp tokens, the gathered
-  K/V and packed examples' masks (`planner.context_memory`); ZeRO-1 and FSDP2 over x cp.
+  K/V and packed examples' masks (`planner.axes.context`); ZeRO-1 and FSDP2 over x cp.
 
 `process_total`, fitted into the device, adds the profile's runtime and allocator share;
 offloaded activations are counted apart (host memory).
@@ -28,396 +28,39 @@ offloaded activations are counted apart (host memory).
 Precisions: `no` and `bf16` (autocast) keep fp32 parameters and gradients (bf16
 matmul outputs); `bf16_master` bf16 parameters and activations, fp32 gradients (or
 bf16) and an fp32 master in AdamW. Sharded (`StepShape.sharded` = N > 1, FSDP2): fp32
-shards over N, what is gathered counted apart (`gathered_bytes`). Each term with its
+shards over N, what is gathered counted apart (`axes.data.gathered_bytes`). Each term with its
 bytes: docs/planner.md, "Memory model" and "Sharded data parallelism".
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from meshtrain.distributed.kv_heads import kv_replication_factor
-from meshtrain.models.llama.parameter_names import (
-    EMBEDDING,
-    is_kv_projection,
-    is_tensor_parallel_sharded,
-)
-from meshtrain.planner.context_memory import (
+from meshtrain.planner.axes.context import (
     context_breakdown,
     extra_kv_bytes,
     kv_gradient_bytes,
     mask_bytes,
 )
+from meshtrain.planner.axes.data import lora_model_states, replicated_model_states
+from meshtrain.planner.axes.pipeline import in_flight_microbatches, last_stage_in_flight
+from meshtrain.planner.axes.sharding import gathered_bytes, sharded_model_states
 from meshtrain.planner.layer_memory import (
     backward_working_set,
     layer_activation_elements,
     layer_matmul_elements,
 )
 from meshtrain.planner.loss_memory import head_keeps_its_input, loss_bytes
-from meshtrain.planner.pipeline_memory import in_flight_microbatches, last_stage_in_flight
-
-if TYPE_CHECKING:
-    from transformers import PretrainedConfig
-
-BYTES_FP32 = 4
-BYTES_BF16 = 2
-ADAM_MOMENTS = 2
-INT64 = 8
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """The sizes of a Llama-family model that memory and time depend on."""
-
-    hidden: int
-    intermediate: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-    tied_embeddings: bool
-    head_norms: bool = False  # an RMSNorm over each query and key head (Qwen3)
-
-    @classmethod
-    def from_config(cls, config: PretrainedConfig) -> ModelShape:
-        heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        return cls(
-            hidden=config.hidden_size,
-            intermediate=config.intermediate_size,
-            layers=config.num_hidden_layers,
-            heads=heads,
-            kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-            head_dim=head_dim,
-            vocab=config.vocab_size,
-            tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-            head_norms=getattr(config, "model_type", "") == "qwen3",
-        )
-
-
-@dataclass(frozen=True)
-class MemoryEstimate:
-    """Bytes on one rank at its peak (the largest over the pipeline stages)."""
-
-    parameters: int
-    gradients: int
-    optimizer_states: int
-    activations: int
-    loss: int
-    pipeline_rank: int = 0
-    per_pipeline_rank: tuple[int, ...] = ()
-    # Outside the step: what the process holds before the model (libraries, runtime).
-    runtime: int = 0
-    # What the device's caching allocator reserves beyond the step's tensors (its rounding
-    # and fragmentation: the profile's `allocator_share` of `total`).
-    allocator: int = 0
-    # Sharded data parallelism: parameters gathered for compute and unsharded gradients.
-    gathered: int = 0
-    # In host memory, not the device's: the saved activations offloading moves there.
-    offloaded: int = 0
-    # Whether the gradients are alive at the step's peak: not FSDP2's sharded ones, made
-    # by the reduce-scatters late in the backward and cleared after the update, while the
-    # peak comes at the backward's start (measured by the dry run, docs/dry_run.md).
-    gradients_at_peak: bool = True
-    # Context parallelism, parts of `activations`: the gathered K/V at the peak and packed
-    # examples' attention masks (planner/context_memory.py).
-    context_kv: int = 0
-    context_mask: int = 0
-
-    @property
-    def model_states(self) -> int:
-        return self.parameters + self.gradients + self.optimizer_states
-
-    @property
-    def total(self) -> int:
-        """The step's peak of live tensors (what the memory probe measures)."""
-        states = self.model_states - (0 if self.gradients_at_peak else self.gradients)
-        return states + self.gathered + self.activations + self.loss
-
-    @property
-    def process_total(self) -> int:
-        """What the rank's process (or device) holds at its peak over the run: the runtime,
-        the allocator's share and the step's peak (start-up allocates only the rank's
-        shards, one full tensor at a time, and checkpoints stream from the tensors' own
-        memory, so neither adds a peak of its own)."""
-        return self.runtime + self.allocator + self.total
-
-    def to_dict(self) -> dict[str, int | list[int]]:
-        """The breakdown plan.json holds; `gathered` only under sharded data parallelism."""
-        gathered = {"gathered": self.gathered} if self.gathered else {}
-        offloaded = {"offloaded_to_host": self.offloaded} if self.offloaded else {}
-        return {
-            "parameters": self.parameters,
-            "gradients": self.gradients,
-            "optimizer_states": self.optimizer_states,
-            **gathered,
-            "activations": self.activations,
-            **({"context_kv": self.context_kv} if self.context_kv else {}),
-            **({"context_mask": self.context_mask} if self.context_mask else {}),
-            "loss": self.loss,
-            "total": self.total,
-            "runtime": self.runtime,
-            **({"allocator": self.allocator} if self.allocator else {}),
-            "process_total": self.process_total,
-            "peak_pipeline_rank": self.pipeline_rank,
-            "total_per_pipeline_rank": list(self.per_pipeline_rank),
-            **offloaded,
-        }
-
-
-@dataclass(frozen=True)
-class StepShape:
-    """What one rank runs per optimizer step."""
-
-    dp: int
-    tp: int
-    pp: int
-    zero_1: bool
-    sequence_parallel: bool
-    activation_checkpointing: str
-    activation_offloading: bool
-    microbatch_size: int  # sequences per forward (the per-device batch / pp microbatches)
-    microbatches: int  # per pipeline schedule step (1 without pp)
-    schedule: str
-    virtual_stages: int
-    stage_layers: tuple[int, ...]  # decoder layers of each stage, in order
-    seq_len: int
-    bf16: bool = False  # matmuls in bf16 (autocast, or bf16 parameters)
-    offload_effective: bool = False  # activations really leave the device (accelerators)
-    master_weights: bool = False  # bf16 parameters and activations, fp32 master in AdamW
-    grad_reduce_bf16: bool = False  # bf16 gradients (only with master_weights)
-    sharded: int = 1  # sharded data parallel degree N (1: off; dp: full; else hybrid)
-    converters: tuple[str, ...] = ()  # the run's model converters (`models/converters.py`)
-    # LoRA: the base is frozen (no gradients, no optimizer states; held in the compute
-    # dtype). Per token and decoder layer, what the adapters keep (their inputs' dropout
-    # copies and masks, their rank-r intermediates), in bytes, and the matmul-side
-    # elements a frozen layer without an adapter no longer keeps (a frozen weight's
-    # product needs no saved input).
-    frozen_base: bool = False
-    adapter_bytes_per_token: float = 0.0
-    unsaved_elements: float = 0.0
-    # The loss over chunks of this many tokens (0: over the whole logits; planner/loss_memory).
-    loss_chunk_tokens: int = 0
-    # Context parallelism: each row's tokens split over `cp` ranks holding the same
-    # parameters; `packed`: packed examples, whose attention masks are made per row;
-    # `cp_fused_backward`: the CPU's, which gathers K/V again instead of keeping them.
-    cp: int = 1
-    packed: bool = False
-    cp_fused_backward: bool = False
-
-    @property
-    def local_seq_len(self) -> int:
-        """Tokens of each row this rank holds."""
-        return self.seq_len // self.cp
-
-    @property
-    def grad_ranks(self) -> int:
-        """Ranks holding the same parameters, whose gradients are averaged and over which
-        ZeRO-1 shards: dp x cp."""
-        return self.dp * self.cp
-
-    @property
-    def shard_ranks(self) -> int:
-        """Ranks FSDP2 shards one model copy over: sharded x cp (1: not sharded)."""
-        return self.sharded * self.cp if self.sharded > 1 else 1
-
-    @property
-    def parameter_bytes(self) -> int:
-        """The compute dtype's bytes (under sharding: of the gathered parameters)."""
-        return BYTES_BF16 if self.master_weights else BYTES_FP32
-
-    @property
-    def gradient_bytes(self) -> int:
-        return BYTES_BF16 if self.grad_reduce_bf16 else BYTES_FP32
-
-    @property
-    def optimizer_bytes(self) -> int:
-        """Per owned element: AdamW's moments, the fp32 master, its fp32 gradient copy
-        (under sharding only the moments: the fp32 shard is its own master and gradient)."""
-        if self.sharded > 1:
-            return BYTES_FP32 * ADAM_MOMENTS
-        master = BYTES_FP32 if self.master_weights else 0
-        gradient_copy = BYTES_FP32 if self.grad_reduce_bf16 else 0
-        return BYTES_FP32 * ADAM_MOMENTS + master + gradient_copy
-
-
-def local_parameter_count(
-    shapes: dict[str, tuple[int, ...]], *, tp: int, kv_replication: int = 1
-) -> int:
-    """Elements of all parameters one tensor-parallel rank holds."""
-    return sum(_local_numel(name, shape, tp, kv_replication) for name, shape in shapes.items())
-
-
-def _local_numel(name: str, shape: tuple[int, ...], tp: int, kv_replication: int) -> int:
-    numel = math.prod(shape)
-    if tp > 1 and is_tensor_parallel_sharded(name):
-        copies = kv_replication if is_kv_projection(name) else 1
-        return math.ceil(numel * copies / tp)
-    return numel
-
-
-def stage_parameter_counts(
-    shapes: dict[str, tuple[int, ...]],
-    stage_layers: tuple[int, ...],
-    *,
-    tp: int,
-    kv_replication: int,
-    tied_embeddings: bool = False,
-) -> list[int]:
-    """Local parameter elements of each pipeline stage (embeddings first, head last).
-
-    Tied embeddings over several stages: the last stage holds a copy of the embedding
-    as its LM head (the shapes list the tied weight once)."""
-    first_layer = [sum(stage_layers[:i]) for i in range(len(stage_layers))]
-    counts = [0] * len(stage_layers)
-    for name, shape in shapes.items():
-        numel = _local_numel(name, shape, tp, kv_replication)
-        if ".layers." in name:
-            layer = int(name.split(".layers.")[1].split(".")[0])
-            stage = max(i for i, start in enumerate(first_layer) if start <= layer)
-        elif name == EMBEDDING:
-            stage = 0
-            if tied_embeddings and len(stage_layers) > 1:
-                counts[-1] += numel
-        else:  # final norm, lm_head
-            stage = len(stage_layers) - 1
-        counts[stage] += numel
-    return counts
-
-
-def estimate_model_states(
-    shapes: dict[str, tuple[int, ...]],
-    *,
-    dp: int,
-    tp: int,
-    pp: int,
-    zero_1: bool,
-    kv_replication: int = 1,
-    precision: StepShape | None = None,
-    sharded: int = 1,
-) -> MemoryEstimate:
-    """Bytes per rank of parameters, gradients and optimizer states, stages averaged
-    (`precision`: a step shape whose precision fields apply; default fp32; `sharded`:
-    the sharded data parallel degree, which divides all three)."""
-    local = math.ceil(local_parameter_count(shapes, tp=tp, kv_replication=kv_replication) / pp)
-    step = dataclasses.replace(precision or FP32, sharded=sharded)
-    if sharded > 1:
-        return _sharded_model_states(local, step)
-    owned = math.ceil(local / dp) if zero_1 else local
-    return _with_model_states(local, owned, step)
-
-
-def _with_model_states(
-    held: int, owned: int, step: StepShape, *, activations: int = 0, loss: int = 0
-) -> MemoryEstimate:
-    """Parameters and gradients of `held` elements, optimizer states of the `owned` ones,
-    at the step's precision."""
-    return MemoryEstimate(
-        parameters=held * step.parameter_bytes,
-        gradients=held * step.gradient_bytes,
-        optimizer_states=owned * step.optimizer_bytes,
-        activations=activations,
-        loss=loss,
-    )
-
-
-def _sharded_model_states(
-    local: int, step: StepShape, *, gathered: int = 0, activations: int = 0, loss: int = 0
-) -> MemoryEstimate:
-    """The rank's 1/N of `local` elements: fp32 parameters (the master weights under
-    bf16_master), fp32 gradients (FSDP2 casts the reduced gradient to the parameter's
-    dtype) and the two moments, padded to a multiple of N."""
-    shard = math.ceil(local / step.shard_ranks)
-    return MemoryEstimate(
-        parameters=shard * BYTES_FP32,
-        gradients=shard * BYTES_FP32,
-        optimizer_states=shard * step.optimizer_bytes,
-        activations=activations,
-        loss=loss,
-        gathered=gathered,
-        gradients_at_peak=False,
-    )
-
-
-def gathered_bytes(
-    step: StepShape, *, local: int, layer: int, layers: int, gradients: bool = True
-) -> int:
-    """Bytes of gathered parameters and unsharded gradients at the step's peak, for a rank
-    holding `local` elements of which `layers` decoder layers of `layer` elements each.
-
-    Without pp the peak is the backward's start (dry runs, docs/dry_run.md): the root
-    group (embedding, final norm, LM head) gathered for the whole step, the last layer
-    gathered again; no gradient unsharded yet (the LM head's is the loss's, the
-    embedding's comes last). Under pp the stage stays gathered and accumulates unsharded
-    gradients until the schedule's last microbatch, whose backward copies the first group
-    into a flat reduce-scatter buffer while the others are still gathered; interleaved,
-    only the last chunk's gradients exist at the warm-up's peak. (Sharding only.)"""
-    grad = step.gradient_bytes if gradients else 0  # a frozen base has none
-    root = local - layers * layer
-    if step.pp > 1 and step.schedule == "interleaved_1f1b":
-        # A rank's gradients are made by its chunks' first backwards: at the warm-up's
-        # peak only the last chunk has had one, and nothing is reduced yet (dry runs).
-        return local * step.parameter_bytes + local // step.virtual_stages * grad
-    if step.pp > 1:
-        return local * (step.parameter_bytes + grad) + max(root, layer) * grad
-    return (root + min(1, layers) * layer) * step.parameter_bytes
-
-
-def layer_parameter_count(
-    shapes: dict[str, tuple[int, ...]], *, tp: int, kv_replication: int = 1
-) -> int:
-    """Local elements of one decoder layer (they are all alike): FSDP2's unit of gathering."""
-    return sum(
-        _local_numel(name, shape, tp, kv_replication)
-        for name, shape in shapes.items()
-        if ".layers.0." in name
-    )
-
-
-@dataclass(frozen=True)
-class GatherUnits:
-    """What FSDP2 gathers and reduces on the busiest pipeline rank, in local elements."""
-
-    local: int  # all the rank's parameters
-    layer: int  # one decoder layer's
-    layers: int  # decoder layers on the rank
-
-    @property
-    def root(self) -> int:
-        """The root group: embedding, final norm, LM head (those on the rank's stages)."""
-        return self.local - self.layer * self.layers
-
-
-def _local_counts(
-    shapes: dict[str, tuple[int, ...]], m: ModelShape, step: StepShape
-) -> tuple[list[int], int]:
-    """Each stage's local parameter count, and one decoder layer's, under step's tp."""
-    kv_replication = kv_replication_factor(m.kv_heads, step.tp)
-    counts = stage_parameter_counts(
-        shapes,
-        step.stage_layers,
-        tp=step.tp,
-        kv_replication=kv_replication,
-        tied_embeddings=m.tied_embeddings,
-    )
-    return counts, layer_parameter_count(shapes, tp=step.tp, kv_replication=kv_replication)
-
-
-def gather_units(shapes: dict[str, tuple[int, ...]], m: ModelShape, step: StepShape) -> GatherUnits:
-    """The units of gathering of the pipeline rank holding the most parameters."""
-    counts, layer = _local_counts(shapes, m, step)
-    stages = len(step.stage_layers)
-    ranks = [list(range(rank, stages, step.pp)) for rank in range(step.pp)]
-    mine = max(ranks, key=lambda stages_: sum(counts[s] for s in stages_))
-    return GatherUnits(
-        local=sum(counts[s] for s in mine),
-        layer=layer,
-        layers=sum(step.stage_layers[s] for s in mine),
-    )
+from meshtrain.planner.parameters import local_counts
+from meshtrain.planner.shapes import (
+    BYTES_BF16,
+    BYTES_FP32,
+    INT64,
+    GatherUnits,
+    MemoryEstimate,
+    ModelShape,
+    StepShape,
+)
 
 
 def estimate_memory(
@@ -428,10 +71,10 @@ def estimate_memory(
 ) -> MemoryEstimate:
     """Peak bytes of live tensors on the most loaded rank, with its breakdown
     (`adapter_shapes`: a LoRA run's adapters, the only parameters it trains)."""
-    counts, layer = _local_counts(shapes, m, step)
+    counts, layer = local_counts(shapes, m, step)
     stages = len(step.stage_layers)
     adapters, adapter_layer = (
-        _local_counts(adapter_shapes, m, step) if adapter_shapes else ([0] * stages, 0)
+        local_counts(adapter_shapes, m, step) if adapter_shapes else ([0] * stages, 0)
     )
     # Rank r holds stages r, r + pp, ... (interleaved) or just stage r.
     per_rank: list[MemoryEstimate] = []
@@ -446,22 +89,19 @@ def estimate_memory(
                 sum(step.stage_layers[s] for s in mine),
             )
             base = GatherUnits(local, layer, trained.layers)
-            states = _lora_model_states(base, trained, step)
+            states = lora_model_states(base, trained, step)
             per_rank.append(dataclasses.replace(states, activations=activations, loss=loss))
             continue
         if step.sharded > 1:
             layers = sum(step.stage_layers[s] for s in mine)
             gathered = gathered_bytes(step, local=local, layer=layer, layers=layers)
             per_rank.append(
-                _sharded_model_states(
+                sharded_model_states(
                     local, step, gathered=gathered, activations=activations, loss=loss
                 )
             )
             continue
-        ranks = step.grad_ranks
-        padded = math.ceil(local / ranks) * ranks if step.zero_1 else local
-        owned = padded // ranks if step.zero_1 else local
-        per_rank.append(_with_model_states(padded, owned, step, activations=activations, loss=loss))
+        per_rank.append(replicated_model_states(local, step, activations=activations, loss=loss))
     worst = max(range(step.pp), key=lambda r: per_rank[r].total)
     mine = list(range(worst, stages, step.pp))
     context_kv, context_mask = context_breakdown(
@@ -491,26 +131,6 @@ def _offloaded(m: ModelShape, step: StepShape, on_device: list[int]) -> int:
         _activations_on_rank(m, kept, rank, list(range(rank, stages, step.pp)))[0] - device
         for rank, device in enumerate(on_device)
     )
-
-
-def _lora_model_states(base: GatherUnits, trained: GatherUnits, step: StepShape) -> MemoryEstimate:
-    """The frozen base's parameters alone (fp32 shards under sharding, else the compute
-    dtype: bf16 under bf16 autocast too), and the adapters' full states (`trained`)."""
-    if step.sharded > 1:
-        adapters = _sharded_model_states(trained.local, step)
-        gathered = gathered_bytes(
-            step, local=base.local, layer=base.layer, layers=base.layers, gradients=False
-        ) + gathered_bytes(step, local=trained.local, layer=trained.layer, layers=trained.layers)
-        frozen = math.ceil(base.local / step.shard_ranks) * BYTES_FP32
-        return dataclasses.replace(
-            adapters, parameters=adapters.parameters + frozen, gathered=gathered
-        )
-    ranks = step.grad_ranks
-    padded = math.ceil(trained.local / ranks) * ranks if step.zero_1 else trained.local
-    owned = padded // ranks if step.zero_1 else padded
-    adapters = _with_model_states(padded, owned, step)
-    frozen = base.local * (BYTES_BF16 if step.bf16 else BYTES_FP32)
-    return dataclasses.replace(adapters, parameters=adapters.parameters + frozen)
 
 
 def _activations_on_rank(
@@ -581,20 +201,3 @@ def _activations_on_rank(
         in_layer += 2 * layer_matmul_elements(m, step.tp) * step.parameter_bytes
     kept_losses = kept_loss * last_stage_in_flight(step)
     return activations + max(0, in_layer - at_loss), kept_losses + at_loss
-
-
-FP32 = StepShape(
-    dp=1,
-    tp=1,
-    pp=1,
-    zero_1=False,
-    sequence_parallel=False,
-    activation_checkpointing="none",
-    activation_offloading=False,
-    microbatch_size=1,
-    microbatches=1,
-    schedule="none",
-    virtual_stages=1,
-    stage_layers=(1,),
-    seq_len=1,
-)

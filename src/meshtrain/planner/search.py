@@ -16,27 +16,32 @@ import torch
 from transformers import PretrainedConfig
 
 from meshtrain.config import AUTO, RunConfig
-from meshtrain.models.builder import build_meta_model
-from meshtrain.models.llama.parameter_names import llama_family_shapes
-from meshtrain.models.lora import LoraConverter, check_pretrained_base
-from meshtrain.planner.checks import (
-    IMPLEMENTED_ACTIVATION_CHECKPOINTING,
-    context_parallel_degrees,
-    pipeline_parallel_degrees,
-    sharded_data_parallel_degrees,
-    tensor_parallel_degrees,
-)
-from meshtrain.planner.devices import GIB, DeviceProfile, resolve_device
-from meshtrain.planner.explain import (
-    TIE,
-    candidates,
+from meshtrain.models.lora import check_pretrained_base
+from meshtrain.models.shapes import lora_adapter_shapes, parameter_shapes
+from meshtrain.planner.axes import TIE_BREAK, sharding
+from meshtrain.planner.axes import context as cp_axis
+from meshtrain.planner.axes import data as dp_axis
+from meshtrain.planner.axes import pipeline as pp_axis
+from meshtrain.planner.axes import tensor as tp_axis
+from meshtrain.planner.axes.context import (
     context_note,
     context_parallel_wanted,
-    sharding_note,
-    speed,
 )
+from meshtrain.planner.axes.sharding import sharding_note
+from meshtrain.planner.devices import GIB, DeviceProfile, resolve_device
+from meshtrain.planner.explain import candidates
 from meshtrain.planner.layout import PlanContext, plan_one_layout
-from meshtrain.planner.types import LayoutError, Plan, Refusal, divisors
+from meshtrain.planner.options import (
+    candidate_from,
+    fit_global_batch,
+    packs_examples,
+    resolve_backend,
+    search_space,
+    variant_name,
+    with_parallel,
+)
+from meshtrain.planner.ranking import TIE, speed
+from meshtrain.planner.types import LayoutError, Plan, Refusal
 
 # Less recomputation first, among layouts as fast.
 _AC_ORDER = {"none": 0, "selective": 1, "full": 2}
@@ -53,15 +58,14 @@ def plan_run(
 ) -> Plan:
     """Resolve `auto`, validate the layout against model, world, data and device memory.
 
-    With `tensor_parallel_size`, `pipeline_parallel_size` or
-    `activation_checkpointing` at `auto`, every layout the fixed values allow is
-    planned; those refused or over the device's memory (less
+    With tp, pp, sharding or `activation_checkpointing` at `auto`, every layout the fixed
+    values allow is planned; those refused or over the device's memory (less
     `planner.memory_margin`) drop out, and the fastest estimated step wins,
     preferring (within 2% of the best estimated tokens/s) smaller cp, then tp, then
     pp, then less sharding and recomputation.
     The others are kept in `Plan.candidates` with the reason each lost.
 
-    `context_parallel_size: auto` plans cp 1 first, and the cp sizes only where no layout
+    cp at `auto` plans cp 1 first, and the cp sizes only where no layout
     fits without them, activations and loss are most of the best one's memory (what cp
     divides), or blocks are long (`CP_LONG_BLOCK`): cp adds an exchange nothing hides,
     so it wins on memory, against tp's collectives, or where it frees dp ranks the
@@ -70,24 +74,28 @@ def plan_run(
     cuda = torch.cuda.is_available() if cuda_available is None else cuda_available
     device = resolve_device(run.planner.device, run.planner.device_profiles, cuda)
     budget = device.memory_bytes * (1 - run.planner.memory_margin)
+    cuda_devices = torch.cuda.device_count() if cuda else 0
+    backend, backend_refusals = resolve_backend(run.launch, cuda, cuda_devices)
     context = PlanContext(
         model_config=model_config,
-        shapes=llama_family_shapes(model_config),
+        shapes=parameter_shapes(model_config),
         adapter_shapes=adapter_shapes(run, model_config),
         num_train_blocks=num_train_blocks,
         num_validation_blocks=num_validation_blocks,
         tokenizer_size=tokenizer_size,
         cuda=cuda,
-        cuda_devices=torch.cuda.device_count() if cuda else 0,
+        cuda_devices=cuda_devices,
         device=device,
+        backend=backend,
+        backend_refusals=backend_refusals,
+        packed=packs_examples(run.data),
     )
-    plan = functools.partial(plan_one_layout, context=context)
-    plan = functools.partial(_zero_1_where_needed, plan, budget=budget)
-    cp_auto = run.parallel.context_parallel_size == AUTO
-    first = _with_parallel(run, context_parallel_size=1) if cp_auto else run
-    variants = _search_space(first, model_config)
+    plan = functools.partial(_zero_1_where_needed, context=context, budget=budget)
+    cp_auto = getattr(run.parallel, cp_axis.PARAMETER) == AUTO
+    first = with_parallel(run, **{cp_axis.PARAMETER: 1}) if cp_auto else run
+    variants = search_space(first, model_config)
     if len(variants) == 1 and not cp_auto:
-        only = plan(_fit_global_batch(variants[0]))
+        only = plan(fit_global_batch(variants[0]))
         if only.memory_estimate_per_rank["process_total"] > budget:
             raise LayoutError([_over_memory(only, device, run)])
         return only
@@ -95,9 +103,9 @@ def plan_run(
     planned, rejected, errors = _plan_each(variants, plan)
     without_cp = list(planned)
     cp_reason = context_parallel_wanted(planned, budget, run.data.block_size) if cp_auto else None
-    sizes = context_parallel_degrees(run.launch.world_size, run.data.block_size, search=True)
+    sizes = cp_axis.AXIS.degrees(run, model_config)
     if cp_reason and len(sizes) > 1:
-        found, lost, failed = _plan_each(_search_space(run, model_config, sizes[1:]), plan)
+        found, lost, failed = _plan_each(search_space(run, model_config, sizes[1:]), plan)
         planned, rejected, errors = planned + found, rejected + lost, errors + failed
     fitting = [p for p in planned if p.memory_estimate_per_rank["process_total"] <= budget]
     if not fitting:
@@ -146,42 +154,42 @@ def _none_fits(
 
 
 def adapter_shapes(run: RunConfig, model_config: PretrainedConfig) -> dict[str, tuple[int, ...]]:
-    """The LoRA adapters' shapes, found by converting the meta model (which also refuses a
-    target the model does not have, before any worker starts); empty without LoRA."""
+    """The LoRA adapters' shapes, from the config and the LoRA settings as the converter
+    makes them (refusing a target the model does not have, before any worker starts);
+    empty without LoRA."""
     settings = run.model.lora_settings
     if settings is None:
         return {}
     check_pretrained_base(settings, run.model.init_from)
-    converter = LoraConverter(settings, run.training.seed)
-    converter.convert(build_meta_model(model_config))
-    return dict(converter.shapes)
+    return lora_adapter_shapes(model_config, settings)
 
 
-def _zero_1_where_needed(
-    plan: Callable[[RunConfig], Plan], run: RunConfig, *, budget: float
-) -> Plan:
+def _zero_1_where_needed(run: RunConfig, *, context: PlanContext, budget: float) -> Plan:
     """`zero_1=auto`: the layout without ZeRO-1 where it fits the budget, with it where
     only that makes it fit: its parameter all-gather after every step is not free."""
-    plain = plan(run)
+    candidate = candidate_from(run, context.model_config)
+    plain = plan_one_layout(run, candidate, context)
     lay = plain.layout
-    copies = lay.data_parallel_size * lay.context_parallel_size  # ZeRO-1 shards over dp x cp
-    if run.parallel.zero_1 != AUTO or copies == 1 or lay.sharded:
+    copies = candidate.dp * candidate.cp  # ZeRO-1 shards over dp x cp
+    if not candidate.chosen("zero_1") or copies == 1 or candidate.sdp > 1:
         return plain
     need = plain.memory_estimate_per_rank["process_total"]
     if need <= budget:
         note = f"parallel.zero_1=auto: off, {lay.name} fits without it"
         return dataclasses.replace(plain, notes=[*plain.notes, note])
-    with_zero_1 = plan(_with_parallel(run, zero_1=True))
+    with_zero_1 = plan_one_layout(
+        run,
+        dataclasses.replace(
+            candidate, zero_1=True, chosen_by_search=candidate.chosen_by_search - {"zero_1"}
+        ),
+        context,
+    )
     note = (
         f"parallel.zero_1=auto: on, without it {lay.name} needs {_size(need)} per rank, "
         f"over the {_size(budget)} budget; with it "
         f"{_size(with_zero_1.memory_estimate_per_rank['process_total'])}"
     )
     return dataclasses.replace(with_zero_1, notes=[*with_zero_1.notes, note])
-
-
-def _with_parallel(run: RunConfig, **changes: Any) -> RunConfig:
-    return dataclasses.replace(run, parallel=dataclasses.replace(run.parallel, **changes))
 
 
 def _size(bytes_: float) -> str:
@@ -198,12 +206,12 @@ def _plan_each(
     errors: list[LayoutError] = []
     for variant in variants:
         try:
-            planned.append(plan(_fit_global_batch(variant)))
+            planned.append(plan(fit_global_batch(variant)))
         except LayoutError as error:
             errors.append(error)
             rejected.append(
                 {
-                    "layout": _variant_name(variant),
+                    "layout": variant_name(variant),
                     "rejected": "; ".join(str(r) for r in error.refusals),
                 }
             )
@@ -240,10 +248,7 @@ def _choose(fitting: list[Plan]) -> Plan:
         return (
             not tied,
             0.0 if tied else -speed(p),
-            lay.context_parallel_size,
-            lay.tensor_parallel_size,
-            lay.pipeline_parallel_size,
-            lay.sharded_data_parallel_degree,
+            *(degree(lay) for degree, _, _ in TIE_BREAK),
             _AC_ORDER[lay.activation_checkpointing],
         )
 
@@ -272,21 +277,20 @@ def _memory_changes(plan: Plan, run: RunConfig) -> list[str]:
     layout, par = plan.layout, run.parallel
     fixed = [
         name
-        for name, value in (
-            ("tensor", par.tensor_parallel_size),
-            ("pipeline", par.pipeline_parallel_size),
-            ("context", par.context_parallel_size),
+        for name, parameter in (
+            ("tensor", tp_axis.PARAMETER),
+            ("pipeline", pp_axis.PARAMETER),
+            ("context", cp_axis.PARAMETER),
         )
-        if value != AUTO
+        if getattr(par, parameter) != AUTO
     ]
     changes = [f"more {' or '.join(fixed)} parallelism (or `auto`)"] if fixed else []
-    if layout.data_parallel_size * layout.context_parallel_size > 1 and not layout.sharded:
+    if dp_axis.AXIS.degree(layout) * cp_axis.AXIS.degree(layout) > 1 and not layout.sharded:
         if not layout.zero_1 and par.zero_1 != AUTO:
             changes.append("ZeRO-1 (parallel.zero_1=true)")
-        if par.sharded_data_parallel_degree != AUTO:
+        if getattr(par, sharding.SHARDING) != AUTO:
             changes.append(
-                "sharded data parallelism (parallel.sharded_data_parallel_degree=auto, or a "
-                "divisor of dp)"
+                f"sharded data parallelism (parallel.{sharding.SHARDING}=auto, or a divisor of dp)"
             )
     more_recompute = {"none": "selective or full", "selective": "full"}
     if layout.activation_checkpointing in more_recompute and par.activation_checkpointing != AUTO:
@@ -298,118 +302,3 @@ def _memory_changes(plan: Plan, run: RunConfig) -> list[str]:
             "a smaller training.per_device_train_batch_size with more gradient_accumulation_steps"
         )
     return changes
-
-
-def _search_space(
-    run: RunConfig, model_config: PretrainedConfig, cp_options: list[int] | None = None
-) -> list[RunConfig]:
-    """Every combination of the `auto` knobs the fixed values allow (one if none is auto);
-    `cp_options`: the context parallel sizes to weigh (None: the one given, and the run
-    as it is when nothing combines, for the planner to refuse with its reasons)."""
-    par, world = run.parallel, run.launch.world_size
-    tp_options = (
-        tensor_parallel_degrees(world, model_config)
-        if par.tensor_parallel_size == AUTO
-        else [par.tensor_parallel_size]
-    )
-    pp_options = (
-        pipeline_parallel_degrees(world, model_config)
-        if par.pipeline_parallel_size == AUTO
-        else [par.pipeline_parallel_size]
-    )
-    ac_options = (
-        list(IMPLEMENTED_ACTIVATION_CHECKPOINTING)
-        if par.activation_checkpointing == AUTO
-        else [par.activation_checkpointing]
-    )
-    sizes = [
-        (tp, pp, cp)
-        for cp in cp_options or [par.context_parallel_size]
-        for tp in tp_options
-        for pp in pp_options
-        if world % (tp * pp * cp) == 0 and par.data_parallel_size in (AUTO, world // (tp * pp * cp))
-    ]
-    variants = []
-    for tp, pp, cp in sizes:
-        for sdp in _sharding_options(run, world // (tp * pp * cp), tp, cp):
-            for ac in ac_options:
-                parallel = dataclasses.replace(
-                    par,
-                    tensor_parallel_size=tp,
-                    pipeline_parallel_size=pp,
-                    context_parallel_size=cp,
-                    sharded_data_parallel_degree=sdp,
-                    activation_checkpointing=ac,
-                )
-                variants.append(dataclasses.replace(run, parallel=parallel))
-    if cp_options is not None:
-        return variants  # the cp sizes weighed beside cp 1: none may fit the fixed sizes
-    return variants or [run]
-
-
-def _sharding_options(run: RunConfig, dp: int, tp: int, cp: int = 1) -> list[int | str]:
-    """The sharded data parallel degrees to weigh: as given, or at `auto` off, full and
-    (across nodes) hybrid; only off when ZeRO-1 is asked for (sharding includes it) and
-    on Neuron."""
-    degree = run.parallel.sharded_data_parallel_degree
-    if degree != AUTO:
-        return [degree]
-    # The engine shards with torch's FSDP2, which the Neuron (XLA) backend does not run.
-    if run.parallel.zero_1 is True or run.launch.backend == "neuron":
-        return [1]
-    return list(sharded_data_parallel_degrees(dp, tp, run.launch.nproc_per_node, cp))
-
-
-def _fit_global_batch(run: RunConfig) -> RunConfig:
-    """With `training.global_batch_size`, split it for this layout's dp and pp.
-
-    The per-device batch is the largest that divides the rank's share and is at most
-    `per_device_train_batch_size` per forward (times the pipeline microbatches, at most
-    2 x pp of them); the rest is gradient accumulation.
-    """
-    train, par = run.training, run.parallel
-    target = train.global_batch_size
-    if target is None:
-        return run
-    tp = 1 if par.tensor_parallel_size == AUTO else par.tensor_parallel_size
-    pp = 1 if par.pipeline_parallel_size == AUTO else par.pipeline_parallel_size
-    cp = 1 if par.context_parallel_size == AUTO else par.context_parallel_size
-    world = run.launch.world_size
-    if par.data_parallel_size == AUTO:
-        if world % (tp * pp * cp):
-            return run  # the planner refuses the sizes themselves, with the reason
-        dp = world // (tp * pp * cp)
-    else:
-        dp = par.data_parallel_size
-    if target % dp:
-        raise LayoutError(
-            [
-                Refusal(
-                    "training.global_batch_size",
-                    target,
-                    f"it does not split evenly over data_parallel_size={dp}",
-                    f"Use a multiple of {max(dp, 1)}.",
-                )
-            ]
-        )
-    share = target // dp
-    forwards = 2 * pp if pp > 1 else 1
-    limit = train.per_device_train_batch_size * forwards
-    per_device = max(d for d in divisors(share) if d <= limit)
-    training = dataclasses.replace(
-        train,
-        per_device_train_batch_size=per_device,
-        gradient_accumulation_steps=share // per_device,
-    )
-    return dataclasses.replace(run, training=training)
-
-
-def _variant_name(run: RunConfig) -> str:
-    par = run.parallel
-    sdp, cp = par.sharded_data_parallel_degree, par.context_parallel_size
-    return (
-        f"tp{par.tensor_parallel_size}-pp{par.pipeline_parallel_size}"
-        + (f"-cp{cp}" if cp not in (1, AUTO) else "")
-        + (f"-sdp{sdp}" if sdp not in (1, AUTO) else "")
-        + f"-ac-{par.activation_checkpointing}"
-    )

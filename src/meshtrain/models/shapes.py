@@ -1,0 +1,123 @@
+"""A model's shapes from its config alone: every parameter's, every module's name, and a
+LoRA run's adapters, without building the model.
+
+The planner (and `python -m meshtrain plan`) reads shapes here only; the LoRA converter
+selects its targets with the same rules (`select_lora_targets`), so what the planner
+counts and refuses is what the converter makes and refuses. No torch import: a plan
+costs no modelling code.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from typing import Any
+
+from meshtrain.config import ConfigError, LoraSettings
+from meshtrain.models.llama.parameter_names import LM_HEAD, llama_family_shapes
+
+# PEFT's default targets for the Llama family (its TRANSFORMERS_MODELS_TO_LORA_TARGET_
+# MODULES_MAPPING), used when `model.lora.target_modules` is null.
+DEFAULT_TARGETS = ("q_proj", "v_proj")
+ALL_LINEAR = "all-linear"
+# Not adapted here: the LM head (PEFT's all-linear leaves it out too) and the embedding.
+NOT_ADAPTABLE = ("lm_head", "embed_tokens")
+_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+_MLP = ("gate_proj", "up_proj", "down_proj")
+
+
+def parameter_shapes(config: Any) -> dict[str, tuple[int, ...]]:
+    """Every trainable parameter's Hugging Face name and shape (`llama_family_shapes`)."""
+    return llama_family_shapes(config)
+
+
+def module_names(config: Any) -> list[str]:
+    """Every submodule's dotted name, in the built model's `named_modules()` order."""
+    names = ["model", "model.embed_tokens", "model.layers"]
+    for i in range(config.num_hidden_layers):
+        layer = f"model.layers.{i}"
+        names += [layer, f"{layer}.self_attn"]
+        names += [f"{layer}.self_attn.{p}" for p in _ATTENTION]
+        if config.model_type == "qwen3":
+            names += [f"{layer}.self_attn.q_norm", f"{layer}.self_attn.k_norm"]
+        names += [f"{layer}.mlp", *(f"{layer}.mlp.{p}" for p in _MLP), f"{layer}.mlp.act_fn"]
+        names += [f"{layer}.input_layernorm", f"{layer}.post_attention_layernorm"]
+    return [*names, "model.norm", "model.rotary_emb", "lm_head"]
+
+
+def linear_features(config: Any) -> dict[str, tuple[int, int]]:
+    """Each Linear layer's (in_features, out_features), in `named_modules()` order (the
+    LM head too, which a tied model holds as a copy of the embedding's weight)."""
+    shapes = parameter_shapes(config)
+    weights = {**shapes, LM_HEAD: (config.vocab_size, config.hidden_size)}
+    return {
+        name: (weights[f"{name}.weight"][1], weights[f"{name}.weight"][0])
+        for name in module_names(config)
+        if name.rsplit(".", 1)[-1] in (*_ATTENTION, *_MLP, "lm_head")
+    }
+
+
+def select_lora_targets(
+    linears: list[str], modules: list[str], settings: LoraSettings
+) -> list[str]:
+    """The Linear layers `settings.target_modules` selects, with PEFT's matching rules;
+    refuses a target the model does not have (naming the closest) or cannot adapt."""
+    targets = settings.target_modules
+    if targets is None:
+        targets = list(DEFAULT_TARGETS)
+    if targets == ALL_LINEAR or targets == [ALL_LINEAR]:
+        return [n for n in linears if n.rsplit(".", 1)[-1] not in NOT_ADAPTABLE]
+    if isinstance(targets, str):
+        chosen = [n for n in linears if re.fullmatch(targets, n)]
+        if not chosen:
+            raise ConfigError(
+                f"`model.lora.target_modules` {targets!r} (a regular expression, as PEFT reads "
+                f"one string) matches no Linear layer; they are named like {linears[0]!r}. "
+                "List module names instead, e.g. [q_proj, v_proj], or use all-linear."
+            )
+        return _adaptable(chosen)
+    short = sorted({n.rsplit(".", 1)[-1] for n in modules if n})
+    adaptable = sorted({n.rsplit(".", 1)[-1] for n in linears} - set(NOT_ADAPTABLE))
+    for target in targets:
+        if target in NOT_ADAPTABLE:
+            _refuse_not_adaptable(target)
+        if not any(n == target or n.endswith("." + target) for n in linears):
+            close = difflib.get_close_matches(target, short, n=3)
+            hint = f" Closest: {', '.join(close)}." if close else ""
+            raise ConfigError(
+                f"`model.lora.target_modules` names {target!r}, which is not a Linear layer "
+                f"of this model.{hint} Its adaptable layers: "
+                f"{', '.join(adaptable)}."
+            )
+    chosen = [n for n in linears if any(n == t or n.endswith("." + t) for t in targets)]
+    return _adaptable(chosen)
+
+
+def _adaptable(names: list[str]) -> list[str]:
+    for name in names:
+        last = name.rsplit(".", 1)[-1]
+        if last in NOT_ADAPTABLE:
+            _refuse_not_adaptable(last)
+    return names
+
+
+def _refuse_not_adaptable(target: str) -> None:
+    raise ConfigError(
+        f"`model.lora.target_modules` includes {target!r}: meshtrain adapts the decoder "
+        "layers' Linear projections (q/k/v/o_proj, gate/up/down_proj), not the embedding or "
+        "the LM head, whose adapters would need their own vocabulary-parallel split and, "
+        "with tied embeddings, one adapter shared by two pipeline stages. Leave it out "
+        "(all-linear already does)."
+    )
+
+
+def lora_adapter_shapes(config: Any, settings: LoraSettings) -> dict[str, tuple[int, ...]]:
+    """Each adapter parameter's Hugging Face name and shape, as `LoraConverter` makes them:
+    A is r x in, B out x r, for every targeted Linear layer in module order."""
+    linears = linear_features(config)
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name in select_lora_targets(list(linears), module_names(config), settings):
+        in_features, out_features = linears[name]
+        shapes[f"{name}.lora_A.weight"] = (settings.r, in_features)
+        shapes[f"{name}.lora_B.weight"] = (out_features, settings.r)
+    return shapes

@@ -1,0 +1,21 @@
+"""The planner's parallelism axes, one module each, behind `axes.base.Axis`.
+
+`AXES` is the registry the planner loops over (in the order their refusals are
+reported); a new axis is a module with an `AXIS` and one line here.
+"""
+
+from meshtrain.planner.axes import context, data, pipeline, sharding, tensor
+from meshtrain.planner.axes.base import Axis, AxisChecks
+
+AXES: tuple[Axis, ...] = (tensor.AXIS, pipeline.AXIS, context.AXIS, data.AXIS)
+
+# The search's preference among layouts as fast, in order (each degree is paid only where
+# it buys something): how to read the degree from a layout, the words, the short name.
+TIE_BREAK = (
+    (context.AXIS.degree, "less context parallelism", "cp"),
+    (tensor.AXIS.degree, "less tensor parallelism", "tp"),
+    (pipeline.AXIS.degree, "less pipeline parallelism", "pp"),
+    (sharding.sharding_degree, "less sharding (paid only when it buys memory)", "sdp"),
+)
+
+__all__ = ["AXES", "TIE_BREAK", "Axis", "AxisChecks"]

@@ -1,0 +1,80 @@
+"""The protocol every parallelism axis of the planner follows, and what its checks return.
+
+An axis (`planner.axes.data`, `.tensor`, `.pipeline`, `.context`; expert parallelism
+next) owns its degree: the options it offers the search, its checks and refusals on a
+`Candidate`, the layout fields it resolves, and its line in `python -m meshtrain plan`'s
+description. Its memory and time terms are functions of the same module, which
+`planner.memory` and `planner.cost` add up. The registry is `planner.axes.AXES`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from transformers import PretrainedConfig
+
+from meshtrain.config import AUTO, Layout, RunConfig
+from meshtrain.planner.candidate import Candidate
+from meshtrain.planner.types import Plan, Refusal
+
+
+@dataclass(frozen=True)
+class AxisChecks:
+    """An axis's verdict on one candidate. Refusals come in the order the planner reports
+    them across axes: first each degree against the world and model (`degree`), then how
+    the batch and layers are cut (`split`), then the options on top (`options`)."""
+
+    degree: list[Refusal] = field(default_factory=list)
+    split: list[Refusal] = field(default_factory=list)
+    options: list[Refusal] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    # The `config.Layout` fields this axis resolved (names as plan.json writes them).
+    layout: dict[str, Any] = field(default_factory=dict)
+
+
+class Axis(Protocol):
+    """One parallelism axis."""
+
+    name: str  # "data", "tensor", ...
+    short: str  # its degree's name in layout names and words: "dp", "tp", ...
+
+    def degree(self, layout: Layout) -> int:
+        """Its degree in a resolved layout."""
+        ...
+
+    def options(self, run: RunConfig, model_config: PretrainedConfig) -> list[int]:
+        """The degrees this axis offers the search (its parameter as given, or every
+        degree that can run where it is `auto`)."""
+        ...
+
+    def check(self, c: Candidate, run: RunConfig, model_config: PretrainedConfig) -> AxisChecks:
+        """Its refusals, notes and layout fields for candidate `c` of `run`."""
+        ...
+
+    def describe(self, plan: Plan, seq_len: int) -> str | None:
+        """Its line in the plan's description (None: nothing to say for this layout)."""
+        ...
+
+
+class AxisBase:
+    """What the axes share: the degree read from a layout by the parameter's name, and
+    the options (the parameter as given, or at `auto` every degree `degrees` allows)."""
+
+    name: str
+    short: str
+    parameter: str  # the `parallel.*` parameter and `config.Layout` field of its degree
+
+    def degree(self, layout: Layout) -> int:
+        return getattr(layout, self.parameter)
+
+    def options(self, run: RunConfig, model_config: PretrainedConfig) -> list[int]:
+        degree = getattr(run.parallel, self.parameter)
+        return self.degrees(run, model_config) if degree == AUTO else [degree]
+
+    def degrees(self, run: RunConfig, model_config: PretrainedConfig) -> list[int]:
+        """Every degree that can run here (what `auto` weighs)."""
+        raise NotImplementedError
+
+    def describe(self, plan: Plan, seq_len: int) -> str | None:
+        return None

@@ -1,0 +1,229 @@
+"""Data parallelism (dp) with ZeRO-1 and sharded data parallelism (FSDP2): dp takes the
+rest of the world; the model states per rank (parameters, gradients, AdamW's moments,
+divided by ZeRO-1 or sharding); the gradient averaging, ZeRO-1's gather and FSDP2's
+collectives in the step time; and what sharding buys and costs, in words.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from transformers import PretrainedConfig
+
+from meshtrain.config import AUTO, LaunchConfig, RunConfig
+from meshtrain.planner.axes import context, pipeline, tensor
+from meshtrain.planner.axes.base import AxisBase, AxisChecks
+from meshtrain.planner.axes.pipeline import pipeline_parallel_degrees
+from meshtrain.planner.axes.sharding import (
+    SHARDING,
+    check_sharded_data_parallel,
+    gathered_bytes,
+    sharded_model_states,
+    sharding_line,
+)
+from meshtrain.planner.axes.tensor import tensor_parallel_degrees
+from meshtrain.planner.candidate import Candidate
+from meshtrain.planner.collectives import link, ring
+from meshtrain.planner.devices import DeviceProfile
+from meshtrain.planner.parameters import local_parameter_count
+from meshtrain.planner.shapes import (
+    BYTES_BF16,
+    BYTES_FP32,
+    FP32,
+    GatherUnits,
+    MemoryEstimate,
+    StepShape,
+)
+from meshtrain.planner.types import Plan, Refusal, divisors, format_values
+
+# The parameter (and `config.Layout` field) this axis owns; other modules name it here.
+PARAMETER = "data_parallel_size"
+
+
+def check_data_parallel(
+    c: Candidate, launch: LaunchConfig, model_config: PretrainedConfig
+) -> list[Refusal]:
+    """dp (the rest of the world at `auto`), which must make dp x tp x pp x cp the world."""
+    tp, pp, cp = c.tp, c.pp, c.cp
+    world, others = launch.world_size, tp * pp * cp
+    ranks = f"launch.nproc_per_node={launch.nproc_per_node} x launch.nnodes={launch.nnodes}"
+    sizes = f"{tensor.PARAMETER} x {pipeline.PARAMETER}" + (
+        f" x {context.PARAMETER}" if cp > 1 else ""
+    )
+    if c.chosen("dp"):
+        if world % others == 0:
+            return []
+        tp_ok = tensor_parallel_degrees(world, model_config)
+        pp_ok = pipeline_parallel_degrees(world, model_config)
+        also = f", and {context.PARAMETER} among {format_values(divisors(world))}"
+        refusal = Refusal(
+            "parallel.data_parallel_size",
+            AUTO,
+            f"world size {world} ({ranks}) is not a multiple of {sizes} = {others}",
+            f"Choose {tensor.PARAMETER} among {format_values(tp_ok)} and "
+            f"{pipeline.PARAMETER} among {format_values(pp_ok)}{also if cp > 1 else ''}.",
+        )
+        return [refusal]
+    dp = c.dp
+    if dp * others == world:
+        return []
+    fit = world // others if world % others == 0 else None
+    fix = (
+        f"Use data_parallel_size={fit} (or auto), or change launch.nproc_per_node."
+        if fit
+        else f"Use launch.nproc_per_node={dp * others // launch.nnodes or 1} or change the sizes."
+    )
+    names = "dp x tp x pp x cp" if cp > 1 else "dp x tp x pp"
+    values = " x ".join(str(v) for v in (dp, tp, pp, cp)[: 4 if cp > 1 else 3])
+    refusal = Refusal(
+        "parallel.data_parallel_size",
+        dp,
+        f"{names} = {values} = {dp * others} must equal the world size {world} ({ranks})",
+        fix,
+    )
+    return [refusal]
+
+
+def resolve_zero_1(c: Candidate) -> tuple[bool, list[str]]:
+    """Off, with a note, when there is nothing to shard (it shards over the dp x cp ranks,
+    which hold the same parameters). At `auto` the search plans it off, and on only where
+    memory needs it (`search`)."""
+    if c.zero_1 and c.dp * c.cp == 1:
+        return False, ["parallel.zero_1 has nothing to shard at data_parallel_size=1; off."]
+    return c.zero_1, []
+
+
+def replicated_dp_time(
+    step: StepShape,
+    device: DeviceProfile,
+    memory: MemoryEstimate,
+    *,
+    microbatch_compute: float,
+    bucket_bytes: float,
+    overlap_grad_reduce: bool,
+    overlap_param_gather: bool,
+) -> float:
+    """Exposed seconds of the gradient averaging and, under ZeRO-1, the parameter gather.
+
+    Overlapped, each hides behind compute (the averaging behind the last backward, two
+    thirds of a microbatch; the gather behind the next first forward, one third) scaled
+    by `collective_overlap` (0 on CPU, where the same cores compute and run gloo), except
+    its edge bucket: the last one reduced, the first one gathered."""
+    ranks = step.grad_ranks  # dp x cp: the ranks holding the same parameters
+    dp_link = link(device, ranks * step.tp * step.pp)
+
+    def exposed(seconds: float, total_bytes: float, hidden_behind: float) -> float:
+        edge_bucket = seconds * min(1.0, bucket_bytes / max(1, total_bytes))
+        return max(seconds - hidden_behind * device.collective_overlap, edge_bucket)
+
+    factor = 1.0 if step.zero_1 else 2.0
+    averaging = ring(memory.gradients, ranks, dp_link, device.latency_us, factor)
+    if overlap_grad_reduce:
+        averaging = exposed(averaging, memory.gradients, 2 / 3 * microbatch_compute)
+    if not step.zero_1:
+        return averaging
+    gather = ring(memory.parameters, ranks, dp_link, device.latency_us, 1.0)
+    if overlap_param_gather:
+        gather = exposed(gather, memory.parameters, microbatch_compute / 3)
+    return averaging + gather
+
+
+def estimate_model_states(
+    shapes: dict[str, tuple[int, ...]],
+    *,
+    dp: int,
+    tp: int,
+    pp: int,
+    zero_1: bool,
+    kv_replication: int = 1,
+    precision: StepShape | None = None,
+    sharded: int = 1,
+) -> MemoryEstimate:
+    """Bytes per rank of parameters, gradients and optimizer states, stages averaged
+    (`precision`: a step shape whose precision fields apply; default fp32; `sharded`:
+    the sharded data parallel degree, which divides all three)."""
+    local = math.ceil(local_parameter_count(shapes, tp=tp, kv_replication=kv_replication) / pp)
+    step = dataclasses.replace(precision or FP32, sharded=sharded)
+    if sharded > 1:
+        return sharded_model_states(local, step)
+    owned = math.ceil(local / dp) if zero_1 else local
+    return with_model_states(local, owned, step)
+
+
+def with_model_states(
+    held: int, owned: int, step: StepShape, *, activations: int = 0, loss: int = 0
+) -> MemoryEstimate:
+    """Parameters and gradients of `held` elements, optimizer states of the `owned` ones,
+    at the step's precision."""
+    return MemoryEstimate(
+        parameters=held * step.parameter_bytes,
+        gradients=held * step.gradient_bytes,
+        optimizer_states=owned * step.optimizer_bytes,
+        activations=activations,
+        loss=loss,
+    )
+
+
+def replicated_model_states(
+    local: int, step: StepShape, *, activations: int = 0, loss: int = 0
+) -> MemoryEstimate:
+    """The states of a rank holding `local` elements whole: under ZeRO-1 the flat buffer
+    padded to a multiple of the dp x cp ranks, each owning the optimizer states of 1/ranks."""
+    ranks = step.grad_ranks
+    padded = math.ceil(local / ranks) * ranks if step.zero_1 else local
+    owned = padded // ranks if step.zero_1 else local
+    return with_model_states(padded, owned, step, activations=activations, loss=loss)
+
+
+def lora_model_states(base: GatherUnits, trained: GatherUnits, step: StepShape) -> MemoryEstimate:
+    """The frozen base's parameters alone (fp32 shards under sharding, else the compute
+    dtype: bf16 under bf16 autocast too), and the adapters' full states (`trained`)."""
+    if step.sharded > 1:
+        adapters = sharded_model_states(trained.local, step)
+        gathered = gathered_bytes(
+            step, local=base.local, layer=base.layer, layers=base.layers, gradients=False
+        ) + gathered_bytes(step, local=trained.local, layer=trained.layer, layers=trained.layers)
+        frozen = math.ceil(base.local / step.shard_ranks) * BYTES_FP32
+        return dataclasses.replace(
+            adapters, parameters=adapters.parameters + frozen, gathered=gathered
+        )
+    ranks = step.grad_ranks
+    padded = math.ceil(trained.local / ranks) * ranks if step.zero_1 else trained.local
+    owned = padded // ranks if step.zero_1 else padded
+    adapters = with_model_states(padded, owned, step)
+    frozen = base.local * (BYTES_BF16 if step.bf16 else BYTES_FP32)
+    return dataclasses.replace(adapters, parameters=adapters.parameters + frozen)
+
+
+class DataAxis(AxisBase):
+    """Data parallelism, ZeRO-1 and sharded data parallelism."""
+
+    name = "data"
+    short = "dp"
+    parameter = PARAMETER
+
+    def degrees(self, run: RunConfig, model_config: PretrainedConfig) -> list[int]:
+        """None of its own at `auto`: dp is what the other axes leave of the world (the
+        search derives it per layout)."""
+        return []
+
+    def check(self, c: Candidate, run: RunConfig, model_config: PretrainedConfig) -> AxisChecks:
+        sharded, refusals = check_sharded_data_parallel(c)
+        zero_1, notes = resolve_zero_1(c)
+        return AxisChecks(
+            degree=check_data_parallel(c, run.launch, model_config),
+            options=refusals,
+            notes=notes,
+            layout={
+                "data_parallel_size": c.dp,
+                "zero_1": zero_1,
+                SHARDING: sharded,
+            },
+        )
+
+    def describe(self, plan: Plan, seq_len: int) -> str | None:
+        return sharding_line(plan) if plan.layout.sharded else None
+
+
+AXIS = DataAxis()

@@ -1,0 +1,292 @@
+"""Pipeline parallelism (pp): stages of decoder layers over ranks, microbatches, the
+schedule (GPipe, 1F1B, interleaved 1F1B with virtual stages). Its degrees, checks and
+refusals, how many microbatches a rank holds in flight (the multipliers of
+`planner.memory`'s per-microbatch terms, under each of torch's schedules), and each
+rank's share of the FLOPs and the bubble it leaves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from transformers import PretrainedConfig
+
+from meshtrain.config import ParallelConfig, RunConfig
+from meshtrain.planner.axes.base import AxisBase, AxisChecks
+from meshtrain.planner.candidate import Candidate
+from meshtrain.planner.collectives import link, ring
+from meshtrain.planner.devices import DeviceProfile
+from meshtrain.planner.flops import attention_excess, layer_forward_flops
+from meshtrain.planner.shapes import ModelShape, StepShape
+from meshtrain.planner.types import Refusal, divisors, format_values
+
+# The parameter (and `config.Layout` field) this axis owns; other modules name it here.
+PARAMETER = "pipeline_parallel_size"
+
+
+def in_flight_microbatches(step: StepShape, rank: int) -> int:
+    """Model chunks x microbatches whose activations a pipeline rank holds at once."""
+    m, p = step.microbatches, step.pp
+    if p == 1:
+        return 1
+    if step.schedule == "gpipe":  # one model chunk per rank: virtual stages interleave only
+        return m
+    if step.schedule == "interleaved_1f1b":
+        warmup = (step.virtual_stages - 1) * p + 2 * (p - 1 - rank)
+        return min(m * step.virtual_stages, warmup + 1)
+    return min(m, p - rank)
+
+
+def last_stage_in_flight(step: StepShape) -> int:
+    """Microbatches whose logits the last stage's rank holds at once (interleaved: its
+    first chunk holds all of them before its last chunk, the last stage, starts)."""
+    if step.pp == 1 or step.schedule == "1f1b":
+        return 1
+    if step.schedule == "gpipe":
+        return step.microbatches
+    last_rank = (len(step.stage_layers) - 1) % step.pp
+    earlier_chunks = (step.virtual_stages - 1) * step.microbatches
+    return max(1, in_flight_microbatches(step, last_rank) - earlier_chunks)
+
+
+def pipeline_parallel_degrees(world: int, model_config: PretrainedConfig) -> list[int]:
+    """pp degrees that divide the world and leave every stage a decoder layer."""
+    return [d for d in divisors(world) if d <= model_config.num_hidden_layers]
+
+
+def balanced_split(layers: int, stages: int) -> list[int]:
+    """Decoder layers per stage, as even as possible (earlier stages take the remainder)."""
+    base, extra = divmod(layers, stages)
+    return [base + (1 if i < extra else 0) for i in range(stages)]
+
+
+def check_pipeline_parallel(pp: int, world: int, model_config: PretrainedConfig) -> list[Refusal]:
+    pp_ok = pipeline_parallel_degrees(world, model_config)
+    if pp in pp_ok:
+        return []
+    layers = model_config.num_hidden_layers
+    if pp > layers:
+        reason = f"there are only num_hidden_layers={layers} layers to split into stages"
+    else:
+        reason = f"it must divide the world size {world}"
+    return [
+        Refusal(
+            "parallel.pipeline_parallel_size",
+            pp,
+            reason,
+            f"Values that work here: {format_values(pp_ok)}.",
+        )
+    ]
+
+
+@dataclass(frozen=True)
+class PipelineSplit:
+    """How a rank's batch and the decoder layers are cut for the pipeline schedule."""
+
+    microbatches: int
+    virtual_stages: int
+    stage_layers: list[int] | None  # None without pipeline parallelism, or when refused
+    refusals: list[Refusal]
+    notes: list[str]
+
+
+def resolve_pipeline(
+    par: ParallelConfig, c: Candidate, batch: int, model_config: PretrainedConfig
+) -> PipelineSplit:
+    """Microbatches, virtual stages and the layer split for a per-device batch of `batch`."""
+    pp, requested = c.pp, c.microbatches
+    if pp == 1:
+        notes: list[str] = []
+        if not c.chosen("microbatches") and requested != 1:
+            notes.append(
+                f"parallel.pipeline_parallel_num_microbatches={requested} has no effect without "
+                "pipeline parallelism; using 1."
+            )
+        refusals: list[Refusal] = []
+        pinned = par.pipeline_parallel_layers
+        if pinned is not None and len(pinned) != 1:
+            # Pinned stages without a pipeline would be ignored without a word.
+            refusals.append(
+                Refusal(
+                    "parallel.pipeline_parallel_layers",
+                    list(pinned),
+                    f"it pins {len(pinned)} stages and parallel.pipeline_parallel_size is 1 "
+                    "(no pipeline)",
+                    "Set parallel.pipeline_parallel_size to the number of stages (or auto), "
+                    "or pipeline_parallel_layers=null.",
+                )
+            )
+        return PipelineSplit(1, 1, None, refusals, notes)
+
+    schedule = par.pipeline_schedule
+    virtual = par.pipeline_parallel_virtual_stages if schedule == "interleaved_1f1b" else 1
+    microbatches = requested
+    stage_layers, layer_refusals = check_stage_layers(
+        par.pipeline_parallel_layers, pp, virtual, model_config.num_hidden_layers
+    )
+    refusals = [*check_microbatches(microbatches, schedule, pp, batch), *layer_refusals]
+    return PipelineSplit(microbatches, virtual, stage_layers, refusals, [])
+
+
+def check_microbatches(microbatches: int, schedule: str, pp: int, batch: int) -> list[Refusal]:
+    """The batch must cut into equal microbatches, as many as the schedule needs."""
+    parameter = "parallel.pipeline_parallel_num_microbatches"
+    usable = divisors(batch)
+    if batch % microbatches:
+        return [
+            Refusal(
+                parameter,
+                microbatches,
+                f"the per-device batch of {batch} does not split into {microbatches} "
+                "equal microbatches",
+                f"Use a divisor of training.per_device_train_batch_size: {format_values(usable)}.",
+            )
+        ]
+    if schedule in ("1f1b", "interleaved_1f1b") and microbatches < pp:
+        usable = [m for m in usable if m >= pp]
+        return [
+            Refusal(
+                parameter,
+                microbatches,
+                f"{schedule} needs at least one microbatch per stage (pipeline_parallel_size={pp})",
+                f"Use one of {format_values(usable)}"
+                if usable
+                else f"Raise training.per_device_train_batch_size to at least {pp}, "
+                "or use pipeline_schedule=gpipe.",
+            )
+        ]
+    if schedule == "interleaved_1f1b" and microbatches % pp:
+        usable = [m for m in usable if m % pp == 0]
+        return [
+            Refusal(
+                parameter,
+                microbatches,
+                f"interleaved_1f1b runs microbatches in rounds of pipeline_parallel_size={pp}",
+                f"Use a multiple of {pp} that divides the per-device batch: "
+                f"{format_values(usable)}."
+                if usable
+                else f"Raise training.per_device_train_batch_size to a multiple of {pp}.",
+            )
+        ]
+    return []
+
+
+def check_stage_layers(
+    requested: list[int] | None, pp: int, virtual: int, layers: int
+) -> tuple[list[int] | None, list[Refusal]]:
+    """The decoder layers per stage: as requested, or balanced; every stage needs one."""
+    stages = pp * virtual
+    if requested is not None:
+        split = list(requested)
+        if len(split) == stages and sum(split) == layers and min(split) >= 1:
+            return split, []
+        refusal = Refusal(
+            "parallel.pipeline_parallel_layers",
+            split,
+            f"it must give {stages} stages at least one layer each, {layers} layers in all",
+            f"For example {balanced_split(layers, stages)}."
+            if layers >= stages
+            else "Use fewer stages.",
+        )
+        return split, [refusal]
+    if layers >= stages:
+        return balanced_split(layers, stages), []
+    if pp > layers:
+        return None, []  # pipeline_parallel_size itself is refused
+    refusal = Refusal(
+        "parallel.pipeline_parallel_virtual_stages",
+        virtual,
+        f"{pp} ranks x {virtual} virtual stages = {stages} stages need at least one "
+        f"decoder layer each and the model has num_hidden_layers={layers}",
+        f"Use at most {layers // pp} virtual stages per rank.",
+    )
+    return None, [refusal]
+
+
+def stage_shares(m: ModelShape, step: StepShape) -> list[float]:
+    """Each pipeline rank's share of the model's FLOPs: its stages' layers, and the LM head
+    on the rank of the last stage ([1.0] without pp)."""
+    if step.pp == 1:
+        return [1.0]
+    layer = layer_forward_flops(m, step.seq_len, attention_excess(step))
+    head = 2 * m.hidden * m.vocab
+    stages = len(step.stage_layers)
+    shares = []
+    for rank in range(step.pp):
+        mine = range(rank, stages, step.pp)
+        layers = sum(step.stage_layers[s] for s in mine)
+        shares.append(layers * layer + (head if stages - 1 in mine else 0.0))
+    return [share / (m.layers * layer + head) for share in shares]
+
+
+def fill_and_drain(shares: list[float], virtual_stages: int) -> float:
+    """The pipeline bubble in microbatch times of the busiest rank (`shares`: each rank's,
+    from `stage_shares`): the busiest rank sets the pace, and the other ranks' microbatch
+    (forwards before its first, backwards after its last) is the fill and drain around
+    it, over the virtual stages. With balanced stages this is the textbook `(p - 1) / v`;
+    with the LM head making the last rank the busiest, less (tiny pp2: 0.43, not 1, as
+    its schedule's picture shows)."""
+    return (sum(shares) - max(shares)) / max(shares) / virtual_stages
+
+
+def pipeline_time(
+    m: ModelShape,
+    step: StepShape,
+    device: DeviceProfile,
+    *,
+    activation_bytes: float,
+    microbatch_s: float,
+    shares: list[float],
+    accumulation: int,
+) -> float:
+    """Seconds pp adds to a step (pp > 1): the bubble around the busiest rank, one
+    activation and one gradient send per microbatch and stage boundary, and with tied
+    embeddings the first and last stages' sum of their copies' gradients."""
+    microbatches = step.microbatches * accumulation
+    pp_link = link(device, step.tp * step.pp)
+    send = activation_bytes / step.tp / (pp_link * 1e9) + device.send_latency_us * 1e-6
+    bubble = fill_and_drain(shares, step.virtual_stages) * microbatch_s * accumulation
+    pipeline = bubble + 2 * send * microbatches
+    if m.tied_embeddings:
+        # The first and last stages sum their copies' gradients once per step.
+        tied_grad = m.vocab * m.hidden / step.tp * step.gradient_bytes
+        pipeline += ring(tied_grad, 2, pp_link, device.latency_us, 2.0)
+    return pipeline
+
+
+def auto_microbatches(pp: int, batch: int) -> int:
+    """`pipeline_parallel_num_microbatches: auto`: two microbatches per stage keeps the
+    1F1B bubble under a third; fewer if the batch cannot be cut that finely (1 without pp)."""
+    if pp == 1:
+        return 1
+    return max(m for m in divisors(batch) if m <= 2 * pp)
+
+
+class PipelineAxis(AxisBase):
+    """Pipeline parallelism: stages, microbatches, the schedule."""
+
+    name = "pipeline"
+    short = "pp"
+    parameter = PARAMETER
+
+    def degrees(self, run: RunConfig, model_config: PretrainedConfig) -> list[int]:
+        return pipeline_parallel_degrees(run.launch.world_size, model_config)
+
+    def check(self, c: Candidate, run: RunConfig, model_config: PretrainedConfig) -> AxisChecks:
+        batch = run.training.per_device_train_batch_size
+        split = resolve_pipeline(run.parallel, c, batch, model_config)
+        return AxisChecks(
+            degree=check_pipeline_parallel(c.pp, run.launch.world_size, model_config),
+            split=split.refusals,
+            notes=split.notes,
+            layout={
+                "pipeline_parallel_size": c.pp,
+                "pipeline_parallel_num_microbatches": split.microbatches,
+                "pipeline_schedule": run.parallel.pipeline_schedule,
+                "pipeline_parallel_virtual_stages": split.virtual_stages,
+                "pipeline_parallel_layers": split.stage_layers,
+            },
+        )
+
+
+AXIS = PipelineAxis()

@@ -1,0 +1,232 @@
+"""Where `auto` is read: the layouts the search weighs, each made a `Candidate`.
+
+`search_space` combines the options each axis offers (`planner.axes`) into run
+variants; `candidate_from` resolves what is still `auto` in one of them (dp takes the
+rest of the world, sequence parallelism follows tp, ZeRO-1 starts off, the pipeline's
+microbatches and the loss chunk follow the batch), so nothing after the search reads
+`auto`. The run's own `auto` facts (backend, packed examples) are resolved here once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from transformers import PretrainedConfig
+
+from meshtrain.config import AUTO, DataConfig, LaunchConfig, RunConfig
+from meshtrain.planner.axes import pipeline, sharding, tensor
+from meshtrain.planner.candidate import Candidate
+from meshtrain.planner.checks import IMPLEMENTED_ACTIVATION_CHECKPOINTING
+from meshtrain.planner.loss_memory import auto_loss_chunk_tokens
+from meshtrain.planner.types import LayoutError, Refusal, divisors
+
+# The knobs a layout can leave at `auto`, by their `Candidate` names.
+_KNOBS = {
+    "dp": "data_parallel_size",
+    "tp": "tensor_parallel_size",
+    "pp": "pipeline_parallel_size",
+    "cp": "context_parallel_size",
+    "sdp": "sharded_data_parallel_degree",
+    "zero_1": "zero_1",
+    "sp": "sequence_parallel",
+    "microbatches": "pipeline_parallel_num_microbatches",
+}
+
+
+def candidate_from(run: RunConfig, model_config: PretrainedConfig) -> Candidate:
+    """The layout `run` asks for, every `auto` resolved (`run`: one variant of the search,
+    its batch already fitted)."""
+    par, world = run.parallel, run.launch.world_size
+    chosen = frozenset(k for k, name in _KNOBS.items() if getattr(par, name) == AUTO)
+    tp, pp, cp = (
+        1 if getattr(par, _KNOBS[k]) == AUTO else getattr(par, _KNOBS[k])
+        for k in ("tp", "pp", "cp")
+    )
+    others = tp * pp * cp
+    if "dp" in chosen:
+        dp = world // others if world % others == 0 else 1  # 1: refused, with the reason
+    else:
+        dp = par.data_parallel_size
+    batch = run.training.per_device_train_batch_size
+    if "microbatches" in chosen:
+        microbatches = pipeline.auto_microbatches(pp, batch)
+    else:
+        microbatches = par.pipeline_parallel_num_microbatches
+    return Candidate(
+        dp=dp,
+        tp=tp,
+        pp=pp,
+        cp=cp,
+        sdp=1 if "sdp" in chosen else par.sharded_data_parallel_degree,
+        zero_1=False if "zero_1" in chosen else par.zero_1,
+        sp=tp > 1 if "sp" in chosen else par.sequence_parallel,
+        activation_checkpointing=par.activation_checkpointing,
+        microbatches=microbatches,
+        loss_chunk_tokens=_loss_chunk(run, model_config, tp, microbatches if pp > 1 else 1, cp),
+        chosen_by_search=chosen,
+    )
+
+
+def _loss_chunk(
+    run: RunConfig, model_config: PretrainedConfig, tp: int, microbatches: int, cp: int
+) -> int:
+    """`training.loss_chunk_tokens`, `auto` resolved for this layout's microbatch (under cp,
+    the rank's block / cp tokens of each row)."""
+    chunk = run.training.loss_chunk_tokens
+    if chunk != AUTO:
+        return chunk
+    rows = run.training.per_device_train_batch_size // microbatches
+    tokens = rows * (run.data.block_size // cp)
+    return auto_loss_chunk_tokens(model_config.vocab_size, tp, tokens)
+
+
+def packs_examples(data: DataConfig) -> bool:
+    """Whether the blocks hold packed examples (best-fit packing, positions restarting),
+    whose attention masks are made per row; a text corpus streams (one mask for all rows).
+    Where the format is only known from the data's columns, packed: the larger estimate."""
+    if data.packing != AUTO:
+        return data.packing == "bfd"
+    if data.format != AUTO:
+        return data.format != "text"
+    return data.source not in ("builtin", "text_files", "hub")
+
+
+def with_parallel(run: RunConfig, **changes: Any) -> RunConfig:
+    return dataclasses.replace(run, parallel=dataclasses.replace(run.parallel, **changes))
+
+
+def search_space(
+    run: RunConfig, model_config: PretrainedConfig, cp_options: list[int] | None = None
+) -> list[RunConfig]:
+    """Every combination of the `auto` knobs the fixed values allow (one if none is auto);
+    `cp_options`: the context parallel sizes to weigh (None: the one given, and the run
+    as it is when nothing combines, for the planner to refuse with its reasons)."""
+    par, world = run.parallel, run.launch.world_size
+    tp_options = tensor.AXIS.options(run, model_config)
+    pp_options = pipeline.AXIS.options(run, model_config)
+    ac_options = (
+        list(IMPLEMENTED_ACTIVATION_CHECKPOINTING)
+        if par.activation_checkpointing == AUTO
+        else [par.activation_checkpointing]
+    )
+    sizes = [
+        (tp, pp, cp)
+        for cp in cp_options or [par.context_parallel_size]
+        for tp in tp_options
+        for pp in pp_options
+        if world % (tp * pp * cp) == 0 and par.data_parallel_size in (AUTO, world // (tp * pp * cp))
+    ]
+    variants = []
+    for tp, pp, cp in sizes:
+        for sdp in sharding_options(run, world // (tp * pp * cp), tp, cp):
+            for ac in ac_options:
+                parallel = dataclasses.replace(
+                    par,
+                    tensor_parallel_size=tp,
+                    pipeline_parallel_size=pp,
+                    context_parallel_size=cp,
+                    sharded_data_parallel_degree=sdp,
+                    activation_checkpointing=ac,
+                )
+                variants.append(dataclasses.replace(run, parallel=parallel))
+    if cp_options is not None:
+        return variants  # the cp sizes weighed beside cp 1: none may fit the fixed sizes
+    return variants or [run]
+
+
+def sharding_options(run: RunConfig, dp: int, tp: int, cp: int = 1) -> list[int | str]:
+    """The sharded data parallel degrees to weigh: as given, or at `auto` off, full and
+    (across nodes) hybrid; only off when ZeRO-1 is asked for (sharding includes it) and
+    on Neuron."""
+    degree = run.parallel.sharded_data_parallel_degree
+    if degree != AUTO:
+        return [degree]
+    # The engine shards with torch's FSDP2, which the Neuron (XLA) backend does not run.
+    if run.parallel.zero_1 is True or run.launch.backend == "neuron":
+        return [1]
+    return list(sharding.sharded_data_parallel_degrees(dp, tp, run.launch.nproc_per_node, cp))
+
+
+def fit_global_batch(run: RunConfig) -> RunConfig:
+    """With `training.global_batch_size`, split it for this layout's dp and pp.
+
+    The per-device batch is the largest that divides the rank's share and is at most
+    `per_device_train_batch_size` per forward (times the pipeline microbatches, at most
+    2 x pp of them); the rest is gradient accumulation.
+    """
+    train, par = run.training, run.parallel
+    target = train.global_batch_size
+    if target is None:
+        return run
+    tp = 1 if par.tensor_parallel_size == AUTO else par.tensor_parallel_size
+    pp = 1 if par.pipeline_parallel_size == AUTO else par.pipeline_parallel_size
+    cp = 1 if par.context_parallel_size == AUTO else par.context_parallel_size
+    world = run.launch.world_size
+    if par.data_parallel_size == AUTO:
+        if world % (tp * pp * cp):
+            return run  # the planner refuses the sizes themselves, with the reason
+        dp = world // (tp * pp * cp)
+    else:
+        dp = par.data_parallel_size
+    if target % dp:
+        raise LayoutError(
+            [
+                Refusal(
+                    "training.global_batch_size",
+                    target,
+                    f"it does not split evenly over data_parallel_size={dp}",
+                    f"Use a multiple of {max(dp, 1)}.",
+                )
+            ]
+        )
+    share = target // dp
+    forwards = 2 * pp if pp > 1 else 1
+    limit = train.per_device_train_batch_size * forwards
+    per_device = max(d for d in divisors(share) if d <= limit)
+    training = dataclasses.replace(
+        train,
+        per_device_train_batch_size=per_device,
+        gradient_accumulation_steps=share // per_device,
+    )
+    return dataclasses.replace(run, training=training)
+
+
+def variant_name(run: RunConfig) -> str:
+    par = run.parallel
+    sdp, cp = par.sharded_data_parallel_degree, par.context_parallel_size
+    return (
+        f"tp{par.tensor_parallel_size}-pp{par.pipeline_parallel_size}"
+        + (f"-cp{cp}" if cp not in (1, AUTO) else "")
+        + (f"-sdp{sdp}" if sdp not in (1, AUTO) else "")
+        + f"-ac-{par.activation_checkpointing}"
+    )
+
+
+def resolve_backend(
+    launch: LaunchConfig, cuda: bool, cuda_devices: int
+) -> tuple[str, list[Refusal]]:
+    """NCCL with CUDA, gloo without (at `auto`); NCCL needs a GPU for each local rank."""
+    refusals: list[Refusal] = []
+    backend = launch.backend
+    if backend == AUTO:
+        backend = "nccl" if cuda else "gloo"
+    elif backend == "nccl" and not cuda:
+        refusals.append(
+            Refusal(
+                "launch.backend",
+                "nccl",
+                "NCCL needs CUDA devices and none is visible",
+                "Use launch.backend=gloo (or auto) on CPU machines.",
+            )
+        )
+    if cuda and backend == "nccl" and launch.nproc_per_node > cuda_devices:
+        refusals.append(
+            Refusal(
+                "launch.nproc_per_node",
+                launch.nproc_per_node,
+                f"only {cuda_devices} CUDA devices are visible",
+                f"Use launch.nproc_per_node<={cuda_devices}.",
+            )
+        )
+    return backend, refusals

@@ -1,0 +1,323 @@
+"""The planner's shapes: what a model and one rank's step look like, and the estimate's
+breakdown (bytes, seconds), as every planner module reads and writes them.
+
+A leaf: it imports nothing of the planner, so the memory terms of each parallelism
+axis (`planner.axes`) and `planner.memory`, which sums them, can both import it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+
+BYTES_FP32 = 4
+BYTES_BF16 = 2
+ADAM_MOMENTS = 2
+INT64 = 8
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes of a Llama-family model that memory and time depend on."""
+
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied_embeddings: bool
+    head_norms: bool = False  # an RMSNorm over each query and key head (Qwen3)
+
+    @classmethod
+    def from_config(cls, config: PretrainedConfig) -> ModelShape:
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        return cls(
+            hidden=config.hidden_size,
+            intermediate=config.intermediate_size,
+            layers=config.num_hidden_layers,
+            heads=heads,
+            kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=head_dim,
+            vocab=config.vocab_size,
+            tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            head_norms=getattr(config, "model_type", "") == "qwen3",
+        )
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes on one rank at its peak (the largest over the pipeline stages)."""
+
+    parameters: int
+    gradients: int
+    optimizer_states: int
+    activations: int
+    loss: int
+    pipeline_rank: int = 0
+    per_pipeline_rank: tuple[int, ...] = ()
+    # Outside the step: what the process holds before the model (libraries, runtime).
+    runtime: int = 0
+    # What the device's caching allocator reserves beyond the step's tensors (its rounding
+    # and fragmentation: the profile's `allocator_share` of `total`).
+    allocator: int = 0
+    # Sharded data parallelism: parameters gathered for compute and unsharded gradients.
+    gathered: int = 0
+    # In host memory, not the device's: the saved activations offloading moves there.
+    offloaded: int = 0
+    # Whether the gradients are alive at the step's peak: not FSDP2's sharded ones, made
+    # by the reduce-scatters late in the backward and cleared after the update, while the
+    # peak comes at the backward's start (measured by the dry run, docs/dry_run.md).
+    gradients_at_peak: bool = True
+    # Context parallelism, parts of `activations`: the gathered K/V at the peak and packed
+    # examples' attention masks (planner/axes/context.py).
+    context_kv: int = 0
+    context_mask: int = 0
+
+    @property
+    def model_states(self) -> int:
+        return self.parameters + self.gradients + self.optimizer_states
+
+    @property
+    def total(self) -> int:
+        """The step's peak of live tensors (what the memory probe measures)."""
+        states = self.model_states - (0 if self.gradients_at_peak else self.gradients)
+        return states + self.gathered + self.activations + self.loss
+
+    @property
+    def process_total(self) -> int:
+        """What the rank's process (or device) holds at its peak over the run: the runtime,
+        the allocator's share and the step's peak (start-up allocates only the rank's
+        shards, one full tensor at a time, and checkpoints stream from the tensors' own
+        memory, so neither adds a peak of its own)."""
+        return self.runtime + self.allocator + self.total
+
+    def to_dict(self) -> dict[str, int | list[int]]:
+        """The breakdown plan.json holds; `gathered` only under sharded data parallelism."""
+        gathered = {"gathered": self.gathered} if self.gathered else {}
+        offloaded = {"offloaded_to_host": self.offloaded} if self.offloaded else {}
+        return {
+            "parameters": self.parameters,
+            "gradients": self.gradients,
+            "optimizer_states": self.optimizer_states,
+            **gathered,
+            "activations": self.activations,
+            **({"context_kv": self.context_kv} if self.context_kv else {}),
+            **({"context_mask": self.context_mask} if self.context_mask else {}),
+            "loss": self.loss,
+            "total": self.total,
+            "runtime": self.runtime,
+            **({"allocator": self.allocator} if self.allocator else {}),
+            "process_total": self.process_total,
+            "peak_pipeline_rank": self.pipeline_rank,
+            "total_per_pipeline_rank": list(self.per_pipeline_rank),
+            **offloaded,
+        }
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What one rank runs per optimizer step."""
+
+    dp: int
+    tp: int
+    pp: int
+    zero_1: bool
+    sequence_parallel: bool
+    activation_checkpointing: str
+    activation_offloading: bool
+    microbatch_size: int  # sequences per forward (the per-device batch / pp microbatches)
+    microbatches: int  # per pipeline schedule step (1 without pp)
+    schedule: str
+    virtual_stages: int
+    stage_layers: tuple[int, ...]  # decoder layers of each stage, in order
+    seq_len: int
+    bf16: bool = False  # matmuls in bf16 (autocast, or bf16 parameters)
+    offload_effective: bool = False  # activations really leave the device (accelerators)
+    master_weights: bool = False  # bf16 parameters and activations, fp32 master in AdamW
+    grad_reduce_bf16: bool = False  # bf16 gradients (only with master_weights)
+    sharded: int = 1  # sharded data parallel degree N (1: off; dp: full; else hybrid)
+    converters: tuple[str, ...] = ()  # the run's model converters (`models/converters.py`)
+    # LoRA: the base is frozen (no gradients, no optimizer states; held in the compute
+    # dtype). Per token and decoder layer, what the adapters keep (their inputs' dropout
+    # copies and masks, their rank-r intermediates), in bytes, and the matmul-side
+    # elements a frozen layer without an adapter no longer keeps (a frozen weight's
+    # product needs no saved input).
+    frozen_base: bool = False
+    adapter_bytes_per_token: float = 0.0
+    unsaved_elements: float = 0.0
+    # The loss over chunks of this many tokens (0: over the whole logits; planner/loss_memory).
+    loss_chunk_tokens: int = 0
+    # Context parallelism: each row's tokens split over `cp` ranks holding the same
+    # parameters; `packed`: packed examples, whose attention masks are made per row;
+    # `cp_fused_backward`: the CPU's, which gathers K/V again instead of keeping them.
+    cp: int = 1
+    packed: bool = False
+    cp_fused_backward: bool = False
+
+    @property
+    def local_seq_len(self) -> int:
+        """Tokens of each row this rank holds."""
+        return self.seq_len // self.cp
+
+    @property
+    def grad_ranks(self) -> int:
+        """Ranks holding the same parameters, whose gradients are averaged and over which
+        ZeRO-1 shards: dp x cp."""
+        return self.dp * self.cp
+
+    @property
+    def shard_ranks(self) -> int:
+        """Ranks FSDP2 shards one model copy over: sharded x cp (1: not sharded)."""
+        return self.sharded * self.cp if self.sharded > 1 else 1
+
+    @property
+    def parameter_bytes(self) -> int:
+        """The compute dtype's bytes (under sharding: of the gathered parameters)."""
+        return BYTES_BF16 if self.master_weights else BYTES_FP32
+
+    @property
+    def gradient_bytes(self) -> int:
+        return BYTES_BF16 if self.grad_reduce_bf16 else BYTES_FP32
+
+    @property
+    def optimizer_bytes(self) -> int:
+        """Per owned element: AdamW's moments, the fp32 master, its fp32 gradient copy
+        (under sharding only the moments: the fp32 shard is its own master and gradient)."""
+        if self.sharded > 1:
+            return BYTES_FP32 * ADAM_MOMENTS
+        master = BYTES_FP32 if self.master_weights else 0
+        gradient_copy = BYTES_FP32 if self.grad_reduce_bf16 else 0
+        return BYTES_FP32 * ADAM_MOMENTS + master + gradient_copy
+
+
+@dataclass(frozen=True)
+class GatherUnits:
+    """What FSDP2 gathers and reduces on the busiest pipeline rank, in local elements."""
+
+    local: int  # all the rank's parameters
+    layer: int  # one decoder layer's
+    layers: int  # decoder layers on the rank
+
+    @property
+    def root(self) -> int:
+        """The root group: embedding, final norm, LM head (those on the rank's stages)."""
+        return self.local - self.layer * self.layers
+
+
+FP32 = StepShape(
+    dp=1,
+    tp=1,
+    pp=1,
+    zero_1=False,
+    sequence_parallel=False,
+    activation_checkpointing="none",
+    activation_offloading=False,
+    microbatch_size=1,
+    microbatches=1,
+    schedule="none",
+    virtual_stages=1,
+    stage_layers=(1,),
+    seq_len=1,
+)
+
+
+@dataclass(frozen=True)
+class ShardingTime:
+    """Sharded data parallelism's collectives in one optimizer step, in seconds."""
+
+    all_gather_per_layer_s: float
+    reduce_scatter_per_layer_s: float
+    rounds: int  # gather/reduce rounds per step: microbatches (no pp) or schedule steps (pp)
+    all_gather_s: float
+    reduce_scatter_s: float
+    replica_all_reduce_s: float  # hybrid sharding only
+    exposed_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.all_gather_s + self.reduce_scatter_s + self.replica_all_reduce_s
+
+    @property
+    def overlapped_share(self) -> float:
+        """The share of the collectives' time hidden behind compute."""
+        return 1.0 - self.exposed_s / self.total_s if self.total_s else 1.0
+
+    def to_dict(self) -> dict[str, float]:
+        return {
+            "sdp_all_gather_per_layer_s": self.all_gather_per_layer_s,
+            "sdp_reduce_scatter_per_layer_s": self.reduce_scatter_per_layer_s,
+            "sdp_rounds_per_step": float(self.rounds),
+            "sdp_all_gather_s": self.all_gather_s,
+            "sdp_reduce_scatter_s": self.reduce_scatter_s,
+            "sdp_replica_all_reduce_s": self.replica_all_reduce_s,
+            "sdp_exposed_s": self.exposed_s,
+            "sdp_overlapped_share": self.overlapped_share,
+        }
+
+
+@dataclass(frozen=True)
+class ContextTime:
+    """Context parallelism's K/V exchange in one optimizer step, in seconds (cp > 1)."""
+
+    all_gather_per_layer_s: float  # one layer's K and V, one microbatch
+    reduce_scatter_per_layer_s: float  # their gradient
+    gathers_per_layer: int  # forward, full checkpointing's recomputation, CPU's backward
+    exchanges_per_step: int  # layers on the busiest rank x microbatches x passes
+    total_s: float  # all exposed: the exchange runs right before attention, synchronously
+    attention_share: float  # of the rank's compute, the attention scores' part
+
+    def to_dict(self) -> dict[str, float]:
+        return {
+            "context_parallel_s": self.total_s,
+            "cp_kv_all_gather_per_layer_s": self.all_gather_per_layer_s,
+            "cp_kv_reduce_scatter_per_layer_s": self.reduce_scatter_per_layer_s,
+            "cp_kv_all_gathers_per_layer": float(self.gathers_per_layer),
+            "cp_exchanges_per_step": float(self.exchanges_per_step),
+            "cp_overlapped_share": 0.0,
+            "cp_attention_share": self.attention_share,
+        }
+
+
+@dataclass(frozen=True)
+class TimeEstimate:
+    compute_s: float
+    tensor_parallel_s: float
+    pipeline_s: float
+    data_parallel_s: float
+    optimizer_s: float
+    sharding: ShardingTime | None = None  # its exposed part is in data_parallel_s
+    context: ContextTime | None = None  # cp > 1: the K/V exchange, all of it exposed
+
+    @property
+    def context_parallel_s(self) -> float:
+        return self.context.total_s if self.context else 0.0
+
+    @property
+    def step_s(self) -> float:
+        return (
+            self.compute_s
+            + self.tensor_parallel_s
+            + self.pipeline_s
+            + self.data_parallel_s
+            + self.optimizer_s
+            + self.context_parallel_s
+        )
+
+    def to_dict(self) -> dict[str, float]:
+        values = {
+            "compute_s": self.compute_s,
+            "tensor_parallel_s": self.tensor_parallel_s,
+            "pipeline_s": self.pipeline_s,
+            "data_parallel_s": self.data_parallel_s,
+            "optimizer_s": self.optimizer_s,
+            "step_s": self.step_s,
+        }
+        values |= self.context.to_dict() if self.context else {}
+        return values | (self.sharding.to_dict() if self.sharding else {})
