@@ -38,7 +38,7 @@ from bench_runs import planned_side, run_side, work_root  # noqa: E402
 from shapes import SHAPES, hf_fields  # noqa: E402
 
 from meshtrain.data.bfd import pack_examples  # noqa: E402
-from meshtrain.data.builtin_chats import builtin_instructions  # noqa: E402
+from meshtrain.data.builtin import builtin_instructions  # noqa: E402
 from meshtrain.data.chat_tokens import tokenize_examples  # noqa: E402
 from meshtrain.data.corpus import load_corpus  # noqa: E402
 from meshtrain.data.tokenizer import train_tokenizer  # noqa: E402

@@ -329,8 +329,8 @@ def _rate_probe(rank: int, model: str, converter: str | None, tmp: str, steps: i
     256 tokens (or one sequence, if longer) and at the model's batch: median step times."""
     from transformers import AutoModelForCausalLM  # noqa: PLC0415
 
-    from meshtrain.planner.cost import training_flops_per_token  # noqa: PLC0415
-    from meshtrain.planner.memory import ModelShape  # noqa: PLC0415
+    from meshtrain.planner.flops import training_flops_per_token  # noqa: PLC0415
+    from meshtrain.planner.shapes import ModelShape  # noqa: PLC0415
 
     torch.set_num_threads(1)
     shape = MODELS[model]

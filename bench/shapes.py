@@ -10,7 +10,7 @@ from typing import Any
 from transformers import PretrainedConfig
 
 from meshtrain.planner import cost
-from meshtrain.planner.memory import ModelShape
+from meshtrain.planner.shapes import ModelShape
 
 # The model and batch of each preset, then what a run at it defaults to when the flags
 # are not given: timed steps, warm-up steps, repeats, threads per process ("auto": the
@@ -81,7 +81,7 @@ def apply_shape(args: argparse.Namespace) -> argparse.Namespace:
 
 def model_flops_per_token(config: PretrainedConfig, seq: int) -> int:
     """Issue #19's model FLOPs per trained token, as every training run counts them for
-    its `mfu` metric (`meshtrain.planner.cost.model_flops_per_token`): 6 x the matmul
+    its `mfu` metric (`meshtrain.planner.flops.model_flops_per_token`): 6 x the matmul
     weights (the untied LM head counts, the input embedding not) + 12 x layers x
     attention width x sequence."""
     return int(cost.model_flops_per_token(ModelShape.from_config(config), seq))
