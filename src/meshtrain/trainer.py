@@ -1,21 +1,24 @@
 """The training loop of one rank: set up, then train step after step.
 
 `Trainer` reads top to bottom as torchtitan's does: `__init__` builds the
-mesh, the parallelised model, the optimizer and the data, and restores a
-checkpoint; `train` loops over `train_step` (one optimizer step, of which
-`forward_backward_step` is the accumulation of microbatches), logging,
-validating and checkpointing on their own cadences; `summary` is what rank 0
-returns to the launcher. The probes that measure one step (peak memory, the
-pipeline timeline) are collaborators wrapped around the step, not branches of
-the loop. Everything here runs inside a process group someone else made (the
-launcher's worker, or a test).
+mesh, the rank (`components.rank_build`: the parallelised model and its
+optimizer) and the data, and restores a checkpoint; `train` loops over
+`train_step` (one optimizer step over this rank's microbatches,
+`components.train_step`), logging, validating and checkpointing on their own
+cadences; `summary` is what rank 0 returns to the launcher. The dry run
+(`meshtrain.dryrun`) builds and steps through the same two functions. The
+probes that measure one step (peak memory, the pipeline timeline) are
+collaborators wrapped around the step, not branches of the loop. Everything
+here runs inside a process group someone else made (the launcher's worker, or
+a test).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
-from contextlib import ExitStack
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -23,13 +26,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.profiler import record_function
-from transformers import PreTrainedModel
 
 from meshtrain.checkpoint.checkpointer import Checkpointer, OptimizerState
 from meshtrain.checkpoint.lora_base import base_identity, check_same_base, checkpoint_lora_state
 from meshtrain.checkpoint.manifest import CheckpointError
-from meshtrain.components.lr_schedule import LearningRateSchedule
 from meshtrain.components.metrics import (
     Throughput,
     cuda_peak_mb,
@@ -37,7 +37,7 @@ from meshtrain.components.metrics import (
     progress_line,
     rss_mb,
 )
-from meshtrain.components.optimizer import build_optimizer
+from meshtrain.components.rank_build import build_rank
 from meshtrain.components.step_guard import (
     StopRequested,
     StopSignals,
@@ -45,17 +45,13 @@ from meshtrain.components.step_guard import (
     signal_name,
 )
 from meshtrain.components.step_probes import MemoryProbe, PipelineTimeline, persistent_tensors
+from meshtrain.components.train_step import optimizer_step
 from meshtrain.components.validation import evaluate_loss
 from meshtrain.config import RunConfig
 from meshtrain.data.blocks import BlockStore
 from meshtrain.data.sampler import GlobalBatchSampler
-from meshtrain.distributed.fsdp import mixed_precision_policy
 from meshtrain.distributed.parallel_dims import ParallelDims
 from meshtrain.distributed.tensor_parallel import local_tensor
-from meshtrain.models.builder import build_meta_model, config_from_dict, weight_source
-from meshtrain.models.converters import ModelConverter, build_converters
-from meshtrain.models.llama.parallelize import parallelize
-from meshtrain.models.parallel_model import ParallelModel
 from meshtrain.planner import Plan
 from meshtrain.tracking.rank_metrics import MetricsLogger, TrackingTarget
 
@@ -90,62 +86,6 @@ class StepOutcome:
 CUDA_PEAKS = ("cuda_peak_allocated_mb", "cuda_peak_reserved_mb", "cuda_device_used_mb")
 
 
-def build_rank_model(
-    run: RunConfig,
-    plan: Plan,
-    dims: ParallelDims,
-    device: torch.device,
-    converters: list[ModelConverter],
-    meta_model: PreTrainedModel | None = None,
-) -> ParallelModel:
-    """Build the model on the meta device, identically on every rank; allocate and fill
-    only this rank's part of it (random init from the seed, or `model.init_from`). The
-    trainer's and the dry run's (`meshtrain.dryrun`) one way to a rank's model; the dry
-    run passes `meta_model` (`plan_meta_model`), built before its tensors turn fake."""
-    cfg, layout = run.training, plan.layout
-    autocast = partial(
-        torch.autocast,
-        device_type=device.type,
-        dtype=torch.bfloat16,
-        enabled=cfg.mixed_precision == "bf16",
-        # autocast keeps the bf16 copy of every weight it casts until its region ends: the
-        # whole forward (a pipeline's whole step). Activation checkpointing saves none of
-        # them, so that cache alone would hold all the layers' bf16 weights at the forward's
-        # end (the dry run found it: 16 GiB a rank for Llama-3.1-70B at dp32 x tp8 with
-        # full recomputation); each use casts again instead. Without recomputation the
-        # backward keeps the copies anyway, and the cache shares one among microbatches.
-        cache_enabled=layout.activation_checkpointing == "none",
-    )
-    meta_model = meta_model or plan_meta_model(run, plan)
-    with ExitStack() as stack:
-        weights = weight_source(
-            meta_model.config, seed=cfg.seed, init_from=run.model.init_from, stack=stack
-        )
-        pm = parallelize(
-            meta_model,
-            dims,
-            layout,
-            device,
-            autocast,
-            weights=weights,
-            compile_layers=cfg.compile,
-            converters=converters,
-            fsdp_policy=mixed_precision_policy(cfg.mixed_precision, cfg.grad_reduce_dtype),
-        )
-    pm.set_training(True)
-    return pm
-
-
-def plan_meta_model(run: RunConfig, plan: Plan) -> PreTrainedModel:
-    """The plan's model on the meta device, in the dtype its parameters train in."""
-    meta_model = build_meta_model(config_from_dict(plan.model_config))
-    if run.training.mixed_precision == "bf16_master" and not plan.layout.sharded:
-        # On the meta device: allocates nothing. (Sharded, the fp32 shards are the
-        # masters and FSDP2 gathers them as bf16.)
-        meta_model.to(torch.bfloat16)
-    return meta_model
-
-
 def train(spec: WorkerSpec) -> dict[str, Any] | None:
     """Train for `training.max_steps` steps; rank 0 returns a summary, other ranks None."""
     return Trainer(spec).train()
@@ -157,36 +97,20 @@ class Trainer:
         self.run = RunConfig.from_dict(spec.run)
         self.plan = Plan.from_dict(spec.plan)
         self.layout, self.cfg = self.plan.layout, self.run.training
-        # The planner's split of the batch (it differs from the parameter when
-        # training.global_batch_size is set); plans older than that field lack it.
-        self.per_device = (
-            self.plan.per_device_train_batch_size or self.cfg.per_device_train_batch_size
-        )
         self.rank = dist.get_rank()
         self.run_dir = Path(spec.run_dir)
         self.device = torch.device(
             f"cuda:{torch.cuda.current_device()}" if self.plan.backend == "nccl" else "cpu"
         )
         self.dims = ParallelDims.of_layout(self.layout, self.device.type)
-        self.converters = build_converters(
-            self.cfg,
-            self.device.type,
-            tensor_parallel=self.dims.tp > 1,
-            lora=self.run.model.lora_settings,
-            sharded=self.layout.sharded,
-        )
-        # The global generator draws only dropout masks (LoRA's adapters'): one stream per
-        # data-parallel and pipeline coordinate, the same on the tp ranks, whose replicated
-        # adapter inputs must drop alike. A resume restores each rank's state instead.
-        torch.manual_seed(self.cfg.seed * 1_000_003 + self.dims.dp_rank * 1_009 + self.dims.pp_rank)
-        self.pm = self._build_model()
-        accumulation = self.plan.global_batch_size // (self.dims.dp * self.per_device)
-        self.optimizer, optimizer_state = build_optimizer(
-            self.pm, training=self.cfg, accumulation_steps=accumulation
-        )
-        self.checkpointer = self._checkpointer(optimizer_state)
+        # The model, its converters, the optimizer, the batch split and the LR schedule:
+        # built as the dry run builds them (a resume then restores each rank's RNG state).
+        self.parts = build_rank(self.run, self.plan, self.dims, self.device)
+        self.pm, self.optimizer = self.parts.pm, self.parts.optimizer
+        self.converters, self.lr_schedule = self.parts.converters, self.parts.lr_schedule
+        self.per_device = self.parts.batch.per_device
+        self.checkpointer = self._checkpointer(self.parts.optimizer_state)
         self.start_step = self._restore()
-        self.lr_schedule = LearningRateSchedule(self.cfg)
         self.train_blocks = BlockStore(spec.train_files)
         self.validation_blocks = (
             BlockStore(spec.validation_files) if spec.validation_files else None
@@ -210,9 +134,6 @@ class Trainer:
         self.throughput = Throughput()
         self.last_checkpoint: Path | None = None
         self.stop = StopSignals()
-
-    def _build_model(self) -> ParallelModel:
-        return build_rank_model(self.run, self.plan, self.dims, self.device, self.converters)
 
     def _checkpointer(self, optimizer_state: OptimizerState) -> Checkpointer:
         """The owner of this run's checkpoints, with what each of them holds."""
@@ -345,7 +266,9 @@ class Trainer:
         return None
 
     def train_step(self, step: int) -> StepOutcome:
-        """One optimizer step (0-based `step`): its microbatches, the reduction, the update."""
+        """One optimizer step (0-based `step`): its microbatches, the reduction, the update
+        (`components.train_step`, the dry run's step too), with this loop's data, probes
+        and stop agreement."""
         started = time.perf_counter()
         microbatches = self.sampler.rank_microbatches(
             step, self.dims.dp_rank, self.dims.dp, self.per_device
@@ -354,32 +277,27 @@ class Trainer:
         # loss's denominator needs no collective.
         everyone = self.sampler.global_indices(step)
         trained_tokens = max(self.train_blocks.trained_tokens(everyone), 1)
-        self.optimizer.set_learning_rate(self.lr_schedule.rate(step))
-        with self.timeline.around(step), self.memory_probe.around(step):
-            loss_sum = self.forward_backward_step(microbatches, trained_tokens)
-            with record_function("meshtrain.reduce"):
-                grad_norm = self.optimizer.reduce_gradients()
+        batches = (self.train_blocks.tokens(indices).to(self.device) for indices in microbatches)
+        result = optimizer_step(
+            self.parts,
+            step,
+            batches,
+            trained_tokens,
+            around=self._probes(step),
             # Every rank agrees on a stop signal, and refuses a non-finite step, before
             # the update.
-            stop_signal = agree_on_step(loss_sum, grad_norm, self.stop, step=step + 1)
-            with record_function("meshtrain.optimizer"):
-                self.optimizer.apply(grad_norm)
-        self.optimizer.zero_grad()
+            agree=partial(agree_on_step, stop=self.stop, step=step + 1),
+        )
         real_tokens = self.train_blocks.real_tokens(everyone)
-        return StepOutcome(loss_sum, grad_norm, started, real_tokens, stop_signal)
+        return StepOutcome(
+            result.loss_sum, result.grad_norm, started, real_tokens, result.stop_signal
+        )
 
-    def forward_backward_step(
-        self, microbatches: list[list[int]], trained_tokens: int
-    ) -> torch.Tensor:
-        """Forward and backward of every microbatch, accumulating into the flat gradients;
-        the gradient averaging starts from the backward as buckets fill. Each microbatch's
-        summed loss is divided by `trained_tokens`, the whole global batch's."""
-        loss_sum = torch.zeros((), device=self.device)
-        for indices in microbatches:
-            batch = self.train_blocks.tokens(indices).to(self.device)
-            loss_sum += self.pm.train_batch(batch, trained_tokens)
-        self.pm.finish_gradients()
-        return loss_sum
+    @contextlib.contextmanager
+    def _probes(self, step: int) -> Iterator[None]:
+        """The probes of one step (each measures only on its own step)."""
+        with self.timeline.around(step), self.memory_probe.around(step):
+            yield
 
     # -- logging, validation, checkpoints --------------------------------------------------
 

@@ -1,40 +1,41 @@
 """One rank's training step on fake tensors, with its memory measured by category.
 
-The rank runs the trainer's own code: `ParallelDims` (the device mesh of the whole
-world), `build_rank_model` (meta-device model, converters, pipeline stages, tensor
-and sequence parallelism, activation checkpointing, FSDP2, this rank's shards
-allocated and initialised), `build_optimizer` (the flat buffer and ZeRO-1, or AdamW
-over FSDP2's shards) and `ParallelModel.train_batch` (the pipeline schedule with its
-real order of microbatches, or forward and backward). Only the data is made up:
-random token ids of the planned batch shape. Two steps run; the second is measured
-(AdamW's moments exist from the first), as the trainer's memory probe does.
+The rank runs the trainer's own code, through the trainer's own two calls:
+`ParallelDims` (the device mesh of the whole world), `components.rank_build.build_rank`
+(meta-device model, converters, pipeline stages, tensor and sequence parallelism,
+activation checkpointing, FSDP2, this rank's shards allocated and initialised, the
+flat buffer and ZeRO-1 or AdamW over FSDP2's shards) and `components.train_step.
+optimizer_step` (the pipeline schedule with its real order of microbatches, or
+forward and backward; the reduction; the update). What this module adds is the fake
+world around them, the made-up data (random token ids of the planned batch shape)
+and the measurement: two steps run; the second is measured (AdamW's moments exist
+from the first), as the trainer's memory probe does.
 """
 
 from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import partial
 
 import torch
-from torch import nn
 from torch.distributed._tools.mod_tracker import ModTracker
 
 from meshtrain.components.memory_probe import measure_peak_memory
-from meshtrain.components.optimizer import ModelOptimizer, build_optimizer
+from meshtrain.components.optimizer import ModelOptimizer
+from meshtrain.components.rank_build import RankParts, build_rank, plan_meta_model
+from meshtrain.components.train_step import optimizer_step
 from meshtrain.config import RunConfig
 from meshtrain.data.batch import TokenBatch
 from meshtrain.distributed.parallel_dims import ParallelDims
 from meshtrain.distributed.tensor_parallel import local_tensor
 from meshtrain.dryrun.fake_world import fake_process_group, fake_tensors, in_own_thread
 from meshtrain.dryrun.pipeline import static_setup, told_shapes
-from meshtrain.models.converters import build_converters
 from meshtrain.models.cpu_linear import onednn_available
 from meshtrain.models.parallel_model import ParallelModel
 from meshtrain.planner import Plan
-from meshtrain.trainer import build_rank_model, plan_meta_model
 
 
 @dataclass
@@ -75,12 +76,15 @@ def _dry_run_rank(run: RunConfig, plan: Plan, rank: int, device: torch.device) -
         onednn_available()
         meta_model = plan_meta_model(run, plan)
         with fake_tensors(device), static_setup():
-            pm, optimizer = _build(run, plan, dims, device, meta_model)
+            rank_parts = build_rank(
+                run, plan, dims, device, meta_model=meta_model, seed_dropout=False
+            )
+            pm, optimizer = rank_parts.pm, rank_parts.optimizer
             if pm.runner is not None:
                 told_shapes(pm.runner, run, plan, device)
-            batches = _batches(plan, device)
+            batches = _batches(plan, rank_parts)
             trained_tokens = plan.global_batch_size * _block(plan)
-            _train_step(pm, optimizer, batches, trained_tokens)
+            optimizer_step(rank_parts, 0, batches, trained_tokens)
             existing = _persistent(pm, optimizer)
             states: dict[str, int] = {}
             with (
@@ -96,9 +100,9 @@ def _dry_run_rank(run: RunConfig, plan: Plan, rank: int, device: torch.device) -
             ):
                 # torch's module tracker warns at every pipeline microbatch's re-entry.
                 warnings.filterwarnings("ignore", message="The module hierarchy tracking")
-                _train_step(
-                    pm,
-                    optimizer,
+                optimizer_step(
+                    rank_parts,
+                    1,
                     batches,
                     trained_tokens,
                     phase=phase,
@@ -119,59 +123,18 @@ def _dry_run_rank(run: RunConfig, plan: Plan, rank: int, device: torch.device) -
     )
 
 
-def _build(
-    run: RunConfig, plan: Plan, dims: ParallelDims, device: torch.device, meta_model: nn.Module
-) -> tuple[ParallelModel, ModelOptimizer]:
-    """The trainer's model and optimizer for this rank."""
-    cfg, layout = run.training, plan.layout
-    converters = build_converters(
-        cfg,
-        device.type,
-        tensor_parallel=dims.tp > 1,
-        lora=run.model.lora_settings,
-        sharded=layout.sharded,
-    )
-    pm = build_rank_model(run, plan, dims, device, converters, meta_model)
-    optimizer, _ = build_optimizer(
-        pm, training=cfg, accumulation_steps=plan.gradient_accumulation_steps
-    )
-    return pm, optimizer
-
-
 def _block(plan: Plan) -> int:
     return plan.tokens_per_step // plan.global_batch_size
 
 
-def _batches(plan: Plan, device: torch.device) -> list[TokenBatch]:
+def _batches(plan: Plan, rank: RankParts) -> list[TokenBatch]:
     """One step's microbatches on this rank: random ids of the planned shape."""
     vocab = plan.model_config["vocab_size"]
-    shape = (plan.per_device_train_batch_size, _block(plan))
+    shape = (rank.batch.per_device, _block(plan))
     return [
-        TokenBatch.of_ids(torch.randint(vocab, shape, device=device))
-        for _ in range(plan.gradient_accumulation_steps)
+        TokenBatch.of_ids(torch.randint(vocab, shape, device=rank.device))
+        for _ in range(rank.batch.accumulation_steps)
     ]
-
-
-def _train_step(
-    pm: ParallelModel,
-    optimizer: ModelOptimizer,
-    batches: list[TokenBatch],
-    trained_tokens: int,
-    *,
-    phase: Callable[[str], None] = lambda _: None,
-    after_update: Callable[[], None] = lambda: None,
-) -> None:
-    """`Trainer.train_step` without the data loader and the agreement on a stop signal
-    (a host sync, which fake tensors do not have)."""
-    phase("forward")
-    for batch in batches:
-        pm.train_batch(batch, trained_tokens)
-    pm.finish_gradients()
-    phase("optimizer")
-    optimizer.apply(optimizer.reduce_gradients())
-    after_update()
-    optimizer.zero_grad()
-    phase("forward")
 
 
 def _module_tensors(pm: ParallelModel) -> list[torch.Tensor]:

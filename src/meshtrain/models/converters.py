@@ -4,8 +4,11 @@ A converter swaps or rewraps layers in place (the CPU Linear layers on a faster
 kernel library; LoRA adapters beside the targeted layers) without changing the base's
 parameter names, so checkpoints and consolidation read the base as before. The run's
 list is decided here, in one place, from its training and LoRA configuration;
-`parallelize` applies the list first, on the meta model, and the planner reads only
-the names, to pick the device profile's rate table for the layers a converter runs.
+`parallelize` applies the list first, on the meta model, and asks each converter, through
+`ModelConverter` alone, what it needs from the parallelisation (the ops activation
+checkpointing keeps, the initial values of the parameters it adds): a new converter is a
+new family here, with no edit of `parallelize`. The planner reads only the names, to pick
+the device profile's rate table for the layers a converter runs.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from torch import nn
 
 from meshtrain.config import LoraSettings, TrainingConfig
 from meshtrain.models import cpu_linear
+from meshtrain.models.llama.weights import WeightSource
 from meshtrain.models.lora import lora_converter
 
 
@@ -32,6 +36,11 @@ class ModelConverter(Protocol):
 
     def convert(self, model: nn.Module) -> None:
         """Change `model` in place, keeping its parameter names."""
+        ...
+
+    def weights(self, base: WeightSource) -> WeightSource:
+        """Where the converted model's weights come from: `base`, plus the initial values
+        of the parameters `convert` added (`base` itself when it added none)."""
         ...
 
 

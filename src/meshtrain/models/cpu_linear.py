@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor
 
 if TYPE_CHECKING:
     from meshtrain.config import TrainingConfig
+    from meshtrain.models.llama.weights import WeightSource
 
 # The converter's name: in the device profiles' rate tables, run summaries and MLflow tags.
 NAME = "onednn_linear"
@@ -186,6 +187,10 @@ class OneDnnLinearConverter:
 
     def convert(self, model: nn.Module) -> None:
         route_linears_to_onednn([model])
+
+    def weights(self, base: WeightSource) -> WeightSource:
+        """The base's own: the swap adds no parameters."""
+        return base
 
 
 def linear_converter(

@@ -47,7 +47,6 @@ from meshtrain.models.llama.parameter_names import EMBEDDING, LM_HEAD, stored_na
 from meshtrain.models.llama.stage import LlamaStage, WholeModel
 from meshtrain.models.llama.tensor_parallel import apply_tensor_parallel, decoder_layers
 from meshtrain.models.llama.weights import WeightSource, materialize
-from meshtrain.models.lora import LoraConverter
 from meshtrain.models.parallel_model import ParallelModel
 
 
@@ -78,8 +77,8 @@ def parallelize(
     """
     for converter in converters:
         converter.convert(model)
-        if weights is not None and isinstance(converter, LoraConverter):
-            weights = converter.weights(weights)  # the adapters' initial values
+        if weights is not None:
+            weights = converter.weights(weights)  # with what the converter added (adapters)
     frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
     score_in_chunks(model.lm_head, layout.loss_chunk_tokens)
     stage_ids, modules = pipeline_stages(model, dims, layout)
