@@ -216,6 +216,22 @@ CASES = [
     case("data.num_proc=0", id="no-tokenizer-processes"),
     case("data.builtin_max_chars=-5", id="negative-corpus-size"),
     case("data.vocab_sise=100", "data.vocab_size", id="data-typo"),
+    # data.*: a value the data's format (known before it is read) makes meaningless
+    case("data.loss_on=assistant", id="loss-on-assistant-on-plain-text"),
+    case("data.loss_on=completion", id="loss-on-completion-on-plain-text"),
+    case(
+        "data.source=builtin_instructions,data.loss_on=completion",
+        "data.loss_on",
+        id="loss-on-completion-on-conversations",
+    ),
+    case("data.format=conversational", id="conversational-format-on-plain-text"),
+    case(
+        "data.source=builtin_instructions,data.format=prompt_completion",
+        "data.format",
+        id="prompt-completion-format-on-conversations",
+    ),
+    case("data.truncation=truncate", id="truncation-on-a-stream"),
+    case("data.columns.messages=conversations", "data.columns", id="columns-of-plain-text"),
     # model.lora.*
     case("model.lora.r=0,model.lora.allow_random_base=true", id="lora-rank-zero"),
     case("model.lora.lora_dropout=1,model.lora.allow_random_base=true", id="lora-dropout-one"),
