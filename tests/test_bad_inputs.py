@@ -2,7 +2,7 @@
 
 Each case is a `--params` string, parsed by Kedro's own `--params` callback and merged
 into the shipped `conf/base` by the project's config loader, as `kedro run` does, and
-goes to the project hook's checks (`hooks.check_parameters`, `meshtrain.preflight`),
+goes to the project hook's checks (`pipelines.run_checks.check_parameters`, `meshtrain.preflight`),
 which run before the first node: every group a node of the default pipeline reads,
 consolidation and evaluation included, and the layout planned as far as it can be
 before the data is read. Each must raise a deliberate refusal (`Refused`, which `kedro
@@ -23,10 +23,10 @@ import torch
 from kedro.config import OmegaConfigLoader
 from kedro.framework.cli.utils import _split_params
 
-from meshtrain import hooks, settings
-from meshtrain.config import AUTO, Refused, RunConfig, check_launch
-from meshtrain.hooks import RUN_GROUPS, check_parameters
+from meshtrain import refusals, settings
+from meshtrain.config import AUTO, RUN_GROUPS, Refused, RunConfig, check_launch
 from meshtrain.pipeline_registry import register_pipelines
+from meshtrain.pipelines.run_checks import check_parameters
 from meshtrain.planner.resolve import plan_for_run
 from tests.kedro_project import REPO, kedro_run, make_project
 
@@ -419,8 +419,8 @@ def test_the_readmes_refusal_example_is_what_a_user_sees(
             parameters(project, "parallel.tensor_parallel_size=3"), default_pipeline, tokenizer
         )
     monkeypatch.setattr(sys, "excepthook", lambda *_: None)
-    monkeypatch.delenv(hooks.TRACEBACK_VARIABLE, raising=False)
-    hooks.show_refusals_plainly()
+    monkeypatch.delenv(refusals.TRACEBACK_VARIABLE, raising=False)
+    refusals.show_refusals_plainly()
     sys.excepthook(type(caught.value), caught.value, None)
     assert capsys.readouterr().err == shown
 

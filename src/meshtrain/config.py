@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -42,6 +43,7 @@ __all__ = [
     "ConsolidationConfig",
     "DataConfig",
     "EvaluationConfig",
+    "GROUPS",
     "LaunchConfig",
     "Layout",
     "LoraSettings",
@@ -50,6 +52,7 @@ __all__ = [
     "PlannerConfig",
     "Refused",
     "RunConfig",
+    "RunParameters",
     "TrainingConfig",
     "check_data",
     "check_evaluation",
@@ -380,9 +383,8 @@ class RunConfig:
     ) -> RunConfig:
         given = {"parallel": parallel, "training": training, "launch": launch}
         given |= {"model": model, "data": data, "planner": planner}
-        # In this order, which decides the refusal a run with several mistakes meets first.
-        order = ("planner", "training", "data", "model", "parallel", "launch")
-        return cls(**{group: read_group(group, given[group]) for group in order})
+        run_groups = [group for group in GROUPS if group in given]  # in GROUPS' order
+        return cls(**{group: read_group(group, given[group]) for group in run_groups})
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return {group: group_params(getattr(self, group)) for group in RUN_GROUPS}
@@ -395,14 +397,15 @@ class RunConfig:
 # The parameter groups a `RunConfig` is made of, in its order.
 RUN_GROUPS = tuple(f.name for f in dataclasses.fields(RunConfig))
 
-# Every parameter group by its name in `conf/*/parameters*.yml`.
+# Every parameter group by its name in `conf/*/parameters*.yml`, in the order they are
+# parsed: a run with mistakes in several groups meets the first.
 GROUPS: dict[str, type] = {
-    "parallel": ParallelConfig,
-    "training": TrainingConfig,
-    "launch": LaunchConfig,
-    "model": ModelConfig,
-    "data": DataConfig,
     "planner": PlannerConfig,
+    "training": TrainingConfig,
+    "data": DataConfig,
+    "model": ModelConfig,
+    "parallel": ParallelConfig,
+    "launch": LaunchConfig,
     "consolidation": ConsolidationConfig,
     "evaluation": EvaluationConfig,
 }
@@ -422,3 +425,29 @@ def group_params(config: Any) -> dict[str, Any]:
     """A typed group back as its parameters (its `to_dict()` where it has one)."""
     to_dict = getattr(config, "to_dict", None)
     return to_dict() if to_dict is not None else dataclasses.asdict(config)
+
+
+class RunParameters:
+    """A run's parameters (Kedro's `parameters`: every group by name), each group parsed,
+    with its own checks, once, when first asked for: the raw dicts end here."""
+
+    def __init__(self, params: Mapping[str, Any]) -> None:
+        self._params = params
+        self._groups: dict[str, Any] = {}
+
+    def group(self, name: str) -> Any:
+        if name not in self._groups:
+            self._groups[name] = read_group(name, self._params.get(name))
+        return self._groups[name]
+
+    @property
+    def model(self) -> ModelConfig:
+        return self.group("model")
+
+    @property
+    def data(self) -> DataConfig:
+        return self.group("data")
+
+    @property
+    def run(self) -> RunConfig:
+        return RunConfig(**{name: self.group(name) for name in RUN_GROUPS})

@@ -25,15 +25,13 @@ from typing import Any
 from meshtrain.checkpoint.consolidate.options import check_consolidation
 from meshtrain.checkpoint.manifest import find_resume_checkpoint
 from meshtrain.config import (
-    RUN_GROUPS,
+    GROUPS,
     ConfigError,
     ConsolidationConfig,
     DataConfig,
     EvaluationConfig,
-    ModelConfig,
-    RunConfig,
+    RunParameters,
     check_launch,
-    read_group,
 )
 from meshtrain.config_parsing import names_a_path
 from meshtrain.data.corpus import expand_patterns
@@ -50,45 +48,6 @@ from meshtrain.models.lora import check_lora_targets
 from meshtrain.planner.host import check_host
 from meshtrain.planner.resolve import plan_before_data
 
-# The order the groups are parsed in: a run with several mistakes meets the first.
-PARSE_ORDER = (
-    "planner",
-    "training",
-    "data",
-    "model",
-    "parallel",
-    "launch",
-    "consolidation",
-    "evaluation",
-)
-
-
-class RunParameters:
-    """The parameter groups of a run, each parsed (and its own checks run) once, when first
-    asked for: raw dicts end here."""
-
-    def __init__(self, params: Mapping[str, Any]) -> None:
-        self._params = params
-        self._groups: dict[str, Any] = {}
-
-    def group(self, name: str) -> Any:
-        if name not in self._groups:
-            self._groups[name] = read_group(name, self._params.get(name))
-        return self._groups[name]
-
-    @property
-    def model(self) -> ModelConfig:
-        return self.group("model")
-
-    @property
-    def data(self) -> DataConfig:
-        return self.group("data")
-
-    @property
-    def run(self) -> RunConfig:
-        return RunConfig(**{name: self.group(name) for name in RUN_GROUPS})
-
-
 # A group's checks against the machine and the files: (the parameters, whether the
 # selected pipelines train on this host) -> warnings to print.
 GroupCheck = Callable[[RunParameters, bool], list[str]]
@@ -99,7 +58,7 @@ def preflight(params: Mapping[str, Any], groups: Collection[str], *, trains: boo
     `trains`: the selected pipelines start training workers on this host. Returns the
     warnings to print (e.g. more ranks than cores)."""
     parameters = RunParameters(params)
-    for name in PARSE_ORDER:
+    for name in GROUPS:  # in their order
         if name in groups:
             parameters.group(name)
     warnings: list[str] = []
