@@ -23,7 +23,7 @@ class RunChecksHook:
         # (imported here: importing kedro.framework.project configures logging)
         from kedro.framework.project import pipelines as registered  # noqa: PLC0415
 
-        params = catalog.get("parameters").load() if "parameters" in catalog else {}
+        params = catalog["parameters"].load() if "parameters" in catalog else {}
         for warning in check_parameters(params or {}, pipeline):
             logger.warning(warning)
         check_inputs_exist(pipeline, catalog, registered, run_params)

@@ -35,7 +35,7 @@ def check_parameters(params: Mapping[str, Any], pipeline: Any) -> list[str]:
 
 def _where(catalog: Any, name: str, project_path: str | None) -> str:
     try:
-        described = catalog.get(name)._describe()
+        described = catalog[name]._describe()
     except Exception:  # noqa: BLE001 - only for the message
         return ""
     path = described.get("path") or described.get("filepath")
