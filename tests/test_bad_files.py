@@ -23,11 +23,11 @@ from meshtrain.checkpoint import consolidate_checkpoint
 from meshtrain.checkpoint.files import MANIFEST, MARKER, SHARD_WEIGHTS, shard_dir_name
 from meshtrain.checkpoint.manifest import read_manifest
 from meshtrain.commands import main
-from meshtrain.config import Refused, RunConfig
-from meshtrain.hooks import RUN_GROUPS, check_parameters
+from meshtrain.config import RUN_GROUPS, Refused, RunConfig
 from meshtrain.launch.job import make_worker_spec
 from meshtrain.pipeline_registry import register_pipelines
 from meshtrain.pipelines.data_processing.nodes import build_corpus, build_tokenizer, pack_blocks
+from meshtrain.pipelines.run_checks import check_parameters
 from meshtrain.planner.resolve import plan_for_run
 from tests.checkpoint.test_consolidate_streaming import tiny_llama, write_checkpoint
 from tests.kedro_project import kedro_run, make_project

@@ -2,7 +2,7 @@
 
 Each case is a `--params` string, parsed by Kedro's own `--params` callback and merged
 into the shipped `conf/base` by the project's config loader, as `kedro run` does, and
-goes to the project hook's checks (`hooks.check_parameters`, `meshtrain.preflight`),
+goes to the project hook's checks (`pipelines.run_checks.check_parameters`, `meshtrain.preflight`),
 which run before the first node: every group a node of the default pipeline reads,
 consolidation and evaluation included, and the layout planned as far as it can be
 before the data is read. Each must raise a deliberate refusal (`Refused`, which `kedro
@@ -23,10 +23,10 @@ import torch
 from kedro.config import OmegaConfigLoader
 from kedro.framework.cli.utils import _split_params
 
-from meshtrain import hooks, settings
-from meshtrain.config import AUTO, Refused, RunConfig, check_launch
-from meshtrain.hooks import RUN_GROUPS, check_parameters
+from meshtrain import refusals, settings
+from meshtrain.config import AUTO, RUN_GROUPS, Refused, RunConfig, check_launch
 from meshtrain.pipeline_registry import register_pipelines
+from meshtrain.pipelines.run_checks import check_parameters
 from meshtrain.planner.resolve import plan_for_run
 from tests.kedro_project import REPO, kedro_run, make_project
 
@@ -216,6 +216,22 @@ CASES = [
     case("data.num_proc=0", id="no-tokenizer-processes"),
     case("data.builtin_max_chars=-5", id="negative-corpus-size"),
     case("data.vocab_sise=100", "data.vocab_size", id="data-typo"),
+    # data.*: a value the data's format (known before it is read) makes meaningless
+    case("data.loss_on=assistant", id="loss-on-assistant-on-plain-text"),
+    case("data.loss_on=completion", id="loss-on-completion-on-plain-text"),
+    case(
+        "data.source=builtin_instructions,data.loss_on=completion",
+        "data.loss_on",
+        id="loss-on-completion-on-conversations",
+    ),
+    case("data.format=conversational", id="conversational-format-on-plain-text"),
+    case(
+        "data.source=builtin_instructions,data.format=prompt_completion",
+        "data.format",
+        id="prompt-completion-format-on-conversations",
+    ),
+    case("data.truncation=truncate", id="truncation-on-a-stream"),
+    case("data.columns.messages=conversations", "data.columns", id="columns-of-plain-text"),
     # model.lora.*
     case("model.lora.r=0,model.lora.allow_random_base=true", id="lora-rank-zero"),
     case("model.lora.lora_dropout=1,model.lora.allow_random_base=true", id="lora-dropout-one"),
@@ -403,8 +419,8 @@ def test_the_readmes_refusal_example_is_what_a_user_sees(
             parameters(project, "parallel.tensor_parallel_size=3"), default_pipeline, tokenizer
         )
     monkeypatch.setattr(sys, "excepthook", lambda *_: None)
-    monkeypatch.delenv(hooks.TRACEBACK_VARIABLE, raising=False)
-    hooks.show_refusals_plainly()
+    monkeypatch.delenv(refusals.TRACEBACK_VARIABLE, raising=False)
+    refusals.show_refusals_plainly()
     sys.excepthook(type(caught.value), caught.value, None)
     assert capsys.readouterr().err == shown
 

@@ -172,3 +172,42 @@ def test_a_block_longer_than_the_corpus_is_refused_with_a_size_that_works():
     message = str(refused.value)
     assert message.startswith("`data.block_size=100000000` is longer than the ")
     assert "use data.block_size<=" in message
+
+
+@pytest.mark.parametrize(
+    ("data", "names"),
+    [
+        ({"loss_on": "assistant"}, ("data.loss_on=assistant", "data.source=builtin")),
+        (
+            {"source": "hub", "hub_dataset": "a/b", "format": "text", "loss_on": "assistant"},
+            ("data.loss_on=assistant", "data.format=text"),
+        ),
+        (
+            {"source": "builtin_instructions", "loss_on": "completion"},
+            ("data.loss_on=completion", "data.source=builtin_instructions"),
+        ),
+        ({"truncation": "off"}, ("data.truncation=off", "data.packing=auto")),
+    ],
+)
+def test_a_data_setting_the_format_makes_meaningless_is_refused_naming_both(data, names):
+    """`data.loss_on=assistant` on the builtin text corpus used to train every token with
+    rc 0: refused when the run's parameters are read, naming both settings and what works."""
+    with pytest.raises(ConfigError) as refused:
+        RunConfig.from_params(data=data)
+    message = str(refused.value)
+    assert all(name in message for name in names), message
+    assert "Use data." in message or "use data." in message or "leave data." in message
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        {"loss_on": "all"},
+        {"packing": "bfd", "truncation": "truncate"},
+        {"source": "builtin_instructions", "loss_on": "assistant", "packing": "bfd"},
+        {"source": "hub", "hub_dataset": "a/b", "loss_on": "completion"},  # format from columns
+        {"source": "files", "data_files": ["a.jsonl"], "format": "prompt_completion"},
+    ],
+)
+def test_data_settings_that_fit_the_format_pass(data):
+    RunConfig.from_params(data=data)

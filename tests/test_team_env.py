@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from mlflow.exceptions import MlflowException
 
-from meshtrain.hooks import TrackingConfigError, TrackingServer, choose_tracking_server
+from meshtrain.tracking.servers import TrackingConfigError, TrackingServer, choose_tracking_server
 from tests import servers
 
 

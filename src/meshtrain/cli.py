@@ -25,9 +25,10 @@ from kedro.framework.startup import ProjectMetadata
 from mlflow.tracking import MlflowClient
 
 from meshtrain.config import ConfigError
-from meshtrain.hooks.tracking_server import mlflow_settings as project_mlflow_settings
-from meshtrain.hooks.tracking_server import project_tracking_server, use_tracking_server
+from meshtrain.kedro_config import mlflow_settings as project_mlflow_settings
+from meshtrain.kedro_config import project_tracking_server
 from meshtrain.tracking import sweep as sweeps
+from meshtrain.tracking.project_server import use_tracking_server
 from meshtrain.tracking.servers import redact
 
 # Lines of a failed run's output kept for the summary when it is not a planner refusal.

@@ -10,24 +10,59 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from meshtrain.config_lora import LoraSettings as LoraSettings  # `model.lora`, re-exported
-from meshtrain.config_lora import check_lora, peft_only_defaults
-from meshtrain.config_parsing import ConfigError, check_ranges, out_of_range, parse
-from meshtrain.config_parsing import Refused as Refused  # the refusals' base, re-exported
-from meshtrain.config_ranges import (
-    DATA_RANGES,
-    EVALUATION_RANGES,
-    LAUNCH_RANGES,
-    PLANNER_RANGES,
-    TRAINING_RANGES,
+# The config room's other modules: `meshtrain.config` is where the rest of meshtrain
+# imports their groups and names from.
+from meshtrain.config_data import (
+    BYTE_ALPHABET_SIZE,
+    CHAT_TOKENS,
+    EOS_TOKEN,
+    LOSS_ON_BY_FORMAT,
+    SPECIAL_TOKENS,
+    DataConfig,
+    check_data,
 )
+from meshtrain.config_launch import DEFAULT_RDZV_PORT, LaunchConfig, check_launch, split_endpoint
+from meshtrain.config_lora import LoraSettings
+from meshtrain.config_parsing import ConfigError, Refused, check_ranges, parse
+from meshtrain.config_ranges import EVALUATION_RANGES, PLANNER_RANGES, TRAINING_RANGES
+
+__all__ = [
+    "AUTO",
+    "BYTE_ALPHABET_SIZE",
+    "CHAT_TOKENS",
+    "DEFAULT_RDZV_PORT",
+    "EOS_TOKEN",
+    "LOSS_ON_BY_FORMAT",
+    "RUN_GROUPS",
+    "SPECIAL_TOKENS",
+    "ConfigError",
+    "ConsolidationConfig",
+    "DataConfig",
+    "EvaluationConfig",
+    "GROUPS",
+    "LaunchConfig",
+    "Layout",
+    "LoraSettings",
+    "ModelConfig",
+    "ParallelConfig",
+    "PlannerConfig",
+    "Refused",
+    "RunConfig",
+    "RunParameters",
+    "TrainingConfig",
+    "check_data",
+    "check_evaluation",
+    "check_launch",
+    "check_training",
+    "parse",
+    "split_endpoint",
+]
 
 AUTO = "auto"
-# c10d's own default port, used when launch.rdzv_endpoint names no port (as torchrun does).
-DEFAULT_RDZV_PORT = 29400
 
 
 @dataclass(frozen=True)
@@ -139,6 +174,9 @@ class PlannerConfig:
     # result with the plan.
     dry_run: bool = False
 
+    def check(self) -> None:
+        check_ranges(self, PLANNER_RANGES)
+
 
 @dataclass(frozen=True)
 class TrainingConfig:
@@ -200,95 +238,26 @@ class TrainingConfig:
         (a module hook inside a compiled layer would be traced)."""
         return self.overlap_param_gather and not self.compile
 
-
-@dataclass(frozen=True)
-class LaunchConfig:
-    """Process start-up (`launch.*`), with torchrun's meanings."""
-
-    nproc_per_node: int = 2
-    nnodes: int = 1
-    node_rank: int = 0
-    backend: Literal["auto", "gloo", "nccl", "neuron"] = AUTO
-    rdzv_endpoint: str | None = None
-    rdzv_id: str = "meshtrain"
-    # Several hosts: the interface the nodes reach each other on (e.g. eth1, ib0); null:
-    # GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME where set, else the route to rdzv_endpoint.
-    network_interface: str | None = None
-    max_restarts: int = 0
-    monitor_interval: float = 0.5
-    # On SIGTERM / SIGUSR1 (preemption, a SLURM time limit) the workers finish the step
-    # and write a checkpoint; after this many seconds the launcher kills them anyway.
-    shutdown_grace_s: float = 120.0
-    # How long a collective waits for a rank that makes no progress before the job fails.
-    collective_timeout_s: float = 600.0
-
-    @property
-    def world_size(self) -> int:
-        return self.nproc_per_node * self.nnodes
-
-
-def split_endpoint(endpoint: str) -> tuple[str, int]:
-    """`host:port` (or `[v6]:port`, or a bare host meaning c10d's port 29400) -> (host, port)."""
-    text = endpoint.strip()
-    if text.startswith("["):  # [IPv6]:port
-        host, _, rest = text[1:].partition("]")
-        port = rest.removeprefix(":")
-    elif text.count(":") == 1:
-        host, port = text.split(":")
-    else:
-        host, port = text, ""  # a bare host name, or a bare IPv6 address
-    if not port:
-        return host, DEFAULT_RDZV_PORT
-    if not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(
-            f"`launch.rdzv_endpoint` got {endpoint!r}: the port must be a number from 1 to "
-            "65535, as in `node001:29500`."
-        )
-    return host, int(port)
-
-
-def check_launch(launch: LaunchConfig) -> None:
-    """Refuse a launch that cannot rendezvous, naming every problem, before anything starts
-    (`launch.job.run_training` asks first; planning for another cluster does not need it).
-
-    On several nodes a wrong value would otherwise surface as a rendezvous that
-    waits ten minutes for a node that never comes, or as two nodes that both
-    think they are node 1.
-    """
-    problems = []
-    if not 0 <= launch.node_rank < launch.nnodes:
-        problems.append(
-            f"`launch.node_rank={launch.node_rank}` is outside 0 .. launch.nnodes - 1 = "
-            f"{launch.nnodes - 1}: each node passes its own number, 0 on the node named by "
-            "launch.rdzv_endpoint (on SLURM: launch.node_rank=$SLURM_NODEID)."
-        )
-    if launch.nnodes > 1 and not launch.rdzv_endpoint:
-        problems.append(
-            f"`launch.nnodes={launch.nnodes}` needs `launch.rdzv_endpoint=HOST:PORT`, the same "
-            "on every node: HOST is node 0's host name or address (on SLURM the first of "
-            "`scontrol show hostnames $SLURM_JOB_NODELIST`), PORT a free port there, e.g. 29500."
-        )
-    if launch.rdzv_endpoint:
-        try:
-            host, _ = split_endpoint(launch.rdzv_endpoint)
-            if not host:
-                problems.append(
-                    f"`launch.rdzv_endpoint={launch.rdzv_endpoint}` names no host; "
-                    "write HOST:PORT, e.g. node001:29500."
-                )
-        except ConfigError as error:
-            problems.append(str(error))
-    problems += out_of_range(launch, LAUNCH_RANGES)
-    if launch.nnodes > 1 and not launch.rdzv_id.strip():
-        problems.append(
-            "`launch.rdzv_id` is empty: with several nodes it must be the same on every "
-            "node and new for each job, e.g. launch.rdzv_id=$SLURM_JOB_ID."
-        )
-    if problems:
-        raise ConfigError(
-            "meshtrain refused the launch before starting any worker:\n  - "
-            + "\n  - ".join(problems)
-        )
+    def check(self) -> None:
+        """Refuse the values whose kinds are right but which cannot mean anything."""
+        check_ranges(self, TRAINING_RANGES)
+        if self.grad_reduce_dtype == "bf16" and self.mixed_precision != "bf16_master":
+            raise ConfigError(
+                f"`training.grad_reduce_dtype=bf16` needs `training.mixed_precision=bf16_master` "
+                f"(it is {self.mixed_precision!r}): with fp32 parameters the gradients are "
+                "fp32. Use grad_reduce_dtype=fp32, or mixed_precision=bf16_master."
+            )
+        name = self.run_name
+        if name is not None and (
+            not name.strip()
+            or name in (".", "..")
+            or any(separator in name for separator in ("/", "\\"))
+        ):
+            raise ConfigError(
+                f"`training.run_name` is {name!r}; use one folder name (no '/', not '.' or "
+                "'..'), e.g. llama-dp2-tp2: the run's checkpoints go to "
+                "training.output_dir/<run_name>."
+            )
 
 
 @dataclass(frozen=True)
@@ -301,103 +270,21 @@ class ModelConfig:
     config: dict[str, Any] = field(default_factory=dict)
     init_from: str | None = None
     # null: full fine-tuning; else PEFT's LoraConfig fields by their PEFT names
-    # (`LoraSettings`): only the adapters train, the base is frozen.
-    lora: dict[str, Any] | None = None
+    # (`LoraSettings`, parsed and checked with the group): only the adapters train, the
+    # base is frozen.
+    lora: LoraSettings | None = None
 
     @property
     def lora_settings(self) -> LoraSettings | None:
-        """`lora` parsed and checked (None: full fine-tuning)."""
-        if self.lora is None:
-            return None
-        settings = parse(LoraSettings, peft_only_defaults(self.lora), "model.lora")
-        check_lora(settings)
-        return settings
+        """`lora`, under its former name (until the last callers say `lora`)."""
+        return self.lora
 
-
-@dataclass(frozen=True)
-class DataConfig:
-    """Corpus or fine-tuning examples, tokenizer and packing (`data.*`)."""
-
-    # builtin / text_files / hub: a text corpus. files: JSON, JSONL, Parquet or CSV files
-    # (`data_files`); catalog: the Kedro dataset `raw_examples`; builtin_instructions:
-    # question/answer conversations made offline from Python's documentation.
-    source: Literal["builtin", "text_files", "hub", "files", "catalog", "builtin_instructions"] = (
-        "builtin"
-    )
-    text_files: list[str] | None = None
-    data_files: list[str] | None = None
-    hub_dataset: str | None = None
-    hub_config: str | None = None
-    hub_split: str = "train"
-    text_column: str = "text"
-    # The dataset's own column names for TRL's, e.g. {messages: conversations}.
-    columns: dict[str, str] | None = None
-    # TRL's formats; auto: from the columns (messages, prompt + completion, text).
-    format: Literal["auto", "text", "prompt_completion", "conversational"] = "auto"
-    # Which tokens carry the loss; auto: completion for prompt/completion data, assistant
-    # for conversations, all for text.
-    loss_on: Literal["auto", "all", "completion", "assistant"] = "auto"
-    # stream: documents concatenated and cut into blocks (pretraining); bfd: whole examples
-    # best-fit into blocks, positions restarting and attention kept inside each example;
-    # auto: stream for a text corpus, bfd for fine-tuning examples.
-    packing: Literal["auto", "stream", "bfd"] = "auto"
-    # An example longer than a block (bfd): drop it (counted), truncate it, or off (refuse).
-    truncation: Literal["drop", "truncate", "off"] = "drop"
-    # A Jinja chat template file replacing the tokenizer's own.
-    chat_template: str | None = None
-    builtin_max_chars: int | None = None
-    tokenizer: str | None = None
-    vocab_size: int = 4096
-    block_size: int = 128
-    validation_fraction: float = 0.05
-    seed: int = 1234
-    num_proc: int | None = 2
-
-
-# The byte-level BPE tokenizer trained when `data.tokenizer` is null (data/tokenizer.py
-# builds it from these): a token per byte and the special tokens, before any merge.
-BYTE_ALPHABET_SIZE = 256
-EOS_TOKEN = "<|endoftext|>"
-"""Separates documents when packing; also serves as bos and pad."""
-CHAT_TOKENS = ("<|im_start|>", "<|im_end|>")
-"""ChatML's turn markers: the trained tokenizer's chat template opens and ends turns with
-them, so a model pretrained here can be fine-tuned on conversations."""
-SPECIAL_TOKENS = (EOS_TOKEN, *CHAT_TOKENS)
-
-
-def check_data(data: DataConfig) -> None:
-    """Refuse the `data.*` values whose kinds are right but which cannot make a corpus or
-    blocks, before any data is read or written."""
-    if data.source == "text_files" and not data.text_files:
-        raise ConfigError(
-            "`data.source=text_files` needs `data.text_files`, the paths or glob patterns of "
-            "the text files, e.g. data.text_files=/corpus/*.txt."
-        )
-    if data.source == "hub" and not data.hub_dataset:
-        raise ConfigError(
-            "`data.source=hub` needs `data.hub_dataset`, a Hugging Face dataset id, e.g. "
-            "data.hub_dataset=Salesforce/wikitext with data.hub_config=wikitext-103-raw-v1."
-        )
-    if data.source == "files" and not data.data_files:
-        raise ConfigError(
-            "`data.source=files` needs `data.data_files`, the paths or glob patterns of JSON, "
-            "JSONL, Parquet or CSV files, e.g. data.data_files=data/01_raw/chats/*.jsonl."
-        )
-    if data.packing == "stream" and data.source == "builtin_instructions":
-        raise ConfigError(
-            "`data.packing=stream` concatenates text; the builtin instructions are "
-            "conversations: use data.packing=bfd (or auto)."
-        )
-    check_ranges(data, DATA_RANGES)
-    if not data.text_column.strip():
-        raise ConfigError("`data.text_column` is empty; name the corpus column, e.g. text.")
-    minimum = BYTE_ALPHABET_SIZE + len(SPECIAL_TOKENS) + 1
-    if data.tokenizer is None and data.vocab_size < minimum:
-        raise ConfigError(
-            f"`data.vocab_size` is {data.vocab_size}; the byte-level tokenizer trained here "
-            f"needs at least {minimum} (256 byte tokens, {len(SPECIAL_TOKENS)} special, one "
-            "merge), e.g. 4096."
-        )
+    def to_dict(self) -> dict[str, Any]:
+        """The group as parameters: `lora` as it was given (see `LoraSettings.to_params`)."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        values["config"] = dict(self.config)
+        values["lora"] = self.lora.to_params() if self.lora is not None else None
+        return values
 
 
 @dataclass(frozen=True)
@@ -449,39 +336,27 @@ class EvaluationConfig:
     # Log the consolidated model to the MLflow run (off for huge models or slow stores).
     log_model: bool = True
 
+    def check(self) -> None:
+        """Refuse the values whose kinds are right but which mean nothing."""
+        if not _EVAL_DEVICE.fullmatch(self.device):
+            raise ConfigError(
+                f"`evaluation.device` is {self.device!r}; use auto (where the model "
+                "trained), cpu, cuda or cuda:N."
+            )
+        check_ranges(self, EVALUATION_RANGES)
+
 
 _EVAL_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
 def check_evaluation(evaluation: EvaluationConfig) -> None:
-    """Refuse the `evaluation.*` values whose kinds are right but which mean nothing."""
-    if not _EVAL_DEVICE.fullmatch(evaluation.device):
-        raise ConfigError(
-            f"`evaluation.device` is {evaluation.device!r}; use auto (where the model "
-            "trained), cpu, cuda or cuda:N."
-        )
-    check_ranges(evaluation, EVALUATION_RANGES)
+    """`evaluation.check()`, under the name the evaluation node calls."""
+    evaluation.check()
 
 
 def check_training(training: TrainingConfig) -> None:
-    """Refuse the `training.*` values whose kinds are right but which cannot mean anything."""
-    check_ranges(training, TRAINING_RANGES)
-    if training.grad_reduce_dtype == "bf16" and training.mixed_precision != "bf16_master":
-        raise ConfigError(
-            f"`training.grad_reduce_dtype=bf16` needs `training.mixed_precision=bf16_master` "
-            f"(it is {training.mixed_precision!r}): with fp32 parameters the gradients are "
-            "fp32. Use grad_reduce_dtype=fp32, or mixed_precision=bf16_master."
-        )
-    name = training.run_name
-    if name is not None and (
-        not name.strip()
-        or name in (".", "..")
-        or any(separator in name for separator in ("/", "\\"))
-    ):
-        raise ConfigError(
-            f"`training.run_name` is {name!r}; use one folder name (no '/', not '.' or '..'), "
-            "e.g. llama-dp2-tp2: the run's checkpoints go to training.output_dir/<run_name>."
-        )
+    """`training.check()`, under its former name."""
+    training.check()
 
 
 @dataclass(frozen=True)
@@ -506,25 +381,13 @@ class RunConfig:
         data: dict | None = None,
         planner: dict | None = None,
     ) -> RunConfig:
-        planner_config = parse(PlannerConfig, planner, "planner")
-        check_ranges(planner_config, PLANNER_RANGES)
-        training_config = parse(TrainingConfig, training, "training")
-        check_training(training_config)
-        data_config = parse(DataConfig, data, "data")
-        check_data(data_config)
-        model_config = parse(ModelConfig, model, "model")
-        _ = model_config.lora_settings  # refused here, with the other groups
-        return cls(
-            parallel=parse(ParallelConfig, parallel, "parallel"),
-            training=training_config,
-            launch=parse(LaunchConfig, launch, "launch"),
-            model=model_config,
-            data=data_config,
-            planner=planner_config,
-        )
+        given = {"parallel": parallel, "training": training, "launch": launch}
+        given |= {"model": model, "data": data, "planner": planner}
+        run_groups = [group for group in GROUPS if group in given]  # in GROUPS' order
+        return cls(**{group: read_group(group, given[group]) for group in run_groups})
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
-        return dataclasses.asdict(self)
+        return {group: group_params(getattr(self, group)) for group in RUN_GROUPS}
 
     @classmethod
     def from_dict(cls, values: dict[str, dict[str, Any]]) -> RunConfig:
@@ -533,3 +396,58 @@ class RunConfig:
 
 # The parameter groups a `RunConfig` is made of, in its order.
 RUN_GROUPS = tuple(f.name for f in dataclasses.fields(RunConfig))
+
+# Every parameter group by its name in `conf/*/parameters*.yml`, in the order they are
+# parsed: a run with mistakes in several groups meets the first.
+GROUPS: dict[str, type] = {
+    "planner": PlannerConfig,
+    "training": TrainingConfig,
+    "data": DataConfig,
+    "model": ModelConfig,
+    "parallel": ParallelConfig,
+    "launch": LaunchConfig,
+    "consolidation": ConsolidationConfig,
+    "evaluation": EvaluationConfig,
+}
+
+
+def read_group(group: str, values: dict[str, Any] | None) -> Any:
+    """Parameter group `group` as given (a dict from YAML or `--params`, or None: every
+    default) -> its typed dataclass, with the checks the group owns (its `check()`)."""
+    config = parse(GROUPS[group], values, group)
+    check = getattr(config, "check", None)
+    if check is not None:
+        check()
+    return config
+
+
+def group_params(config: Any) -> dict[str, Any]:
+    """A typed group back as its parameters (its `to_dict()` where it has one)."""
+    to_dict = getattr(config, "to_dict", None)
+    return to_dict() if to_dict is not None else dataclasses.asdict(config)
+
+
+class RunParameters:
+    """A run's parameters (Kedro's `parameters`: every group by name), each group parsed,
+    with its own checks, once, when first asked for: the raw dicts end here."""
+
+    def __init__(self, params: Mapping[str, Any]) -> None:
+        self._params = params
+        self._groups: dict[str, Any] = {}
+
+    def group(self, name: str) -> Any:
+        if name not in self._groups:
+            self._groups[name] = read_group(name, self._params.get(name))
+        return self._groups[name]
+
+    @property
+    def model(self) -> ModelConfig:
+        return self.group("model")
+
+    @property
+    def data(self) -> DataConfig:
+        return self.group("data")
+
+    @property
+    def run(self) -> RunConfig:
+        return RunConfig(**{name: self.group(name) for name in RUN_GROUPS})

@@ -1,12 +1,14 @@
 """`model.lora`: PEFT's `LoraConfig` fields as meshtrain takes them, parsed and checked
-(`config.ModelConfig.lora_settings`)."""
+with the `model` group (`config.ModelConfig.lora`)."""
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from meshtrain.config_parsing import ConfigError
+from meshtrain.config_parsing import ConfigError, parse
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,23 @@ class LoraSettings:
     @property
     def scaling(self) -> float:
         return self.lora_alpha / (self.r**0.5 if self.use_rslora else self.r)
+
+    @classmethod
+    def from_params(cls, values: dict[str, Any], group: str = "model.lora") -> LoraSettings:
+        """`model.lora` as written (PEFT's names), parsed and checked; the settings keep
+        the mapping they were read from for `to_params`."""
+        settings = parse(cls, peft_only_defaults(values), group)
+        check_lora(settings)
+        object.__setattr__(settings, "_given", copy.deepcopy(dict(values)))
+        return settings
+
+    def to_params(self) -> dict[str, Any]:
+        """The `model.lora` mapping these settings were read from, as written (so that
+        `RunConfig.to_dict()`, which plan.json's hash is made of, says what the user
+        wrote, as when `model.lora` was kept as a dict); every field where they were
+        built in code."""
+        given = getattr(self, "_given", None)
+        return copy.deepcopy(given) if given is not None else dataclasses.asdict(self)
 
 
 # PEFT LoraConfig fields meshtrain does not implement: refused by name, not as typos.

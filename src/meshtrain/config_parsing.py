@@ -20,7 +20,7 @@ class Refused(Exception):
 
     The base of every deliberate refusal (configuration, layout, data, checkpoints,
     launch), so `kedro run` can end with the message alone
-    (`hooks.refusals.show_refusals_plainly`) while unexpected errors keep their
+    (`refusals.show_refusals_plainly`) while unexpected errors keep their
     tracebacks."""
 
 
@@ -56,7 +56,11 @@ _NAMES = {"rdzv_id", "run_name"}
 
 
 def parse(cls: type, values: dict[str, Any] | None, group: str):
-    """Build dataclass `cls` from a parameter dict, refusing unknown keys and bad kinds."""
+    """Build dataclass `cls` from a parameter dict, refusing unknown keys and bad kinds; a
+    field whose type is itself such a group (`model.lora`) is parsed by that class's
+    `from_params(values, dotted)`, else field by field."""
+    if isinstance(values, cls):
+        return values
     values = dict(values or {})
     fields = {f.name: f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
@@ -85,6 +89,9 @@ def _coerce(value: Any, hint: Any, dotted: str) -> Any:
     # `null` spellings mean None wherever None is allowed, before any string reading.
     options = sorted(options, key=lambda option: option is not type(None))
     for option in options:
+        if dataclasses.is_dataclass(option) and isinstance(value, dict | option):
+            from_params = getattr(option, "from_params", None)
+            return from_params(value, dotted) if from_params else parse(option, value, dotted)
         ok, converted = _try(value, option)
         if ok:
             return converted
@@ -168,6 +175,8 @@ def _describe(hint: Any) -> str:
             words.extend(repr(a) for a in typing.get_args(option))
         elif option is type(None):
             words.append("null")
+        elif dataclasses.is_dataclass(option):
+            words.append("dict")
         else:
             words.append(getattr(option, "__name__", str(option)))
     return " or ".join(words)

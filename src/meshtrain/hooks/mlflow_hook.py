@@ -1,7 +1,8 @@
 """One MLflow run per `kedro run`, opened before the first node and closed after the last.
 
 The nodes (and rank 0 of the training workers, through the run id) log into it;
-where it goes is `hooks.tracking_server`'s choice. MLflow's system metrics
+where it goes is `tracking.project_server`'s choice, from the config that
+`kedro_config` reads. MLflow's system metrics
 (CPU, memory, and GPU where one is visible) are sampled from this process while
 the run is open (`log_system_metrics`). The hook knows the nodes by their tags
 (`pipelines.run_config.TRAINS`, `EVALUATES`) and the data by dataset name.
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -19,53 +19,20 @@ import mlflow
 from kedro.config import OmegaConfigLoader
 from kedro.framework.hooks import hook_impl
 
-from meshtrain.hooks.refusals import refusal_in, show_refusals_plainly
-from meshtrain.hooks.tracking_server import (
-    DEFAULTS,
-    mlflow_settings,
-    project_tracking_server,
-    server_refusals,
-    use_tracking_server,
-)
+from meshtrain.config import ConfigError, RunParameters, read_group
+from meshtrain.kedro_config import mlflow_settings, project_tracking_server
 from meshtrain.pipelines.run_config import EVALUATES, TRAINS
+from meshtrain.refusals import refusal_in, show_refusals_plainly
 from meshtrain.tracking import mlflow_run as tracking
 from meshtrain.tracking.datasets import log_packed_blocks
 from meshtrain.tracking.model_logging import log_consolidated_model
+from meshtrain.tracking.project_server import DEFAULTS, server_refusals, use_tracking_server
 from meshtrain.tracking.servers import URI_VARIABLE, redact
+from meshtrain.training_summary import TrainingSummary
 
 logger = logging.getLogger(__name__)
 
 SAMPLING_VARIABLE = "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL"
-
-
-def git_commit(project_path: Path) -> str | None:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            cwd=project_path,
-            capture_output=True,
-            text=True,
-            timeout=5,
-            check=True,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() or None
-
-
-def describe(pipeline_name: str, pipeline: Any) -> tuple[str, dict[str, str]]:
-    """The run's name and its `meshtrain.pipelines` / `meshtrain.trains` tags: it trains
-    when one of its nodes has the TRAINS tag."""
-    from kedro.framework.project import pipelines as registered  # noqa: PLC0415
-
-    nodes = {
-        name: {node.name for node in registered[name].nodes}
-        for name in registered
-        if name != "__default__"
-    }
-    trains = any(TRAINS in node.tags for node in pipeline.nodes)
-    name, tags = tracking.describe_run({node.name for node in pipeline.nodes}, nodes, trains=trains)
-    return (pipeline_name if trains else name), tags
 
 
 class MlflowRunHook:
@@ -88,10 +55,9 @@ class MlflowRunHook:
         self.config_loader = context.config_loader
         # On several nodes only node 0 records the run (its rank 0 logs the metrics); the
         # other nodes' `kedro run --pipeline training` would open empty runs.
-        launch = (context.params or {}).get("launch") or {}
         try:
-            self.node_rank = int(launch.get("node_rank", 0) or 0)
-        except (TypeError, ValueError):
+            self.node_rank = RunParameters(context.params or {}).group("launch").node_rank
+        except ConfigError:
             self.node_rank = 0  # the config check names the bad value before any worker
 
     def _tags(self, run_params: dict[str, Any], pipeline_name: str) -> dict[str, str]:
@@ -101,7 +67,7 @@ class MlflowRunHook:
             "kedro.env": run_params.get("env") or self.env or "local",
             "kedro.session_id": run_params.get("session_id", ""),
         }
-        commit = git_commit(self.project_path)
+        commit = tracking.git_commit(self.project_path)
         if commit:
             tags["mlflow.source.git.commit"] = commit
         if run_params.get("runtime_params"):
@@ -122,7 +88,7 @@ class MlflowRunHook:
             self.config_loader, self.env, self.project_path, self.settings
         )
         # (before mlflow.set_tracking_uri, which sets the variable for the workers)
-        entry = None if os.environ.get(URI_VARIABLE) else self.settings.get("credentials")
+        entry = None if os.environ.get(URI_VARIABLE) else self.settings["credentials"]
         use_tracking_server(server)
         with server_refusals(server.uri, self.settings, entry):
             experiment = mlflow.set_experiment(self.settings["experiment_name"])
@@ -132,7 +98,7 @@ class MlflowRunHook:
         pipeline_name = run_params.get("pipeline_name") or ",".join(
             run_params.get("pipeline_names") or ["__default__"]
         )
-        run_name, tags = describe(pipeline_name, pipeline)
+        run_name, tags = self._describe(pipeline_name, pipeline)
         tags |= self._tags(run_params, pipeline_name)
         log_system_metrics = bool(self.settings["log_system_metrics"])
         interval = self.settings["system_metrics_sampling_interval"]
@@ -149,6 +115,23 @@ class MlflowRunHook:
             redact(mlflow.get_tracking_uri()),
         )
 
+    @staticmethod
+    def _describe(pipeline_name: str, pipeline: Any) -> tuple[str, dict[str, str]]:
+        """The run's name and its `meshtrain.pipelines` / `meshtrain.trains` tags: it
+        trains when one of its nodes has the TRAINS tag."""
+        # (imported here: importing kedro.framework.project configures logging)
+        from kedro.framework.project import pipelines as registered  # noqa: PLC0415
+
+        nodes = {
+            name: {node.name for node in registered[name].nodes}
+            for name in registered
+            if name != "__default__"
+        }
+        trains = any(TRAINS in node.tags for node in pipeline.nodes)
+        selected = {node.name for node in pipeline.nodes}
+        name, tags = tracking.describe_run(selected, nodes, trains=trains)
+        return (pipeline_name if trains else name), tags
+
     @hook_impl
     def after_pipeline_run(self) -> None:
         if self.started:
@@ -164,7 +147,7 @@ class MlflowRunHook:
             return
         if TRAINS in node.tags:
             self.training_started = True
-            log_packed_blocks(inputs["packed_blocks"], inputs.get("params:data") or {})
+            log_packed_blocks(inputs["packed_blocks"], inputs["params:data"])  # data.* as given
             self.logged_data = True
         elif EVALUATES in node.tags:
             if not self.logged_data:
@@ -172,13 +155,12 @@ class MlflowRunHook:
             self._log_model(inputs)
 
     def _log_model(self, inputs: dict[str, Any]) -> None:
-        evaluation = inputs.get("params:evaluation") or {}
-        if str(evaluation.get("log_model", True)).lower() == "false":
+        if not read_group("evaluation", inputs["params:evaluation"]).log_model:
             return
-        layout = (inputs.get("training_summary") or {}).get("layout_name")
+        layout = TrainingSummary.from_dict(inputs["training_summary"]).layout_name
         log_consolidated_model(
             inputs["consolidation_summary"]["output_dir"],
-            registered_model_name=self.settings.get("registered_model_name"),
+            registered_model_name=self.settings["registered_model_name"],
             tags={"meshtrain.layout": layout} if layout else {},
         )
 

@@ -25,7 +25,7 @@ class StagedDataHook:
         self._folders = [
             dataset
             for name in catalog.keys()  # noqa: SIM118 - a catalog, not a dict
-            if isinstance(dataset := catalog.get(name), StagedFolder)
+            if isinstance(dataset := catalog[name], StagedFolder)
         ]
 
     @hook_impl

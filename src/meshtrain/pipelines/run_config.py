@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from meshtrain.config import RUN_GROUPS, RunConfig
+from meshtrain.config import RUN_GROUPS, RunConfig, RunParameters
 
 # Node argument -> dataset: every group of `RunConfig` as `params:<group>`.
 RUN_PARAMETERS: dict[str, str] = {group: f"params:{group}" for group in RUN_GROUPS}
@@ -28,4 +28,4 @@ def with_run_parameters(**datasets: str) -> dict[str, str]:
 
 def run_config(groups: Mapping[str, Any]) -> RunConfig:
     """The one `RunConfig` of the parameter groups a node received (parsed and checked)."""
-    return RunConfig.from_params(**{group: groups.get(group) for group in RUN_GROUPS})
+    return RunParameters(groups).run

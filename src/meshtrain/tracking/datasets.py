@@ -17,6 +17,7 @@ import numpy as np
 import pyarrow.compute as pc
 import torch
 
+from meshtrain.config import LOSS_ON_BY_FORMAT
 from meshtrain.data.batch import IGNORE_INDEX, next_token_labels
 from meshtrain.data.blocks import PACKED_COLUMNS, is_packed
 from meshtrain.offline import disable_telemetry
@@ -31,8 +32,6 @@ from mlflow.data.huggingface_dataset_source import HuggingFaceDatasetSource  # n
 
 # The input context of each split, as MLflow's UI labels it.
 CONTEXTS = {"train": "training", "validation": "validation"}
-# What `data.loss_on: auto` trains for each format (TRL's defaults).
-AUTO_LOSS_ON = {"text": "all", "prompt_completion": "completion", "conversational": "assistant"}
 # The `datasets` builder that reads each kind of `data.data_files`.
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 
@@ -120,7 +119,7 @@ def fine_tuning_profile(split: datasets.Dataset, data: dict[str, Any], tokens: i
     data_format = data.get("format") or "auto"
     loss_on = data.get("loss_on") or "auto"
     if loss_on == "auto":
-        loss_on = AUTO_LOSS_ON.get(data_format, "auto")
+        loss_on = LOSS_ON_BY_FORMAT.get(data_format, "auto")
     packing = data.get("packing") or "auto"
     real, trained = token_counts(split)
     return {

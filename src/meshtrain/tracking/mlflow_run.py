@@ -9,6 +9,7 @@ Nothing here imports Kedro.
 from __future__ import annotations
 
 import json
+import subprocess
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -143,6 +144,23 @@ def describe_run(
     ran = [name for name, nodes in registered.items() if nodes & run_nodes]
     name = "+".join(ran) if ran else "no pipeline"
     return name, {"meshtrain.pipelines": ",".join(ran), TRAINS_TAG: str(trains).lower()}
+
+
+def git_commit(project_path: Path) -> str | None:
+    """The commit the project is at (the run's `mlflow.source.git.commit`); None outside
+    a git checkout."""
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=project_path,
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=True,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
 
 
 REFUSED_TAG = "meshtrain.refused"

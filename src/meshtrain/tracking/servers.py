@@ -1,5 +1,5 @@
 """Where a run is logged: the tracking server from the environment, a credentials entry
-or mlflow.yml, in the order of `meshtrain.hooks.tracking_server`'s docstring. Pure
+or mlflow.yml, in the order of `meshtrain.tracking.project_server`'s docstring. Pure
 functions of their inputs (no Kedro, no MLflow calls), so they are tested without a
 project.
 """

@@ -7,13 +7,14 @@ from typing import Any
 
 from meshtrain.checkpoint import CheckpointError, consolidate_checkpoint
 from meshtrain.checkpoint.consolidate.lora import consolidate_lora, is_lora_checkpoint
-from meshtrain.config import ConsolidationConfig, parse
+from meshtrain.config import ConsolidationConfig, read_group
+from meshtrain.training_summary import TrainingSummary
 
 
 def consolidate(training_summary: dict[str, Any], consolidation: dict[str, Any]) -> dict[str, Any]:
     """Args: the training summary and `params:consolidation`. Returns: what was written where."""
-    cfg = parse(ConsolidationConfig, consolidation, "consolidation")
-    checkpoint = cfg.checkpoint or training_summary["final_checkpoint"]
+    cfg: ConsolidationConfig = read_group("consolidation", consolidation)
+    checkpoint = cfg.checkpoint or _final_checkpoint(TrainingSummary.from_dict(training_summary))
     if is_lora_checkpoint(checkpoint):
         return consolidate_lora(
             checkpoint,
@@ -30,3 +31,12 @@ def consolidate(training_summary: dict[str, Any], consolidation: dict[str, Any])
     return consolidate_checkpoint(
         checkpoint, cfg.output_dir, max_shard_size=cfg.max_shard_size, dtype=cfg.dtype
     )
+
+
+def _final_checkpoint(summary: TrainingSummary) -> str:
+    if summary.final_checkpoint is None:
+        raise CheckpointError(
+            "the training summary names no final checkpoint: set consolidation.checkpoint "
+            "to a checkpoint-<step> folder or a run folder."
+        )
+    return summary.final_checkpoint

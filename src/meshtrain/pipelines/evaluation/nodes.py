@@ -8,10 +8,11 @@ from typing import Any
 import datasets
 
 from meshtrain.benchmarks import run_lm_eval
-from meshtrain.config import EvaluationConfig, check_evaluation, parse
+from meshtrain.config import EvaluationConfig, read_group
 from meshtrain.data.blocks import is_packed
 from meshtrain.evaluation import evaluate_model
 from meshtrain.tracking import mlflow_run as tracking
+from meshtrain.training_summary import TrainingSummary
 
 
 def evaluate(
@@ -28,15 +29,15 @@ def evaluate(
     reference and response of fine-tuning examples) and the lm-evaluation-harness
     scores.
     """
-    cfg = parse(EvaluationConfig, evaluation, "evaluation")
-    check_evaluation(cfg)
+    cfg: EvaluationConfig = read_group("evaluation", evaluation)
+    trained = TrainingSummary.from_dict(training_summary)
     validation = packed_blocks["validation"]
     metrics, model, tokenizer = evaluate_model(
         consolidation_summary["output_dir"],
         validation,
         cfg,
-        backend=training_summary.get("backend"),
-        mixed_precision=training_summary.get("mixed_precision"),
+        backend=trained.backend,
+        mixed_precision=trained.mixed_precision,
     )
     scores = run_lm_eval(
         model,
@@ -49,16 +50,16 @@ def evaluate(
         # mask): asked in its chat template, where the tokenizer has one.
         chat_template=is_packed(validation),
     )
-    initial = training_summary.get("initial_val_loss")
+    initial = trained.initial_val_loss
     metrics.update(
         {
-            "layout": training_summary.get("layout_name"),
-            "steps": training_summary.get("steps"),
+            "layout": trained.layout_name,
+            "steps": trained.steps,
             "initial_val_loss": initial,
             "initial_val_perplexity": math.exp(initial) if initial is not None else None,
-            "train_tokens_per_s": training_summary.get("mean_tokens_per_s"),
-            "train_mfu": training_summary.get("mean_mfu"),
-            "train_time_s": training_summary.get("train_time_s"),
+            "train_tokens_per_s": trained.mean_tokens_per_s,
+            "train_mfu": trained.mean_mfu,
+            "train_time_s": trained.train_time_s,
             "model_dir": consolidation_summary["output_dir"],
             "lm_eval": scores,
         }

@@ -18,6 +18,7 @@ from meshtrain.pipelines.run_config import run_config
 from meshtrain.planner import Plan
 from meshtrain.planner.plan_inputs import check_plan_matches, plan_inputs_hash
 from meshtrain.tracking import mlflow_run as tracking
+from meshtrain.training_summary import TrainingSummary
 
 
 def train_model(
@@ -45,7 +46,7 @@ def train_model(
     node0 = run.launch.node_rank == 0
     if node0:
         tracking.log_plan(plan, run.to_dict())
-    summary = run_training(
+    result = run_training(
         run,
         resolved,
         train_files=arrow_files(packed_blocks["train"]),
@@ -54,9 +55,10 @@ def train_model(
         # Rank 0 is on node 0; another node's MLflow run (if its hook opened one) gets nothing.
         tracking=tracking.active_target() if node0 else None,
     )
+    summary = TrainingSummary.from_dict(result)
     if node0:
         # The model converters this run applied (models/converters.py), or none.
-        tracking.set_tag("meshtrain.converters", ",".join(summary.get("converters", [])) or "none")
+        tracking.set_tag("meshtrain.converters", ",".join(summary.converters) or "none")
         tracking.log_loss_curve()
-        tracking.log_memory_report(plan, summary)
-    return summary
+        tracking.log_memory_report(plan, result)
+    return summary.to_dict()

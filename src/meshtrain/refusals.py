@@ -1,4 +1,7 @@
-"""How a `kedro run` that meshtrain refused ends: the refusal's message, no traceback."""
+"""How a `kedro run` that meshtrain refused ends: the refusal's message, no traceback.
+
+Installed by the project's config loader and MLflow hook when a Kedro session starts;
+`refusal_in` also tells the hook (and the CLI) a deliberate refusal from a failure."""
 
 from __future__ import annotations
 
@@ -6,7 +9,7 @@ import os
 import sys
 from typing import Any
 
-from meshtrain.config import Refused
+from meshtrain.config_parsing import Refused
 
 # Set to 1 for the full traceback of a refusal.
 TRACEBACK_VARIABLE = "MESHTRAIN_TRACEBACK"

@@ -11,8 +11,10 @@ this order (see docs/tracking.md):
    server started with `--app-name basic-auth`;
 3. else mlflow.yml's `tracking_uri` (a sqlite file at the project root by default).
 
-The choice itself is `tracking.servers` (pure functions); this module reads the
-Kedro config it chooses from, and points MLflow at the result.
+The choice itself is `tracking.servers` (pure functions); this module holds the
+settings' defaults, completes the choice for a project, and points MLflow at the
+result. Reading the settings and credentials from Kedro's config is the project's
+config loader's part (`meshtrain.kedro_config`).
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import mlflow
-from kedro.config import MissingConfigException, OmegaConfigLoader
 from mlflow.exceptions import MlflowException
 
 from meshtrain.tracking.servers import (
@@ -52,41 +53,8 @@ DEFAULTS: dict[str, Any] = {
 }
 
 
-def _credentials_of(loader: OmegaConfigLoader) -> dict[str, Any]:
-    try:
-        return dict(loader["credentials"] or {})
-    except MissingConfigException:
-        return {}
-
-
-def load_credentials(config_loader: OmegaConfigLoader, env: str) -> tuple[dict[str, Any], list]:
-    """The credentials config of the run env (base + `--env`), completed by conf/local's.
-
-    Kedro reads conf/local only when it is the run env, yet conf/local is the
-    git-ignored home of secrets; so for `--env team` the entries of
-    conf/local/credentials.yml fill in those the run env lacks.
-    """
-    base_env = getattr(config_loader, "base_env", None) or "base"
-    credentials = _credentials_of(config_loader)
-    looked_in = [f"conf/{base_env}/credentials*.yml", f"conf/{env}/credentials*.yml"]
-    if env != "local":
-        local = OmegaConfigLoader(
-            conf_source=str(config_loader.conf_source),
-            env="local",
-            base_env=base_env,
-            default_run_env="local",
-        )
-        credentials = {**_credentials_of(local), **credentials}
-        looked_in.append("conf/local/credentials*.yml")
-    return credentials, looked_in
-
-
-def mlflow_settings(config_loader: OmegaConfigLoader, env: str | None) -> dict[str, Any]:
+def checked_settings(configured: Mapping[str, Any], env: str | None) -> dict[str, Any]:
     """mlflow.yml of the run env over `DEFAULTS`; an unknown key (a typo) is refused."""
-    try:
-        configured = config_loader["mlflow"] or {}
-    except (KeyError, MissingConfigException):
-        configured = {}
     unknown = set(configured) - set(DEFAULTS)
     if unknown:
         raise TrackingConfigError(
@@ -96,20 +64,20 @@ def mlflow_settings(config_loader: OmegaConfigLoader, env: str | None) -> dict[s
     return {**DEFAULTS, **configured}
 
 
-def project_tracking_server(
-    config_loader: OmegaConfigLoader,
-    env: str | None,
+def needs_credentials(settings: Mapping[str, Any]) -> bool:
+    """The settings name a credentials entry, and the environment does not override it."""
+    return bool(settings["credentials"]) and not os.environ.get(URI_VARIABLE)
+
+
+def project_server(
+    settings: Mapping[str, Any],
+    credentials: Mapping[str, Any],
+    looked_in: list[str],
     project_path: Path,
-    settings: Mapping[str, Any] | None = None,
 ) -> TrackingServer:
-    """Where this project's runs go in `env`, by the precedence of the module docstring,
-    with a relative sqlite path anchored at the project; for the hook and for any other
-    caller that must find the same runs (e.g. a command that reads them back)."""
-    settings = settings if settings is not None else mlflow_settings(config_loader, env)
-    credentials: dict[str, Any] = {}
-    looked_in: list[str] = []
-    if settings.get("credentials") and not os.environ.get(URI_VARIABLE):
-        credentials, looked_in = load_credentials(config_loader, env or "local")
+    """Where this project's runs go, by the precedence of the module docstring, with a
+    relative sqlite path anchored at the project (`credentials`: Kedro's credentials
+    config, read where `needs_credentials`; `looked_in`: the files it came from)."""
     server = choose_tracking_server(settings, credentials, os.environ, looked_in)
     return TrackingServer(
         resolve_tracking_uri(server.uri, project_path), server.username, server.password
