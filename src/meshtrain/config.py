@@ -274,11 +274,6 @@ class ModelConfig:
     # base is frozen.
     lora: LoraSettings | None = None
 
-    @property
-    def lora_settings(self) -> LoraSettings | None:
-        """`lora`, under its former name (until the last callers say `lora`)."""
-        return self.lora
-
     def to_dict(self) -> dict[str, Any]:
         """The group as parameters: `lora` as it was given (see `LoraSettings.to_params`)."""
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

@@ -71,6 +71,13 @@ class DataConfig:
     num_proc: int | None = 2
 
     @property
+    def reads_text_corpus(self) -> bool:
+        """Whether `data.*` names a text corpus (`data/corpus.py`), before anything is read;
+        examples (any other source, or the Hub with data.format other than text) may still
+        turn out to be text once their columns are seen."""
+        return self.source in TEXT_SOURCES or (self.source == "hub" and self.format == "text")
+
+    @property
     def known_format(self) -> str | None:
         """The TRL format the data will have, where the settings alone tell (a text corpus
         source, the builtin conversations, or an explicit `data.format`); None where only

@@ -28,7 +28,6 @@ from meshtrain.config import (
     GROUPS,
     ConfigError,
     ConsolidationConfig,
-    DataConfig,
     EvaluationConfig,
     RunParameters,
     check_launch,
@@ -38,9 +37,8 @@ from meshtrain.data.corpus import expand_patterns
 from meshtrain.data.pretrained_tokenizer import (
     check_tokenizer_fits,
     check_tokenizer_name,
-    load_data_tokenizer,
-    tokenizer_to_load,
 )
+from meshtrain.data.tokenizer import tokenizer_size
 from meshtrain.evaluation import check_evaluation_inputs
 from meshtrain.launch.network import node_address
 from meshtrain.models.builder import check_model_fields, resolve_init_from
@@ -104,23 +102,11 @@ def _check_plan(parameters: RunParameters, trains: bool) -> list[str]:
     """Plan the layout with what is known before the data (`plan_before_data`); where the
     run trains here, hold the plan against this host's memory and cores."""
     run = parameters.run
-    size = _tokenizer_size(run.data, run.model.init_from)
+    size = tokenizer_size(run.data, run.model.init_from)
     if size is None:  # a hub tokenizer or model: planned once downloaded
         return []
     plan = plan_before_data(run, size)
     return check_host(plan, run.launch.nproc_per_node) if trains else []
-
-
-def _tokenizer_size(data: DataConfig, init_from: str | None) -> int | None:
-    """The tokenizer's length as the data pipeline will have it: `data.tokenizer`'s, else
-    the `model.init_from` folder's, else at most `data.vocab_size` (trained here); None
-    where that tokenizer is on the hub."""
-    if init_from and not names_a_path(init_from) and not data.tokenizer:
-        return None
-    name = tokenizer_to_load(data.tokenizer, init_from)
-    if name is None:
-        return data.vocab_size
-    return len(load_data_tokenizer(name)) if names_a_path(name) else None
 
 
 def _check_data_inputs(parameters: RunParameters, trains: bool) -> list[str]:

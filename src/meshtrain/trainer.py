@@ -165,7 +165,7 @@ class Trainer:
 
     def _lora_state(self) -> dict[str, Any]:
         """A LoRA run's settings and the identity of the base its adapters belong to."""
-        settings = self.run.model.lora_settings
+        settings = self.run.model.lora
         if settings is None:
             return {}
         base = base_identity(self.run.model.init_from, self.plan.model_config, self.cfg.seed)

@@ -11,7 +11,6 @@ from meshtrain.data.prepare import (
     load_corpus_or_examples,
     make_tokenizer,
     pack_into_blocks,
-    reads_text_corpus,
 )
 
 
@@ -27,7 +26,7 @@ from meshtrain.data.prepare import (
     ],
 )
 def test_the_config_alone_says_whether_a_text_corpus_is_read(values: dict, text: bool) -> None:
-    assert reads_text_corpus(DataConfig(**values)) is text
+    assert DataConfig(**values).reads_text_corpus is text
 
 
 def test_a_corpus_streams_and_examples_pack_whole() -> None:

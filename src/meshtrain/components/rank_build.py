@@ -84,7 +84,7 @@ def build_rank(
         training,
         device.type,
         tensor_parallel=dims.tp > 1,
-        lora=run.model.lora_settings,
+        lora=run.model.lora,
         sharded=plan.layout.sharded,
     )
     if seed_dropout:

@@ -12,18 +12,11 @@ from typing import Any
 
 import datasets
 
+from meshtrain.config import LOSS_ON_BY_FORMAT
 from meshtrain.config_parsing import ConfigError
 from meshtrain.data.bfd import PackingReport, pack_examples
 from meshtrain.data.chat_tokens import tokenize_examples
 from meshtrain.data.packing import split_documents
-
-# What `data.loss_on: auto` trains for each format (TRL's completion_only_loss for
-# prompt/completion, assistant_only_loss for conversations).
-LOSS_ON_BY_FORMAT = {
-    "text": "all",
-    "prompt_completion": "completion",
-    "conversational": "assistant",
-}
 
 
 def resolve_loss_on(loss_on: str, fmt: str) -> str:

@@ -22,23 +22,12 @@ from meshtrain.data.pretrained_tokenizer import check_tokenizer_fits
 from meshtrain.data.tokenizer import read_tokenizer, tokenizer_source, train_tokenizer
 from meshtrain.models.builder import resolve_init_from
 
-CORPUS_SOURCES = ("builtin", "text_files")
-"""Text corpora read by `data/corpus.py`; every other source holds examples in TRL's
-formats (`data/example_sources.py`), and the Hub holds either (`data.format`)."""
-
-
-def reads_text_corpus(data: DataConfig) -> bool:
-    """Whether `data.*` names a text corpus (`data/corpus.py`), before anything is read;
-    examples (any other source, or the Hub with data.format other than text) may still
-    turn out to be text once their columns are seen."""
-    return data.source in CORPUS_SOURCES or (data.source == "hub" and data.format == "text")
-
 
 def load_corpus_or_examples(data: DataConfig, raw_examples: Any = None) -> datasets.Dataset:
     """One document or example per row, in TRL's columns (text, prompt/completion,
     messages); rows with nothing to learn are counted and left out. `raw_examples`: the
     Kedro catalog's dataset, read for `data.source=catalog`."""
-    if reads_text_corpus(data):
+    if data.reads_text_corpus:
         return load_corpus(
             data.source,
             text_files=data.text_files,

@@ -193,7 +193,7 @@ def check_lora_targets(model: ModelConfig) -> None:
         resolve_init_from,
     )
 
-    settings = model.lora_settings
+    settings = model.lora
     if settings is None:
         return
     check_pretrained_base(settings, model.init_from)

@@ -143,7 +143,7 @@ def resolve_layout(
         **fields,
         activation_checkpointing=c.activation_checkpointing,
         activation_offloading=run.parallel.activation_offloading,
-        lora_rank=lora.r if (lora := run.model.lora_settings) else 0,
+        lora_rank=lora.r if (lora := run.model.lora) else 0,
         loss_chunk_tokens=c.loss_chunk_tokens,
     )
     return layout, context.backend, notes
@@ -153,7 +153,7 @@ def _step_shape(run: RunConfig, c: Candidate, layout: Layout, context: PlanConte
     """What one rank runs per step under `layout`, as the memory and time models read it
     (with LoRA's frozen base and adapters)."""
     step = _layout_step_shape(run, c, layout, context)
-    lora = run.model.lora_settings
+    lora = run.model.lora
     if lora is None:
         return step
     adapter_bytes, unsaved = lora_activation_terms(

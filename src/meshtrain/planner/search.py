@@ -157,7 +157,7 @@ def adapter_shapes(run: RunConfig, model_config: PretrainedConfig) -> dict[str, 
     """The LoRA adapters' shapes, from the config and the LoRA settings as the converter
     makes them (refusing a target the model does not have, before any worker starts);
     empty without LoRA."""
-    settings = run.model.lora_settings
+    settings = run.model.lora
     if settings is None:
         return {}
     check_pretrained_base(settings, run.model.init_from)
