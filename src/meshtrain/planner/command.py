@@ -16,8 +16,7 @@ import json
 from pathlib import Path
 
 from meshtrain.config import AUTO, ConfigError, RunConfig
-from meshtrain.planner.axes.context import context_line
-from meshtrain.planner.axes.sharding import sharding_line
+from meshtrain.planner.axes import DESCRIBE
 from meshtrain.planner.devices import BUILTIN_PROFILES, GIB
 from meshtrain.planner.search import plan_run
 from meshtrain.planner.types import LayoutError, Plan
@@ -140,10 +139,7 @@ def describe(plan: Plan, args: argparse.Namespace) -> str:
             f"  MFU {mfu:.2f} at that rate, of {plan.world_size} x {plan.peak_tflops_per_rank:g} "
             f"TFLOP/s ({plan.device}'s published peak; a run logs what it reaches as `mfu`)"
         )
-    if plan.layout.sharded:
-        lines.append(sharding_line(plan))
-    if plan.layout.context_parallel_size > 1:
-        lines.append(context_line(plan, args.seq_len))
+    lines += [line for axis in DESCRIBE if (line := axis.describe(plan, args.seq_len))]
     if plan.candidates:
         lines.append("other layouts:")
         lines.append(f"  {'layout':44} {'GiB/rank':>9} {'tokens/s':>12}  why not")

@@ -9,6 +9,9 @@ from meshtrain.planner.axes.base import Axis, AxisChecks
 
 AXES: tuple[Axis, ...] = (tensor.AXIS, pipeline.AXIS, context.AXIS, data.AXIS)
 
+# The order of the axes' lines in `python -m meshtrain plan`'s description.
+DESCRIBE: tuple[Axis, ...] = (tensor.AXIS, pipeline.AXIS, data.AXIS, context.AXIS)
+
 # The search's preference among layouts as fast, in order (each degree is paid only where
 # it buys something): how to read the degree from a layout, the words, the short name.
 TIE_BREAK = (
@@ -18,4 +21,4 @@ TIE_BREAK = (
     (sharding.sharding_degree, "less sharding (paid only when it buys memory)", "sdp"),
 )
 
-__all__ = ["AXES", "TIE_BREAK", "Axis", "AxisChecks"]
+__all__ = ["AXES", "DESCRIBE", "TIE_BREAK", "Axis", "AxisChecks"]
