@@ -16,6 +16,8 @@ from transformers import PretrainedConfig
 
 from meshtrain.config import AUTO, Layout, RunConfig
 from meshtrain.planner.candidate import Candidate
+from meshtrain.planner.devices import DeviceProfile
+from meshtrain.planner.shapes import AxisTime, ModelShape, StepShape, StepTiming
 from meshtrain.planner.types import Plan, Refusal
 
 
@@ -56,6 +58,18 @@ class Axis(Protocol):
         """Its line in the plan's description (None: nothing to say for this layout)."""
         ...
 
+    def time_terms(
+        self,
+        m: ModelShape,
+        step: StepShape,
+        device: DeviceProfile,
+        timing: StepTiming,
+        earlier: dict[str, float],
+    ) -> AxisTime:
+        """Its seconds in one step (`earlier`: the parts of the axes before it in `AXES`,
+        per step; pipeline parallelism's bubble scales the busiest rank's microbatch)."""
+        ...
+
 
 class AxisBase:
     """What the axes share: the degree read from a layout by the parameter's name, and
@@ -78,3 +92,13 @@ class AxisBase:
 
     def describe(self, plan: Plan, seq_len: int) -> str | None:
         return None
+
+    def time_terms(
+        self,
+        m: ModelShape,
+        step: StepShape,
+        device: DeviceProfile,
+        timing: StepTiming,
+        earlier: dict[str, float],
+    ) -> AxisTime:
+        return AxisTime({})

@@ -12,7 +12,7 @@ from meshtrain.planner.axes.base import AxisBase, AxisChecks
 from meshtrain.planner.candidate import Candidate
 from meshtrain.planner.collectives import link, ring
 from meshtrain.planner.devices import DeviceProfile
-from meshtrain.planner.shapes import ModelShape, StepShape
+from meshtrain.planner.shapes import AxisTime, ModelShape, StepShape, StepTiming
 from meshtrain.planner.types import Refusal, divisors, format_values
 
 # The parameter (and `config.Layout` field) this axis owns; other modules name it here.
@@ -125,6 +125,23 @@ class TensorAxis(AxisBase):
             options=check_sequence_parallel(c, run.data.block_size),
             layout={"tensor_parallel_size": c.tp, "sequence_parallel": c.sp},
         )
+
+    def time_terms(
+        self,
+        m: ModelShape,
+        step: StepShape,
+        device: DeviceProfile,
+        timing: StepTiming,
+        earlier: dict[str, float],
+    ) -> AxisTime:
+        seconds = tensor_parallel_time(
+            m,
+            step,
+            device,
+            activation_bytes=timing.activation_bytes,
+            microbatches=timing.microbatches,
+        )
+        return AxisTime({"tensor_parallel_s": seconds})
 
 
 AXIS = TensorAxis()
