@@ -304,6 +304,18 @@ class StepTiming:
 
 
 @dataclass(frozen=True)
+class MemoryTerms:
+    """One axis's extra bytes in a rank's activations, named, by how often they are held:
+    per decoder layer and microbatch (`layer`, saved with the layer's activations), once
+    per microbatch in flight (`microbatch`, shared by the layers), and transiently inside
+    one layer's backward (`backward`, part of its working set)."""
+
+    layer: dict[str, float] = field(default_factory=dict)
+    microbatch: dict[str, int] = field(default_factory=dict)
+    backward: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class AxisTime:
     """One axis's seconds in a step: its parts, which the step adds up (plan.json writes a
     part before `optimizer_s` unless the axis's `report` holds it), and its breakdown,

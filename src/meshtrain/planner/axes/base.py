@@ -17,7 +17,7 @@ from transformers import PretrainedConfig
 from meshtrain.config import AUTO, Layout, RunConfig
 from meshtrain.planner.candidate import Candidate
 from meshtrain.planner.devices import DeviceProfile
-from meshtrain.planner.shapes import AxisTime, ModelShape, StepShape, StepTiming
+from meshtrain.planner.shapes import AxisTime, MemoryTerms, ModelShape, StepShape, StepTiming
 from meshtrain.planner.types import Plan, Refusal
 
 
@@ -58,6 +58,10 @@ class Axis(Protocol):
         """Its line in the plan's description (None: nothing to say for this layout)."""
         ...
 
+    def memory_terms(self, m: ModelShape, step: StepShape) -> MemoryTerms:
+        """The bytes it adds to a rank's activations (named, by how often they are held)."""
+        ...
+
     def time_terms(
         self,
         m: ModelShape,
@@ -92,6 +96,9 @@ class AxisBase:
 
     def describe(self, plan: Plan, seq_len: int) -> str | None:
         return None
+
+    def memory_terms(self, m: ModelShape, step: StepShape) -> MemoryTerms:
+        return MemoryTerms()
 
     def time_terms(
         self,

@@ -41,6 +41,7 @@ from meshtrain.planner.shapes import (
     BYTES_FP32,
     AxisTime,
     ContextTime,
+    MemoryTerms,
     ModelShape,
     StepShape,
     StepTiming,
@@ -318,6 +319,13 @@ class ContextAxis(AxisBase):
 
     def describe(self, plan: Plan, seq_len: int) -> str | None:
         return context_line(plan, seq_len) if plan.layout.context_parallel_size > 1 else None
+
+    def memory_terms(self, m: ModelShape, step: StepShape) -> MemoryTerms:
+        return MemoryTerms(
+            layer={"context_kv": extra_kv_bytes(m, step)},
+            microbatch={"context_mask": mask_bytes(step)},
+            backward={"context_kv_gradient": kv_gradient_bytes(m, step)},
+        )
 
     def time_terms(
         self,

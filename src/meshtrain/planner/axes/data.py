@@ -27,6 +27,7 @@ from meshtrain.planner.axes.tensor import tensor_parallel_degrees
 from meshtrain.planner.candidate import Candidate
 from meshtrain.planner.collectives import link, ring
 from meshtrain.planner.devices import DeviceProfile
+from meshtrain.planner.layer_memory import layer_matmul_elements
 from meshtrain.planner.parameters import local_parameter_count
 from meshtrain.planner.shapes import (
     BYTES_BF16,
@@ -35,6 +36,7 @@ from meshtrain.planner.shapes import (
     AxisTime,
     GatherUnits,
     MemoryEstimate,
+    MemoryTerms,
     ModelShape,
     StepShape,
     StepTiming,
@@ -228,6 +230,14 @@ class DataAxis(AxisBase):
 
     def describe(self, plan: Plan, seq_len: int) -> str | None:
         return sharding_line(plan) if plan.layout.sharded else None
+
+    def memory_terms(self, m: ModelShape, step: StepShape) -> MemoryTerms:
+        if step.sharded == 1 or step.pp > 1:
+            return MemoryTerms()
+        # Inside a layer's backward FSDP2 holds two layers' all-gather buffers (the one
+        # running and the one prefetched) beside their gathered parameters (dry runs).
+        buffers = 2 * layer_matmul_elements(m, step.tp) * step.parameter_bytes
+        return MemoryTerms(backward={"sharding_gather_buffers": buffers})
 
     def time_terms(
         self,
