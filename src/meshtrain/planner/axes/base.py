@@ -2,9 +2,28 @@
 
 An axis (`planner.axes.data`, `.tensor`, `.pipeline`, `.context`; expert parallelism
 next) owns its degree: the options it offers the search, its checks and refusals on a
-`Candidate`, the layout fields it resolves, and its line in `python -m meshtrain plan`'s
-description. Its memory and time terms are functions of the same module, which
-`planner.memory` and `planner.cost` add up. The registry is `planner.axes.AXES`.
+`Candidate`, the layout fields it resolves, its line in `python -m meshtrain plan`'s
+description (`describe`, in `axes.DESCRIBE`'s order), the bytes it adds to a rank's
+activations (`memory_terms`, which `planner.memory` adds up over `AXES`) and its seconds
+in a step (`time_terms`, which `planner.cost` adds up over `AXES`; `TimeEstimate` keeps
+them by name, so plan.json gains the axis's keys without a field anywhere). What composes
+several axes stays where it composes them: activations x microbatches in flight
+(`planner.memory`), each pipeline rank's stages, the model states of dp/ZeRO-1/FSDP2.
+
+How an expert axis (ep, issue 47) plugs in: a module `axes/expert.py` with an
+`ExpertAxis(AxisBase)` (`parameter = "expert_parallel_size"`, `degrees`, `check`: ep
+divides the experts and the world, the layout field it resolves) and `AXIS`, and its
+line in `axes/__init__.py`'s `AXES` (before `pipeline.AXIS`, so that its all-to-alls,
+which run inside each microbatch, count in the busiest rank's microbatch the bubble
+scales; and in `DESCRIBE`, `TIE_BREAK` if it has a line or a preference). Its terms:
+`memory_terms` -> `MemoryTerms(layer={"expert_dispatch": ...})` (the all-to-all
+dispatch and combine buffers each MoE layer keeps per microbatch); `time_terms` ->
+`AxisTime({"expert_parallel_s": ...})` (two all-to-alls each way per MoE layer per
+microbatch, `timing.microbatches`), or with a breakdown in `report`. Still outside the
+protocol: the expert states divided by ep (`planner.parameters` splits each parameter
+by tp only; ep would divide the expert weights there), the `Candidate` and `StepShape`
+fields (`ep`), `planner.options` reading `parallel.expert_parallel_size`, and
+`ModelShape`'s expert counts (`num_experts`, experts per token).
 """
 
 from __future__ import annotations
