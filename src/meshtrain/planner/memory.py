@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from meshtrain.planner.axes import AXES
+from meshtrain.planner.axes import AXES, local_share
 from meshtrain.planner.axes.context import context_breakdown
 from meshtrain.planner.axes.data import lora_model_states, replicated_model_states
 from meshtrain.planner.axes.pipeline import in_flight_microbatches, last_stage_in_flight
@@ -67,10 +67,11 @@ def estimate_memory(
 ) -> MemoryEstimate:
     """Peak bytes of live tensors on the most loaded rank, with its breakdown
     (`adapter_shapes`: a LoRA run's adapters, the only parameters it trains)."""
-    counts, layer = local_counts(shapes, m, step)
+    share = local_share(m, step)
+    counts, layer = local_counts(shapes, m, step, share)
     stages = len(step.stage_layers)
     adapters, adapter_layer = (
-        local_counts(adapter_shapes, m, step) if adapter_shapes else ([0] * stages, 0)
+        local_counts(adapter_shapes, m, step, share) if adapter_shapes else ([0] * stages, 0)
     )
     # Rank r holds stages r, r + pp, ... (interleaved) or just stage r.
     per_rank: list[MemoryEstimate] = []

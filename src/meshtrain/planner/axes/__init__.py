@@ -4,8 +4,12 @@
 reported); a new axis is a module with an `AXIS` and one line here.
 """
 
+import math
+
 from meshtrain.planner.axes import context, data, pipeline, sharding, tensor
 from meshtrain.planner.axes.base import Axis, AxisChecks
+from meshtrain.planner.parameters import Share
+from meshtrain.planner.shapes import ModelShape, StepShape
 
 AXES: tuple[Axis, ...] = (tensor.AXIS, pipeline.AXIS, context.AXIS, data.AXIS)
 
@@ -21,4 +25,17 @@ TIE_BREAK = (
     (sharding.sharding_degree, "less sharding (paid only when it buys memory)", "sdp"),
 )
 
-__all__ = ["AXES", "DESCRIBE", "TIE_BREAK", "Axis", "AxisChecks"]
+
+def local_share(m: ModelShape, step: StepShape) -> Share:
+    """A parameter's elements on one rank: each axis keeps its share of what is left."""
+
+    def share(name: str, shape: tuple[int, ...]) -> int:
+        numel = math.prod(shape)
+        for axis in AXES:
+            numel = axis.local_numel(name, numel, m, step)
+        return numel
+
+    return share
+
+
+__all__ = ["AXES", "DESCRIBE", "TIE_BREAK", "Axis", "AxisChecks", "local_share"]

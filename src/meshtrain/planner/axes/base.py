@@ -19,9 +19,9 @@ scales; and in `DESCRIBE`, `TIE_BREAK` if it has a line or a preference). Its te
 `memory_terms` -> `MemoryTerms(layer={"expert_dispatch": ...})` (the all-to-all
 dispatch and combine buffers each MoE layer keeps per microbatch); `time_terms` ->
 `AxisTime({"expert_parallel_s": ...})` (two all-to-alls each way per MoE layer per
-microbatch, `timing.microbatches`), or with a breakdown in `report`. Still outside the
-protocol: the expert states divided by ep (`planner.parameters` splits each parameter
-by tp only; ep would divide the expert weights there), the `Candidate` and `StepShape`
+microbatch, `timing.microbatches`), or with a breakdown in `report`. `local_numel`: the expert
+weights' elements / ep (the states follow: gradients, moments, ZeRO-1 and FSDP2 shard
+what is local). Still outside the protocol: the `Candidate` and `StepShape`
 fields (`ep`), `planner.options` reading `parallel.expert_parallel_size`, and
 `ModelShape`'s expert counts (`num_experts`, experts per token).
 """
@@ -77,6 +77,10 @@ class Axis(Protocol):
         """Its line in the plan's description (None: nothing to say for this layout)."""
         ...
 
+    def local_numel(self, name: str, numel: int, m: ModelShape, step: StepShape) -> int:
+        """Of `numel` elements of parameter `name`, those a rank of this axis keeps."""
+        ...
+
     def memory_terms(self, m: ModelShape, step: StepShape) -> MemoryTerms:
         """The bytes it adds to a rank's activations (named, by how often they are held)."""
         ...
@@ -115,6 +119,9 @@ class AxisBase:
 
     def describe(self, plan: Plan, seq_len: int) -> str | None:
         return None
+
+    def local_numel(self, name: str, numel: int, m: ModelShape, step: StepShape) -> int:
+        return numel
 
     def memory_terms(self, m: ModelShape, step: StepShape) -> MemoryTerms:
         return MemoryTerms()

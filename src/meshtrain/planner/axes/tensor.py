@@ -7,11 +7,13 @@ from __future__ import annotations
 from transformers import PretrainedConfig
 
 from meshtrain.config import RunConfig
+from meshtrain.distributed.kv_heads import kv_replication_factor
 from meshtrain.planner.axes import context
 from meshtrain.planner.axes.base import AxisBase, AxisChecks
 from meshtrain.planner.candidate import Candidate
 from meshtrain.planner.collectives import link, ring
 from meshtrain.planner.devices import DeviceProfile
+from meshtrain.planner.parameters import tensor_parallel_numel
 from meshtrain.planner.shapes import AxisTime, ModelShape, StepShape, StepTiming
 from meshtrain.planner.types import Refusal, divisors, format_values
 
@@ -124,6 +126,11 @@ class TensorAxis(AxisBase):
             degree=check_tensor_parallel(c.tp, run.launch.world_size, model_config),
             options=check_sequence_parallel(c, run.data.block_size),
             layout={"tensor_parallel_size": c.tp, "sequence_parallel": c.sp},
+        )
+
+    def local_numel(self, name: str, numel: int, m: ModelShape, step: StepShape) -> int:
+        return tensor_parallel_numel(
+            name, numel, step.tp, kv_replication_factor(m.kv_heads, step.tp)
         )
 
     def time_terms(
