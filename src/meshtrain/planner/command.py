@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 
 from meshtrain.config import AUTO, ConfigError, RunConfig
-from meshtrain.planner.axes import DESCRIBE
+from meshtrain.planner.axes import DESCRIBE, STEP_LINE
 from meshtrain.planner.devices import BUILTIN_PROFILES, GIB
 from meshtrain.planner.search import plan_run
 from meshtrain.planner.types import LayoutError, Plan
@@ -163,14 +163,7 @@ def _note(plan: Plan, part: str) -> str:
     return f"  (in chunks of {chunk:,} tokens)" if chunk else "  (over the whole logits)"
 
 
-TIME_PARTS = (
-    "compute_s",
-    "tensor_parallel_s",
-    "context_parallel_s",
-    "pipeline_s",
-    "data_parallel_s",
-    "optimizer_s",
-)
+TIME_PARTS = ("compute_s", *(part for axis in STEP_LINE for part in axis.time_parts), "optimizer_s")
 
 
 def _precision_bytes(plan: Plan, precision: str) -> str:

@@ -16,6 +16,10 @@ AXES: tuple[Axis, ...] = (tensor.AXIS, pipeline.AXIS, context.AXIS, data.AXIS)
 # The order of the axes' lines in `python -m meshtrain plan`'s description.
 DESCRIBE: tuple[Axis, ...] = (tensor.AXIS, pipeline.AXIS, data.AXIS, context.AXIS)
 
+# The order of the axes' seconds in the description's step line (between compute and
+# the optimizer).
+STEP_LINE: tuple[Axis, ...] = (tensor.AXIS, context.AXIS, pipeline.AXIS, data.AXIS)
+
 # The search's preference among layouts as fast, in order (each degree is paid only where
 # it buys something): how to read the degree from a layout, the words, the short name.
 TIE_BREAK = (
@@ -38,4 +42,4 @@ def local_share(m: ModelShape, step: StepShape) -> Share:
     return share
 
 
-__all__ = ["AXES", "DESCRIBE", "TIE_BREAK", "Axis", "AxisChecks", "local_share"]
+__all__ = ["AXES", "DESCRIBE", "STEP_LINE", "TIE_BREAK", "Axis", "AxisChecks", "local_share"]

@@ -15,15 +15,17 @@ How an expert axis (ep, issue 47) plugs in: a module `axes/expert.py` with an
 divides the experts and the world, the layout field it resolves) and `AXIS`, and its
 line in `axes/__init__.py`'s `AXES` (before `pipeline.AXIS`, so that its all-to-alls,
 which run inside each microbatch, count in the busiest rank's microbatch the bubble
-scales; and in `DESCRIBE`, `TIE_BREAK` if it has a line or a preference). Its terms:
+scales; and in `DESCRIBE`, `STEP_LINE`, `TIE_BREAK` for its description line, its
+seconds in the step line (`time_parts`) and a preference among fast layouts). Its terms:
 `memory_terms` -> `MemoryTerms(layer={"expert_dispatch": ...})` (the all-to-all
 dispatch and combine buffers each MoE layer keeps per microbatch); `time_terms` ->
 `AxisTime({"expert_parallel_s": ...})` (two all-to-alls each way per MoE layer per
-microbatch, `timing.microbatches`), or with a breakdown in `report`. `local_numel`: the expert
-weights' elements / ep (the states follow: gradients, moments, ZeRO-1 and FSDP2 shard
-what is local). Still outside the protocol: the `Candidate` and `StepShape`
-fields (`ep`), `planner.options` reading `parallel.expert_parallel_size`, and
-`ModelShape`'s expert counts (`num_experts`, experts per token).
+microbatch, `timing.microbatches`), a breakdown in its `report` if wanted; `local_numel`:
+the expert weights' elements / ep (gradients, moments, ZeRO-1 and FSDP2 follow what is
+local). Still outside the protocol: the `ep` field of `Candidate` and `StepShape` (and
+`layout._step_shape` passing it), `planner.options` reading and resolving
+`parallel.expert_parallel_size`, `ModelShape`'s expert counts, and an MoE layer's
+compute and activations (`planner.flops`, `planner.layer_memory`).
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ class Axis(Protocol):
 
     name: str  # "data", "tensor", ...
     short: str  # its degree's name in layout names and words: "dp", "tp", ...
+    time_parts: tuple[str, ...]  # its `time_terms` seconds the description's step line shows
 
     def degree(self, layout: Layout) -> int:
         """Its degree in a resolved layout."""
@@ -104,6 +107,7 @@ class AxisBase:
 
     name: str
     short: str
+    time_parts: tuple[str, ...] = ()
     parameter: str  # the `parallel.*` parameter and `config.Layout` field of its degree
 
     def degree(self, layout: Layout) -> int:

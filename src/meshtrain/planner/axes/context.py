@@ -303,6 +303,7 @@ class ContextAxis(AxisBase):
 
     name = "context"
     short = "cp"
+    time_parts = ("context_parallel_s",)
     parameter = PARAMETER
 
     def degrees(self, run: RunConfig, model_config: PretrainedConfig) -> list[int]:

@@ -207,6 +207,7 @@ class DataAxis(AxisBase):
 
     name = "data"
     short = "dp"
+    time_parts = ("data_parallel_s",)
     parameter = PARAMETER
 
     def degrees(self, run: RunConfig, model_config: PretrainedConfig) -> list[int]:

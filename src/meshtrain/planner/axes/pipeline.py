@@ -267,6 +267,7 @@ class PipelineAxis(AxisBase):
 
     name = "pipeline"
     short = "pp"
+    time_parts = ("pipeline_s",)
     parameter = PARAMETER
 
     def degrees(self, run: RunConfig, model_config: PretrainedConfig) -> list[int]:

@@ -116,6 +116,7 @@ class TensorAxis(AxisBase):
 
     name = "tensor"
     short = "tp"
+    time_parts = ("tensor_parallel_s",)
     parameter = PARAMETER
 
     def degrees(self, run: RunConfig, model_config: PretrainedConfig) -> list[int]:
