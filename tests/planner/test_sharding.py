@@ -16,6 +16,7 @@ from meshtrain.config import RunConfig
 from meshtrain.models import build_model_config
 from meshtrain.models.llama.parameter_names import llama_family_shapes
 from meshtrain.planner import LayoutError, Plan, plan_run
+from meshtrain.planner.axes import local_share
 from meshtrain.planner.axes.data import estimate_model_states
 from meshtrain.planner.axes.sharding import sharded_data_parallel_degrees
 from meshtrain.planner.memory import estimate_memory
@@ -102,7 +103,7 @@ def test_bf16_master_shards_the_fp32_master_and_gathers_in_bf16(model_config) ->
         4 * shard,
         8 * shard,
     )
-    units = gather_units(shapes, m, step)
+    units = gather_units(shapes, m, step, local_share(m, step))
     assert estimate.gathered == (units.root + units.layer) * 2  # gathered in bf16
     reduced_bf16 = estimate_memory(shapes, m, _with(step, grad_reduce_bf16=True))
     assert reduced_bf16.gradients == estimate.gradients  # FSDP2 casts back to fp32
@@ -131,7 +132,8 @@ def test_under_pp_the_stage_stays_gathered_so_zero_1_holds_less(model_config) ->
     rank = sharded.memory_estimate_per_rank["peak_pipeline_rank"]
     shapes = llama_family_shapes(model_config)
     step = _step(model_config, sharded=2, dp=2, pp=2, stage_layers=(2, 2))
-    units = gather_units(shapes, ModelShape.from_config(model_config), step)
+    shape = ModelShape.from_config(model_config)
+    units = gather_units(shapes, shape, step, local_share(shape, step))
     local = units.local
     assert rank in (0, 1)
     # The whole stage's parameters and gradients, and one group's reduce-scatter buffer.

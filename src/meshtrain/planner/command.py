@@ -16,8 +16,7 @@ import json
 from pathlib import Path
 
 from meshtrain.config import AUTO, ConfigError, RunConfig
-from meshtrain.planner.axes.context import context_line
-from meshtrain.planner.axes.sharding import sharding_line
+from meshtrain.planner.axes import DESCRIBE, STEP_LINE
 from meshtrain.planner.devices import BUILTIN_PROFILES, GIB
 from meshtrain.planner.search import plan_run
 from meshtrain.planner.types import LayoutError, Plan
@@ -140,10 +139,7 @@ def describe(plan: Plan, args: argparse.Namespace) -> str:
             f"  MFU {mfu:.2f} at that rate, of {plan.world_size} x {plan.peak_tflops_per_rank:g} "
             f"TFLOP/s ({plan.device}'s published peak; a run logs what it reaches as `mfu`)"
         )
-    if plan.layout.sharded:
-        lines.append(sharding_line(plan))
-    if plan.layout.context_parallel_size > 1:
-        lines.append(context_line(plan, args.seq_len))
+    lines += [line for axis in DESCRIBE if (line := axis.describe(plan, args.seq_len))]
     if plan.candidates:
         lines.append("other layouts:")
         lines.append(f"  {'layout':44} {'GiB/rank':>9} {'tokens/s':>12}  why not")
@@ -167,14 +163,7 @@ def _note(plan: Plan, part: str) -> str:
     return f"  (in chunks of {chunk:,} tokens)" if chunk else "  (over the whole logits)"
 
 
-TIME_PARTS = (
-    "compute_s",
-    "tensor_parallel_s",
-    "context_parallel_s",
-    "pipeline_s",
-    "data_parallel_s",
-    "optimizer_s",
-)
+TIME_PARTS = ("compute_s", *(part for axis in STEP_LINE for part in axis.time_parts), "optimizer_s")
 
 
 def _precision_bytes(plan: Plan, precision: str) -> str:

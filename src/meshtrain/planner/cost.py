@@ -60,20 +60,19 @@ Everything else runs one after the other, as meshtrain does.
 
 from __future__ import annotations
 
-from meshtrain.planner.axes.context import estimate_context_time
-from meshtrain.planner.axes.data import replicated_dp_time
-from meshtrain.planner.axes.pipeline import pipeline_time, stage_shares
-from meshtrain.planner.axes.sharding import estimate_sharding_time
-from meshtrain.planner.axes.tensor import tensor_parallel_time
+from meshtrain.planner.axes import AXES
+from meshtrain.planner.axes.pipeline import stage_shares
 from meshtrain.planner.devices import DeviceProfile
 from meshtrain.planner.flops import attention_excess, matmul_width, training_flops_per_token
 from meshtrain.planner.shapes import (
     BYTES_BF16,
     BYTES_FP32,
+    AxisTime,
     GatherUnits,
     MemoryEstimate,
     ModelShape,
     StepShape,
+    StepTiming,
     TimeEstimate,
 )
 
@@ -109,47 +108,26 @@ def estimate_step_time(
     shares = stage_shares(m, step)
     compute = flops * max(shares) / step.tp / (rate * 1e12)  # the busiest pipeline rank
 
-    activation_bytes = tokens_per_microbatch * m.hidden * (BYTES_BF16 if step.bf16 else BYTES_FP32)
-    tensor_parallel = tensor_parallel_time(
-        m, step, device, activation_bytes=activation_bytes, microbatches=microbatches
+    timing = StepTiming(
+        compute_s=compute,
+        microbatches=microbatches,
+        accumulation=accumulation,
+        activation_bytes=tokens_per_microbatch
+        * m.hidden
+        * (BYTES_BF16 if step.bf16 else BYTES_FP32),
+        shares=tuple(shares),
+        memory=memory,
+        overlap_grad_reduce=overlap_grad_reduce,
+        overlap_param_gather=overlap_param_gather,
+        bucket_bytes=bucket_bytes,
+        units=units,
     )
-    pipeline = 0.0
-    if step.pp > 1:
-        pipeline = pipeline_time(
-            m,
-            step,
-            device,
-            activation_bytes=activation_bytes,
-            # The busiest rank's microbatch, its compute and tp collectives.
-            microbatch_s=(compute + tensor_parallel) / microbatches,
-            shares=shares,
-            accumulation=accumulation,
-        )
-
-    data_parallel = 0.0
-    sharding = None
-    if step.sharded > 1:
-        sharding = estimate_sharding_time(
-            step, device, units or GatherUnits(0, 0, 0), compute=compute, accumulation=accumulation
-        )
-        data_parallel = sharding.exposed_s
-    elif step.grad_ranks > 1:
-        data_parallel = replicated_dp_time(
-            step,
-            device,
-            memory,
-            microbatch_compute=compute / microbatches,
-            bucket_bytes=bucket_bytes,
-            overlap_grad_reduce=overlap_grad_reduce,
-            overlap_param_gather=overlap_param_gather,
-        )
+    terms: list[AxisTime] = []
+    for axis in AXES:
+        earlier = {k: v for t in terms for k, v in t.seconds.items()}
+        terms.append(axis.time_terms(m, step, device, timing, earlier))
 
     # AdamW reads parameter, gradient and two moments and writes three: ~28 bytes each.
     owned = memory.optimizer_states / step.optimizer_bytes
     optimizer = owned * 28 / (device.memory_gbps * 1e9)
-    context = (
-        estimate_context_time(m, step, device, microbatches=microbatches) if step.cp > 1 else None
-    )
-    return TimeEstimate(
-        compute, tensor_parallel, pipeline, data_parallel, optimizer, sharding, context
-    )
+    return TimeEstimate(compute, optimizer, tuple(terms))

@@ -15,7 +15,7 @@ from transformers import PretrainedConfig
 
 from meshtrain.config import Layout, RunConfig
 from meshtrain.models.converters import converter_names
-from meshtrain.planner.axes import AXES
+from meshtrain.planner.axes import AXES, local_share
 from meshtrain.planner.candidate import Candidate
 from meshtrain.planner.checks import (
     check_activation_checkpointing,
@@ -79,7 +79,9 @@ def plan_one_layout(run: RunConfig, candidate: Candidate, context: PlanContext) 
         overlap_grad_reduce=train.overlap_grad_reduce,
         overlap_param_gather=train.gathers_under_forward,
         bucket_bytes=train.grad_bucket_mb * 2**20,
-        units=gather_units({**shapes, **adapters}, shape, step) if step.sharded > 1 else None,
+        units=gather_units({**shapes, **adapters}, shape, step, local_share(shape, step))
+        if step.sharded > 1
+        else None,
     )
     if layout.activation_offloading and device.name == "cpu":
         notes.append(

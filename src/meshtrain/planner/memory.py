@@ -36,12 +36,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from meshtrain.planner.axes.context import (
-    context_breakdown,
-    extra_kv_bytes,
-    kv_gradient_bytes,
-    mask_bytes,
-)
+from meshtrain.planner.axes import AXES, local_share
+from meshtrain.planner.axes.context import context_breakdown
 from meshtrain.planner.axes.data import lora_model_states, replicated_model_states
 from meshtrain.planner.axes.pipeline import in_flight_microbatches, last_stage_in_flight
 from meshtrain.planner.axes.sharding import gathered_bytes, sharded_model_states
@@ -71,10 +67,11 @@ def estimate_memory(
 ) -> MemoryEstimate:
     """Peak bytes of live tensors on the most loaded rank, with its breakdown
     (`adapter_shapes`: a LoRA run's adapters, the only parameters it trains)."""
-    counts, layer = local_counts(shapes, m, step)
+    share = local_share(m, step)
+    counts, layer = local_counts(shapes, m, step, share)
     stages = len(step.stage_layers)
     adapters, adapter_layer = (
-        local_counts(adapter_shapes, m, step) if adapter_shapes else ([0] * stages, 0)
+        local_counts(adapter_shapes, m, step, share) if adapter_shapes else ([0] * stages, 0)
     )
     # Rank r holds stages r, r + pp, ... (interleaved) or just stage r.
     per_rank: list[MemoryEstimate] = []
@@ -152,7 +149,10 @@ def _activations_on_rank(
     kept_bytes = (BYTES_FP32 + BYTES_BF16) / 2 if step.master_weights else BYTES_FP32
     if step.master_weights and step.activation_checkpointing == "selective":
         kept_bytes = BYTES_BF16  # only the layer's input is kept
-    layer_bytes = tokens * (kept * kept_bytes + matmul * matmul_bytes) + extra_kv_bytes(m, step)
+    terms = [axis.memory_terms(m, step) for axis in AXES]
+    layer_bytes = tokens * (kept * kept_bytes + matmul * matmul_bytes)
+    for extra in (v for t in terms for v in t.layer.values()):
+        layer_bytes += extra
     if step.activation_checkpointing != "full":
         layer_bytes += tokens * step.adapter_bytes_per_token
     holds_first = 0 in stages
@@ -170,8 +170,12 @@ def _activations_on_rank(
         saved_per_layer = 0  # saved tensors wait in host memory
 
     per_microbatch = saved_per_layer * layers / chunks
-    # Rotary cos/sin for the rank's positions, and packed cp's masks: shared by the layers.
-    per_microbatch += 2 * step.local_seq_len * m.head_dim * stream + mask_bytes(step)
+    # Rotary cos/sin for the rank's positions, and the axes' (packed cp's masks): shared
+    # by the layers.
+    shared = 2 * step.local_seq_len * m.head_dim * stream
+    for extra in (v for t in terms for v in t.microbatch.values()):
+        shared += extra
+    per_microbatch += shared
     if holds_first:
         per_microbatch += tokens * (INT64 + h / shard * stream / chunks)
     if step.pp > 1:
@@ -194,10 +198,6 @@ def _activations_on_rank(
     # gone).
     kept_loss, at_loss = loss_bytes(m, step, tokens) if holds_last else (0, 0)
     in_layer = int(recomputed + backward_working_set(m, step, tokens)) - kept_loss
-    in_layer += kv_gradient_bytes(m, step)
-    if step.sharded > 1 and step.pp == 1:
-        # Inside a layer's backward FSDP2 holds two layers' all-gather buffers (the one
-        # running and the one prefetched) beside their gathered parameters (dry runs).
-        in_layer += 2 * layer_matmul_elements(m, step.tp) * step.parameter_bytes
+    in_layer += sum(v for t in terms for v in t.backward.values())  # cp's K/V gradient, ...
     kept_losses = kept_loss * last_stage_in_flight(step)
     return activations + max(0, in_layer - at_loss), kept_losses + at_loss

@@ -1,11 +1,13 @@
-"""The parameter elements one rank holds: its tensor-parallel share (KV heads replicated
-past their count), per pipeline stage, and what FSDP2 gathers at a time."""
+"""The parameter elements one rank holds, per pipeline stage, and what FSDP2 gathers at a
+time: each parameter's local share is asked of the axes (`axes.local_share`: a `Share`);
+the tensor-parallel split (KV heads replicated past their count) is here for
+`axes.tensor` and the ranking's rough model states."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
-from meshtrain.distributed.kv_heads import kv_replication_factor
 from meshtrain.models.llama.parameter_names import (
     EMBEDDING,
     is_kv_projection,
@@ -13,16 +15,22 @@ from meshtrain.models.llama.parameter_names import (
 )
 from meshtrain.planner.shapes import GatherUnits, ModelShape, StepShape
 
+# A parameter's elements on one rank, from its name and full shape.
+Share = Callable[[str, tuple[int, ...]], int]
+
 
 def local_parameter_count(
     shapes: dict[str, tuple[int, ...]], *, tp: int, kv_replication: int = 1
 ) -> int:
     """Elements of all parameters one tensor-parallel rank holds."""
-    return sum(_local_numel(name, shape, tp, kv_replication) for name, shape in shapes.items())
+    return sum(
+        tensor_parallel_numel(name, math.prod(shape), tp, kv_replication)
+        for name, shape in shapes.items()
+    )
 
 
-def _local_numel(name: str, shape: tuple[int, ...], tp: int, kv_replication: int) -> int:
-    numel = math.prod(shape)
+def tensor_parallel_numel(name: str, numel: int, tp: int, kv_replication: int) -> int:
+    """A parameter's elements on one tp rank (the KV projections replicated first)."""
     if tp > 1 and is_tensor_parallel_sharded(name):
         copies = kv_replication if is_kv_projection(name) else 1
         return math.ceil(numel * copies / tp)
@@ -33,8 +41,7 @@ def stage_parameter_counts(
     shapes: dict[str, tuple[int, ...]],
     stage_layers: tuple[int, ...],
     *,
-    tp: int,
-    kv_replication: int,
+    share: Share,
     tied_embeddings: bool = False,
 ) -> list[int]:
     """Local parameter elements of each pipeline stage (embeddings first, head last).
@@ -44,7 +51,7 @@ def stage_parameter_counts(
     first_layer = [sum(stage_layers[:i]) for i in range(len(stage_layers))]
     counts = [0] * len(stage_layers)
     for name, shape in shapes.items():
-        numel = _local_numel(name, shape, tp, kv_replication)
+        numel = share(name, shape)
         if ".layers." in name:
             layer = int(name.split(".layers.")[1].split(".")[0])
             stage = max(i for i, start in enumerate(first_layer) if start <= layer)
@@ -58,35 +65,26 @@ def stage_parameter_counts(
     return counts
 
 
-def layer_parameter_count(
-    shapes: dict[str, tuple[int, ...]], *, tp: int, kv_replication: int = 1
-) -> int:
+def layer_parameter_count(shapes: dict[str, tuple[int, ...]], *, share: Share) -> int:
     """Local elements of one decoder layer (they are all alike): FSDP2's unit of gathering."""
-    return sum(
-        _local_numel(name, shape, tp, kv_replication)
-        for name, shape in shapes.items()
-        if ".layers.0." in name
-    )
+    return sum(share(name, shape) for name, shape in shapes.items() if ".layers.0." in name)
 
 
 def local_counts(
-    shapes: dict[str, tuple[int, ...]], m: ModelShape, step: StepShape
+    shapes: dict[str, tuple[int, ...]], m: ModelShape, step: StepShape, share: Share
 ) -> tuple[list[int], int]:
-    """Each stage's local parameter count, and one decoder layer's, under step's tp."""
-    kv_replication = kv_replication_factor(m.kv_heads, step.tp)
+    """Each stage's local parameter count, and one decoder layer's (`share`: the axes')."""
     counts = stage_parameter_counts(
-        shapes,
-        step.stage_layers,
-        tp=step.tp,
-        kv_replication=kv_replication,
-        tied_embeddings=m.tied_embeddings,
+        shapes, step.stage_layers, share=share, tied_embeddings=m.tied_embeddings
     )
-    return counts, layer_parameter_count(shapes, tp=step.tp, kv_replication=kv_replication)
+    return counts, layer_parameter_count(shapes, share=share)
 
 
-def gather_units(shapes: dict[str, tuple[int, ...]], m: ModelShape, step: StepShape) -> GatherUnits:
+def gather_units(
+    shapes: dict[str, tuple[int, ...]], m: ModelShape, step: StepShape, share: Share
+) -> GatherUnits:
     """The units of gathering of the pipeline rank holding the most parameters."""
-    counts, layer = local_counts(shapes, m, step)
+    counts, layer = local_counts(shapes, m, step, share)
     stages = len(step.stage_layers)
     ranks = [list(range(rank, stages, step.pp)) for rank in range(step.pp)]
     mine = max(ranks, key=lambda stages_: sum(counts[s] for s in stages_))

@@ -7,7 +7,7 @@ axis (`planner.axes`) and `planner.memory`, which sums them, can both import it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -286,38 +286,79 @@ class ContextTime:
 
 
 @dataclass(frozen=True)
-class TimeEstimate:
+class StepTiming:
+    """What the axes' time terms read beside the step's shape: the step's compute on the
+    busiest pipeline rank, the forwards it runs, its estimate's bytes and the run's
+    overlap settings (`units`: what sharded data parallelism gathers, when it is on)."""
+
     compute_s: float
-    tensor_parallel_s: float
-    pipeline_s: float
-    data_parallel_s: float
+    microbatches: int  # forwards per step per rank
+    accumulation: int
+    activation_bytes: float  # one microbatch's hidden states on this rank
+    shares: tuple[float, ...]  # each pipeline rank's share of the model's compute
+    memory: MemoryEstimate
+    overlap_grad_reduce: bool
+    overlap_param_gather: bool
+    bucket_bytes: float
+    units: GatherUnits | None = None
+
+
+@dataclass(frozen=True)
+class MemoryTerms:
+    """One axis's extra bytes in a rank's activations, named, by how often they are held:
+    per decoder layer and microbatch (`layer`, saved with the layer's activations), once
+    per microbatch in flight (`microbatch`, shared by the layers), and transiently inside
+    one layer's backward (`backward`, part of its working set)."""
+
+    layer: dict[str, float] = field(default_factory=dict)
+    microbatch: dict[str, int] = field(default_factory=dict)
+    backward: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class AxisTime:
+    """One axis's seconds in a step: its parts, which the step adds up (plan.json writes a
+    part before `optimizer_s` unless the axis's `report` holds it), and its breakdown,
+    written after `step_s`."""
+
+    seconds: dict[str, float]
+    report: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class TimeEstimate:
+    """Seconds of one optimizer step: compute, the optimizer, and each axis's parts."""
+
+    compute_s: float
     optimizer_s: float
-    sharding: ShardingTime | None = None  # its exposed part is in data_parallel_s
-    context: ContextTime | None = None  # cp > 1: the K/V exchange, all of it exposed
+    axes: tuple[AxisTime, ...] = ()
 
     @property
-    def context_parallel_s(self) -> float:
-        return self.context.total_s if self.context else 0.0
+    def parts(self) -> dict[str, float]:
+        """Every axis's seconds by name, in the registry's order."""
+        return {k: v for a in self.axes for k, v in a.seconds.items()}
 
     @property
     def step_s(self) -> float:
-        return (
-            self.compute_s
-            + self.tensor_parallel_s
-            + self.pipeline_s
-            + self.data_parallel_s
-            + self.optimizer_s
-            + self.context_parallel_s
-        )
+        """The parts added one by one in the order plan.json writes them."""
+        total = 0.0
+        for seconds in self.to_dict(with_step=False).values():
+            total += seconds  # not sum(): it compensates, and the order is the estimate's
+        return total
 
-    def to_dict(self) -> dict[str, float]:
-        values = {
+    def to_dict(self, *, with_step: bool = True) -> dict[str, float]:
+        """plan.json's `time_estimate` (`with_step=False`: only the parts, which `step_s`
+        adds: the reports' other entries are breakdowns, not parts)."""
+        parts = self.parts
+        reported = {k: v for a in self.axes for k, v in a.report.items()}
+        headline = {k: v for k, v in parts.items() if k not in reported}
+        if not with_step:
+            late = {k: v for k, v in reported.items() if k in parts}
+            return {"compute_s": self.compute_s, **headline, "optimizer_s": self.optimizer_s} | late
+        return {
             "compute_s": self.compute_s,
-            "tensor_parallel_s": self.tensor_parallel_s,
-            "pipeline_s": self.pipeline_s,
-            "data_parallel_s": self.data_parallel_s,
+            **headline,
             "optimizer_s": self.optimizer_s,
             "step_s": self.step_s,
+            **reported,
         }
-        values |= self.context.to_dict() if self.context else {}
-        return values | (self.sharding.to_dict() if self.sharding else {})

@@ -2,9 +2,30 @@
 
 An axis (`planner.axes.data`, `.tensor`, `.pipeline`, `.context`; expert parallelism
 next) owns its degree: the options it offers the search, its checks and refusals on a
-`Candidate`, the layout fields it resolves, and its line in `python -m meshtrain plan`'s
-description. Its memory and time terms are functions of the same module, which
-`planner.memory` and `planner.cost` add up. The registry is `planner.axes.AXES`.
+`Candidate`, the layout fields it resolves, its line in `python -m meshtrain plan`'s
+description (`describe`, in `axes.DESCRIBE`'s order), the bytes it adds to a rank's
+activations (`memory_terms`, which `planner.memory` adds up over `AXES`) and its seconds
+in a step (`time_terms`, which `planner.cost` adds up over `AXES`; `TimeEstimate` keeps
+them by name, so plan.json gains the axis's keys without a field anywhere). What composes
+several axes stays where it composes them: activations x microbatches in flight
+(`planner.memory`), each pipeline rank's stages, the model states of dp/ZeRO-1/FSDP2.
+
+How an expert axis (ep, issue 47) plugs in: a module `axes/expert.py` with an
+`ExpertAxis(AxisBase)` (`parameter = "expert_parallel_size"`, `degrees`, `check`: ep
+divides the experts and the world, the layout field it resolves) and `AXIS`, and its
+line in `axes/__init__.py`'s `AXES` (before `pipeline.AXIS`, so that its all-to-alls,
+which run inside each microbatch, count in the busiest rank's microbatch the bubble
+scales; and in `DESCRIBE`, `STEP_LINE`, `TIE_BREAK` for its description line, its
+seconds in the step line (`time_parts`) and a preference among fast layouts). Its terms:
+`memory_terms` -> `MemoryTerms(layer={"expert_dispatch": ...})` (the all-to-all
+dispatch and combine buffers each MoE layer keeps per microbatch); `time_terms` ->
+`AxisTime({"expert_parallel_s": ...})` (two all-to-alls each way per MoE layer per
+microbatch, `timing.microbatches`), a breakdown in its `report` if wanted; `local_numel`:
+the expert weights' elements / ep (gradients, moments, ZeRO-1 and FSDP2 follow what is
+local). Still outside the protocol: the `ep` field of `Candidate` and `StepShape` (and
+`layout._step_shape` passing it), `planner.options` reading and resolving
+`parallel.expert_parallel_size`, `ModelShape`'s expert counts, and an MoE layer's
+compute and activations (`planner.flops`, `planner.layer_memory`).
 """
 
 from __future__ import annotations
@@ -16,6 +37,8 @@ from transformers import PretrainedConfig
 
 from meshtrain.config import AUTO, Layout, RunConfig
 from meshtrain.planner.candidate import Candidate
+from meshtrain.planner.devices import DeviceProfile
+from meshtrain.planner.shapes import AxisTime, MemoryTerms, ModelShape, StepShape, StepTiming
 from meshtrain.planner.types import Plan, Refusal
 
 
@@ -38,6 +61,7 @@ class Axis(Protocol):
 
     name: str  # "data", "tensor", ...
     short: str  # its degree's name in layout names and words: "dp", "tp", ...
+    time_parts: tuple[str, ...]  # its `time_terms` seconds the description's step line shows
 
     def degree(self, layout: Layout) -> int:
         """Its degree in a resolved layout."""
@@ -56,6 +80,26 @@ class Axis(Protocol):
         """Its line in the plan's description (None: nothing to say for this layout)."""
         ...
 
+    def local_numel(self, name: str, numel: int, m: ModelShape, step: StepShape) -> int:
+        """Of `numel` elements of parameter `name`, those a rank of this axis keeps."""
+        ...
+
+    def memory_terms(self, m: ModelShape, step: StepShape) -> MemoryTerms:
+        """The bytes it adds to a rank's activations (named, by how often they are held)."""
+        ...
+
+    def time_terms(
+        self,
+        m: ModelShape,
+        step: StepShape,
+        device: DeviceProfile,
+        timing: StepTiming,
+        earlier: dict[str, float],
+    ) -> AxisTime:
+        """Its seconds in one step (`earlier`: the parts of the axes before it in `AXES`,
+        per step; pipeline parallelism's bubble scales the busiest rank's microbatch)."""
+        ...
+
 
 class AxisBase:
     """What the axes share: the degree read from a layout by the parameter's name, and
@@ -63,6 +107,7 @@ class AxisBase:
 
     name: str
     short: str
+    time_parts: tuple[str, ...] = ()
     parameter: str  # the `parallel.*` parameter and `config.Layout` field of its degree
 
     def degree(self, layout: Layout) -> int:
@@ -78,3 +123,19 @@ class AxisBase:
 
     def describe(self, plan: Plan, seq_len: int) -> str | None:
         return None
+
+    def local_numel(self, name: str, numel: int, m: ModelShape, step: StepShape) -> int:
+        return numel
+
+    def memory_terms(self, m: ModelShape, step: StepShape) -> MemoryTerms:
+        return MemoryTerms()
+
+    def time_terms(
+        self,
+        m: ModelShape,
+        step: StepShape,
+        device: DeviceProfile,
+        timing: StepTiming,
+        earlier: dict[str, float],
+    ) -> AxisTime:
+        return AxisTime({})

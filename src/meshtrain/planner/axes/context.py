@@ -36,7 +36,16 @@ from meshtrain.planner.devices import GIB, DeviceProfile
 from meshtrain.planner.flops import attention_excess, layer_forward_flops
 from meshtrain.planner.layer_memory import local_kv_heads
 from meshtrain.planner.ranking import peak, speed, versus
-from meshtrain.planner.shapes import BYTES_BF16, BYTES_FP32, ContextTime, ModelShape, StepShape
+from meshtrain.planner.shapes import (
+    BYTES_BF16,
+    BYTES_FP32,
+    AxisTime,
+    ContextTime,
+    MemoryTerms,
+    ModelShape,
+    StepShape,
+    StepTiming,
+)
 from meshtrain.planner.types import Plan, Refusal, divisors, format_values
 
 # The parameter (and `config.Layout` field) this axis owns; other modules name it here.
@@ -294,6 +303,7 @@ class ContextAxis(AxisBase):
 
     name = "context"
     short = "cp"
+    time_parts = ("context_parallel_s",)
     parameter = PARAMETER
 
     def degrees(self, run: RunConfig, model_config: PretrainedConfig) -> list[int]:
@@ -310,6 +320,26 @@ class ContextAxis(AxisBase):
 
     def describe(self, plan: Plan, seq_len: int) -> str | None:
         return context_line(plan, seq_len) if plan.layout.context_parallel_size > 1 else None
+
+    def memory_terms(self, m: ModelShape, step: StepShape) -> MemoryTerms:
+        return MemoryTerms(
+            layer={"context_kv": extra_kv_bytes(m, step)},
+            microbatch={"context_mask": mask_bytes(step)},
+            backward={"context_kv_gradient": kv_gradient_bytes(m, step)},
+        )
+
+    def time_terms(
+        self,
+        m: ModelShape,
+        step: StepShape,
+        device: DeviceProfile,
+        timing: StepTiming,
+        earlier: dict[str, float],
+    ) -> AxisTime:
+        if step.cp == 1:
+            return AxisTime({})
+        exchange = estimate_context_time(m, step, device, microbatches=timing.microbatches)
+        return AxisTime({"context_parallel_s": exchange.total_s}, exchange.to_dict())
 
 
 AXIS = ContextAxis()

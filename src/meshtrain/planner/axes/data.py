@@ -18,6 +18,7 @@ from meshtrain.planner.axes.pipeline import pipeline_parallel_degrees
 from meshtrain.planner.axes.sharding import (
     SHARDING,
     check_sharded_data_parallel,
+    estimate_sharding_time,
     gathered_bytes,
     sharded_model_states,
     sharding_line,
@@ -26,14 +27,19 @@ from meshtrain.planner.axes.tensor import tensor_parallel_degrees
 from meshtrain.planner.candidate import Candidate
 from meshtrain.planner.collectives import link, ring
 from meshtrain.planner.devices import DeviceProfile
+from meshtrain.planner.layer_memory import layer_matmul_elements
 from meshtrain.planner.parameters import local_parameter_count
 from meshtrain.planner.shapes import (
     BYTES_BF16,
     BYTES_FP32,
     FP32,
+    AxisTime,
     GatherUnits,
     MemoryEstimate,
+    MemoryTerms,
+    ModelShape,
     StepShape,
+    StepTiming,
 )
 from meshtrain.planner.types import Plan, Refusal, divisors, format_values
 
@@ -201,6 +207,7 @@ class DataAxis(AxisBase):
 
     name = "data"
     short = "dp"
+    time_parts = ("data_parallel_s",)
     parameter = PARAMETER
 
     def degrees(self, run: RunConfig, model_config: PretrainedConfig) -> list[int]:
@@ -224,6 +231,42 @@ class DataAxis(AxisBase):
 
     def describe(self, plan: Plan, seq_len: int) -> str | None:
         return sharding_line(plan) if plan.layout.sharded else None
+
+    def memory_terms(self, m: ModelShape, step: StepShape) -> MemoryTerms:
+        if step.sharded == 1 or step.pp > 1:
+            return MemoryTerms()
+        # Inside a layer's backward FSDP2 holds two layers' all-gather buffers (the one
+        # running and the one prefetched) beside their gathered parameters (dry runs).
+        buffers = 2 * layer_matmul_elements(m, step.tp) * step.parameter_bytes
+        return MemoryTerms(backward={"sharding_gather_buffers": buffers})
+
+    def time_terms(
+        self,
+        m: ModelShape,
+        step: StepShape,
+        device: DeviceProfile,
+        timing: StepTiming,
+        earlier: dict[str, float],
+    ) -> AxisTime:
+        """The gradient averaging (and ZeRO-1's gather), or sharding's collectives."""
+        if step.sharded > 1:
+            units = timing.units or GatherUnits(0, 0, 0)
+            sharding = estimate_sharding_time(
+                step, device, units, compute=timing.compute_s, accumulation=timing.accumulation
+            )
+            return AxisTime({"data_parallel_s": sharding.exposed_s}, sharding.to_dict())
+        if step.grad_ranks == 1:
+            return AxisTime({"data_parallel_s": 0.0})
+        seconds = replicated_dp_time(
+            step,
+            device,
+            timing.memory,
+            microbatch_compute=timing.compute_s / timing.microbatches,
+            bucket_bytes=timing.bucket_bytes,
+            overlap_grad_reduce=timing.overlap_grad_reduce,
+            overlap_param_gather=timing.overlap_param_gather,
+        )
+        return AxisTime({"data_parallel_s": seconds})
 
 
 AXIS = DataAxis()

@@ -17,7 +17,7 @@ from meshtrain.planner.candidate import Candidate
 from meshtrain.planner.collectives import link, ring
 from meshtrain.planner.devices import DeviceProfile
 from meshtrain.planner.flops import attention_excess, layer_forward_flops
-from meshtrain.planner.shapes import ModelShape, StepShape
+from meshtrain.planner.shapes import AxisTime, ModelShape, StepShape, StepTiming
 from meshtrain.planner.types import Refusal, divisors, format_values
 
 # The parameter (and `config.Layout` field) this axis owns; other modules name it here.
@@ -267,6 +267,7 @@ class PipelineAxis(AxisBase):
 
     name = "pipeline"
     short = "pp"
+    time_parts = ("pipeline_s",)
     parameter = PARAMETER
 
     def degrees(self, run: RunConfig, model_config: PretrainedConfig) -> list[int]:
@@ -287,6 +288,30 @@ class PipelineAxis(AxisBase):
                 "pipeline_parallel_layers": split.stage_layers,
             },
         )
+
+    def time_terms(
+        self,
+        m: ModelShape,
+        step: StepShape,
+        device: DeviceProfile,
+        timing: StepTiming,
+        earlier: dict[str, float],
+    ) -> AxisTime:
+        if step.pp == 1:
+            return AxisTime({"pipeline_s": 0.0})
+        busiest = timing.compute_s  # the busiest rank's step: its compute, earlier axes' parts
+        for seconds in earlier.values():
+            busiest += seconds
+        seconds = pipeline_time(
+            m,
+            step,
+            device,
+            activation_bytes=timing.activation_bytes,
+            microbatch_s=busiest / timing.microbatches,
+            shares=list(timing.shares),
+            accumulation=timing.accumulation,
+        )
+        return AxisTime({"pipeline_s": seconds})
 
 
 AXIS = PipelineAxis()

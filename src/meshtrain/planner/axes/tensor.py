@@ -7,12 +7,14 @@ from __future__ import annotations
 from transformers import PretrainedConfig
 
 from meshtrain.config import RunConfig
+from meshtrain.distributed.kv_heads import kv_replication_factor
 from meshtrain.planner.axes import context
 from meshtrain.planner.axes.base import AxisBase, AxisChecks
 from meshtrain.planner.candidate import Candidate
 from meshtrain.planner.collectives import link, ring
 from meshtrain.planner.devices import DeviceProfile
-from meshtrain.planner.shapes import ModelShape, StepShape
+from meshtrain.planner.parameters import tensor_parallel_numel
+from meshtrain.planner.shapes import AxisTime, ModelShape, StepShape, StepTiming
 from meshtrain.planner.types import Refusal, divisors, format_values
 
 # The parameter (and `config.Layout` field) this axis owns; other modules name it here.
@@ -114,6 +116,7 @@ class TensorAxis(AxisBase):
 
     name = "tensor"
     short = "tp"
+    time_parts = ("tensor_parallel_s",)
     parameter = PARAMETER
 
     def degrees(self, run: RunConfig, model_config: PretrainedConfig) -> list[int]:
@@ -125,6 +128,28 @@ class TensorAxis(AxisBase):
             options=check_sequence_parallel(c, run.data.block_size),
             layout={"tensor_parallel_size": c.tp, "sequence_parallel": c.sp},
         )
+
+    def local_numel(self, name: str, numel: int, m: ModelShape, step: StepShape) -> int:
+        return tensor_parallel_numel(
+            name, numel, step.tp, kv_replication_factor(m.kv_heads, step.tp)
+        )
+
+    def time_terms(
+        self,
+        m: ModelShape,
+        step: StepShape,
+        device: DeviceProfile,
+        timing: StepTiming,
+        earlier: dict[str, float],
+    ) -> AxisTime:
+        seconds = tensor_parallel_time(
+            m,
+            step,
+            device,
+            activation_bytes=timing.activation_bytes,
+            microbatches=timing.microbatches,
+        )
+        return AxisTime({"tensor_parallel_s": seconds})
 
 
 AXIS = TensorAxis()
