@@ -127,7 +127,8 @@ def test_no_module_imports_another_modules_private_names() -> None:
                 reaching += [
                     f"{name}: {node.module}.{alias.name}"
                     for alias in node.names
-                    if alias.name.startswith("_") and not alias.name.startswith("__")
+                    if alias.name.startswith("_")
+                    and not alias.name.startswith("__")
                     and _absolute(node, name, path.name == "__init__.py").startswith("meshtrain")
                 ]
     assert reaching == []
