@@ -9,7 +9,7 @@ from typing import Any
 
 from transformers import PretrainedConfig
 
-from meshtrain.planner import cost
+from meshtrain.planner import flops
 from meshtrain.planner.shapes import ModelShape
 
 # The model and batch of each preset, then what a run at it defaults to when the flags
@@ -84,4 +84,4 @@ def model_flops_per_token(config: PretrainedConfig, seq: int) -> int:
     its `mfu` metric (`meshtrain.planner.flops.model_flops_per_token`): 6 x the matmul
     weights (the untied LM head counts, the input embedding not) + 12 x layers x
     attention width x sequence."""
-    return int(cost.model_flops_per_token(ModelShape.from_config(config), seq))
+    return int(flops.model_flops_per_token(ModelShape.from_config(config), seq))
