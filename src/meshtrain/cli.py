@@ -25,8 +25,8 @@ from kedro.framework.startup import ProjectMetadata
 from mlflow.tracking import MlflowClient
 
 from meshtrain.config import ConfigError
-from meshtrain.kedro_config import mlflow_settings as project_mlflow_settings
-from meshtrain.kedro_config import project_tracking_server
+from meshtrain.pipelines.config_loader import mlflow_settings as project_mlflow_settings
+from meshtrain.pipelines.config_loader import project_tracking_server
 from meshtrain.tracking import sweep as sweeps
 from meshtrain.tracking.project_server import use_tracking_server
 from meshtrain.tracking.servers import redact

@@ -5,7 +5,7 @@ from meshtrain.offline import disable_telemetry
 disable_telemetry()  # before kedro's hooks or mlflow are used
 
 from meshtrain.hooks import MlflowRunHook, RunChecksHook, StagedDataHook  # noqa: E402
-from meshtrain.kedro_config import ProjectConfigLoader  # noqa: E402
+from meshtrain.pipelines.config_loader import ProjectConfigLoader  # noqa: E402
 
 # RunChecksHook refuses bad parameters and missing inputs before MlflowRunHook opens a run.
 HOOKS = (MlflowRunHook(), RunChecksHook(), StagedDataHook())

@@ -6,7 +6,7 @@
 - `staged_data`: a refused run leaves data/ as it was (`StagedDataHook`).
 
 What the hooks use lives in rooms named for it: the refusal printer in `refusals`, the
-config loader in `kedro_config`, the tracking server in `tracking.project_server`.
+config loader in `pipelines/config_loader`, the tracking server in `tracking.project_server`.
 """
 
 from __future__ import annotations

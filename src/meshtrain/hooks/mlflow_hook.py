@@ -2,7 +2,7 @@
 
 The nodes (and rank 0 of the training workers, through the run id) log into it;
 where it goes is `tracking.project_server`'s choice, from the config that
-`kedro_config` reads. MLflow's system metrics
+`pipelines/config_loader` reads. MLflow's system metrics
 (CPU, memory, and GPU where one is visible) are sampled from this process while
 the run is open (`log_system_metrics`). The hook knows the nodes by their tags
 (`pipelines.run_config.TRAINS`, `EVALUATES`) and the data by dataset name.
@@ -20,7 +20,7 @@ from kedro.config import OmegaConfigLoader
 from kedro.framework.hooks import hook_impl
 
 from meshtrain.config import ConfigError, RunParameters, read_group
-from meshtrain.kedro_config import mlflow_settings, project_tracking_server
+from meshtrain.pipelines.config_loader import mlflow_settings, project_tracking_server
 from meshtrain.pipelines.run_config import EVALUATES, TRAINS
 from meshtrain.refusals import refusal_in, show_refusals_plainly
 from meshtrain.tracking import mlflow_run as tracking

@@ -14,7 +14,7 @@ this order (see docs/tracking.md):
 The choice itself is `tracking.servers` (pure functions); this module holds the
 settings' defaults, completes the choice for a project, and points MLflow at the
 result. Reading the settings and credentials from Kedro's config is the project's
-config loader's part (`meshtrain.kedro_config`).
+config loader's part (`meshtrain.pipelines.config_loader`).
 """
 
 from __future__ import annotations
