@@ -14,7 +14,7 @@ from typing import Any
 
 from transformers import PretrainedConfig
 
-from meshtrain.config import AUTO, DataConfig, LaunchConfig, RunConfig
+from meshtrain.config import AUTO, DataConfig, LaunchConfig, ParallelConfig, RunConfig
 from meshtrain.planner.axes import pipeline, sharding, tensor
 from meshtrain.planner.candidate import Candidate
 from meshtrain.planner.checks import IMPLEMENTED_ACTIVATION_CHECKPOINTING
@@ -34,20 +34,26 @@ _KNOBS = {
 }
 
 
+def _degrees(par: ParallelConfig, world: int) -> tuple[int | None, int, int, int]:
+    """dp, tp, pp and cp as asked, a size at `auto` taken as 1 and dp at `auto` as the rest
+    of the world (None where the other sizes do not divide it)."""
+    tp, pp, cp = (
+        1 if getattr(par, _KNOBS[k]) == AUTO else getattr(par, _KNOBS[k])
+        for k in ("tp", "pp", "cp")
+    )
+    if par.data_parallel_size != AUTO:
+        return par.data_parallel_size, tp, pp, cp
+    others = tp * pp * cp
+    return (None if world % others else world // others), tp, pp, cp
+
+
 def candidate_from(run: RunConfig, model_config: PretrainedConfig) -> Candidate:
     """The layout `run` asks for, every `auto` resolved (`run`: one variant of the search,
     its batch already fitted)."""
     par, world = run.parallel, run.launch.world_size
     chosen = frozenset(k for k, name in _KNOBS.items() if getattr(par, name) == AUTO)
-    tp, pp, cp = (
-        1 if getattr(par, _KNOBS[k]) == AUTO else getattr(par, _KNOBS[k])
-        for k in ("tp", "pp", "cp")
-    )
-    others = tp * pp * cp
-    if "dp" in chosen:
-        dp = world // others if world % others == 0 else 1  # 1: refused, with the reason
-    else:
-        dp = par.data_parallel_size
+    fitted, tp, pp, cp = _degrees(par, world)
+    dp = 1 if fitted is None else fitted  # 1: the sizes are refused, with the reason
     batch = run.training.per_device_train_batch_size
     if "microbatches" in chosen:
         microbatches = pipeline.auto_microbatches(pp, batch)
@@ -159,16 +165,9 @@ def fit_global_batch(run: RunConfig) -> RunConfig:
     target = train.global_batch_size
     if target is None:
         return run
-    tp = 1 if par.tensor_parallel_size == AUTO else par.tensor_parallel_size
-    pp = 1 if par.pipeline_parallel_size == AUTO else par.pipeline_parallel_size
-    cp = 1 if par.context_parallel_size == AUTO else par.context_parallel_size
-    world = run.launch.world_size
-    if par.data_parallel_size == AUTO:
-        if world % (tp * pp * cp):
-            return run  # the planner refuses the sizes themselves, with the reason
-        dp = world // (tp * pp * cp)
-    else:
-        dp = par.data_parallel_size
+    dp, _, pp, _ = _degrees(par, run.launch.world_size)
+    if dp is None:
+        return run  # the planner refuses the sizes themselves, with the reason
     if target % dp:
         raise LayoutError(
             [
