@@ -12,8 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from meshtrain.config import Layout
-from meshtrain.planner.axes import TIE_BREAK
-from meshtrain.planner.axes.sharding import sharding_clause
+from meshtrain.planner.axes import AXES, TIE_BREAK
 from meshtrain.planner.devices import GIB
 from meshtrain.planner.ranking import TIE, peak, speed
 from meshtrain.planner.types import Plan
@@ -26,7 +25,9 @@ def candidates(planned: list[Plan], chosen: Plan, budget: float) -> list[dict[st
     for p in sorted(planned, key=speed, reverse=True):
         if p is chosen:
             continue
-        why = _lost_because(p, chosen, fastest, budget) + sharding_clause(p, planned, budget)
+        why = _lost_because(p, chosen, fastest, budget) + "".join(
+            axis.lost_clause(p, planned, budget) for axis in AXES
+        )
         found.append(summary(p) | {"lost_because": why})
     return found
 

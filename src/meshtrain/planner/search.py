@@ -18,16 +18,12 @@ from transformers import PretrainedConfig
 from meshtrain.config import AUTO, RunConfig
 from meshtrain.models.lora import check_pretrained_base
 from meshtrain.models.shapes import lora_adapter_shapes, parameter_shapes
-from meshtrain.planner.axes import TIE_BREAK, sharding
+from meshtrain.planner.axes import AXES, TIE_BREAK
 from meshtrain.planner.axes import context as cp_axis
-from meshtrain.planner.axes import data as dp_axis
-from meshtrain.planner.axes import pipeline as pp_axis
-from meshtrain.planner.axes import tensor as tp_axis
 from meshtrain.planner.axes.context import (
     context_note,
     context_parallel_wanted,
 )
-from meshtrain.planner.axes.sharding import sharding_note
 from meshtrain.planner.devices import GIB, DeviceProfile, resolve_device
 from meshtrain.planner.explain import candidates
 from meshtrain.planner.layout import PlanContext, plan_one_layout
@@ -90,7 +86,7 @@ def plan_run(
         backend_refusals=backend_refusals,
         packed=packs_examples(run.data),
     )
-    plan = functools.partial(_zero_1_where_needed, context=context, budget=budget)
+    plan = functools.partial(_plan_settled, context=context, budget=budget)
     cp_auto = getattr(run.parallel, cp_axis.PARAMETER) == AUTO
     first = with_parallel(run, **{cp_axis.PARAMETER: 1}) if cp_auto else run
     variants = search_space(first, model_config)
@@ -111,7 +107,7 @@ def plan_run(
     if not fitting:
         raise _none_fits(run, device, planned, rejected, errors)
     chosen = _choose(fitting)
-    added = [sharding_note(chosen, planned, budget)]
+    added = [axis.note(chosen, planned, budget) for axis in AXES]
     if cp_auto:
         added.append(context_note(chosen, planned, without_cp, budget, cp_reason))
     return dataclasses.replace(
@@ -164,36 +160,15 @@ def adapter_shapes(run: RunConfig, model_config: PretrainedConfig) -> dict[str, 
     return lora_adapter_shapes(model_config, settings)
 
 
-def _zero_1_where_needed(run: RunConfig, *, context: PlanContext, budget: float) -> Plan:
-    """`zero_1=auto`: the layout without ZeRO-1 where it fits the budget, with it where
-    only that makes it fit: its parameter all-gather after every step is not free."""
+def _plan_settled(run: RunConfig, *, context: PlanContext, budget: float) -> Plan:
+    """The layout `run` asks for, each axis then settling the options it turns on only
+    where memory needs them (ZeRO-1 at `auto`)."""
     candidate = candidate_from(run, context.model_config)
-    plain = plan_one_layout(run, candidate, context)
-    lay = plain.layout
-    copies = candidate.dp * candidate.cp  # ZeRO-1 shards over dp x cp
-    if not candidate.chosen("zero_1") or copies == 1 or candidate.sdp > 1:
-        return plain
-    need = plain.memory_estimate_per_rank["process_total"]
-    if need <= budget:
-        note = f"parallel.zero_1=auto: off, {lay.name} fits without it"
-        return dataclasses.replace(plain, notes=[*plain.notes, note])
-    with_zero_1 = plan_one_layout(
-        run,
-        dataclasses.replace(
-            candidate, zero_1=True, chosen_by_search=candidate.chosen_by_search - {"zero_1"}
-        ),
-        context,
-    )
-    note = (
-        f"parallel.zero_1=auto: on, without it {lay.name} needs {_size(need)} per rank, "
-        f"over the {_size(budget)} budget; with it "
-        f"{_size(with_zero_1.memory_estimate_per_rank['process_total'])}"
-    )
-    return dataclasses.replace(with_zero_1, notes=[*with_zero_1.notes, note])
-
-
-def _size(bytes_: float) -> str:
-    return f"{bytes_ / GIB:.2f} GiB" if bytes_ >= GIB else f"{bytes_ / 2**20:.1f} MiB"
+    plan = plan_one_layout(run, candidate, context)
+    replan = functools.partial(plan_one_layout, run, context=context)
+    for axis in AXES:
+        plan = axis.settle(plan, candidate, budget, replan)
+    return plan
 
 
 def _plan_each(
@@ -275,23 +250,10 @@ def _memory_changes(plan: Plan, run: RunConfig) -> list[str]:
     knobs the search already weighed at `auto`, and values already at their most
     frugal, are left out."""
     layout, par = plan.layout, run.parallel
-    fixed = [
-        name
-        for name, parameter in (
-            ("tensor", tp_axis.PARAMETER),
-            ("pipeline", pp_axis.PARAMETER),
-            ("context", cp_axis.PARAMETER),
-        )
-        if getattr(par, parameter) != AUTO
-    ]
+    fixed = [a.name for a in AXES if a.splits_model and getattr(par, a.parameter) != AUTO]
     changes = [f"more {' or '.join(fixed)} parallelism (or `auto`)"] if fixed else []
-    if dp_axis.AXIS.degree(layout) * cp_axis.AXIS.degree(layout) > 1 and not layout.sharded:
-        if not layout.zero_1 and par.zero_1 != AUTO:
-            changes.append("ZeRO-1 (parallel.zero_1=true)")
-        if getattr(par, sharding.SHARDING) != AUTO:
-            changes.append(
-                f"sharded data parallelism (parallel.{sharding.SHARDING}=auto, or a divisor of dp)"
-            )
+    for axis in AXES:
+        changes.extend(axis.memory_relief(layout, par))
     more_recompute = {"none": "selective or full", "selective": "full"}
     if layout.activation_checkpointing in more_recompute and par.activation_checkpointing != AUTO:
         changes.append(

@@ -6,7 +6,10 @@ next) owns its degree: the options it offers the search, its checks and refusals
 description (`describe`, in `axes.DESCRIBE`'s order), the bytes it adds to a rank's
 activations (`memory_terms`, which `planner.memory` adds up over `AXES`) and its seconds
 in a step (`time_terms`, which `planner.cost` adds up over `AXES`; `TimeEstimate` keeps
-them by name, so plan.json gains the axis's keys without a field anywhere). What composes
+them by name, so plan.json gains the axis's keys without a field anywhere), an option it
+turns on only where memory needs it (`settle`: ZeRO-1 at `auto`), what of it would lower
+a layout refused as over memory (`memory_relief`, `splits_model`), and its words on the
+chosen layout and the ones that lost (`note`, `lost_clause`). What composes
 several axes stays where it composes them: activations x microbatches in flight
 (`planner.memory`), each pipeline rank's stages, the model states of dp/ZeRO-1/FSDP2.
 
@@ -30,12 +33,13 @@ compute and activations (`planner.flops`, `planner.layer_memory`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from transformers import PretrainedConfig
 
-from meshtrain.config import AUTO, Layout, RunConfig
+from meshtrain.config import AUTO, Layout, ParallelConfig, RunConfig
 from meshtrain.planner.candidate import Candidate
 from meshtrain.planner.devices import DeviceProfile
 from meshtrain.planner.shapes import AxisTime, MemoryTerms, ModelShape, StepShape, StepTiming
@@ -62,6 +66,8 @@ class Axis(Protocol):
     name: str  # "data", "tensor", ...
     short: str  # its degree's name in layout names and words: "dp", "tp", ...
     time_parts: tuple[str, ...]  # its `time_terms` seconds the description's step line shows
+    parameter: str  # the `parallel.*` parameter and `config.Layout` field of its degree
+    splits_model: bool  # more of it divides a rank's model or activations
 
     def degree(self, layout: Layout) -> int:
         """Its degree in a resolved layout."""
@@ -100,6 +106,27 @@ class Axis(Protocol):
         per step; pipeline parallelism's bubble scales the busiest rank's microbatch)."""
         ...
 
+    def settle(
+        self, plan: Plan, c: Candidate, budget: float, replan: Callable[[Candidate], Plan]
+    ) -> Plan:
+        """The plan of `c`, or of `c` with an option of this axis that the search turns
+        on only where memory needs it (`replan` plans a changed candidate), with a note."""
+        ...
+
+    def memory_relief(self, layout: Layout, parallel: ParallelConfig) -> list[str]:
+        """What of this axis would lower the memory of `layout`, refused as over the
+        device's, that the run fixed (options at `auto` the search already weighed)."""
+        ...
+
+    def note(self, chosen: Plan, planned: list[Plan], budget: float) -> str | None:
+        """Why the chosen layout does (or does not) use this axis's option, against the
+        other layouts planned (None: nothing to say)."""
+        ...
+
+    def lost_clause(self, plan: Plan, planned: list[Plan], budget: float) -> str:
+        """What this axis did for (or cost) a layout the search did not choose ("": none)."""
+        ...
+
 
 class AxisBase:
     """What the axes share: the degree read from a layout by the parameter's name, and
@@ -109,6 +136,7 @@ class AxisBase:
     short: str
     time_parts: tuple[str, ...] = ()
     parameter: str  # the `parallel.*` parameter and `config.Layout` field of its degree
+    splits_model: bool = False
 
     def degree(self, layout: Layout) -> int:
         return getattr(layout, self.parameter)
@@ -139,3 +167,17 @@ class AxisBase:
         earlier: dict[str, float],
     ) -> AxisTime:
         return AxisTime({})
+
+    def settle(
+        self, plan: Plan, c: Candidate, budget: float, replan: Callable[[Candidate], Plan]
+    ) -> Plan:
+        return plan
+
+    def memory_relief(self, layout: Layout, parallel: ParallelConfig) -> list[str]:
+        return []
+
+    def note(self, chosen: Plan, planned: list[Plan], budget: float) -> str | None:
+        return None
+
+    def lost_clause(self, plan: Plan, planned: list[Plan], budget: float) -> str:
+        return ""

@@ -305,6 +305,7 @@ class ContextAxis(AxisBase):
     short = "cp"
     time_parts = ("context_parallel_s",)
     parameter = PARAMETER
+    splits_model = True
 
     def degrees(self, run: RunConfig, model_config: PretrainedConfig) -> list[int]:
         """The powers of two the block allows (cp 1 first: the search weighs the others

@@ -1,32 +1,35 @@
 """Data parallelism (dp) with ZeRO-1 and sharded data parallelism (FSDP2): dp takes the
-rest of the world; the model states per rank (parameters, gradients, AdamW's moments,
-divided by ZeRO-1 or sharding); the gradient averaging, ZeRO-1's gather and FSDP2's
-collectives in the step time; and what sharding buys and costs, in words.
+rest of the world; ZeRO-1 at `auto` is turned on only where memory needs it; the model
+states per rank (parameters, gradients, AdamW's moments, divided by ZeRO-1 or sharding);
+the gradient averaging, ZeRO-1's gather and FSDP2's collectives in the step time; and
+what ZeRO-1 and sharding buy and cost, in words (sharding's own: `axes.sharding`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 from transformers import PretrainedConfig
 
-from meshtrain.config import AUTO, LaunchConfig, RunConfig
+from meshtrain.config import AUTO, LaunchConfig, Layout, ParallelConfig, RunConfig
 from meshtrain.planner.axes import context, pipeline, tensor
 from meshtrain.planner.axes.base import AxisBase, AxisChecks
 from meshtrain.planner.axes.pipeline import pipeline_parallel_degrees
 from meshtrain.planner.axes.sharding import (
     SHARDING,
-    check_sharded_data_parallel,
     estimate_sharding_time,
     gathered_bytes,
     sharded_model_states,
+    sharding_clause,
     sharding_line,
+    sharding_note,
 )
 from meshtrain.planner.axes.tensor import tensor_parallel_degrees
 from meshtrain.planner.candidate import Candidate
 from meshtrain.planner.collectives import link, ring
-from meshtrain.planner.devices import DeviceProfile
+from meshtrain.planner.devices import GIB, DeviceProfile
 from meshtrain.planner.layer_memory import layer_matmul_elements
 from meshtrain.planner.parameters import local_parameter_count
 from meshtrain.planner.shapes import (
@@ -89,6 +92,36 @@ def check_data_parallel(
         fix,
     )
     return [refusal]
+
+
+def check_sharded_data_parallel(c: Candidate) -> tuple[int, list[Refusal]]:
+    """The degree N of sharded data parallelism; N must divide data_parallel_size, and
+    ZeRO-1 on top of it is refused (it is already included). The search expands `auto`
+    into `options.sharding_options` and plans each; a layout planned alone at `auto`
+    is not sharded."""
+    degree, dp = c.sdp, c.dp
+    if degree < 1 or dp % degree:
+        works = format_values(divisors(dp))
+        return 1, [
+            Refusal(
+                f"parallel.{SHARDING}",
+                degree,
+                f"the parameters are sharded over groups of that many of the "
+                f"data_parallel_size={dp} ranks, so it must divide {dp}",
+                f"Use one of {works} (1: off; {dp}: full sharding).",
+            )
+        ]
+    if degree > 1 and c.zero_1:
+        return degree, [
+            Refusal(
+                "parallel.zero_1",
+                True,
+                f"{SHARDING}={degree} already shards the optimizer "
+                "states (and the gradients and parameters) over the data-parallel ranks",
+                "Set parallel.zero_1=false (or auto) with sharded data parallelism.",
+            )
+        ]
+    return degree, []
 
 
 def resolve_zero_1(c: Candidate) -> tuple[bool, list[str]]:
@@ -230,7 +263,46 @@ class DataAxis(AxisBase):
         )
 
     def describe(self, plan: Plan, seq_len: int) -> str | None:
-        return sharding_line(plan) if plan.layout.sharded else None
+        return sharding_line(plan, self.degree(plan.layout)) if plan.layout.sharded else None
+
+    def settle(
+        self, plan: Plan, c: Candidate, budget: float, replan: Callable[[Candidate], Plan]
+    ) -> Plan:
+        """`zero_1=auto`: the layout without ZeRO-1 where it fits the budget, with it where
+        only that makes it fit: its parameter all-gather after every step is not free."""
+        if not c.chosen("zero_1") or c.dp * c.cp == 1 or c.sdp > 1:  # it shards over dp x cp
+            return plan
+        need, name = plan.memory_estimate_per_rank["process_total"], plan.layout.name
+        if need <= budget:
+            note = f"parallel.zero_1=auto: off, {name} fits without it"
+            return dataclasses.replace(plan, notes=[*plan.notes, note])
+        chosen = c.chosen_by_search - {"zero_1"}
+        with_zero_1 = replan(dataclasses.replace(c, zero_1=True, chosen_by_search=chosen))
+        note = (
+            f"parallel.zero_1=auto: on, without it {name} needs {_size(need)} per rank, "
+            f"over the {_size(budget)} budget; with it "
+            f"{_size(with_zero_1.memory_estimate_per_rank['process_total'])}"
+        )
+        return dataclasses.replace(with_zero_1, notes=[*with_zero_1.notes, note])
+
+    def memory_relief(self, layout: Layout, parallel: ParallelConfig) -> list[str]:
+        """ZeRO-1 or sharding, where there are replicas to split the states over."""
+        if self.degree(layout) * context.AXIS.degree(layout) == 1 or layout.sharded:
+            return []
+        changes = []
+        if not layout.zero_1 and parallel.zero_1 != AUTO:
+            changes.append("ZeRO-1 (parallel.zero_1=true)")
+        if getattr(parallel, SHARDING) != AUTO:
+            changes.append(
+                f"sharded data parallelism (parallel.{SHARDING}=auto, or a divisor of dp)"
+            )
+        return changes
+
+    def note(self, chosen: Plan, planned: list[Plan], budget: float) -> str | None:
+        return sharding_note(chosen, planned, budget, self.degree)
+
+    def lost_clause(self, plan: Plan, planned: list[Plan], budget: float) -> str:
+        return sharding_clause(plan, planned, budget, self.degree)
 
     def memory_terms(self, m: ModelShape, step: StepShape) -> MemoryTerms:
         if step.sharded == 1 or step.pp > 1:
@@ -267,6 +339,10 @@ class DataAxis(AxisBase):
             overlap_param_gather=timing.overlap_param_gather,
         )
         return AxisTime({"data_parallel_s": seconds})
+
+
+def _size(bytes_: float) -> str:
+    return f"{bytes_ / GIB:.2f} GiB" if bytes_ >= GIB else f"{bytes_ / 2**20:.1f} MiB"
 
 
 AXIS = DataAxis()

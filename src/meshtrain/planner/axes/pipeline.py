@@ -269,6 +269,7 @@ class PipelineAxis(AxisBase):
     short = "pp"
     time_parts = ("pipeline_s",)
     parameter = PARAMETER
+    splits_model = True
 
     def degrees(self, run: RunConfig, model_config: PretrainedConfig) -> list[int]:
         return pipeline_parallel_degrees(run.launch.world_size, model_config)

@@ -7,10 +7,10 @@ what is gathered, its collectives' time, and what sharding buys and costs, in wo
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 from meshtrain.config import Layout
 from meshtrain.planner.axes import context, pipeline, tensor
-from meshtrain.planner.candidate import Candidate
 from meshtrain.planner.collectives import link, ring
 from meshtrain.planner.devices import GIB, DeviceProfile
 from meshtrain.planner.ranking import model_states, peak, speed, versus
@@ -21,10 +21,13 @@ from meshtrain.planner.shapes import (
     ShardingTime,
     StepShape,
 )
-from meshtrain.planner.types import Plan, Refusal, divisors, format_values
+from meshtrain.planner.types import Plan
 
 # Sharding's degree: the parameter and the `config.Layout` field.
 SHARDING = "sharded_data_parallel_degree"
+
+# How the words below read a layout's data-parallel degree (the data axis's `degree`).
+DegreeOf = Callable[[Layout], int]
 
 
 def sharded_data_parallel_degrees(
@@ -40,36 +43,6 @@ def sharded_data_parallel_degrees(
     if spans_nodes and 1 < hybrid < dp and dp % hybrid == 0:
         options.add(hybrid)
     return sorted(options)
-
-
-def check_sharded_data_parallel(c: Candidate) -> tuple[int, list[Refusal]]:
-    """The degree N of sharded data parallelism; N must divide data_parallel_size, and
-    ZeRO-1 on top of it is refused (it is already included). The search expands `auto`
-    into `sharded_data_parallel_degrees` and plans each; a layout planned alone at `auto`
-    is not sharded."""
-    degree, dp = c.sdp, c.dp
-    if degree < 1 or dp % degree:
-        works = format_values(divisors(dp))
-        return 1, [
-            Refusal(
-                f"parallel.{SHARDING}",
-                degree,
-                f"the parameters are sharded over groups of that many of the "
-                f"data_parallel_size={dp} ranks, so it must divide {dp}",
-                f"Use one of {works} (1: off; {dp}: full sharding).",
-            )
-        ]
-    if degree > 1 and c.zero_1:
-        return degree, [
-            Refusal(
-                "parallel.zero_1",
-                True,
-                f"sharded_data_parallel_degree={degree} already shards the optimizer "
-                "states (and the gradients and parameters) over the data-parallel ranks",
-                "Set parallel.zero_1=false (or auto) with sharded data parallelism.",
-            )
-        ]
-    return degree, []
 
 
 def sharding_degree(layout: Layout) -> int:
@@ -176,8 +149,9 @@ def estimate_sharding_time(
     )
 
 
-def sharding_clause(p: Plan, planned: list[Plan], budget: float) -> str:
-    """What sharding did for (or cost) this layout, when that is part of why it lost."""
+def sharding_clause(p: Plan, planned: list[Plan], budget: float, dp_of: DegreeOf) -> str:
+    """What sharding did for (or cost) this layout, when that is part of why it lost
+    (`dp_of`: the data-parallel degree of a layout)."""
     if p.layout.sharded:
         if peak(p) > budget:
             return ""
@@ -189,7 +163,7 @@ def sharding_clause(p: Plan, planned: list[Plan], budget: float) -> str:
             f"collectives {_collectives(t):.2f} s per step "
             f"({t.get('sdp_exposed_s', 0.0):.2f} s exposed)"
         )
-    sibling = _sharded_sibling(p.layout, planned, budget)
+    sibling = _sharded_sibling(p.layout, planned, budget, dp_of)
     if sibling is not None and peak(p) > budget:
         return (
             f"; sharded as {sibling.layout.name} it needs "
@@ -198,12 +172,13 @@ def sharding_clause(p: Plan, planned: list[Plan], budget: float) -> str:
     return ""
 
 
-def sharding_note(chosen: Plan, planned: list[Plan], budget: float) -> str | None:
+def sharding_note(chosen: Plan, planned: list[Plan], budget: float, dp_of: DegreeOf) -> str | None:
     """Why the chosen layout does or does not shard, against its own twin the other way."""
     lay = chosen.layout
     if lay.sharded:
-        twin = _twin(lay, planned, sharded=1)
-        verdict = f"sharded data parallelism ({_kind(lay)}) is chosen: {_sharding_cost(chosen)}"
+        twin = _twin(lay, planned, dp_of)
+        kind = _kind(lay, dp_of(lay))
+        verdict = f"sharded data parallelism ({kind}) is chosen: {_sharding_cost(chosen)}"
         if twin is None:
             return verdict
         if peak(twin) > budget:
@@ -214,7 +189,7 @@ def sharding_note(chosen: Plan, planned: list[Plan], budget: float) -> str | Non
                 f"{model_states(twin) / GIB:.2f} GiB against {model_states(chosen) / GIB:.2f})"
             )
         return f"{verdict}; unsharded, {twin.layout.name} fits but is {versus(chosen, twin)}"
-    sibling = _sharded_sibling(lay, planned, budget)
+    sibling = _sharded_sibling(lay, planned, budget, dp_of)
     if sibling is None:
         return None
     return (
@@ -236,49 +211,45 @@ def _sharding_cost(p: Plan) -> str:
     )
 
 
-def _kind(lay: Layout) -> str:
-    n, dp, cp = sharding_degree(lay), lay.data_parallel_size, context.AXIS.degree(lay)
+def _kind(lay: Layout, dp: int) -> str:
+    n, cp = sharding_degree(lay), context.AXIS.degree(lay)
     over = f" x {cp} context-parallel" if cp > 1 else ""
     if n == dp:
         return f"full sharding over the {dp} data-parallel{over} ranks, which includes ZeRO-1"
     return f"hybrid: sharded within groups of {n}{over} ranks, {dp // n} replicas"
 
 
-def _sharded_sibling(lay: Layout, planned: list[Plan], budget: float) -> Plan | None:
+def _sharded_sibling(
+    lay: Layout, planned: list[Plan], budget: float, dp_of: DegreeOf
+) -> Plan | None:
     """The fastest sharded layout fitting the budget that differs from `lay` only there."""
     twins = [
         p
         for p in planned
-        if p.layout.sharded and peak(p) <= budget and _same_but_sharding(p.layout, lay)
+        if p.layout.sharded and peak(p) <= budget and _same_but_sharding(p.layout, lay, dp_of)
     ]
     return max(twins, key=speed, default=None)
 
 
-def _twin(lay: Layout, planned: list[Plan], *, sharded: int) -> Plan | None:
+def _twin(lay: Layout, planned: list[Plan], dp_of: DegreeOf) -> Plan | None:
+    """The unsharded layout that differs from `lay` only there."""
     return next(
-        (
-            p
-            for p in planned
-            if sharding_degree(p.layout) == sharded and _same_but_sharding(p.layout, lay)
-        ),
+        (p for p in planned if not p.layout.sharded and _same_but_sharding(p.layout, lay, dp_of)),
         None,
     )
 
 
-def _same_but_sharding(a: Layout, b: Layout) -> bool:
-    return (
-        a.data_parallel_size,
-        tensor.AXIS.degree(a),
-        pipeline.AXIS.degree(a),
-        context.AXIS.degree(a),
-        a.activation_checkpointing,
-    ) == (
-        b.data_parallel_size,
-        tensor.AXIS.degree(b),
-        pipeline.AXIS.degree(b),
-        context.AXIS.degree(b),
-        b.activation_checkpointing,
-    )
+def _same_but_sharding(a: Layout, b: Layout, dp_of: DegreeOf) -> bool:
+    def degrees(lay: Layout) -> tuple[int | str, ...]:
+        return (
+            dp_of(lay),
+            tensor.AXIS.degree(lay),
+            pipeline.AXIS.degree(lay),
+            context.AXIS.degree(lay),
+            lay.activation_checkpointing,
+        )
+
+    return degrees(a) == degrees(b)
 
 
 def _collectives(t: dict[str, float]) -> float:
@@ -289,10 +260,11 @@ def _collectives(t: dict[str, float]) -> float:
     )
 
 
-def sharding_line(plan: Plan) -> str:
-    """The sharded layout's collectives: per layer, per step, and the share hidden."""
+def sharding_line(plan: Plan, dp: int) -> str:
+    """The sharded layout's collectives (over `dp` data-parallel ranks): per layer, per
+    step, and the share hidden."""
     t, lay = plan.time_estimate, plan.layout
-    n, dp = sharding_degree(lay), lay.data_parallel_size
+    n = sharding_degree(lay)
     if pipeline.AXIS.degree(lay) > 1:
         per, rounds, gathers = "schedule step", "schedule steps", "one all-gather"
     else:

@@ -118,6 +118,7 @@ class TensorAxis(AxisBase):
     short = "tp"
     time_parts = ("tensor_parallel_s",)
     parameter = PARAMETER
+    splits_model = True
 
     def degrees(self, run: RunConfig, model_config: PretrainedConfig) -> list[int]:
         return tensor_parallel_degrees(run.launch.world_size, model_config)
