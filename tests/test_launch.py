@@ -20,7 +20,8 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from meshtrain.config import LaunchConfig, split_endpoint
 from meshtrain.launch.elastic import StuckRankError, WorkerFailedError, run_workers
-from meshtrain.launch.rendezvous import free_port, is_loopback
+from meshtrain.launch.network import is_loopback
+from meshtrain.launch.rendezvous import free_port
 from tests.conftest import child_processes
 
 

@@ -20,13 +20,13 @@ from safetensors.torch import load_file
 from meshtrain.config import ConfigError
 from meshtrain.tracking.sweep import (
     ShorthandError,
-    comparison_table,
     layout_error,
     parse_shorthand,
     parse_shorthands,
     plan_sweep,
     to_params_arg,
 )
+from meshtrain.tracking.sweep_table import comparison_table
 from tests.kedro_project import KEDRO, SMALL_RUN, mlflow_client, project_env
 
 # ---------------------------------------------------------------- layout shorthands
@@ -434,7 +434,7 @@ def test_sweep_refuses_a_bad_layout_string_before_running_anything(tmp_path: Pat
 
 
 def test_printed_tracking_uris_hide_passwords():
-    from meshtrain.cli import redact
+    from meshtrain.cli_sweep import redact
 
     assert redact("http://me:s3cret@mlflow.example:5000") == "http://me:***@mlflow.example:5000"
     assert redact("sqlite:////project/mlflow.db") == "sqlite:////project/mlflow.db"
@@ -443,7 +443,7 @@ def test_printed_tracking_uris_hide_passwords():
 def test_params_that_a_layout_also_sets_are_refused():
     import click
 
-    from meshtrain.cli import _refuse_conflicts
+    from meshtrain.cli_sweep import _refuse_conflicts
 
     specs = parse_shorthands("dp2 tp2-nosp")
     _refuse_conflicts(specs, {"parallel": {"zero_1": False}, "training": {"max_steps": 8}})

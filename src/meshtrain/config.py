@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -434,6 +434,14 @@ class RunParameters:
         if name not in self._groups:
             self._groups[name] = read_group(name, self._params.get(name))
         return self._groups[name]
+
+    def parse(self, names: Collection[str]) -> RunParameters:
+        """Parse each of the groups `names`, in `GROUPS`' order: the first value a group's
+        own checks refuse is refused (`ConfigError`) before anything heavy is imported."""
+        for name in GROUPS:
+            if name in names:
+                self.group(name)
+        return self
 
     @property
     def model(self) -> ModelConfig:

@@ -1,6 +1,8 @@
 """One MLflow run per `kedro run`, opened before the first node and closed after the last.
 
 The nodes (and rank 0 of the training workers, through the run id) log into it;
+MLflow itself (and what logs the data and the model) is imported when the run opens,
+after the run's checks (`tracking.pipeline_run`): a refused run never waits for it;
 where it goes is `tracking.project_server`'s choice, from the config that
 `pipelines/config_loader` reads. MLflow's system metrics
 (CPU, memory, and GPU where one is visible) are sampled from this process while
@@ -11,11 +13,10 @@ the run is open (`log_system_metrics`). The hook knows the nodes by their tags
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
-import mlflow
 from kedro.config import OmegaConfigLoader
 from kedro.framework.hooks import hook_impl
 
@@ -23,16 +24,10 @@ from meshtrain.config import ConfigError, RunParameters, read_group
 from meshtrain.pipelines.config_loader import mlflow_settings, project_tracking_server
 from meshtrain.pipelines.run_config import EVALUATES, TRAINS
 from meshtrain.refusals import refusal_in, show_refusals_plainly
-from meshtrain.tracking import mlflow_run as tracking
-from meshtrain.tracking.datasets import log_packed_blocks
-from meshtrain.tracking.model_logging import log_consolidated_model
-from meshtrain.tracking.project_server import DEFAULTS, server_refusals, use_tracking_server
-from meshtrain.tracking.servers import URI_VARIABLE, redact
+from meshtrain.tracking.project_server import DEFAULTS
 from meshtrain.training_summary import TrainingSummary
 
 logger = logging.getLogger(__name__)
-
-SAMPLING_VARIABLE = "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL"
 
 
 class MlflowRunHook:
@@ -45,6 +40,14 @@ class MlflowRunHook:
         self.started = False
         self.training_started = False
         self.logged_data = False
+
+    @staticmethod
+    def _runs() -> ModuleType:
+        """`tracking.pipeline_run`, imported when a run opens (it loads mlflow, datasets and
+        torch): the run's checks, which come first, refuse a typo without waiting for them."""
+        from meshtrain.tracking import pipeline_run  # noqa: PLC0415
+
+        return pipeline_run
 
     @hook_impl
     def after_context_created(self, context) -> None:
@@ -67,7 +70,7 @@ class MlflowRunHook:
             "kedro.env": run_params.get("env") or self.env or "local",
             "kedro.session_id": run_params.get("session_id", ""),
         }
-        commit = tracking.git_commit(self.project_path)
+        commit = self._runs().git_commit(self.project_path)
         if commit:
             tags["mlflow.source.git.commit"] = commit
         if run_params.get("runtime_params"):
@@ -87,33 +90,16 @@ class MlflowRunHook:
         server = project_tracking_server(
             self.config_loader, self.env, self.project_path, self.settings
         )
-        # (before mlflow.set_tracking_uri, which sets the variable for the workers)
-        entry = None if os.environ.get(URI_VARIABLE) else self.settings["credentials"]
-        use_tracking_server(server)
-        with server_refusals(server.uri, self.settings, entry):
-            experiment = mlflow.set_experiment(self.settings["experiment_name"])
-            tracking.mark_model_training(experiment.experiment_id)
-        if mlflow.active_run() is not None:
-            mlflow.end_run()
         pipeline_name = run_params.get("pipeline_name") or ",".join(
             run_params.get("pipeline_names") or ["__default__"]
         )
         run_name, tags = self._describe(pipeline_name, pipeline)
         tags |= self._tags(run_params, pipeline_name)
-        log_system_metrics = bool(self.settings["log_system_metrics"])
-        interval = self.settings["system_metrics_sampling_interval"]
-        if log_system_metrics and interval and not os.environ.get(SAMPLING_VARIABLE):
-            mlflow.set_system_metrics_sampling_interval(float(interval))
-        with server_refusals(server.uri, self.settings, entry):
-            mlflow.start_run(run_name=run_name, tags=tags, log_system_metrics=log_system_metrics)
+        run_id = self._runs().open_run(server, self.settings, run_name=run_name, tags=tags)
         self.started = True
         self.training_started = False
         self.logged_data = False
-        logger.info(
-            "MLflow run %s in %s",
-            mlflow.active_run().info.run_id,
-            redact(mlflow.get_tracking_uri()),
-        )
+        logger.info("MLflow run %s in %s", run_id, self._runs().tracking_uri())
 
     @staticmethod
     def _describe(pipeline_name: str, pipeline: Any) -> tuple[str, dict[str, str]]:
@@ -129,13 +115,13 @@ class MlflowRunHook:
         }
         trains = any(TRAINS in node.tags for node in pipeline.nodes)
         selected = {node.name for node in pipeline.nodes}
-        name, tags = tracking.describe_run(selected, nodes, trains=trains)
+        name, tags = MlflowRunHook._runs().describe_run(selected, nodes, trains=trains)
         return (pipeline_name if trains else name), tags
 
     @hook_impl
     def after_pipeline_run(self) -> None:
         if self.started:
-            mlflow.end_run("FINISHED")
+            self._runs().close_run("FINISHED")
             self.started = False
 
     @hook_impl
@@ -147,18 +133,19 @@ class MlflowRunHook:
             return
         if TRAINS in node.tags:
             self.training_started = True
-            log_packed_blocks(inputs["packed_blocks"], inputs["params:data"])  # data.* as given
+            # data.* as given
+            self._runs().log_packed_blocks(inputs["packed_blocks"], inputs["params:data"])
             self.logged_data = True
         elif EVALUATES in node.tags:
             if not self.logged_data:
-                log_packed_blocks(inputs["packed_blocks"], {}, splits=("validation",))
+                self._runs().log_packed_blocks(inputs["packed_blocks"], {}, splits=("validation",))
             self._log_model(inputs)
 
     def _log_model(self, inputs: dict[str, Any]) -> None:
         if not read_group("evaluation", inputs["params:evaluation"]).log_model:
             return
         layout = TrainingSummary.from_dict(inputs["training_summary"]).layout_name
-        log_consolidated_model(
+        self._runs().log_consolidated_model(
             inputs["consolidation_summary"]["output_dir"],
             registered_model_name=self.settings["registered_model_name"],
             tags={"meshtrain.layout": layout} if layout else {},
@@ -173,6 +160,6 @@ class MlflowRunHook:
         if refusal is not None and not self.training_started:
             # A mistake refused before training (an impossible layout, a stale plan):
             # no run left in the runs list (docs/tracking.md).
-            tracking.discard_refused_run(refusal)
+            self._runs().discard_refused_run(refusal)
         else:
-            mlflow.end_run("FAILED")
+            self._runs().close_run("FAILED")

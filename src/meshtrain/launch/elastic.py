@@ -33,8 +33,8 @@ from torch.distributed.launcher.api import LaunchConfig as ElasticLaunchConfig
 from torch.distributed.launcher.api import elastic_launch
 
 from meshtrain.config import LaunchConfig, Refused, split_endpoint
-from meshtrain.launch.network import NodeAddress, worker_interface
-from meshtrain.launch.rendezvous import NodeLiveness, NodeRankRendezvous, free_port, is_loopback
+from meshtrain.launch.network import NodeAddress, is_loopback, worker_interface
+from meshtrain.launch.rendezvous import NodeLiveness, NodeRankRendezvous, free_port
 
 # How long the launchers wait for every node to join: nodes of one job may start minutes
 # apart (container pulls, a slow shared filesystem), but a missing node must not hang forever.

@@ -19,6 +19,7 @@ name goes to the workers as both `GLOO_SOCKET_IFNAME` / `NCCL_SOCKET_IFNAME`.
 from __future__ import annotations
 
 import errno
+import ipaddress
 import os
 import socket
 import time
@@ -29,7 +30,6 @@ from dataclasses import dataclass
 import psutil
 
 from meshtrain.config import ConfigError, LaunchConfig, split_endpoint
-from meshtrain.launch.rendezvous import is_loopback
 
 # How long a node other than node 0 keeps trying to reach the rendezvous endpoint when
 # its packets go unanswered (a wrong address, a firewall that drops, a link that is
@@ -56,6 +56,16 @@ class NodeAddress:
             f"node {node_rank}: network interface {self.interface} ({self.address}), "
             f"chosen by {self.chosen_by}"
         )
+
+
+def is_loopback(host: str) -> bool:
+    """True for `localhost` and 127.x / ::1: every node of the job is on this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def interface_addresses() -> dict[str, list[str]]:

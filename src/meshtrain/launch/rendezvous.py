@@ -9,7 +9,6 @@ manifests, is on node 0.
 
 from __future__ import annotations
 
-import ipaddress
 import socket
 import threading
 import time
@@ -43,16 +42,6 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def is_loopback(host: str) -> bool:
-    """True for `localhost` and 127.x / ::1: every node of the job is on this machine."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 class NodeRankRendezvous(RendezvousHandler):

@@ -1,13 +1,24 @@
-"""Kedro datasets for what the engine produces: `datasets` folders and tokenizers."""
+"""Kedro datasets for what the engine produces: `datasets` folders and tokenizers.
+
+Kedro builds the catalog before the run's checks: the libraries that read and write
+these folders are imported when a node loads one, not with the catalog."""
 
 from __future__ import annotations
 
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import datasets
 from kedro.io import AbstractDataset
+
+if TYPE_CHECKING:
+    import datasets
+
+# What the nodes pass between them, named without importing `datasets`: Kedro resolves
+# the nodes' annotations when it builds the pipelines, before the run's checks.
+Rows = Any  # a `datasets.Dataset`: the corpus or the examples, one per row
+Splits = Mapping[str, Any]  # a `datasets.DatasetDict`: the "train" and "validation" blocks
 
 
 class StagedFolder(AbstractDataset[Any, Any]):
@@ -65,7 +76,9 @@ class HFDiskDataset(StagedFolder):
     """A `datasets.Dataset` or `DatasetDict` saved with `save_to_disk` (memory-mapped on load)."""
 
     def load(self) -> datasets.Dataset | datasets.DatasetDict:
-        return datasets.load_from_disk(str(self._current))
+        from datasets import load_from_disk  # noqa: PLC0415
+
+        return load_from_disk(str(self._current))
 
     def _write(self, data: datasets.Dataset | datasets.DatasetDict, folder: Path) -> None:
         data.save_to_disk(str(folder))

@@ -11,9 +11,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from meshtrain.config import Refused
+from meshtrain.config import Refused, RunParameters
 from meshtrain.pipelines.run_config import TRAINS
-from meshtrain.preflight import preflight
 
 
 class MissingInputError(Refused):
@@ -23,14 +22,20 @@ class MissingInputError(Refused):
 
 def check_parameters(params: Mapping[str, Any], pipeline: Any) -> list[str]:
     """Check every parameter group `pipeline`'s nodes read, as the nodes will, before any
-    node runs (`meshtrain.preflight`); returns the warnings to show."""
+    node runs: each group's own checks, then this machine's and its files'
+    (`meshtrain.preflight`); returns the warnings to show."""
     used = {
         name.removeprefix("params:").split(".")[0]
         for name in pipeline.inputs()
         if name.startswith("params:")
     }
     trains = any(TRAINS in node.tags for node in pipeline.nodes)
-    return preflight(params, used, trains=trains)
+    parameters = RunParameters(params).parse(used)
+    # (imported here, once the groups parse: the machine checks load torch and
+    # transformers, which a refused typo should not wait for)
+    from meshtrain.preflight import preflight  # noqa: PLC0415
+
+    return preflight(parameters, used, trains=trains)
 
 
 def _where(catalog: Any, name: str, project_path: str | None) -> str:

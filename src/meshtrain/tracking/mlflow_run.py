@@ -16,6 +16,7 @@ from typing import Any
 
 from meshtrain.offline import disable_telemetry
 from meshtrain.tracking.rank_metrics import TrackingTarget
+from meshtrain.tracking.sweep import SWEEP_TAG
 
 disable_telemetry()  # before mlflow is imported
 
@@ -164,7 +165,6 @@ def git_commit(project_path: Path) -> str | None:
 
 
 REFUSED_TAG = "meshtrain.refused"
-SWEEP_TAG = "meshtrain.sweep"  # as tracking.sweep names it (that module imports pandas)
 
 
 def discard_refused_run(refusal: BaseException) -> None:

@@ -1,23 +1,19 @@
-"""Node: score the consolidated model with plain transformers and report it."""
+"""Node: score the consolidated model with plain transformers and report it (the engine
+imported when the node runs: Kedro imports every pipeline before the run's checks)."""
 
 from __future__ import annotations
 
 import math
 from typing import Any
 
-import datasets
-
-from meshtrain.benchmarks import run_lm_eval
 from meshtrain.config import EvaluationConfig, read_group
-from meshtrain.data.blocks import is_packed
-from meshtrain.evaluation import evaluate_model
-from meshtrain.tracking import mlflow_run as tracking
+from meshtrain.pipelines.catalog_io import Splits
 from meshtrain.training_summary import TrainingSummary
 
 
 def evaluate(
     consolidation_summary: dict[str, Any],
-    packed_blocks: datasets.DatasetDict,
+    packed_blocks: Splits,
     training_summary: dict[str, Any],
     evaluation: dict[str, Any],
 ) -> dict[str, Any]:
@@ -29,6 +25,13 @@ def evaluate(
     reference and response of fine-tuning examples) and the lm-evaluation-harness
     scores.
     """
+    # (imported when the node runs: a run refused by its checks, which come first, never
+    # loads torch, transformers or mlflow)
+    from meshtrain.benchmarks import run_lm_eval  # noqa: PLC0415
+    from meshtrain.data.blocks import is_packed  # noqa: PLC0415
+    from meshtrain.evaluation import evaluate_model  # noqa: PLC0415
+    from meshtrain.tracking import mlflow_run as tracking  # noqa: PLC0415
+
     cfg: EvaluationConfig = read_group("evaluation", evaluation)
     trained = TrainingSummary.from_dict(training_summary)
     validation = packed_blocks["validation"]

@@ -1,26 +1,31 @@
-"""Node: resolve and validate the parallel layout before any worker exists."""
+"""Node: resolve and validate the parallel layout before any worker exists.
+
+Node modules import the engine inside the node: Kedro imports every pipeline before
+the run's checks, and those should refuse a typo without waiting for torch."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
 
-import datasets
-
-from meshtrain.dryrun.command import dry_run_plan
+from meshtrain.pipelines.catalog_io import Splits
 from meshtrain.pipelines.run_config import run_config
-from meshtrain.planner.resolve import plan_for_run
-from meshtrain.tracking import mlflow_run as tracking
 
 
 def plan_layout(
-    tokenizer: Any, packed_blocks: datasets.DatasetDict, **parameters: dict[str, Any]
+    tokenizer: Any, packed_blocks: Splits, **parameters: dict[str, Any]
 ) -> dict[str, Any]:
     """Args: tokenizer, blocks and the run's parameter groups (`params:parallel`, ...).
 
     Returns: `plan.json`'s content, with the hash of what it was made from.
     Raises `LayoutError` naming each refused parameter and a value that works.
     """
+    # (imported when the node runs: a run refused by its checks, which come first, never
+    # loads torch, transformers or mlflow)
+    from meshtrain.dryrun.command import dry_run_plan  # noqa: PLC0415
+    from meshtrain.planner.resolve import plan_for_run  # noqa: PLC0415
+    from meshtrain.tracking import mlflow_run as tracking  # noqa: PLC0415
+
     run = run_config(parameters)
     plan = plan_for_run(
         run,

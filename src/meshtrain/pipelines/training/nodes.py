@@ -2,28 +2,22 @@
 
 On several nodes every node runs this pipeline with its own `launch.node_rank`;
 only node 0 records to MLflow (its rank 0 logs the metrics), the others train
-and return the same summary.
+and return the same summary. The engine is imported when the node runs (Kedro imports
+every pipeline before the run's checks, which should not wait for torch).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import datasets
-
-from meshtrain.data.blocks import arrow_files
-from meshtrain.launch.backends import check_backend_available
-from meshtrain.launch.job import run_training
+from meshtrain.pipelines.catalog_io import Splits
 from meshtrain.pipelines.run_config import run_config
-from meshtrain.planner import Plan
-from meshtrain.planner.plan_inputs import check_plan_matches, plan_inputs_hash
-from meshtrain.tracking import mlflow_run as tracking
 from meshtrain.training_summary import TrainingSummary
 
 
 def train_model(
     plan: dict[str, Any],
-    packed_blocks: datasets.DatasetDict,
+    packed_blocks: Splits,
     tokenizer: Any,
     **parameters: dict[str, Any],
 ) -> dict[str, Any]:
@@ -33,6 +27,15 @@ def train_model(
     Refuses a plan.json made from other parameters or data (its hash differs), before
     any worker starts; the planner does not run again here.
     """
+    # (imported when the node runs: a run refused by its checks, which come first, never
+    # loads torch, transformers or mlflow)
+    from meshtrain.data.blocks import arrow_files  # noqa: PLC0415
+    from meshtrain.launch.backends import check_backend_available  # noqa: PLC0415
+    from meshtrain.launch.job import run_training  # noqa: PLC0415
+    from meshtrain.planner import Plan  # noqa: PLC0415
+    from meshtrain.planner.plan_inputs import check_plan_matches, plan_inputs_hash  # noqa: PLC0415
+    from meshtrain.tracking import mlflow_run as tracking  # noqa: PLC0415
+
     run = run_config(parameters)
     resolved = Plan.from_dict(plan)
     current = plan_inputs_hash(
