@@ -14,6 +14,8 @@ from typing import Any
 
 import pytest
 
+import meshtrain.data.blocks
+import meshtrain.launch.job
 import meshtrain.planner.resolve
 import meshtrain.planner.search
 from meshtrain.config import RUN_GROUPS, RunConfig
@@ -147,9 +149,10 @@ def _train(monkeypatch: pytest.MonkeyPatch, plan: Plan, params: dict[str, Any]) 
     monkeypatch.setattr(meshtrain.planner.search, "plan_run", no_search)
     monkeypatch.setattr(meshtrain.planner.resolve, "plan_run", no_search)
     monkeypatch.setattr(meshtrain.planner.resolve, "plan_for_run", no_search)
-    monkeypatch.setattr(training_nodes, "arrow_files", lambda split: [])
+    # (the node imports these when it runs: patched where they live)
+    monkeypatch.setattr(meshtrain.data.blocks, "arrow_files", lambda split: [])
     monkeypatch.setattr(
-        training_nodes,
+        meshtrain.launch.job,
         "run_training",
         lambda run, resolved, **kwargs: {"layout_name": resolved.layout.name, "converters": []},
     )
