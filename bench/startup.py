@@ -1,23 +1,31 @@
-"""Start-up: how long a user waits before meshtrain answers, this tree against another.
+"""Start-up: how long a user waits before meshtrain answers, and before ranks are ready.
 
-Each figure is the wall time of a whole command, as a user meets it, run `--repeats`
-times on each side: another commit (`--base`, checked out in a temporary git worktree
-and run with this venv, its own `src/` first on the path), this tree, and this tree
-again (the A/A control: what the machine's noise alone moves). The order of the sides
-reverses on odd repeats. Printed: min / median / max per side, and the ratios of the
-medians.
-
-    .venv/bin/python bench/startup.py --base 014483f        # ~3 min on 2 cores
-
-The commands:
+Commands, this tree against another commit: each figure is the wall time of a whole
+command, as a user meets it, run `--repeats` times on each side: the other commit
+(`--base`, checked out in a temporary git worktree and run with this venv, its own
+`src/` first on the path), this tree, and this tree again (the A/A control: what the
+machine's noise alone moves). The order of the sides reverses on odd repeats.
 - refused: `kedro run --params consolidation.dtype=int8`, refused before any node;
 - plan: `python -m meshtrain plan` for Llama-3.1-8B on 8 H100s (README's example).
+
+Ranks, at 2 and 4 ranks on this machine: seconds from `run_workers` until every rank
+has imported the trainer (the rest of the way to the first step is the same either
+way), and the ranks' memory with the warm server's (the sum of their proportional set
+sizes, which counts a page shared copy-on-write once, and of their resident sets), for
+ranks spawned
+(`launch.warm_ranks=false`), forked from a warm server started for the launch (a `kedro
+run`), from a server already running (a test session), and spawned again (A/A).
+
+Printed: min / median / max per side, and the ratios of the medians.
+
+    .venv/bin/python bench/startup.py --base 014483f        # ~8 min on 2 cores
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import multiprocessing.forkserver as forkserver
 import os
 import statistics
 import subprocess
@@ -26,6 +34,12 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
+
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from meshtrain.config import LaunchConfig
+from meshtrain.launch.elastic import run_workers
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -98,20 +112,97 @@ def summary(values: list[float]) -> str:
     return f"{min(values):5.2f} / {statistics.median(values):5.2f} / {max(values):5.2f} s"
 
 
+@record
+def rank_ready() -> dict[str, Any]:
+    """On a rank: import what a training rank imports; when, and the rank's memory."""
+    import meshtrain.launch.worker  # noqa: F401, PLC0415  (a no-op on a warm rank)
+
+    return {"ready": time.time(), **memory_mib(os.getpid())}
+
+
+def memory_mib(pid: int) -> dict[str, float]:
+    """A process's proportional and resident set sizes, in MiB."""
+    rollup = Path(f"/proc/{pid}/smaps_rollup").read_text().split("\n")
+    kib = {line.split(":")[0]: int(line.split()[1]) for line in rollup if line.endswith("kB")}
+    return {"pss": kib["Pss"] / 1024, "rss": kib["Rss"] / 1024}
+
+
+def launch_ranks(world: int, side: str, root: Path) -> tuple[float, float, float]:
+    """(seconds until every rank is ready, MiB of PSS, MiB of RSS): the ranks' summed,
+    with the warm server's (which holds the pages they share)."""
+    if side == "warm, server started for the launch":
+        forkserver._forkserver._stop()
+    warm = side.startswith("warm")
+    launch = LaunchConfig(nproc_per_node=world, warm_ranks=warm)
+    start = time.time()
+    ranks = run_workers(rank_ready, (), launch, log_dir=root / "logs", run_id="startup")
+    ready = max(r["ready"] for r in ranks.values()) - start
+    memory = list(ranks.values())
+    if warm:
+        memory.append(memory_mib(forkserver._forkserver._forkserver_pid))
+    return ready, sum(m["pss"] for m in memory), sum(m["rss"] for m in memory)
+
+
+RANK_SIDES = (
+    "spawned",
+    "warm, server started for the launch",
+    "warm, server running",
+    "spawned again",
+)
+
+
+def rank_figures(repeats: int) -> None:
+    with tempfile.TemporaryDirectory(prefix="mt-ranks-") as tmp:
+        for world in (2, 4):
+            ready: dict[str, list[float]] = {side: [] for side in RANK_SIDES}
+            pss: dict[str, list[float]] = {side: [] for side in RANK_SIDES}
+            rss: dict[str, list[float]] = {side: [] for side in RANK_SIDES}
+            for repeat in range(repeats):
+                order = RANK_SIDES if repeat % 2 == 0 else tuple(reversed(RANK_SIDES))
+                for side in order:
+                    seconds, pss_mib, rss_mib = launch_ranks(world, side, Path(tmp))
+                    ready[side].append(seconds)
+                    pss[side].append(pss_mib)
+                    rss[side].append(rss_mib)
+            print(f"ranks ready, {world} ranks (min / median / max of {repeats})")
+            for side in RANK_SIDES:
+                print(
+                    f"  {side:<36} {summary(ready[side])}; PSS "
+                    f"{statistics.median(pss[side]):,.0f} MiB, RSS "
+                    f"{statistics.median(rss[side]):,.0f} MiB (medians, ranks and server)"
+                )
+            median = {side: statistics.median(values) for side, values in ready.items()}
+            spawned = median["spawned"]
+            print(
+                f"  warm / spawned: server started {median[RANK_SIDES[1]] / spawned:.2f}, "
+                f"running {median[RANK_SIDES[2]] / spawned:.2f}; "
+                f"A/A {median['spawned again'] / spawned:.2f}",
+                flush=True,
+            )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--base", required=True, help="the commit to compare with")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--only", choices=("commands", "ranks"), default=None)
     args = parser.parse_args()
-    with worktree(args.base) as base:
+    if args.only != "ranks":
+        command_figures(args.base, args.repeats)
+    if args.only != "commands":
+        rank_figures(args.repeats)
+
+
+def command_figures(base_rev: str, repeats: int) -> None:
+    with worktree(base_rev) as base:
         sides = (("base", base), ("this tree", ROOT), ("this tree again", ROOT))
         for name, (command, expect) in COMMANDS.items():
             times: dict[str, list[float]] = {side: [] for side, _ in sides}
-            for repeat in range(args.repeats):
+            for repeat in range(repeats):
                 order = sides if repeat % 2 == 0 else tuple(reversed(sides))
                 for side, tree in order:
                     times[side].append(timed(tree, command, expect))
-            print(f"{name} (min / median / max of {args.repeats})")
+            print(f"{name} (min / median / max of {repeats})")
             for side, values in times.items():
                 print(f"  {side:<16} {summary(values)}")
             median = {side: statistics.median(values) for side, values in times.items()}

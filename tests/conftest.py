@@ -81,3 +81,25 @@ def packed_blocks(tmp_path_factory) -> datasets.DatasetDict:
     from tests.distributed.packed import build_packed_blocks
 
     return build_packed_blocks(tmp_path_factory.mktemp("sft") / "packed")
+
+
+def worker_processes(launcher: int) -> list[int]:
+    """The ranks `launcher` runs: its spawned children, or the children of its warm-rank
+    server (`launch.warm`, a forkserver: the ranks' parent). multiprocessing's resource
+    tracker and the server itself are no workers."""
+    workers = []
+    for pid, cmdline in child_processes(launcher):
+        if "multiprocessing.forkserver" in cmdline:
+            workers += [child for child, _ in child_processes(pid)]
+        elif "spawn_main" in cmdline and "resource_tracker" not in cmdline:
+            workers.append(pid)
+    return workers
+
+
+def is_alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"

@@ -22,7 +22,7 @@ from meshtrain.config import LaunchConfig, split_endpoint
 from meshtrain.launch.elastic import StuckRankError, WorkerFailedError, run_workers
 from meshtrain.launch.network import is_loopback
 from meshtrain.launch.rendezvous import free_port
-from tests.conftest import child_processes
+from tests.conftest import worker_processes
 
 
 @record
@@ -45,11 +45,6 @@ def all_reduce_forever(pid_file: str, timeout_s: float) -> int:
     while True:
         dist.all_reduce(value)
         time.sleep(0.01)
-
-
-def _children_of(pid: int) -> list[tuple[int, str]]:
-    # multiprocessing's resource tracker lives as long as the parent; it is no worker.
-    return [(c, cmd) for c, cmd in child_processes(pid) if "resource_tracker" not in cmd]
 
 
 @pytest.mark.slow
@@ -77,9 +72,9 @@ def test_a_crashing_rank_fails_the_launch_with_its_error(tmp_path: Path):
     assert time.monotonic() - started < 120
     # Allow the OS a moment to finish reaping; a left-behind worker would stay.
     deadline = time.monotonic() + 15
-    while _children_of(os.getpid()) and time.monotonic() < deadline:
+    while worker_processes(os.getpid()) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert _children_of(os.getpid()) == []
+    assert worker_processes(os.getpid()) == []
 
 
 @pytest.mark.parametrize(
@@ -171,6 +166,6 @@ def test_a_stopped_rank_fails_the_job_within_the_timeout_naming_it(tmp_path: Pat
     assert "launch.collective_timeout_s=5 s" in str(caught.value)
     assert time.monotonic() - started < 90
     deadline = time.monotonic() + 15
-    while _children_of(os.getpid()) and time.monotonic() < deadline:
+    while worker_processes(os.getpid()) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert _children_of(os.getpid()) == []
+    assert worker_processes(os.getpid()) == []

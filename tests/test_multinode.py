@@ -29,7 +29,7 @@ from meshtrain.launch.job import make_worker_spec, run_training
 from meshtrain.launch.rendezvous import free_port
 from meshtrain.models import build_model_config
 from meshtrain.planner import Plan, plan_run
-from tests.conftest import TINY_BLOCK, TINY_MODEL, TINY_VOCAB, child_processes
+from tests.conftest import TINY_BLOCK, TINY_MODEL, TINY_VOCAB, is_alive, worker_processes
 from tests.distributed.reference import TRAINING
 
 REPO = Path(__file__).resolve().parents[1]
@@ -174,7 +174,7 @@ def test_a_killed_node_fails_the_other_node_without_hanging(tiny_blocks, tmp_pat
             assert node0.poll() is None and node1.poll() is None, log0.read_text()[-3000:]
             assert time.monotonic() < deadline, "training did not start:\n" + log0.read_text()
             time.sleep(0.2)
-        workers = [pid for node in nodes for pid, _ in workers_of(node.pid)]
+        workers = [pid for node in nodes for pid in workers_of(node.pid)]
         assert len(workers) == 2
 
         node1.kill()  # SIGKILL of node 1's launcher only: its workers are not told
@@ -189,25 +189,16 @@ def test_a_killed_node_fails_the_other_node_without_hanging(tiny_blocks, tmp_pat
 
         # No worker of either node is left (node 1's were orphaned by the kill).
         deadline = time.monotonic() + 20
-        while [pid for pid in workers if _alive(pid)] and time.monotonic() < deadline:
+        while [pid for pid in workers if is_alive(pid)] and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert [pid for pid in workers if _alive(pid)] == []
+        assert [pid for pid in workers if is_alive(pid)] == []
     finally:
         end(nodes)
     print(f"node 0 failed {took:.1f} s after node 1's launcher was killed")
 
 
-def workers_of(pid: int) -> list[tuple[int, str]]:
-    # multiprocessing's resource tracker lives as long as the launcher; it is no worker.
-    return [(c, cmd) for c, cmd in child_processes(pid) if "resource_tracker" not in cmd]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2] != "Z"
+def workers_of(pid: int) -> list[int]:
+    return worker_processes(pid)
 
 
 LAUNCH_REFUSALS: dict[str, tuple[dict[str, Any], str]] = {

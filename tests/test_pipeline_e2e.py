@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM
 
 from meshtrain.config import TrainingConfig
 from meshtrain.models.converters import converter_names
-from tests.conftest import child_processes
+from tests.conftest import worker_processes
 from tests.kedro_project import (
     KEDRO,
     SMALL_RUN,
@@ -339,15 +339,6 @@ def test_context_parallel_run_is_tracked_and_equals_the_default_run(project: Pat
         assert (got[key] - want).norm() / want.norm() <= 1e-5, key
 
 
-def _spawned_workers(parent: int) -> list[int]:
-    """Worker processes (multiprocessing spawn children) of the kedro process `parent`."""
-    return [
-        pid
-        for pid, cmdline in child_processes(parent)
-        if "spawn_main" in cmdline and "resource_tracker" not in cmdline
-    ]
-
-
 @pytest.mark.slow
 def test_a_killed_run_resumes_to_the_weights_of_an_uninterrupted_one(
     project: Path, default_run, tmp_path: Path
@@ -384,7 +375,7 @@ def test_a_killed_run_resumes_to_the_weights_of_an_uninterrupted_one(
         assert process.poll() is None, "the run ended before its first checkpoint"
         assert time.monotonic() < deadline
         time.sleep(0.02)
-    workers = _spawned_workers(process.pid)
+    workers = worker_processes(process.pid)
     assert len(workers) == 2
     os.kill(workers[1], signal.SIGKILL)
     assert process.wait(timeout=300) != 0

@@ -34,6 +34,9 @@ class LaunchConfig:
     shutdown_grace_s: float = 120.0
     # How long a collective waits for a rank that makes no progress before the job fails.
     collective_timeout_s: float = 600.0
+    # Ranks forked from a server that imported torch and the engine once (`launch/warm.py`);
+    # false: each rank is spawned and imports them itself.
+    warm_ranks: bool = True
 
     @property
     def world_size(self) -> int:

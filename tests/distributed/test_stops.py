@@ -1,5 +1,6 @@
 """A run stops on purpose and loses nothing: a stop signal (SIGUSR1 to the launcher, as
-SLURM sends before a time limit; SIGTERM to one worker only, as a node's preemption)
+SLURM sends before a time limit, or to the whole process group; SIGTERM to one worker
+only, as a node's preemption)
 finishes the step, writes a complete checkpoint and ends the job with one line saying
 how to resume, and the resumed run is bitwise the uninterrupted one; a diverging run
 stops before applying a non-finite step, and every checkpoint it leaves is finite; a
@@ -25,17 +26,13 @@ from meshtrain.checkpoint.space import CheckpointSpaceError, named_write_errors
 from meshtrain.config import Refused
 from meshtrain.data.blocks import arrow_files
 from meshtrain.launch.job import make_worker_spec, run_training
-from tests.conftest import child_processes
+from tests.conftest import worker_processes
 from tests.distributed.reference import run_group
 from tests.distributed.stop_run import plan_for, stop_run_config
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 2000  # far more than run before the signal lands
 SIGNAL_AT = f"/{STEPS} ("  # rank 0's first progress line (every 5% of the steps)
-
-
-def _workers(pid: int) -> list[int]:
-    return [c for c, cmd in child_processes(pid) if "resource_tracker" not in cmd]
 
 
 def _run_until_signalled(blocks: Path, out: Path, send) -> tuple[int, str, float]:
@@ -48,6 +45,7 @@ def _run_until_signalled(blocks: Path, out: Path, send) -> tuple[int, str, float
         stderr=subprocess.STDOUT,
         text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        start_new_session=True,  # its own process group, as a SLURM step's
     )
     lines, sent = [], None
     for line in process.stdout:
@@ -99,11 +97,21 @@ def test_stop_signals_checkpoint_and_resume_bitwise(tiny_blocks, tmp_path: Path)
         assert stopped >= STEPS // 20 and seconds < 60
         # SIGTERM to one worker only: the ranks agree on it at the end of the step.
         code, output, seconds = _run_until_signalled(
-            blocks, tmp_path / "term", lambda p: os.kill(max(_workers(p.pid)), signal.SIGTERM)
+            blocks,
+            tmp_path / "term",
+            lambda p: os.kill(max(worker_processes(p.pid)), signal.SIGTERM),
         )
         assert code == 3, output[-3000:]
         assert "STOPPED: training stopped by SIGTERM" in output and seconds < 60
         assert _stopped_step(tmp_path / "term") >= STEPS // 20
+        # SIGUSR1 to the whole process group, as SLURM signals every process of a step:
+        # the launcher, every rank and the warm-rank server (`launch.warm`), which holds it.
+        code, output, seconds = _run_until_signalled(
+            blocks, tmp_path / "group", lambda p: os.killpg(p.pid, signal.SIGUSR1)
+        )
+        assert code == 3, output[-3000:]
+        assert "STOPPED: training stopped by SIGUSR1" in output and seconds < 60
+        assert _stopped_step(tmp_path / "group") >= STEPS // 20
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)

@@ -1,7 +1,9 @@
 """Start one worker process per rank with torch elastic, and wait for all of them.
 
 This is torchrun's machinery called as a function: c10d rendezvous (so the
-same code spans several nodes), `spawn` start method, per-rank log files. A
+same code spans several nodes), ranks forked from a warm server that imported the
+engine once (`launch.warm`; spawned where `launch.warm_ranks` is off), per-rank log
+files. A
 rank that raises makes the launcher stop the other ranks and raise
 `WorkerFailedError` with that rank's own error message, so nothing hangs and
 no worker is left behind.
@@ -35,6 +37,7 @@ from torch.distributed.launcher.api import elastic_launch
 from meshtrain.config import LaunchConfig, Refused, split_endpoint
 from meshtrain.launch.network import NodeAddress, is_loopback, worker_interface
 from meshtrain.launch.rendezvous import NodeLiveness, NodeRankRendezvous, free_port
+from meshtrain.launch.warm import Launcher, start_method, warm_rank
 
 # How long the launchers wait for every node to join: nodes of one job may start minutes
 # apart (container pulls, a slow shared filesystem), but a missing node must not hang forever.
@@ -101,9 +104,12 @@ def _launch(
     run_id: str,
     node: NodeAddress | None,
 ) -> dict[int, Any]:
+    method = start_method(launch.warm_ranks)
     if launch.nnodes == 1:
+        target, target_args = _entry(method, entrypoint, args)
         try:
-            return elastic_launch(_one_node_config(launch, log_dir, run_id), entrypoint)(*args)
+            config = _one_node_config(launch, log_dir, run_id, method)
+            return elastic_launch(config, target)(*target_args)
         except ChildFailedError as error:
             failures = _all_failures(error)
             raise _stuck_ranks(failures, launch) or _failure_error(
@@ -111,8 +117,9 @@ def _launch(
             ) from None
     liveness = NodeLiveness()
     try:
-        config = _multi_node_config(launch, log_dir, run_id, node, liveness)
-        returned = elastic_launch(config, _run_and_share)(entrypoint, args)
+        config = _multi_node_config(launch, log_dir, run_id, node, liveness, method)
+        target, target_args = _entry(method, _run_and_share, (entrypoint, args))
+        returned = elastic_launch(config, target)(*target_args)
     except ChildFailedError as error:
         raise _node_failure(error, launch, log_dir, liveness.silent()) from None
     except RendezvousTimeoutError as error:
@@ -135,8 +142,21 @@ def _launch(
     return results
 
 
-def _common_settings(launch: LaunchConfig, log_dir: Path, run_id: str) -> dict[str, Any]:
-    """torchrun's settings shared by one and several nodes: spawn, per-rank log files."""
+def _entry(
+    method: str, entrypoint: Callable[..., Any], args: tuple[Any, ...]
+) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+    """What torch elastic runs on each rank: forked from the warm server, the entrypoint
+    behind `warm.warm_rank`, which makes the rank a fresh process first."""
+    if method == "forkserver":
+        return warm_rank, (Launcher.here(), entrypoint, args)
+    return entrypoint, args
+
+
+def _common_settings(
+    launch: LaunchConfig, log_dir: Path, run_id: str, method: str
+) -> dict[str, Any]:
+    """torchrun's settings shared by one and several nodes: how ranks start (spawned, or
+    forked from the warm server: `launch.warm`), per-rank log files."""
     return {
         "min_nodes": launch.nnodes,
         "max_nodes": launch.nnodes,
@@ -147,7 +167,7 @@ def _common_settings(launch: LaunchConfig, log_dir: Path, run_id: str) -> dict[s
         # A stop signal is forwarded to the workers, which checkpoint within this grace.
         "shutdown_timeout": math.ceil(launch.shutdown_grace_s),
         "signals_to_handle": STOP_SIGNALS,
-        "start_method": "spawn",
+        "start_method": method,
         "logs_specs": DefaultLogsSpecs(log_dir=str(log_dir), tee=Std.ALL),
         "log_line_prefix_template": "[rank${rank}] ",
     }
@@ -164,9 +184,11 @@ def _supported(settings: dict[str, Any]) -> dict[str, Any]:
     return {name: value for name, value in settings.items() if name in known}
 
 
-def _one_node_config(launch: LaunchConfig, log_dir: Path, run_id: str) -> ElasticLaunchConfig:
+def _one_node_config(
+    launch: LaunchConfig, log_dir: Path, run_id: str, method: str
+) -> ElasticLaunchConfig:
     return ElasticLaunchConfig(
-        **_supported(_common_settings(launch, log_dir, run_id)),
+        **_supported(_common_settings(launch, log_dir, run_id, method)),
         rdzv_backend="c10d",
         rdzv_endpoint=launch.rdzv_endpoint or f"127.0.0.1:{free_port()}",
         rdzv_configs={"join_timeout": JOIN_TIMEOUT_S},
@@ -180,6 +202,7 @@ def _multi_node_config(
     run_id: str,
     node: NodeAddress | None,
     liveness: NodeLiveness,
+    method: str,
 ) -> ElasticLaunchConfig:
     host, port = split_endpoint(launch.rdzv_endpoint or "")
     # The address the other nodes reach this one at (its workers' MASTER_ADDR when it
@@ -187,7 +210,7 @@ def _multi_node_config(
     # the host name, which often resolves to 127.0.0.1 or 127.0.1.1 (`launch.network`).
     local_addr = node.address if node is not None else "127.0.0.1" if is_loopback(host) else None
     return ElasticLaunchConfig(
-        **_supported(_common_settings(launch, log_dir, run_id)),
+        **_supported(_common_settings(launch, log_dir, run_id, method)),
         rdzv_backend=NodeRankRendezvous.BACKEND,
         rdzv_endpoint=f"[{host}]:{port}" if ":" in host else f"{host}:{port}",
         rdzv_configs={

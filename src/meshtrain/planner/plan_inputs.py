@@ -53,6 +53,7 @@ NOT_PLANNED: dict[str, frozenset[str]] = {
             "monitor_interval",
             "shutdown_grace_s",
             "collective_timeout_s",
+            "warm_ranks",
         }
     ),
     "data": frozenset({"num_proc"}),

@@ -1,0 +1,118 @@
+"""Warm ranks (`launch.warm`): forked from a server that imported the engine once, and
+otherwise what a spawned rank is: a fresh signal mask and dispositions, the launcher's
+environment and working directory at this launch, and no life after its launcher."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from meshtrain.config import LaunchConfig
+from meshtrain.launch import warm
+from meshtrain.launch.elastic import run_workers
+from tests.conftest import child_processes, is_alive, worker_processes
+
+ROOT = Path(__file__).resolve().parents[1]
+PROBE = "MESHTRAIN_TEST_PROBE"
+
+pytestmark = pytest.mark.skipif(not warm.supported(), reason="warm ranks need Linux's pidfd")
+
+
+@record
+def report() -> dict:
+    """What a rank finds when its entrypoint starts."""
+    return {
+        "preloaded": "meshtrain.trainer" in sys.modules,
+        "parent": os.getppid(),
+        "blocked": sorted(signal.pthread_sigmask(signal.SIG_BLOCK, [])),
+        "handlers": {s.name: signal.getsignal(s) for s in warm.STOP_SIGNALS},
+        "probe": os.environ.get(PROBE),
+        "rank": os.environ["RANK"],
+        "cwd": os.getcwd(),
+    }
+
+
+@record
+def sleep_forever(folder: str) -> None:
+    Path(folder, f"rank-{os.environ['RANK']}.pid").write_text(str(os.getpid()))
+    time.sleep(3600)
+
+
+def _launch(tmp_path: Path, name: str, warm_ranks: bool = True) -> dict[int, dict]:
+    launch = LaunchConfig(nproc_per_node=2, warm_ranks=warm_ranks)
+    return run_workers(report, (), launch, log_dir=tmp_path / name, run_id=name)
+
+
+@pytest.mark.slow
+def test_a_warm_rank_is_forked_warm_and_starts_as_a_spawned_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(PROBE, "first")
+    first = _launch(tmp_path, "first")
+    monkeypatch.setenv(PROBE, "second")  # the server started with "first": it is replaced
+    second = _launch(tmp_path, "second")
+    spawned = _launch(tmp_path, "spawned", warm_ranks=False)
+
+    for rank in (0, 1):
+        for seen, probe in ((first[rank], "first"), (second[rank], "second")):
+            assert seen["preloaded"] and seen["parent"] != os.getpid()  # the server's child
+            assert seen["probe"] == probe and seen["rank"] == str(rank)
+            assert seen["cwd"] == str(tmp_path)
+            assert seen["blocked"] == []
+            assert seen["handlers"] == spawned[rank]["handlers"]
+        assert not spawned[rank]["preloaded"] and spawned[rank]["parent"] == os.getpid()
+    assert spawned[0]["handlers"]["SIGUSR1"] == signal.SIG_DFL
+    assert spawned[0]["handlers"]["SIGINT"] == signal.default_int_handler
+    assert worker_processes(os.getpid()) == []
+
+
+@pytest.mark.slow
+def test_no_warm_rank_outlives_a_killed_launcher_and_the_server_ignores_stop_signals(
+    tmp_path: Path,
+):
+    launcher = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from pathlib import Path; from meshtrain.config import LaunchConfig; "
+            "from meshtrain.launch.elastic import run_workers; "
+            "from tests.test_warm_ranks import sleep_forever; "
+            "run_workers(sleep_forever, (sys.argv[1],), LaunchConfig(nproc_per_node=2), "
+            "log_dir=Path(sys.argv[1]) / 'logs', run_id='orphans')",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while len(list(tmp_path.glob("rank-*.pid"))) < 2:
+            assert launcher.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        ranks = [int(p.read_text()) for p in tmp_path.glob("rank-*.pid")]
+        assert sorted(ranks) == sorted(worker_processes(launcher.pid))
+        server = next(pid for pid, cmd in child_processes(launcher.pid) if "forkserver" in cmd)
+        # A stop signal to the server (as SLURM sends one to every process of a step) is
+        # held blocked: the server stays up for the next restart.
+        for number in (signal.SIGUSR1, signal.SIGTERM, signal.SIGHUP):
+            os.kill(server, number)
+        time.sleep(1)
+        assert is_alive(server)
+
+        launcher.kill()  # SIGKILL: the launcher tells no one
+        launcher.wait()
+        deadline = time.monotonic() + 20
+        while any(is_alive(pid) for pid in [*ranks, server]) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert [pid for pid in [*ranks, server] if is_alive(pid)] == []
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
