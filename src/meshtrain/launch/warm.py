@@ -31,6 +31,7 @@ Linux (no pidfd), or where this Python's forkserver lacks what is used here.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import multiprocessing.forkserver as forkserver
 import os
@@ -98,6 +99,17 @@ def ensure_server() -> None:
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         if _started_with is None:
             _started_with = dict(os.environ)
+            atexit.unregister(_stop_server)  # registered once, however often restarted
+            atexit.register(_stop_server)
+
+
+def _stop_server() -> None:
+    """At the launcher's exit: end the server and wait for it, so that nothing of the job
+    outlives its launcher (left alone, the server ends a moment later, on its own)."""
+    global _started_with
+    with _lock:
+        forkserver._forkserver._stop()
+        _started_with = None
 
 
 def warm_rank(launcher: Launcher, entrypoint: Callable[..., Any], args: tuple[Any, ...]) -> Any:
