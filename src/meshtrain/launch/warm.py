@@ -12,18 +12,17 @@ spawned one:
   it starts with them blocked and ignores them once it runs (`launch.warm_server`), so
   a signal sent to the whole process group (SLURM signals every process of a step)
   reaches the launcher and the ranks, and the server stays up for the next restart.
-- Each rank starts as a fresh process would: the mask emptied, the stop signals at
-  their default dispositions, and the launcher's environment as it is at this launch
-  (the server's is the launcher's at the server's start; torch elastic's per-rank
-  variables are kept on top). multiprocessing already gives the rank the launcher's
-  working directory and `sys.path`.
+- Each rank starts as a fresh process would: the mask emptied and the stop signals at
+  their default dispositions. multiprocessing gives it the launcher's working directory
+  and `sys.path`; its environment is the server's (with torch elastic's per-rank
+  variables on top), which is the launcher's (below).
 - Each rank dies with its launcher. Its parent is the server, so neither torch elastic
   nor a parent-death signal would stop it when the launcher is SIGKILLed: a thread
   watches the launcher's pid (a pidfd) and kills the rank when it exits.
-- A variable read when a module is imported (the Hugging Face offline switches, torch's
-  and the BLAS's thread settings) would keep the server's value: when the launcher's
-  environment differs from the one the server started with, the server is replaced
-  before the launch.
+- The server starts with the launcher's environment; when the launcher's has changed
+  since, the server is replaced before the launch, since the variables read when a
+  module is imported (the Hugging Face offline switches, torch's and the BLAS's thread
+  settings) keep the values the server imported them with.
 
 Off with `launch.warm_ranks=false`, and off where this cannot be made safe: outside
 Linux (no pidfd), or where this Python's forkserver lacks what is used here.
@@ -40,7 +39,6 @@ import signal
 import sys
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -51,10 +49,6 @@ PRELOAD = ["meshtrain.launch.warm_server"]
 
 # The signals that stop a job (torch elastic's and SLURM's), which the server never acts on.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
-
-# In the server (which imports this module first): its environment, which every rank
-# forked from it inherits; a rank's own variables are those torch elastic set on top.
-_SERVER_ENVIRONMENT = dict(os.environ)
 
 # In the launcher: the environment the running server started with.
 _started_with: dict[str, str] | None = None
@@ -68,18 +62,6 @@ def supported() -> bool:
         and hasattr(os, "pidfd_open")
         and hasattr(forkserver._forkserver, "_stop")
     )
-
-
-@dataclass(frozen=True)
-class Launcher:
-    """What a warm rank takes from the launcher that started it."""
-
-    pid: int
-    environment: dict[str, str]
-
-    @classmethod
-    def here(cls) -> Launcher:
-        return cls(os.getpid(), dict(os.environ))
 
 
 def ensure_server() -> None:
@@ -112,25 +94,20 @@ def _stop_server() -> None:
         _started_with = None
 
 
-def warm_rank(launcher: Launcher, entrypoint: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+def warm_rank(launcher_pid: int, entrypoint: Callable[..., Any], args: tuple[Any, ...]) -> Any:
     """A rank forked from the server: made as a spawned one would be, then `entrypoint`
     (which, as with spawn, records its own errors for torch elastic)."""
-    _start_fresh(launcher)
-    _die_with(launcher.pid)
+    _fresh_signals()
+    _die_with(launcher_pid)
     return entrypoint(*args)
 
 
-def _start_fresh(launcher: Launcher) -> None:
-    """The signal mask and stop signals of a new process, and the launcher's environment
-    with torch elastic's per-rank variables on top."""
+def _fresh_signals() -> None:
+    """The signal mask and stop signals' dispositions of a new process."""
     signal.pthread_sigmask(signal.SIG_SETMASK, set())
     for number in STOP_SIGNALS:
         default = signal.default_int_handler if number == signal.SIGINT else signal.SIG_DFL
         signal.signal(number, default)
-    own = {k: v for k, v in os.environ.items() if _SERVER_ENVIRONMENT.get(k) != v}
-    os.environ.clear()
-    os.environ.update(launcher.environment)
-    os.environ.update(own)
 
 
 def _die_with(launcher_pid: int) -> None:
