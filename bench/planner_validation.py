@@ -293,7 +293,7 @@ def calibrate() -> None:
     default CPU run goes through (`converter_tflops_fp32_by_shape`); then gloo's
     all-reduce latency and bandwidth between two processes.
     """
-    names = converter_names(TrainingConfig(), "cpu", tensor_parallel=False)
+    names = converter_names(TrainingConfig(), on_cpu=True, tensor_parallel=False)
     rates = {
         name: sum((_rate_points(model, name) for model in CALIBRATION_MODELS), [])
         for name in (None, *names)

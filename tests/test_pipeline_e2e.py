@@ -122,7 +122,7 @@ def test_mlflow_run_holds_layout_params_and_metrics(project: Path, default_run):
     assert run.data.tags["kedro.env"] == "local"
     # What changed the model's modules in this run: the converters `training.cpu_matmul:
     # auto` chose for a dp2 (not tensor-parallel) run on this machine's CPU, or none.
-    expected = converter_names(TrainingConfig(), "cpu", tensor_parallel=False)
+    expected = converter_names(TrainingConfig(), on_cpu=True, tensor_parallel=False)
     assert run.data.tags["meshtrain.converters"] == (",".join(expected) or "none")
     assert run.data.tags["meshtrain.trains"] == "true"
     assert run.data.tags["meshtrain.pipelines"] == (

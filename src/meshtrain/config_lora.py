@@ -115,3 +115,15 @@ def check_lora(settings: LoraSettings) -> None:
             "`model.lora.target_modules` is empty; name modules (e.g. [q_proj, v_proj]), "
             "use all-linear, or null for PEFT's default."
         )
+
+
+def check_pretrained_base(settings: LoraSettings, init_from: str | None) -> None:
+    """LoRA on random weights learns a low-rank update of noise: refuse it unless forced."""
+    if init_from is None and not settings.allow_random_base:
+        raise ConfigError(
+            "`model.lora` is set but `model.init_from` is not: LoRA freezes the base model, "
+            "so on random weights it would train a low-rank update of noise and learn "
+            "little. Set model.init_from to a pretrained folder (e.g. "
+            "data/06_models/consolidated after `kedro run`), or model.lora.allow_random_base"
+            "=true to run it anyway (a test of a layout)."
+        )

@@ -7,18 +7,16 @@ import pytest
 import torch
 from torch import nn
 
-from meshtrain.models import build_model, build_model_config, cpu_linear
+from meshtrain.models import build_model, build_model_config, cpu_linear, cpu_matmul
 from meshtrain.models.cpu_linear import (
     OneDnnLinear,
-    cpu_matmul_choice,
     onednn_available,
     route_linears_to_onednn,
 )
+from meshtrain.models.cpu_matmul import cpu_matmul_choice
 from tests.conftest import TINY_MODEL, TINY_VOCAB
 
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="no oneDNN in this torch")
-
-CPU = torch.device("cpu")
 
 
 def _pair(bias: bool) -> tuple[nn.Linear, nn.Linear]:
@@ -103,28 +101,28 @@ def test_a_routed_model_keeps_its_parameter_names_and_trains_the_same():
 def test_the_choice_by_setting_vendor_and_device(
     monkeypatch: pytest.MonkeyPatch, setting: str, vendor: str, device: str, expected: str | None
 ):
-    monkeypatch.setattr(cpu_linear, "cpu_vendor", lambda: vendor)
-    monkeypatch.setattr(cpu_linear, "cpu_has_avx512", lambda: True)
-    assert cpu_matmul_choice(setting, torch.device(device)) == expected
+    monkeypatch.setattr(cpu_matmul, "cpu_vendor", lambda: vendor)
+    monkeypatch.setattr(cpu_matmul, "cpu_has_avx512", lambda: True)
+    assert cpu_matmul_choice(setting, on_cpu=device == "cpu") == expected
 
 
 def test_auto_keeps_mkl_on_a_cpu_without_avx512(monkeypatch: pytest.MonkeyPatch):
     """Without AVX-512 both libraries run AVX2 and MKL measured as fast or faster."""
-    monkeypatch.setattr(cpu_linear, "cpu_vendor", lambda: "AuthenticAMD")
-    monkeypatch.setattr(cpu_linear, "cpu_has_avx512", lambda: False)
-    assert cpu_matmul_choice("auto", CPU) == "blas"
-    assert cpu_matmul_choice("onednn", CPU) == "onednn"
+    monkeypatch.setattr(cpu_matmul, "cpu_vendor", lambda: "AuthenticAMD")
+    monkeypatch.setattr(cpu_matmul, "cpu_has_avx512", lambda: False)
+    assert cpu_matmul_choice("auto", on_cpu=True) == "blas"
+    assert cpu_matmul_choice("onednn", on_cpu=True) == "onednn"
 
 
 def test_tensor_parallel_layouts_keep_dtensors_own_path(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setattr(cpu_linear, "cpu_vendor", lambda: "AuthenticAMD")
-    assert cpu_matmul_choice("onednn", CPU, tensor_parallel=True) == "blas"
-    assert cpu_matmul_choice("auto", CPU, tensor_parallel=True) == "blas"
+    monkeypatch.setattr(cpu_matmul, "cpu_vendor", lambda: "AuthenticAMD")
+    assert cpu_matmul_choice("onednn", on_cpu=True, tensor_parallel=True) == "blas"
+    assert cpu_matmul_choice("auto", on_cpu=True, tensor_parallel=True) == "blas"
 
 
 def test_the_vendor_and_flags_are_read_from_this_machine():
-    assert isinstance(cpu_linear.cpu_vendor(), str)
-    assert isinstance(cpu_linear.cpu_has_avx512(), bool)
+    assert isinstance(cpu_matmul.cpu_vendor(), str)
+    assert isinstance(cpu_matmul.cpu_has_avx512(), bool)
 
 
 def test_an_op_that_fails_its_check_leaves_the_run_on_torch_mm(monkeypatch: pytest.MonkeyPatch):
@@ -134,13 +132,13 @@ def test_an_op_that_fails_its_check_leaves_the_run_on_torch_mm(monkeypatch: pyte
     def wrong(a: torch.Tensor, b: torch.Tensor, bias=None) -> torch.Tensor:
         return torch.zeros(a.shape[0], b.shape[0])
 
-    monkeypatch.setattr(cpu_linear, "cpu_vendor", lambda: "AuthenticAMD")
-    monkeypatch.setattr(cpu_linear, "cpu_has_avx512", lambda: True)
+    monkeypatch.setattr(cpu_matmul, "cpu_vendor", lambda: "AuthenticAMD")
+    monkeypatch.setattr(cpu_matmul, "cpu_has_avx512", lambda: True)
     try:
         monkeypatch.setattr(cpu_linear, "onednn_mm_nt", wrong)
         onednn_available.cache_clear()
-        assert cpu_matmul_choice("onednn", CPU) == "blas"
-        assert cpu_matmul_choice("auto", CPU) == "blas"
+        assert cpu_matmul_choice("onednn", on_cpu=True) == "blas"
+        assert cpu_matmul_choice("auto", on_cpu=True) == "blas"
     finally:
         monkeypatch.undo()
         onednn_available.cache_clear()

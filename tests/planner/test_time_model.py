@@ -106,7 +106,10 @@ def test_tensor_parallel_matmuls_are_narrower_and_slower_per_flop(model_config) 
     (Both on the device's own table: tp2 has no converter whatever `cpu_matmul` says.)"""
     own_path = {"cpu_matmul": "blas"}
     one = _plan(model_config, launch={"nproc_per_node": 1}, training=own_path)
-    assert converter_names(TrainingConfig(cpu_matmul="onednn"), "cpu", tensor_parallel=True) == ()
+    assert (
+        converter_names(TrainingConfig(cpu_matmul="onednn"), on_cpu=True, tensor_parallel=True)
+        == ()
+    )
     tp2 = _plan(
         model_config,
         launch={"nproc_per_node": 2},
@@ -121,7 +124,8 @@ def test_tensor_parallel_matmuls_are_narrower_and_slower_per_flop(model_config) 
 
 
 @pytest.mark.skipif(
-    converter_names(TrainingConfig(cpu_matmul="onednn"), "cpu", tensor_parallel=False) != CONVERTER,
+    converter_names(TrainingConfig(cpu_matmul="onednn"), on_cpu=True, tensor_parallel=False)
+    != CONVERTER,
     reason="oneDNN's fp32 linear is not in this torch: no converter to plan for",
 )
 def test_a_converters_run_is_planned_at_its_table_and_one_without_at_the_devices(

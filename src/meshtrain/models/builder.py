@@ -19,13 +19,13 @@ from meshtrain.config_parsing import names_a_path
 from meshtrain.distributed.tensor_parallel import unsharded
 from meshtrain.models.config_fields import (
     DEFAULT_ARCHITECTURE,
-    SUPPORTED_ARCHITECTURES,
-    check_architecture,
     check_model_fields,
     floats_as_floats,
     known_config_fields,
     new_config,
 )
+from meshtrain.models.config_file import SUPPORTED_ARCHITECTURES
+from meshtrain.models.config_file import check_supported as check_architecture
 from meshtrain.models.llama.pretrained import PretrainedError, check_folder
 from meshtrain.models.llama.weights import (
     PretrainedWeights,

@@ -19,10 +19,7 @@ from transformers import CONFIG_MAPPING, AutoConfig, PretrainedConfig
 from transformers.activations import ACT2FN
 
 from meshtrain.config import AUTO, ConfigError
-
-# The Llama family: same block structure (RMSNorm, rotary attention with GQA,
-# gated MLP), so one sharding and staging recipe serves them all.
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
+from meshtrain.models.config_file import check_supported
 
 # Fields a config class takes without naming them in its `__init__`: the RoPE keys older
 # configs carry flat (transformers 5 folds them into `rope_parameters`), and `head_dim`,
@@ -67,7 +64,7 @@ def check_model_fields(architecture: str, fields: dict[str, Any]) -> None:
     would otherwise be ignored: the model would keep the default), and shape fields
     below 1, naming the dotted parameter and the closest real field."""
     architecture = DEFAULT_ARCHITECTURE if architecture == AUTO else architecture
-    check_architecture(architecture)
+    check_supported(architecture)
     known = known_config_fields(architecture)
     for name in fields:
         if name in known:
@@ -114,16 +111,6 @@ def floats_as_floats(architecture: str, fields: dict[str, Any]) -> dict[str, Any
         else value
         for name, value in fields.items()
     }
-
-
-def check_architecture(architecture: str) -> None:
-    if architecture not in SUPPORTED_ARCHITECTURES:
-        close = difflib.get_close_matches(str(architecture).lower(), SUPPORTED_ARCHITECTURES, n=1)
-        hint = f" Did you mean `model.architecture={close[0]}`?" if close else ""
-        raise ConfigError(
-            f"`model.architecture` is {architecture!r}; meshtrain supports "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)} (the Llama family).{hint}"
-        )
 
 
 def _multiples_near(value: int, of: int) -> str:

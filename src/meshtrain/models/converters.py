@@ -14,14 +14,17 @@ the device profile's rate table for the layers a converter runs.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
-
-from torch import nn
+from typing import TYPE_CHECKING, Protocol
 
 from meshtrain.config import LoraSettings, TrainingConfig
-from meshtrain.models import cpu_linear
-from meshtrain.models.llama.weights import WeightSource
-from meshtrain.models.lora import lora_converter
+from meshtrain.models import cpu_matmul
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from meshtrain.models.llama.weights import WeightSource
+
+LORA = "lora"
 
 
 class ModelConverter(Protocol):
@@ -44,8 +47,27 @@ class ModelConverter(Protocol):
         ...
 
 
-# Each family: (training config, device type, tensor_parallel=) -> a converter or None.
-_FAMILIES: tuple[Callable[..., ModelConverter | None], ...] = (cpu_linear.linear_converter,)
+def converter_names(
+    training: TrainingConfig,
+    *,
+    on_cpu: bool,
+    tensor_parallel: bool,
+    lora: LoraSettings | None = None,
+) -> tuple[str, ...]:
+    """The converters a run goes through, by name, in the order they apply (LoRA last: it
+    wraps whatever forward the Linear layers have by then). Decided here without torch,
+    so the planner (which reads only the names) imports no modelling code."""
+    names = []
+    if (
+        cpu_matmul.cpu_matmul_choice(
+            training.cpu_matmul, on_cpu=on_cpu, tensor_parallel=tensor_parallel
+        )
+        == "onednn"
+    ):
+        names.append(cpu_matmul.NAME)
+    if lora is not None:
+        names.append(LORA)
+    return tuple(names)
 
 
 def build_converters(
@@ -56,22 +78,16 @@ def build_converters(
     lora: LoraSettings | None = None,
     sharded: bool = False,
 ) -> list[ModelConverter]:
-    """The converters a run on `device_type` goes through, in the order they apply (LoRA
-    last: it wraps whatever forward the Linear layers have by then)."""
-    found = (family(training, device_type, tensor_parallel=tensor_parallel) for family in _FAMILIES)
-    converters: list[ModelConverter] = [c for c in found if c is not None]
-    if lora is not None:
-        converters.append(lora_converter(lora, training, sharded=sharded))
-    return converters
+    """The converters `converter_names` names, built (a new family: a name there and its
+    builder here)."""
+    from meshtrain.models.cpu_linear import OneDnnLinearConverter  # noqa: PLC0415  (torch)
+    from meshtrain.models.lora import lora_converter  # noqa: PLC0415  (torch)
 
-
-def converter_names(
-    training: TrainingConfig,
-    device_type: str,
-    *,
-    tensor_parallel: bool,
-    lora: LoraSettings | None = None,
-) -> tuple[str, ...]:
-    """The names of `build_converters`' list (what the planner and the run's tags see)."""
-    converters = build_converters(training, device_type, tensor_parallel=tensor_parallel, lora=lora)
-    return tuple(c.name for c in converters)
+    builders: dict[str, Callable[[], ModelConverter]] = {
+        cpu_matmul.NAME: OneDnnLinearConverter,
+        LORA: lambda: lora_converter(lora, training, sharded=sharded),
+    }
+    names = converter_names(
+        training, on_cpu=device_type == "cpu", tensor_parallel=tensor_parallel, lora=lora
+    )
+    return [builders[name]() for name in names]

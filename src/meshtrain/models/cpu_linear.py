@@ -16,8 +16,8 @@ checkpoints are those of `nn.Linear`. Any other call (another device or dtype,
 autocast, DTensor shards under tensor parallelism, a torch.compile'd layer) runs
 `nn.Linear`'s own forward.
 
-It is a model converter (`models.converters`): this module is the one place that
-reads `training.cpu_matmul`, and the planner knows the path only by the converter's
+It is a model converter (`models.converters`); which runs take it is decided without
+torch in `models/cpu_matmul.py`, and the planner knows the path only by the converter's
 name, which selects the device profile's rate table for it.
 """
 
@@ -26,7 +26,6 @@ from __future__ import annotations
 import functools
 import platform
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -35,11 +34,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 if TYPE_CHECKING:
-    from meshtrain.config import TrainingConfig
     from meshtrain.models.llama.weights import WeightSource
 
-# The converter's name: in the device profiles' rate tables, run summaries and MLflow tags.
-NAME = "onednn_linear"
+from meshtrain.models.cpu_matmul import NAME
 
 
 @functools.cache
@@ -58,54 +55,6 @@ def onednn_available() -> bool:
         return torch.allclose(onednn_mm_nt(a, b), a @ b.T, rtol=1e-5, atol=1e-5)
     except RuntimeError:
         return False
-
-
-@functools.cache
-def _cpuinfo(key: str) -> str:
-    """The first `key` line's value in /proc/cpuinfo; "" where unknown. Read once per key
-    and process: the planner asks for every layout it weighs."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return ""
-    for line in text.splitlines():
-        name, _, value = line.partition(":")
-        if name.strip() == key:
-            return value.strip()
-    return ""
-
-
-def cpu_vendor() -> str:
-    """The x86 vendor string (GenuineIntel, AuthenticAMD, ...); "" where unknown."""
-    return _cpuinfo("vendor_id")
-
-
-def cpu_has_avx512() -> bool:
-    """Whether the CPU has AVX-512 (the `avx512f` flag)."""
-    return "avx512f" in _cpuinfo("flags").split()
-
-
-def cpu_matmul_choice(
-    setting: str, device: torch.device, *, tensor_parallel: bool = False
-) -> str | None:
-    """Where a run on `device` runs its Linear layers' matmuls: "onednn" or "blas" on a
-    CPU, None on an accelerator (this is a CPU path).
-
-    `auto`: oneDNN on x86-64 CPUs with AVX-512 not made by Intel, where MKL stays on
-    AVX2 and is the slow one (on Intel CPUs, and on CPUs without AVX-512, MKL is kept:
-    there it is as fast or faster). `onednn`: on any
-    CPU where oneDNN is available. `blas`: never. Under tensor parallelism always blas:
-    DTensor shards keep DTensor's own path (run on their local shards they matched it
-    bitwise, but a tp2 x pp2 run crashed once in gloo's reduce-scatter of such a
-    gradient, unexplained).
-    """
-    if device.type != "cpu":
-        return None
-    if setting == "blas" or tensor_parallel or not onednn_available():
-        return "blas"
-    if setting == "onednn" or (cpu_vendor() not in ("GenuineIntel", "") and cpu_has_avx512()):
-        return "onednn"
-    return "blas"
 
 
 def onednn_mm_nt(
@@ -191,14 +140,3 @@ class OneDnnLinearConverter:
     def weights(self, base: WeightSource) -> WeightSource:
         """The base's own: the swap adds no parameters."""
         return base
-
-
-def linear_converter(
-    training: TrainingConfig, device_type: str, *, tensor_parallel: bool
-) -> OneDnnLinearConverter | None:
-    """The converter a run on `device_type` goes through, per `training.cpu_matmul`
-    (`cpu_matmul_choice`), or None where its Linear layers stay on torch's own path."""
-    choice = cpu_matmul_choice(
-        training.cpu_matmul, torch.device(device_type), tensor_parallel=tensor_parallel
-    )
-    return OneDnnLinearConverter() if choice == "onednn" else None

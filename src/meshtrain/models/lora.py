@@ -27,12 +27,14 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from meshtrain.config import ConfigError, LoraSettings, ModelConfig, TrainingConfig
+from meshtrain.config import LoraSettings, ModelConfig, TrainingConfig
+from meshtrain.config_lora import check_pretrained_base
 from meshtrain.distributed.tensor_parallel import ParameterSharding
+from meshtrain.models.converters import LORA
 from meshtrain.models.llama.weights import WeightSource
 from meshtrain.models.shapes import select_lora_targets
 
-NAME = "lora"
+NAME = LORA  # the converter's name, as `converter_names` gives it
 ADAPTER_PARTS = ("lora_A", "lora_B")
 
 
@@ -170,18 +172,6 @@ def lora_converter(
         base_dtype=torch.bfloat16 if bf16 else None,
         adapter_dtype=torch.bfloat16 if master else torch.float32,
     )
-
-
-def check_pretrained_base(settings: LoraSettings, init_from: str | None) -> None:
-    """LoRA on random weights learns a low-rank update of noise: refuse it unless forced."""
-    if init_from is None and not settings.allow_random_base:
-        raise ConfigError(
-            "`model.lora` is set but `model.init_from` is not: LoRA freezes the base model, "
-            "so on random weights it would train a low-rank update of noise and learn "
-            "little. Set model.init_from to a pretrained folder (e.g. "
-            "data/06_models/consolidated after `kedro run`), or model.lora.allow_random_base"
-            "=true to run it anyway (a test of a layout)."
-        )
 
 
 def check_lora_targets(model: ModelConfig) -> None:

@@ -9,9 +9,8 @@ Each refusal names the parameter, says why, and offers a value that would work.
 
 from __future__ import annotations
 
-from transformers import PretrainedConfig
-
 from meshtrain.config import DataConfig, TrainingConfig
+from meshtrain.models.config_file import ArchitectureConfig
 from meshtrain.planner.types import Refusal
 
 # What the engine can run today. The planner is the one place that knows.
@@ -79,7 +78,7 @@ def check_batch_vs_data(
 
 
 def check_model_vs_data(
-    data: DataConfig, model_config: PretrainedConfig, tokenizer_size: int | None
+    data: DataConfig, model_config: ArchitectureConfig, tokenizer_size: int | None
 ) -> list[Refusal]:
     """Blocks must fit the model's positions, and every token id its embedding table."""
     refusals: list[Refusal] = []

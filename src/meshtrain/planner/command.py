@@ -3,9 +3,9 @@
     python -m meshtrain plan --model examples/model_configs/llama-3.1-8b.json \
         --devices 8 --device h100 --seq-len 4096 --global-batch 256
 
-The model comes from a Hugging Face `config.json` (or a folder holding one);
-nothing is downloaded and no weights are built (shapes come from the meta
-device). Prints the chosen layout, its memory breakdown and step-time
+The model comes from a Hugging Face `config.json` (or a folder holding one), read as
+JSON (`models/config_file.py`): nothing is downloaded, no weights are built, and neither
+torch nor transformers is imported. Prints the chosen layout, its memory breakdown and step-time
 estimate, and every other layout with the reason it lost.
 """
 
@@ -16,6 +16,7 @@ import json
 from pathlib import Path
 
 from meshtrain.config import AUTO, ConfigError, RunConfig
+from meshtrain.models.config_file import read_config_file
 from meshtrain.planner.axes import DESCRIBE, STEP_LINE
 from meshtrain.planner.devices import BUILTIN_PROFILES, GIB
 from meshtrain.planner.search import plan_run
@@ -37,13 +38,13 @@ def run_plan(args: argparse.Namespace) -> int:
 
 def plan_from_args(args: argparse.Namespace) -> tuple[RunConfig, Plan] | str:
     """The run and the plan `plan`'s (and `dryrun`'s) flags describe, or why there is none."""
-    from transformers import AutoConfig  # noqa: PLC0415
-
     path = Path(args.model)
     if not path.exists():
         return f"--model {path}: no such file or folder (give a config.json)"
-    config = AutoConfig.from_pretrained(str(path))
-    config._attn_implementation = "sdpa"
+    try:
+        config = read_config_file(path)
+    except ConfigError as error:
+        return f"--model {path}: {error}"
     per_node = args.devices_per_node or min(args.devices, _per_node(args.device))
     if args.devices % per_node:
         return f"--devices {args.devices} is not a multiple of {per_node} per node"

@@ -17,8 +17,6 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from meshtrain.config import AUTO
 from meshtrain.planner.types import LayoutError, Refusal
 
@@ -353,6 +351,8 @@ def resolve_device(name: str, overrides: dict[str, dict[str, Any]], cuda: bool) 
         if not cuda:
             name = "cpu"
         else:
+            import torch  # noqa: PLC0415  (only a run on this machine's GPU asks its name)
+
             gpu = torch.cuda.get_device_name(0).lower() if torch.cuda.is_available() else ""
             name = "h200" if "h200" in gpu else "h100"
     try:

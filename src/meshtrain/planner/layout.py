@@ -11,9 +11,8 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from transformers import PretrainedConfig
-
 from meshtrain.config import Layout, RunConfig
+from meshtrain.models.config_file import ArchitectureConfig
 from meshtrain.models.converters import converter_names
 from meshtrain.planner.axes import AXES, local_share
 from meshtrain.planner.candidate import Candidate
@@ -39,7 +38,7 @@ class PlanContext:
     machine): built once by `plan_run` and handed down whole, so that a new fact about
     the run is added here rather than threaded through each function as a keyword."""
 
-    model_config: PretrainedConfig
+    model_config: ArchitectureConfig
     shapes: dict[str, tuple[int, ...]]  # every parameter's shape (`llama_family_shapes`)
     # A LoRA run's adapters (their Hugging Face shapes; empty: full fine-tuning).
     adapter_shapes: dict[str, tuple[int, ...]]
@@ -204,8 +203,6 @@ def _layout_step_shape(
         cp_fused_backward=context.device.name == "cpu",
         # The profile times the layers a converter runs on that converter's table.
         converters=converter_names(
-            run.training,
-            "cuda" if context.cuda else "cpu",
-            tensor_parallel=c.tp > 1,
+            run.training, on_cpu=context.device.name == "cpu", tensor_parallel=c.tp > 1
         ),
     )

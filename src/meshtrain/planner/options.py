@@ -12,9 +12,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from transformers import PretrainedConfig
-
 from meshtrain.config import AUTO, DataConfig, LaunchConfig, ParallelConfig, RunConfig
+from meshtrain.models.config_file import ArchitectureConfig
 from meshtrain.planner.axes import pipeline, sharding, tensor
 from meshtrain.planner.candidate import Candidate
 from meshtrain.planner.checks import IMPLEMENTED_ACTIVATION_CHECKPOINTING
@@ -47,7 +46,7 @@ def _degrees(par: ParallelConfig, world: int) -> tuple[int | None, int, int, int
     return (None if world % others else world // others), tp, pp, cp
 
 
-def candidate_from(run: RunConfig, model_config: PretrainedConfig) -> Candidate:
+def candidate_from(run: RunConfig, model_config: ArchitectureConfig) -> Candidate:
     """The layout `run` asks for, every `auto` resolved (`run`: one variant of the search,
     its batch already fitted)."""
     par, world = run.parallel, run.launch.world_size
@@ -75,7 +74,7 @@ def candidate_from(run: RunConfig, model_config: PretrainedConfig) -> Candidate:
 
 
 def _loss_chunk(
-    run: RunConfig, model_config: PretrainedConfig, tp: int, microbatches: int, cp: int
+    run: RunConfig, model_config: ArchitectureConfig, tp: int, microbatches: int, cp: int
 ) -> int:
     """`training.loss_chunk_tokens`, `auto` resolved for this layout's microbatch (under cp,
     the rank's block / cp tokens of each row)."""
@@ -103,7 +102,7 @@ def with_parallel(run: RunConfig, **changes: Any) -> RunConfig:
 
 
 def search_space(
-    run: RunConfig, model_config: PretrainedConfig, cp_options: list[int] | None = None
+    run: RunConfig, model_config: ArchitectureConfig, cp_options: list[int] | None = None
 ) -> list[RunConfig]:
     """Every combination of the `auto` knobs the fixed values allow (one if none is auto);
     `cp_options`: the context parallel sizes to weigh (None: the one given, and the run

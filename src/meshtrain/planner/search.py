@@ -12,11 +12,9 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-import torch
-from transformers import PretrainedConfig
-
 from meshtrain.config import AUTO, RunConfig
-from meshtrain.models.lora import check_pretrained_base
+from meshtrain.config_lora import check_pretrained_base
+from meshtrain.models.config_file import ArchitectureConfig
 from meshtrain.models.shapes import lora_adapter_shapes, parameter_shapes
 from meshtrain.planner.axes import AXES, TIE_BREAK
 from meshtrain.planner.axes import context as cp_axis
@@ -45,7 +43,7 @@ _AC_ORDER = {"none": 0, "selective": 1, "full": 2}
 
 def plan_run(
     run: RunConfig,
-    model_config: PretrainedConfig,
+    model_config: ArchitectureConfig,
     *,
     num_train_blocks: int,
     num_validation_blocks: int,
@@ -67,10 +65,9 @@ def plan_run(
     so it wins on memory, against tp's collectives, or where it frees dp ranks the
     batch cannot use.
     """
-    cuda = torch.cuda.is_available() if cuda_available is None else cuda_available
+    cuda, cuda_devices = _visible_gpus(cuda_available)
     device = resolve_device(run.planner.device, run.planner.device_profiles, cuda)
     budget = device.memory_bytes * (1 - run.planner.memory_margin)
-    cuda_devices = torch.cuda.device_count() if cuda else 0
     backend, backend_refusals = resolve_backend(run.launch, cuda, cuda_devices)
     context = PlanContext(
         model_config=model_config,
@@ -149,7 +146,18 @@ def _none_fits(
     )
 
 
-def adapter_shapes(run: RunConfig, model_config: PretrainedConfig) -> dict[str, tuple[int, ...]]:
+def _visible_gpus(cuda_available: bool | None) -> tuple[bool, int]:
+    """Whether this machine's GPUs run the plan, and how many (`None`: ask torch, for a run
+    here; a plan for another machine passes False and never imports torch)."""
+    if cuda_available is False:
+        return False, 0
+    import torch  # noqa: PLC0415
+
+    cuda = torch.cuda.is_available() if cuda_available is None else cuda_available
+    return cuda, torch.cuda.device_count() if cuda else 0
+
+
+def adapter_shapes(run: RunConfig, model_config: ArchitectureConfig) -> dict[str, tuple[int, ...]]:
     """The LoRA adapters' shapes, from the config and the LoRA settings as the converter
     makes them (refusing a target the model does not have, before any worker starts);
     empty without LoRA."""

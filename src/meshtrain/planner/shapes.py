@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from transformers import PretrainedConfig
+    from meshtrain.models.config_file import ArchitectureConfig
 
 
 BYTES_FP32 = 4
@@ -35,7 +35,7 @@ class ModelShape:
     head_norms: bool = False  # an RMSNorm over each query and key head (Qwen3)
 
     @classmethod
-    def from_config(cls, config: PretrainedConfig) -> ModelShape:
+    def from_config(cls, config: ArchitectureConfig) -> ModelShape:
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         return cls(

@@ -37,9 +37,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from transformers import PretrainedConfig
-
 from meshtrain.config import AUTO, Layout, ParallelConfig, RunConfig
+from meshtrain.models.config_file import ArchitectureConfig
 from meshtrain.planner.candidate import Candidate
 from meshtrain.planner.devices import DeviceProfile
 from meshtrain.planner.shapes import AxisTime, MemoryTerms, ModelShape, StepShape, StepTiming
@@ -73,12 +72,12 @@ class Axis(Protocol):
         """Its degree in a resolved layout."""
         ...
 
-    def options(self, run: RunConfig, model_config: PretrainedConfig) -> list[int]:
+    def options(self, run: RunConfig, model_config: ArchitectureConfig) -> list[int]:
         """The degrees this axis offers the search (its parameter as given, or every
         degree that can run where it is `auto`)."""
         ...
 
-    def check(self, c: Candidate, run: RunConfig, model_config: PretrainedConfig) -> AxisChecks:
+    def check(self, c: Candidate, run: RunConfig, model_config: ArchitectureConfig) -> AxisChecks:
         """Its refusals, notes and layout fields for candidate `c` of `run`."""
         ...
 
@@ -141,11 +140,11 @@ class AxisBase:
     def degree(self, layout: Layout) -> int:
         return getattr(layout, self.parameter)
 
-    def options(self, run: RunConfig, model_config: PretrainedConfig) -> list[int]:
+    def options(self, run: RunConfig, model_config: ArchitectureConfig) -> list[int]:
         degree = getattr(run.parallel, self.parameter)
         return self.degrees(run, model_config) if degree == AUTO else [degree]
 
-    def degrees(self, run: RunConfig, model_config: PretrainedConfig) -> list[int]:
+    def degrees(self, run: RunConfig, model_config: ArchitectureConfig) -> list[int]:
         """Every degree that can run here (what `auto` weighs)."""
         raise NotImplementedError
 

@@ -26,9 +26,8 @@ every layer, (2cp + 1) c^2 elements (c = block / 2cp).
 
 from __future__ import annotations
 
-from transformers import PretrainedConfig
-
 from meshtrain.config import RunConfig
+from meshtrain.models.config_file import ArchitectureConfig
 from meshtrain.planner.axes.base import AxisBase, AxisChecks
 from meshtrain.planner.candidate import Candidate
 from meshtrain.planner.collectives import link, ring
@@ -307,12 +306,12 @@ class ContextAxis(AxisBase):
     parameter = PARAMETER
     splits_model = True
 
-    def degrees(self, run: RunConfig, model_config: PretrainedConfig) -> list[int]:
+    def degrees(self, run: RunConfig, model_config: ArchitectureConfig) -> list[int]:
         """The powers of two the block allows (cp 1 first: the search weighs the others
         only where `context_parallel_wanted` says so)."""
         return context_parallel_degrees(run.launch.world_size, run.data.block_size, search=True)
 
-    def check(self, c: Candidate, run: RunConfig, model_config: PretrainedConfig) -> AxisChecks:
+    def check(self, c: Candidate, run: RunConfig, model_config: ArchitectureConfig) -> AxisChecks:
         world, block_size = run.launch.world_size, run.data.block_size
         return AxisChecks(
             degree=check_context_parallel(c.cp, world, block_size),

@@ -11,9 +11,8 @@ import dataclasses
 import math
 from collections.abc import Callable
 
-from transformers import PretrainedConfig
-
 from meshtrain.config import AUTO, LaunchConfig, Layout, ParallelConfig, RunConfig
+from meshtrain.models.config_file import ArchitectureConfig
 from meshtrain.planner.axes import context, pipeline, tensor
 from meshtrain.planner.axes.base import AxisBase, AxisChecks
 from meshtrain.planner.axes.pipeline import pipeline_parallel_degrees
@@ -51,7 +50,7 @@ PARAMETER = "data_parallel_size"
 
 
 def check_data_parallel(
-    c: Candidate, launch: LaunchConfig, model_config: PretrainedConfig
+    c: Candidate, launch: LaunchConfig, model_config: ArchitectureConfig
 ) -> list[Refusal]:
     """dp (the rest of the world at `auto`), which must make dp x tp x pp x cp the world."""
     tp, pp, cp = c.tp, c.pp, c.cp
@@ -243,12 +242,12 @@ class DataAxis(AxisBase):
     time_parts = ("data_parallel_s",)
     parameter = PARAMETER
 
-    def degrees(self, run: RunConfig, model_config: PretrainedConfig) -> list[int]:
+    def degrees(self, run: RunConfig, model_config: ArchitectureConfig) -> list[int]:
         """None of its own at `auto`: dp is what the other axes leave of the world (the
         search derives it per layout)."""
         return []
 
-    def check(self, c: Candidate, run: RunConfig, model_config: PretrainedConfig) -> AxisChecks:
+    def check(self, c: Candidate, run: RunConfig, model_config: ArchitectureConfig) -> AxisChecks:
         sharded, refusals = check_sharded_data_parallel(c)
         zero_1, notes = resolve_zero_1(c)
         return AxisChecks(

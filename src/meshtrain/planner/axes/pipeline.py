@@ -9,9 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from transformers import PretrainedConfig
-
 from meshtrain.config import ParallelConfig, RunConfig
+from meshtrain.models.config_file import ArchitectureConfig
 from meshtrain.planner.axes.base import AxisBase, AxisChecks
 from meshtrain.planner.candidate import Candidate
 from meshtrain.planner.collectives import link, ring
@@ -49,7 +48,7 @@ def last_stage_in_flight(step: StepShape) -> int:
     return max(1, in_flight_microbatches(step, last_rank) - earlier_chunks)
 
 
-def pipeline_parallel_degrees(world: int, model_config: PretrainedConfig) -> list[int]:
+def pipeline_parallel_degrees(world: int, model_config: ArchitectureConfig) -> list[int]:
     """pp degrees that divide the world and leave every stage a decoder layer."""
     return [d for d in divisors(world) if d <= model_config.num_hidden_layers]
 
@@ -60,7 +59,7 @@ def balanced_split(layers: int, stages: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(stages)]
 
 
-def check_pipeline_parallel(pp: int, world: int, model_config: PretrainedConfig) -> list[Refusal]:
+def check_pipeline_parallel(pp: int, world: int, model_config: ArchitectureConfig) -> list[Refusal]:
     pp_ok = pipeline_parallel_degrees(world, model_config)
     if pp in pp_ok:
         return []
@@ -91,7 +90,7 @@ class PipelineSplit:
 
 
 def resolve_pipeline(
-    par: ParallelConfig, c: Candidate, batch: int, model_config: PretrainedConfig
+    par: ParallelConfig, c: Candidate, batch: int, model_config: ArchitectureConfig
 ) -> PipelineSplit:
     """Microbatches, virtual stages and the layer split for a per-device batch of `batch`."""
     pp, requested = c.pp, c.microbatches
@@ -271,10 +270,10 @@ class PipelineAxis(AxisBase):
     parameter = PARAMETER
     splits_model = True
 
-    def degrees(self, run: RunConfig, model_config: PretrainedConfig) -> list[int]:
+    def degrees(self, run: RunConfig, model_config: ArchitectureConfig) -> list[int]:
         return pipeline_parallel_degrees(run.launch.world_size, model_config)
 
-    def check(self, c: Candidate, run: RunConfig, model_config: PretrainedConfig) -> AxisChecks:
+    def check(self, c: Candidate, run: RunConfig, model_config: ArchitectureConfig) -> AxisChecks:
         batch = run.training.per_device_train_batch_size
         split = resolve_pipeline(run.parallel, c, batch, model_config)
         return AxisChecks(

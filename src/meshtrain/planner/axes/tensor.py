@@ -4,10 +4,9 @@ model's heads allow, their checks and refusals, and sequence parallelism's resol
 
 from __future__ import annotations
 
-from transformers import PretrainedConfig
-
 from meshtrain.config import RunConfig
 from meshtrain.distributed.kv_heads import kv_replication_factor
+from meshtrain.models.config_file import ArchitectureConfig
 from meshtrain.planner.axes import context
 from meshtrain.planner.axes.base import AxisBase, AxisChecks
 from meshtrain.planner.candidate import Candidate
@@ -21,7 +20,7 @@ from meshtrain.planner.types import Refusal, divisors, format_values
 PARAMETER = "tensor_parallel_size"
 
 
-def tensor_parallel_degrees(world: int, model_config: PretrainedConfig) -> list[int]:
+def tensor_parallel_degrees(world: int, model_config: ArchitectureConfig) -> list[int]:
     """tp degrees the model and this engine accept: they divide the world and the attention
     heads, and the KV heads divide tp or tp divides them (then KV heads are replicated)."""
     heads = model_config.num_attention_heads
@@ -31,7 +30,7 @@ def tensor_parallel_degrees(world: int, model_config: PretrainedConfig) -> list[
     ]
 
 
-def check_tensor_parallel(tp: int, world: int, model_config: PretrainedConfig) -> list[Refusal]:
+def check_tensor_parallel(tp: int, world: int, model_config: ArchitectureConfig) -> list[Refusal]:
     tp_ok = tensor_parallel_degrees(world, model_config)
     if tp in tp_ok:
         return []
@@ -120,10 +119,10 @@ class TensorAxis(AxisBase):
     parameter = PARAMETER
     splits_model = True
 
-    def degrees(self, run: RunConfig, model_config: PretrainedConfig) -> list[int]:
+    def degrees(self, run: RunConfig, model_config: ArchitectureConfig) -> list[int]:
         return tensor_parallel_degrees(run.launch.world_size, model_config)
 
-    def check(self, c: Candidate, run: RunConfig, model_config: PretrainedConfig) -> AxisChecks:
+    def check(self, c: Candidate, run: RunConfig, model_config: ArchitectureConfig) -> AxisChecks:
         return AxisChecks(
             degree=check_tensor_parallel(c.tp, run.launch.world_size, model_config),
             options=check_sequence_parallel(c, run.data.block_size),
