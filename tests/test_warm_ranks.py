@@ -56,6 +56,8 @@ def test_a_warm_rank_is_forked_warm_and_starts_as_a_spawned_one(
 ):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv(PROBE, "first")
+    warm.prestart(True)  # as a Kedro run does once its quick checks pass
+    prestarted = warm.forkserver._forkserver._forkserver_pid
     first = _launch(tmp_path, "first")
     monkeypatch.setenv(PROBE, "second")  # the server started with "first": it is replaced
     second = _launch(tmp_path, "second")
@@ -68,6 +70,7 @@ def test_a_warm_rank_is_forked_warm_and_starts_as_a_spawned_one(
             assert seen["cwd"] == str(tmp_path)
             assert seen["blocked"] == []
             assert seen["handlers"] == spawned[rank]["handlers"]
+        assert first[rank]["parent"] == prestarted  # the launch found it running
         assert not spawned[rank]["preloaded"] and spawned[rank]["parent"] == os.getpid()
     assert spawned[0]["handlers"]["SIGUSR1"] == signal.SIG_DFL
     assert spawned[0]["handlers"]["SIGINT"] == signal.default_int_handler
@@ -116,3 +119,17 @@ def test_no_warm_rank_outlives_a_killed_launcher_and_the_server_ignores_stop_sig
     finally:
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGKILL)
+
+
+def test_a_launcher_that_stops_before_its_launch_leaves_no_server():
+    """A run refused after the server was prestarted (by the slow checks): the launcher's
+    exit ends the server even while it is still importing, and waits for it."""
+    probe = (
+        "from meshtrain.launch import warm; warm.prestart(True); "
+        "print(warm.forkserver._forkserver._forkserver_pid, flush=True)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    server = int(done.stdout.split()[-1])
+    assert not is_alive(server)

@@ -3,7 +3,8 @@ and the engine once, instead of each spawned fresh and importing them again (abo
 of CPU per rank: 4 ranks on 2 cores waited about 10 s before training).
 
 The server is Python's forkserver (`multiprocessing.forkserver`), started by the
-launcher, preloading `meshtrain.launch.worker`; torch elastic starts and supervises
+launcher (a Kedro run starts it once its quick checks pass, `prestart`, so its imports
+overlap the run's own start), preloading `meshtrain.launch.worker`; torch elastic starts and supervises
 the ranks through it (`start_method="forkserver"`) as it does spawned ones: restarts,
 stop signals forwarded, failures collected. What makes a forked rank behave as a
 spawned one:
@@ -31,6 +32,7 @@ Linux (no pidfd), or where this Python's forkserver lacks what is used here.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import multiprocessing.forkserver as forkserver
 import os
@@ -61,6 +63,7 @@ def supported() -> bool:
         sys.platform == "linux"
         and hasattr(os, "pidfd_open")
         and hasattr(forkserver._forkserver, "_stop")
+        and hasattr(forkserver._forkserver, "_forkserver_pid")
     )
 
 
@@ -71,7 +74,7 @@ def ensure_server() -> None:
     with _lock:
         if _started_with is not None and _started_with != dict(os.environ):
             log.info("the environment changed since the warm-rank server started: restarting it")
-            forkserver._forkserver._stop()
+            _end_server()
             _started_with = None
         forkserver.set_forkserver_preload(PRELOAD)
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
@@ -90,8 +93,19 @@ def _stop_server() -> None:
     outlives its launcher (left alone, the server ends a moment later, on its own)."""
     global _started_with
     with _lock:
-        forkserver._forkserver._stop()
+        _end_server()
         _started_with = None
+
+
+def _end_server() -> None:
+    """Kill the server (it ignores the stop signals, and a server still importing would
+    finish its imports before it saw its end) and reap it. Its ranks do not depend on it:
+    each dies with the launcher."""
+    pid = forkserver._forkserver._forkserver_pid
+    if pid is not None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    forkserver._forkserver._stop()
 
 
 def warm_rank(launcher_pid: int, entrypoint: Callable[..., Any], args: tuple[Any, ...]) -> Any:
@@ -123,6 +137,13 @@ def _die_with(launcher_pid: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=watch, name="meshtrain-launcher-watch", daemon=True).start()
+
+
+def prestart(enabled: bool) -> None:
+    """Start the server ahead of the launch (a Kedro run does once its quick checks pass),
+    so its imports overlap the launcher's own work; the launch then finds it running."""
+    if enabled and supported():
+        ensure_server()
 
 
 def start_method(enabled: bool) -> str:
