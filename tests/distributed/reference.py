@@ -131,9 +131,11 @@ def make_spec(
     model: dict[str, Any] | None = None,
     block_size: int = TINY_BLOCK,
     vocab_size: int = TINY_VOCAB,
+    global_batch: int = GLOBAL_BATCH,
 ) -> WorkerSpec:
     """`model`: more `model.*` parameters (lora, init_from); `block_size`, `vocab_size`:
-    those of `blocks` when they are not the tiny ones."""
+    those of `blocks` when they are not the tiny ones; `global_batch`: another than the
+    references' (a run compared with no reference run)."""
     run = RunConfig.from_params(
         parallel=parallel,
         training={**TRAINING, **training, "output_dir": str(out), "run_name": name},
@@ -149,7 +151,7 @@ def make_spec(
         num_validation_blocks=len(blocks["validation"]),
         cuda_available=False,
     )
-    assert plan.global_batch_size == GLOBAL_BATCH
+    assert plan.global_batch_size == global_batch
     return make_worker_spec(
         run,
         plan,
