@@ -21,6 +21,7 @@ from tests.conftest import child_processes, is_alive, worker_processes
 
 ROOT = Path(__file__).resolve().parents[1]
 PROBE = "MESHTRAIN_TEST_PROBE"
+LATE = "MLFLOW_TRACKING_URI"  # what the launcher's MLflow run sets after a prestart
 
 pytestmark = pytest.mark.skipif(not warm.supported(), reason="warm ranks need Linux's pidfd")
 
@@ -34,6 +35,7 @@ def report() -> dict:
         "blocked": sorted(signal.pthread_sigmask(signal.SIG_BLOCK, [])),
         "handlers": {s.name: signal.getsignal(s) for s in warm.STOP_SIGNALS},
         "probe": os.environ.get(PROBE),
+        "late": os.environ.get(LATE),
         "rank": os.environ["RANK"],
         "cwd": os.getcwd(),
     }
@@ -56,9 +58,12 @@ def test_a_warm_rank_is_forked_warm_and_starts_as_a_spawned_one(
 ):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv(PROBE, "first")
+    monkeypatch.delenv(LATE, raising=False)
     warm.prestart(True)  # as a Kedro run does once its quick checks pass
     prestarted = warm.forkserver._forkserver._forkserver_pid
+    monkeypatch.setenv(LATE, "sqlite:///late.db")  # a late variable: the server stays
     first = _launch(tmp_path, "first")
+    monkeypatch.delenv(LATE)
     monkeypatch.setenv(PROBE, "second")  # the server started with "first": it is replaced
     second = _launch(tmp_path, "second")
     spawned = _launch(tmp_path, "spawned", warm_ranks=False)
@@ -71,6 +76,7 @@ def test_a_warm_rank_is_forked_warm_and_starts_as_a_spawned_one(
             assert seen["blocked"] == []
             assert seen["handlers"] == spawned[rank]["handlers"]
         assert first[rank]["parent"] == prestarted  # the launch found it running
+        assert first[rank]["late"] == "sqlite:///late.db" and second[rank]["late"] is None
         assert not spawned[rank]["preloaded"] and spawned[rank]["parent"] == os.getpid()
     assert spawned[0]["handlers"]["SIGUSR1"] == signal.SIG_DFL
     assert spawned[0]["handlers"]["SIGINT"] == signal.default_int_handler

@@ -37,7 +37,7 @@ from torch.distributed.launcher.api import elastic_launch
 from meshtrain.config import LaunchConfig, Refused, split_endpoint
 from meshtrain.launch.network import NodeAddress, is_loopback, worker_interface
 from meshtrain.launch.rendezvous import NodeLiveness, NodeRankRendezvous, free_port
-from meshtrain.launch.warm import start_method, warm_rank
+from meshtrain.launch.warm import late_environment, start_method, warm_rank
 
 # How long the launchers wait for every node to join: nodes of one job may start minutes
 # apart (container pulls, a slow shared filesystem), but a missing node must not hang forever.
@@ -148,7 +148,7 @@ def _entry(
     """What torch elastic runs on each rank: forked from the warm server, the entrypoint
     behind `warm.warm_rank`, which makes the rank a fresh process first."""
     if method == "forkserver":
-        return warm_rank, (os.getpid(), entrypoint, args)
+        return warm_rank, (os.getpid(), late_environment(), entrypoint, args)
     return entrypoint, args
 
 

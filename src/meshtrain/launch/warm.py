@@ -4,9 +4,9 @@ of CPU per rank: 4 ranks on 2 cores waited about 10 s before training).
 
 The server is Python's forkserver (`multiprocessing.forkserver`), started by the
 launcher (a Kedro run starts it once its quick checks pass, `prestart`, so its imports
-overlap the run's own start), preloading `meshtrain.launch.worker`; torch elastic starts and supervises
-the ranks through it (`start_method="forkserver"`) as it does spawned ones: restarts,
-stop signals forwarded, failures collected. What makes a forked rank behave as a
+overlap the run's own start), preloading `meshtrain.launch.worker`; torch elastic starts
+and supervises the ranks through it (`start_method="forkserver"`) as it does spawned
+ones: restarts, stop signals forwarded, failures collected. What makes a forked rank behave as a
 spawned one:
 
 - The server never acts on a stop signal (SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1):
@@ -23,7 +23,9 @@ spawned one:
 - The server starts with the launcher's environment; when the launcher's has changed
   since, the server is replaced before the launch, since the variables read when a
   module is imported (the Hugging Face offline switches, torch's and the BLAS's thread
-  settings) keep the values the server imported them with.
+  settings) keep the values the server imported them with. Except the late variables
+  (`is_late`): those the launcher's own MLflow run and torch set after a prestarted
+  server started, which no import reads; each rank takes their launch-time values.
 
 Off with `launch.warm_ranks=false`, and off where this cannot be made safe: outside
 Linux (no pidfd), or where this Python's forkserver lacks what is used here.
@@ -52,6 +54,9 @@ PRELOAD = ["meshtrain.launch.warm_server"]
 # The signals that stop a job (torch elastic's and SLURM's), which the server never acts on.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
 
+# Variables (by prefix) a change in which keeps the server: `is_late`.
+LATE_VARIABLES = ("MLFLOW_", "TORCHINDUCTOR_CACHE_DIR")
+
 # In the launcher: the environment the running server started with.
 _started_with: dict[str, str] | None = None
 _lock = threading.Lock()
@@ -69,11 +74,16 @@ def supported() -> bool:
 
 def ensure_server() -> None:
     """Start this launcher's server, or replace it when the environment has changed since
-    it started; it preloads the engine with the stop signals blocked."""
+    it started (beyond the late variables); it preloads the engine with the stop signals
+    blocked."""
     global _started_with
     with _lock:
-        if _started_with is not None and _started_with != dict(os.environ):
-            log.info("the environment changed since the warm-rank server started: restarting it")
+        changed = _changed_names(_started_with) if _started_with is not None else set()
+        if changed - {name for name in changed if is_late(name)}:
+            log.info(
+                "the environment changed since the warm-rank server started (%s): restarting it",
+                ", ".join(sorted(changed)),  # names only: values may be secrets
+            )
             _end_server()
             _started_with = None
         forkserver.set_forkserver_preload(PRELOAD)
@@ -86,6 +96,21 @@ def ensure_server() -> None:
             _started_with = dict(os.environ)
             atexit.unregister(_stop_server)  # registered once, however often restarted
             atexit.register(_stop_server)
+
+
+def _changed_names(before: dict[str, str]) -> set[str]:
+    return {name for name, _ in set(before.items()) ^ set(os.environ.items())}
+
+
+def is_late(name: str) -> bool:
+    """A variable the launcher's own run sets once the server may have started (its MLflow
+    run's, torch's compile cache), which nothing the server imports reads at import."""
+    return name.startswith(LATE_VARIABLES)
+
+
+def late_environment() -> dict[str, str]:
+    """The launcher's late variables now, which each rank takes (`warm_rank`)."""
+    return {name: value for name, value in os.environ.items() if is_late(name)}
 
 
 def _stop_server() -> None:
@@ -108,11 +133,20 @@ def _end_server() -> None:
     forkserver._forkserver._stop()
 
 
-def warm_rank(launcher_pid: int, entrypoint: Callable[..., Any], args: tuple[Any, ...]) -> Any:
-    """A rank forked from the server: made as a spawned one would be, then `entrypoint`
-    (which, as with spawn, records its own errors for torch elastic)."""
+def warm_rank(
+    launcher_pid: int,
+    late: dict[str, str],
+    entrypoint: Callable[..., Any],
+    args: tuple[Any, ...],
+) -> Any:
+    """A rank forked from the server: made as a spawned one would be (`late`: the launcher's
+    late variables at the launch), then `entrypoint` (which, as with spawn, records its own
+    errors for torch elastic)."""
     _fresh_signals()
     _die_with(launcher_pid)
+    for name in [name for name in os.environ if is_late(name) and name not in late]:
+        del os.environ[name]
+    os.environ.update(late)
     return entrypoint(*args)
 
 
