@@ -16,9 +16,14 @@ ranks spawned
 (`launch.warm_ranks=false`), forked from a warm server started for the launch (a `kedro
 run`), from a server already running (a test session), and spawned again (A/A).
 
+First step, at 2 and 4 ranks: seconds from `kedro run --pipeline training` until rank
+0 prints its first step (on this tree's data/, planned for that many ranks first), for
+the base commit, this tree with spawned ranks, with warm ones, and warm again (A/A).
+
 Printed: min / median / max per side, and the ratios of the medians.
 
-    .venv/bin/python bench/startup.py --base 014483f        # ~8 min on 2 cores
+    .venv/bin/kedro run                                     # data/ for the first step
+    .venv/bin/python bench/startup.py --base 014483f        # ~20 min on 2 cores
 """
 
 from __future__ import annotations
@@ -27,12 +32,13 @@ import argparse
 import contextlib
 import multiprocessing.forkserver as forkserver
 import os
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -106,6 +112,24 @@ def timed(tree: Path, command: list[str], expect: str) -> float:
     if expect not in done.stdout + done.stderr:
         raise SystemExit(f"{' '.join(command[1:4])} in {tree}: no {expect!r} in its output")
     return seconds
+
+
+def alternated(
+    sides: tuple[tuple[str, Any], ...], repeats: int, measure: Callable[[Any], float]
+) -> dict[str, list[float]]:
+    """Each side (name, what `measure` takes) measured `repeats` times, in reversed order on
+    odd repeats, so a drift of the machine's speed weighs on every side alike."""
+    times: dict[str, list[float]] = {name: [] for name, _ in sides}
+    for repeat in range(repeats):
+        for side in sides if repeat % 2 == 0 else sides[::-1]:
+            times[side[0]].append(measure(side))
+    return times
+
+
+def print_sides(title: str, times: dict[str, list[float]]) -> None:
+    print(title)
+    for side, values in times.items():
+        print(f"  {side:<24} {summary(values)}")
 
 
 def summary(values: list[float]) -> str:
@@ -185,30 +209,79 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--base", required=True, help="the commit to compare with")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--only", choices=("commands", "ranks"), default=None)
+    parser.add_argument("--only", choices=("commands", "ranks", "first-step"), default=None)
     args = parser.parse_args()
-    if args.only != "ranks":
+    if args.only in (None, "commands"):
         command_figures(args.base, args.repeats)
-    if args.only != "commands":
+    if args.only in (None, "ranks"):
         rank_figures(args.repeats)
+    if args.only in (None, "first-step"):
+        first_step_figures(args.base, args.repeats)
 
 
 def command_figures(base_rev: str, repeats: int) -> None:
     with worktree(base_rev) as base:
         sides = (("base", base), ("this tree", ROOT), ("this tree again", ROOT))
         for name, (command, expect) in COMMANDS.items():
-            times: dict[str, list[float]] = {side: [] for side, _ in sides}
-            for repeat in range(repeats):
-                order = sides if repeat % 2 == 0 else tuple(reversed(sides))
-                for side, tree in order:
-                    times[side].append(timed(tree, command, expect))
-            print(f"{name} (min / median / max of {repeats})")
-            for side, values in times.items():
-                print(f"  {side:<16} {summary(values)}")
+            times = alternated(
+                sides, repeats, lambda side, c=command, e=expect: timed(side[1], c, e)
+            )
+            print_sides(f"{name} (min / median / max of {repeats})", times)
             median = {side: statistics.median(values) for side, values in times.items()}
             print(
                 f"  this / base {median['this tree'] / median['base']:.2f}, "
                 f"A/A {median['this tree again'] / median['this tree']:.2f}",
+                flush=True,
+            )
+
+
+def until_first_step(tree: Path, world: int, params: str) -> float:
+    """Seconds from `kedro run --pipeline training` in `tree` (on this tree's data/) to rank
+    0's first step line; the run then finishes its two steps."""
+    params = f"launch.nproc_per_node={world},training.max_steps=2,training.log_every=1{params}"
+    command = [sys.executable, "-m", "kedro", "run", "--pipeline", "training", "--params", params]
+    env = {**os.environ, **QUIET, "PYTHONPATH": str(tree / "src")}
+    start = time.perf_counter()
+    run = subprocess.Popen(
+        command, cwd=tree, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    seconds = None
+    for line in run.stdout:
+        if seconds is None and "[rank0] step 1/" in line:
+            seconds = time.perf_counter() - start
+    if run.wait() != 0 or seconds is None:
+        raise SystemExit(f"kedro run --pipeline training in {tree} failed (rc {run.returncode})")
+    return seconds
+
+
+FIRST_STEP_SIDES = (
+    ("base", ""),
+    ("this tree, spawned", ",launch.warm_ranks=false"),
+    ("this tree, warm", ""),
+    ("this tree, warm again", ""),
+)
+
+
+def first_step_figures(base_rev: str, repeats: int) -> None:
+    with worktree(base_rev) as base:
+        shutil.rmtree(base / "data")
+        (base / "data").symlink_to(ROOT / "data")
+        for world in (2, 4):
+            plan = [sys.executable, "-m", "kedro", "run", "--pipeline", "planning", "--params"]
+            timed(ROOT, [*plan, f"launch.nproc_per_node={world}"], "plan")
+            times = alternated(
+                FIRST_STEP_SIDES,
+                repeats,
+                lambda side, w=world: until_first_step(
+                    base if side[0] == "base" else ROOT, w, side[1]
+                ),
+            )
+            print_sides(f"first step, {world} ranks (min / median / max of {repeats})", times)
+            median = {side: statistics.median(values) for side, values in times.items()}
+            print(
+                f"  warm / base {median['this tree, warm'] / median['base']:.2f}, "
+                f"warm / spawned {median['this tree, warm'] / median['this tree, spawned']:.2f}"
+                f", A/A {median['this tree, warm again'] / median['this tree, warm']:.2f}",
                 flush=True,
             )
 
