@@ -179,3 +179,17 @@ def test_packed_splits_are_dataset_inputs_with_stable_digests(store: str, tiny_b
     rebuilt = datasets.Dataset.from_dict({"input_ids": train["input_ids"]})
     assert blocks_digest(rebuilt) == blocks_digest(train)
     assert blocks_digest(train.select(range(127)))[0] != blocks_digest(train)[0]
+
+
+def test_a_splits_schema_from_its_first_rows_is_mlflows_from_all(tiny_blocks, packed_blocks):
+    """The schema logged with a split is inferred from a few rows, not every token: the
+    same as MLflow's own inference over the whole split, pretraining and fine-tuning."""
+    from mlflow.data.huggingface_dataset import HuggingFaceDataset
+
+    from meshtrain.tracking.datasets import SCHEMA_ROWS, packed_split
+
+    for blocks in (tiny_blocks, packed_blocks):
+        split = packed_split(blocks["train"], "train", {"block_size": 32})
+        assert split._ds.num_rows > SCHEMA_ROWS
+        whole = HuggingFaceDataset(ds=split._ds, source=split.source, digest=split.digest)
+        assert split.schema is not None and split.schema == whole.schema
