@@ -38,13 +38,7 @@ GroupCheck = Callable[[RunParameters, bool], list[str]]
 GroupChecks = tuple[tuple[frozenset[str], GroupCheck], ...]
 
 
-def preflight(
-    parameters: RunParameters,
-    groups: Collection[str],
-    *,
-    trains: bool,
-    before_builds: Callable[[], None] = lambda: None,
-) -> list[str]:
+def preflight(parameters: RunParameters, groups: Collection[str], *, trains: bool) -> list[str]:
     """Refuse (raise `Refused`) the first parameter of `groups` (parsed: `RunParameters.parse`)
     that this machine or its files make a node refuse; `trains`: the selected pipelines
     start training workers on this host. Returns the warnings to print (e.g. more ranks
@@ -53,10 +47,8 @@ def preflight(
     The checks that need only the files and the network (`GROUP_CHECKS`) run first; those
     that load what the run builds (`preflight_builds.GROUP_CHECKS`: transformers, the
     tokenizer, the planner, lm-eval) are imported and run after them, so a wrong folder
-    or dtype is refused in a second. `before_builds` runs between the two (the caller
-    starts there what the slow checks' seconds can overlap)."""
+    or dtype is refused in a second."""
     warnings = _run_checks(GROUP_CHECKS, parameters, groups, trains)
-    before_builds()
     from meshtrain import preflight_builds  # noqa: PLC0415
 
     return warnings + _run_checks(preflight_builds.GROUP_CHECKS, parameters, groups, trains)

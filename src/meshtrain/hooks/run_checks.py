@@ -9,7 +9,7 @@ from typing import Any
 
 from kedro.framework.hooks import hook_impl
 
-from meshtrain.pipelines.run_checks import check_inputs_exist, check_parameters
+from meshtrain.pipelines.run_checks import check_inputs_exist, check_parameters, warm_up
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +27,7 @@ class RunChecksHook:
         for warning in check_parameters(params or {}, pipeline):
             logger.warning(warning)
         check_inputs_exist(pipeline, catalog, registered, run_params)
+        warm_up(params or {}, pipeline)
         logger.info(
             "meshtrain checked the parameters before the first node; what needs the data "
             "(block size against the corpus, batch against the blocks) is checked by the "

@@ -35,19 +35,18 @@ def check_parameters(params: Mapping[str, Any], pipeline: Any) -> list[str]:
     # transformers, which a refused typo should not wait for)
     from meshtrain.preflight import preflight  # noqa: PLC0415
 
-    return preflight(
-        parameters, used, trains=trains, before_builds=lambda: _warm_up(parameters, trains)
-    )
+    return preflight(parameters, used, trains=trains)
 
 
-def _warm_up(parameters: RunParameters, trains: bool) -> None:
-    """Once the quick checks passed, start the warm-rank server (`launch.warm`) of a run
-    that trains here: its imports (about 6 s of one core) then run beside the slow checks,
-    the MLflow run's start and the nodes before training, instead of after them."""
-    if trains:
+def warm_up(params: Mapping[str, Any], pipeline: Any) -> None:
+    """Once every check passed, start the warm-rank server (`launch.warm`) of a run that
+    trains here: its imports (about 6 s of one core) then run beside the MLflow run's
+    start and the nodes before training, instead of after them. (Not before the checks: a
+    refused run would pay for a server it never uses.)"""
+    if any(TRAINS in node.tags for node in pipeline.nodes):
         from meshtrain.launch.warm import prestart  # noqa: PLC0415
 
-        prestart(parameters.group("launch").warm_ranks)
+        prestart(RunParameters(params).parse({"launch"}).group("launch").warm_ranks)
 
 
 def _where(catalog: Any, name: str, project_path: str | None) -> str:
