@@ -24,8 +24,7 @@ from meshtrain.models.config_fields import (
     known_config_fields,
     new_config,
 )
-from meshtrain.models.config_file import SUPPORTED_ARCHITECTURES
-from meshtrain.models.config_file import check_supported as check_architecture
+from meshtrain.models.config_file import SUPPORTED_ARCHITECTURES, check_supported
 from meshtrain.models.llama.pretrained import PretrainedError, check_folder
 from meshtrain.models.llama.weights import (
     PretrainedWeights,
@@ -40,8 +39,8 @@ __all__ = [
     "build_meta_model",
     "build_model",
     "build_model_config",
-    "check_architecture",
     "check_model_fields",
+    "check_supported",
     "known_config_fields",
     "resolve_init_from",
 ]
@@ -65,7 +64,7 @@ def build_model_config(
     """
     if init_from:
         config = AutoConfig.from_pretrained(resolve_init_from(init_from))
-        check_architecture(config.model_type)
+        check_supported(config.model_type)
         if architecture not in (AUTO, config.model_type):
             raise ConfigError(
                 f"`model.init_from` {init_from!r} holds a {config.model_type!r} model but "
@@ -74,7 +73,7 @@ def build_model_config(
             )
     else:
         architecture = DEFAULT_ARCHITECTURE if architecture == AUTO else architecture
-        check_architecture(architecture)
+        check_supported(architecture)
         # Only a model built from scratch reads `fields` (with init_from they are noted and
         # left unchecked, as before).
         check_model_fields(architecture, fields)

@@ -39,8 +39,8 @@ def cpu_has_avx512() -> bool:
 
 
 def cpu_matmul_choice(setting: str, *, on_cpu: bool, tensor_parallel: bool = False) -> str | None:
-    """Where a run on `device` runs its Linear layers' matmuls: "onednn" or "blas" on a
-    CPU, None on an accelerator (this is a CPU path).
+    """Where a run runs its Linear layers' matmuls: "onednn" or "blas" on a CPU (`on_cpu`),
+    None on an accelerator (this is a CPU path).
 
     `auto`: oneDNN on x86-64 CPUs with AVX-512 not made by Intel, where MKL stays on
     AVX2 and is the slow one (on Intel CPUs, and on CPUs without AVX-512, MKL is kept:
