@@ -103,3 +103,50 @@ def is_alive(pid: int) -> bool:
     except OSError:
         return False
     return stat[stat.rindex(")") + 2] != "Z"
+
+
+# The modules that share a session stack (tests/servers.py's team tracking, the sweep of
+# tests/test_sweep.py): one worker builds it for all of them.
+SHARED_STACKS = {
+    "tests/test_mlflow_ui.py": "team",
+    "tests/test_team_env.py": "team",
+    "tests/test_notebook.py": "sweep",
+    "tests/test_sweep.py": "sweep",
+}
+
+
+def _unit(nodeid: str) -> str:
+    module = nodeid.split("::", 1)[0]
+    return SHARED_STACKS.get(module, module)
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """The suite runs on two pytest-xdist workers (`-n 2`, pyproject.toml) whose unit of
+    work is a module, or the modules that share a stack: a module's fixtures are built
+    once. The units start in the order collection left them (below)."""
+    from xdist.scheduler import LoadScopeScheduling  # noqa: PLC0415
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _unit(nodeid)
+
+    config.option.loadscopereorder = False
+    return ModuleScheduling(config, log)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The units with the longest tests (`long`, then `slow`) first, each unit in its own
+    order: on two workers the last units to start are short, so the workers end together."""
+    weight: dict[str, tuple[int, int]] = {}
+    first: dict[str, int] = {}
+    for index, item in enumerate(items):
+        unit = _unit(item.nodeid)
+        long, slow = weight.get(unit, (0, 0))
+        weight[unit] = (
+            long + (item.get_closest_marker("long") is not None),
+            slow + (item.get_closest_marker("slow") is not None),
+        )
+        first.setdefault(unit, index)
+    items.sort(
+        key=lambda item: (*(-w for w in weight[_unit(item.nodeid)]), first[_unit(item.nodeid)])
+    )

@@ -39,6 +39,7 @@ READ_ROWS = """() => Object.fromEntries(
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_compare_page_shows_the_layouts_of_both_runs(chromium, team, tmp_path: Path):
     assert team.dp2.returncode == 0, servers.output(team.dp2)
     assert team.tp2.returncode == 0, servers.output(team.tp2)

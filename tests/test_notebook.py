@@ -63,6 +63,7 @@ def test_notebook_is_committed_without_outputs():
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_notebook_compares_the_layouts_of_the_latest_sweep(
     sweep: Sweep, tmp_path: Path, monkeypatch
 ):

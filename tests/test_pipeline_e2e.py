@@ -340,6 +340,7 @@ def test_context_parallel_run_is_tracked_and_equals_the_default_run(project: Pat
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_a_killed_run_resumes_to_the_weights_of_an_uninterrupted_one(
     project: Path, default_run, tmp_path: Path
 ):

@@ -81,6 +81,7 @@ def _cases(tmp_path: Path) -> dict[str, tuple[str, list[str]]]:
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_each_class_of_mistake_is_refused_before_any_work(tmp_path: Path) -> None:
     cases = _cases(tmp_path)
     runs = {}

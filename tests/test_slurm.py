@@ -72,6 +72,7 @@ def _report(state: dict[str, str], out: Path) -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_the_slurm_example_checkpoints_on_its_signal_requeues_and_resumes(
     cluster: Cluster, tmp_path: Path
 ):

@@ -120,6 +120,7 @@ def _weights(summary: dict, folder: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_a_link_that_fails_mid_run_ends_the_job_naming_the_node(tiny_blocks, hosts, tmp_path: Path):
     """Host b's link goes down after the first checkpoint: node 0 ends within the
     collective timeout plus a few seconds naming node 1; node 1's rank ends at its own

@@ -176,6 +176,7 @@ def test_pipeline_on_four_ranks_matches_one_process(tiny_blocks, tmp_path: Path)
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_three_dimensional_layout_on_eight_ranks_matches_one_process(
     tiny_blocks, packed_blocks, tmp_path: Path
 ):

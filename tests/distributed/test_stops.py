@@ -79,6 +79,7 @@ def _give_up(*_):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_stop_signals_checkpoint_and_resume_bitwise(tiny_blocks, tmp_path: Path):
     blocks = tmp_path / "blocks"
     tiny_blocks.save_to_disk(str(blocks))
