@@ -120,10 +120,12 @@ def _unit(nodeid: str) -> str:
     return SHARED_STACKS.get(module, module)
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: unknown where it is not loaded
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
-    """The suite runs on two pytest-xdist workers (`-n 2`, pyproject.toml) whose unit of
-    work is a module, or the modules that share a stack: a module's fixtures are built
-    once. The units start in the order collection left them (below)."""
+    """Under `-n 2` (pytest-xdist) a worker's unit of work is a module, or the modules that
+    share a stack, so a module's fixtures are built once (xdist's own `loadgroup` does not
+    group under pytest 9.2: its group suffix never reaches `item.nodeid`). The units start
+    in the order collection left them (below)."""
     from xdist.scheduler import LoadScopeScheduling  # noqa: PLC0415
 
     class ModuleScheduling(LoadScopeScheduling):
@@ -134,9 +136,12 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
     return ModuleScheduling(config, log)
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The units with the longest tests (`long`, then `slow`) first, each unit in its own
-    order: on two workers the last units to start are short, so the workers end together."""
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """On pytest-xdist's workers, the units with the longest tests (`long`, then `slow`)
+    first, each unit in its own order: the last units to start are short, so the workers
+    end together. In one process the order stays the files'."""
+    if not hasattr(config, "workerinput"):
+        return
     weight: dict[str, tuple[int, int]] = {}
     first: dict[str, int] = {}
     for index, item in enumerate(items):
