@@ -142,16 +142,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     end together. In one process the order stays the files'."""
     if not hasattr(config, "workerinput"):
         return
-    weight: dict[str, tuple[int, int]] = {}
-    first: dict[str, int] = {}
+    rank: dict[str, list[int]] = {}  # unit -> [-long tests, -slow tests, first index]
     for index, item in enumerate(items):
-        unit = _unit(item.nodeid)
-        long, slow = weight.get(unit, (0, 0))
-        weight[unit] = (
-            long + (item.get_closest_marker("long") is not None),
-            slow + (item.get_closest_marker("slow") is not None),
-        )
-        first.setdefault(unit, index)
-    items.sort(
-        key=lambda item: (*(-w for w in weight[_unit(item.nodeid)]), first[_unit(item.nodeid)])
-    )
+        key = rank.setdefault(_unit(item.nodeid), [0, 0, index])
+        key[0] -= item.get_closest_marker("long") is not None
+        key[1] -= item.get_closest_marker("slow") is not None
+    items.sort(key=lambda item: rank[_unit(item.nodeid)])
