@@ -1,5 +1,6 @@
-"""The house's shape, held by tests: no import circles, rooms of a readable size, no
-reaching into another module's private names, hooks/ holding Kedro hooks only.
+"""The house's shape, held by tests: no import circles, rooms of a readable size, each
+parallelism axis in its own planner room, no reaching into another module's private
+names, hooks/ holding Kedro hooks only.
 
 These read the source as text (`ast`); nothing of meshtrain is imported.
 """
@@ -7,6 +8,7 @@ These read the source as text (`ast`); nothing of meshtrain is imported.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "meshtrain"
@@ -117,6 +119,29 @@ def test_planner_modules_fit_a_read() -> None:
         if name.startswith("meshtrain.planner") and (n := len(path.read_text().splitlines())) > 500
     }
     assert long == {}
+
+
+# Each parallelism axis's `parallel.*` degree (and ZeRO-1, the data axis's option) may be
+# named by its own axis module, by `options` (the one reader of `auto`) and by `command`
+# (the CLI's flags), nowhere else in the planner: a new axis is one module and a line.
+AXIS_NAMES = (
+    "data_parallel_size",
+    "zero_1",
+    "sharded_data_parallel_degree",
+    "tensor_parallel_size",
+    "pipeline_parallel_size",
+    "context_parallel_size",
+)
+
+
+def test_each_parallelism_axis_is_named_in_at_most_three_planner_modules() -> None:
+    planner = {n: p.read_text() for n, p in MODULES.items() if n.startswith("meshtrain.planner")}
+    naming = {
+        name: sorted(m for m, text in planner.items() if re.search(rf"\b{name}\b", text))
+        for name in AXIS_NAMES
+    }
+    assert {name: modules for name, modules in naming.items() if len(modules) > 3} == {}
+    assert all(naming.values())  # the names are still the planner's
 
 
 def test_no_module_imports_another_modules_private_names() -> None:

@@ -119,6 +119,21 @@ class Layout:
     # Ranks that split each sequence's tokens (1: off).
     context_parallel_size: int = 1
 
+    @classmethod
+    def one_process(cls) -> Layout:
+        """One rank: every degree 1, no option on (the planner's fp32 template step)."""
+        return cls(
+            data_parallel_size=1,
+            tensor_parallel_size=1,
+            pipeline_parallel_size=1,
+            pipeline_parallel_num_microbatches=1,
+            pipeline_schedule="1f1b",
+            sequence_parallel=False,
+            zero_1=False,
+            activation_checkpointing="none",
+            activation_offloading=False,
+        )
+
     @property
     def sharded(self) -> bool:
         return self.sharded_data_parallel_degree > 1

@@ -173,7 +173,7 @@ def test_cpu_keeps_no_gathered_kv_and_gathers_them_again_in_the_backward(model_c
 
 def test_model_states_shard_over_dp_times_cp(model_config) -> None:
     plain = _memory(model_config)
-    zero_1 = _memory(model_config, cp=4, zero_1=True)
+    zero_1 = _memory(model_config, cp=4, layout=dataclasses.replace(FP32.layout, zero_1=True))
     assert zero_1.optimizer_states == pytest.approx(plain.optimizer_states / 4, rel=0.01)
     sharded = _memory(model_config, dp=2, cp=2, sharded=2)  # FSDP2 over sdp x cp = 4
     assert sharded.parameters == pytest.approx(plain.parameters / 4, rel=0.01)

@@ -176,10 +176,10 @@ def _layout_step_shape(
     """The candidate's degrees, with what the axes resolved from them (`layout`)."""
     pp, microbatches = c.pp, layout.pipeline_parallel_num_microbatches
     return StepShape(
+        layout=layout,
         dp=c.dp,
         tp=c.tp,
         pp=pp,
-        zero_1=layout.zero_1,
         sequence_parallel=layout.sequence_parallel,
         activation_checkpointing=layout.activation_checkpointing,
         activation_offloading=layout.activation_offloading,

@@ -20,24 +20,23 @@ from meshtrain.planner.checks import IMPLEMENTED_ACTIVATION_CHECKPOINTING
 from meshtrain.planner.loss_memory import auto_loss_chunk_tokens
 from meshtrain.planner.types import LayoutError, Refusal, divisors
 
-# The knobs a layout can leave at `auto`, by their `Candidate` names.
-_KNOBS = {
+# The degrees a layout can leave at `auto`, by their axes' short names, and the axes'
+# options, by their `parallel.*` names (`Candidate.degrees` and `Candidate.choices`).
+_DEGREES = {
     "dp": "data_parallel_size",
     "tp": "tensor_parallel_size",
     "pp": "pipeline_parallel_size",
     "cp": "context_parallel_size",
     "sdp": "sharded_data_parallel_degree",
-    "zero_1": "zero_1",
-    "sp": "sequence_parallel",
-    "microbatches": "pipeline_parallel_num_microbatches",
 }
+_CHOICES = ("zero_1", "sequence_parallel", "pipeline_parallel_num_microbatches")
 
 
 def _degrees(par: ParallelConfig, world: int) -> tuple[int | None, int, int, int]:
     """dp, tp, pp and cp as asked, a size at `auto` taken as 1 and dp at `auto` as the rest
     of the world (None where the other sizes do not divide it)."""
     tp, pp, cp = (
-        1 if getattr(par, _KNOBS[k]) == AUTO else getattr(par, _KNOBS[k])
+        1 if getattr(par, _DEGREES[k]) == AUTO else getattr(par, _DEGREES[k])
         for k in ("tp", "pp", "cp")
     )
     if par.data_parallel_size != AUTO:
@@ -50,24 +49,22 @@ def candidate_from(run: RunConfig, model_config: ArchitectureConfig) -> Candidat
     """The layout `run` asks for, every `auto` resolved (`run`: one variant of the search,
     its batch already fitted)."""
     par, world = run.parallel, run.launch.world_size
-    chosen = frozenset(k for k, name in _KNOBS.items() if getattr(par, name) == AUTO)
+    chosen = frozenset(k for k, name in _DEGREES.items() if getattr(par, name) == AUTO)
+    chosen |= {name for name in _CHOICES if getattr(par, name) == AUTO}
     fitted, tp, pp, cp = _degrees(par, world)
     dp = 1 if fitted is None else fitted  # 1: the sizes are refused, with the reason
-    batch = run.training.per_device_train_batch_size
-    if "microbatches" in chosen:
-        microbatches = pipeline.auto_microbatches(pp, batch)
-    else:
-        microbatches = par.pipeline_parallel_num_microbatches
+    microbatches = par.pipeline_parallel_num_microbatches
+    if microbatches == AUTO:
+        microbatches = pipeline.auto_microbatches(pp, run.training.per_device_train_batch_size)
+    sdp = par.sharded_data_parallel_degree
     return Candidate(
-        dp=dp,
-        tp=tp,
-        pp=pp,
-        cp=cp,
-        sdp=1 if "sdp" in chosen else par.sharded_data_parallel_degree,
-        zero_1=False if "zero_1" in chosen else par.zero_1,
-        sp=tp > 1 if "sp" in chosen else par.sequence_parallel,
+        degrees={"dp": dp, "tp": tp, "pp": pp, "cp": cp, "sdp": 1 if sdp == AUTO else sdp},
+        choices={
+            "zero_1": False if par.zero_1 == AUTO else par.zero_1,
+            "sequence_parallel": tp > 1 if par.sequence_parallel == AUTO else par.sequence_parallel,
+            "pipeline_parallel_num_microbatches": microbatches,
+        },
         activation_checkpointing=par.activation_checkpointing,
-        microbatches=microbatches,
         loss_chunk_tokens=_loss_chunk(run, model_config, tp, microbatches if pp > 1 else 1, cp),
         chosen_by_search=chosen,
     )

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from meshtrain.config import Layout
+
 if TYPE_CHECKING:
     from meshtrain.models.config_file import ArchitectureConfig
 
@@ -123,12 +125,16 @@ class MemoryEstimate:
 
 @dataclass(frozen=True)
 class StepShape:
-    """What one rank runs per optimizer step."""
+    """What one rank runs per optimizer step.
 
+    Its fields are what several planner modules compose (degrees, batch, precision, the
+    pipeline's cut); an option only its own axis weighs (ZeRO-1) is read from `layout`,
+    the plan's resolved layout, so that an axis's options need no field here."""
+
+    layout: Layout
     dp: int
     tp: int
     pp: int
-    zero_1: bool
     sequence_parallel: bool
     activation_checkpointing: str
     activation_offloading: bool
@@ -212,10 +218,10 @@ class GatherUnits:
 
 
 FP32 = StepShape(
+    layout=Layout.one_process(),
     dp=1,
     tp=1,
     pp=1,
-    zero_1=False,
     sequence_parallel=False,
     activation_checkpointing="none",
     activation_offloading=False,

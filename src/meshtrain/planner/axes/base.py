@@ -25,10 +25,12 @@ dispatch and combine buffers each MoE layer keeps per microbatch); `time_terms` 
 `AxisTime({"expert_parallel_s": ...})` (two all-to-alls each way per MoE layer per
 microbatch, `timing.microbatches`), a breakdown in its `report` if wanted; `local_numel`:
 the expert weights' elements / ep (gradients, moments, ZeRO-1 and FSDP2 follow what is
-local). Still outside the protocol: the `ep` field of `Candidate` and `StepShape` (and
-`layout._step_shape` passing it), `planner.options` reading and resolving
-`parallel.expert_parallel_size`, `ModelShape`'s expert counts, and an MoE layer's
-compute and activations (`planner.flops`, `planner.layer_memory`).
+local). Its degree reaches it as `c.degree("ep")` on a candidate and as the resolved
+`step.layout.expert_parallel_size` on a step (no planner field to add; the layout field
+is `config.Layout`'s). Still outside the protocol: `planner.options` reading and
+resolving `parallel.expert_parallel_size` (as it does every degree), `ModelShape`'s
+expert counts, and an MoE layer's compute and activations (`planner.flops`,
+`planner.layer_memory`).
 """
 
 from __future__ import annotations

@@ -47,6 +47,7 @@ from meshtrain.planner.types import Plan, Refusal, divisors, format_values
 
 # The parameter (and `config.Layout` field) this axis owns; other modules name it here.
 PARAMETER = "data_parallel_size"
+ZERO_1 = "zero_1"  # the optimizer states sharded over the dp x cp ranks
 
 
 def check_data_parallel(
@@ -110,7 +111,7 @@ def check_sharded_data_parallel(c: Candidate) -> tuple[int, list[Refusal]]:
                 f"Use one of {works} (1: off; {dp}: full sharding).",
             )
         ]
-    if degree > 1 and c.zero_1:
+    if degree > 1 and c.choice(ZERO_1):
         return degree, [
             Refusal(
                 "parallel.zero_1",
@@ -127,9 +128,9 @@ def resolve_zero_1(c: Candidate) -> tuple[bool, list[str]]:
     """Off, with a note, when there is nothing to shard (it shards over the dp x cp ranks,
     which hold the same parameters). At `auto` the search plans it off, and on only where
     memory needs it (`search`)."""
-    if c.zero_1 and c.dp * c.cp == 1:
+    if c.choice(ZERO_1) and c.dp * c.cp == 1:
         return False, ["parallel.zero_1 has nothing to shard at data_parallel_size=1; off."]
-    return c.zero_1, []
+    return c.choice(ZERO_1), []
 
 
 def replicated_dp_time(
@@ -155,11 +156,11 @@ def replicated_dp_time(
         edge_bucket = seconds * min(1.0, bucket_bytes / max(1, total_bytes))
         return max(seconds - hidden_behind * device.collective_overlap, edge_bucket)
 
-    factor = 1.0 if step.zero_1 else 2.0
+    factor = 1.0 if step.layout.zero_1 else 2.0
     averaging = ring(memory.gradients, ranks, dp_link, device.latency_us, factor)
     if overlap_grad_reduce:
         averaging = exposed(averaging, memory.gradients, 2 / 3 * microbatch_compute)
-    if not step.zero_1:
+    if not step.layout.zero_1:
         return averaging
     gather = ring(memory.parameters, ranks, dp_link, device.latency_us, 1.0)
     if overlap_param_gather:
@@ -209,8 +210,8 @@ def replicated_model_states(
     """The states of a rank holding `local` elements whole: under ZeRO-1 the flat buffer
     padded to a multiple of the dp x cp ranks, each owning the optimizer states of 1/ranks."""
     ranks = step.grad_ranks
-    padded = math.ceil(local / ranks) * ranks if step.zero_1 else local
-    owned = padded // ranks if step.zero_1 else local
+    padded = math.ceil(local / ranks) * ranks if step.layout.zero_1 else local
+    owned = padded // ranks if step.layout.zero_1 else local
     return with_model_states(padded, owned, step, activations=activations, loss=loss)
 
 
@@ -227,8 +228,8 @@ def lora_model_states(base: GatherUnits, trained: GatherUnits, step: StepShape) 
             adapters, parameters=adapters.parameters + frozen, gathered=gathered
         )
     ranks = step.grad_ranks
-    padded = math.ceil(trained.local / ranks) * ranks if step.zero_1 else trained.local
-    owned = padded // ranks if step.zero_1 else padded
+    padded = math.ceil(trained.local / ranks) * ranks if step.layout.zero_1 else trained.local
+    owned = padded // ranks if step.layout.zero_1 else padded
     adapters = with_model_states(padded, owned, step)
     frozen = base.local * (BYTES_BF16 if step.bf16 else BYTES_FP32)
     return dataclasses.replace(adapters, parameters=adapters.parameters + frozen)
@@ -269,14 +270,13 @@ class DataAxis(AxisBase):
     ) -> Plan:
         """`zero_1=auto`: the layout without ZeRO-1 where it fits the budget, with it where
         only that makes it fit: its parameter all-gather after every step is not free."""
-        if not c.chosen("zero_1") or c.dp * c.cp == 1 or c.sdp > 1:  # it shards over dp x cp
+        if not c.chosen(ZERO_1) or c.dp * c.cp == 1 or c.sdp > 1:  # it shards over dp x cp
             return plan
         need, name = plan.memory_estimate_per_rank["process_total"], plan.layout.name
         if need <= budget:
             note = f"parallel.zero_1=auto: off, {name} fits without it"
             return dataclasses.replace(plan, notes=[*plan.notes, note])
-        chosen = c.chosen_by_search - {"zero_1"}
-        with_zero_1 = replan(dataclasses.replace(c, zero_1=True, chosen_by_search=chosen))
+        with_zero_1 = replan(c.with_choice(ZERO_1, True))
         note = (
             f"parallel.zero_1=auto: on, without it {name} needs {_size(need)} per rank, "
             f"over the {_size(budget)} budget; with it "

@@ -21,6 +21,7 @@ from meshtrain.planner.types import Refusal, divisors, format_values
 
 # The parameter (and `config.Layout` field) this axis owns; other modules name it here.
 PARAMETER = "pipeline_parallel_size"
+MICROBATCHES = "pipeline_parallel_num_microbatches"
 
 
 def in_flight_microbatches(step: StepShape, rank: int) -> int:
@@ -93,10 +94,10 @@ def resolve_pipeline(
     par: ParallelConfig, c: Candidate, batch: int, model_config: ArchitectureConfig
 ) -> PipelineSplit:
     """Microbatches, virtual stages and the layer split for a per-device batch of `batch`."""
-    pp, requested = c.pp, c.microbatches
+    pp, requested = c.pp, c.choice(MICROBATCHES)
     if pp == 1:
         notes: list[str] = []
-        if not c.chosen("microbatches") and requested != 1:
+        if not c.chosen(MICROBATCHES) and requested != 1:
             notes.append(
                 f"parallel.pipeline_parallel_num_microbatches={requested} has no effect without "
                 "pipeline parallelism; using 1."

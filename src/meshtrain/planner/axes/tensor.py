@@ -60,7 +60,7 @@ def check_sequence_parallel(c: Candidate, block_size: int) -> list[Refusal]:
     """Sequence parallelism needs tp ranks to shard over, and a rank's share of each
     block (block / cp tokens) must split over them."""
     refusals: list[Refusal] = []
-    tp, cp, sequence_parallel = c.tp, c.cp, c.sp
+    tp, cp, sequence_parallel = c.tp, c.cp, c.choice("sequence_parallel")
     if sequence_parallel and tp == 1:
         chosen = " (the only size auto can choose here)" if c.chosen("tp") else ""
         refusals.append(
@@ -126,7 +126,10 @@ class TensorAxis(AxisBase):
         return AxisChecks(
             degree=check_tensor_parallel(c.tp, run.launch.world_size, model_config),
             options=check_sequence_parallel(c, run.data.block_size),
-            layout={"tensor_parallel_size": c.tp, "sequence_parallel": c.sp},
+            layout={
+                "tensor_parallel_size": c.tp,
+                "sequence_parallel": c.choice("sequence_parallel"),
+            },
         )
 
     def local_numel(self, name: str, numel: int, m: ModelShape, step: StepShape) -> int:
