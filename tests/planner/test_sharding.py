@@ -6,9 +6,11 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _ComputationType
 from transformers import PretrainedConfig
 
 from meshtrain.commands import main
@@ -18,7 +20,8 @@ from meshtrain.models.llama.parameter_names import llama_family_shapes
 from meshtrain.planner import LayoutError, Plan, plan_run
 from meshtrain.planner.axes import local_share
 from meshtrain.planner.axes.data import estimate_model_states
-from meshtrain.planner.axes.sharding import sharded_data_parallel_degrees
+from meshtrain.planner.axes.pipeline import interleaved_gradient_chunks, interleaved_order
+from meshtrain.planner.axes.sharding import gathered_bytes, sharded_data_parallel_degrees
 from meshtrain.planner.memory import estimate_memory
 from meshtrain.planner.parameters import gather_units
 from meshtrain.planner.shapes import FP32, ModelShape
@@ -360,3 +363,51 @@ def _with(step, **fields: Any):
     import dataclasses
 
     return dataclasses.replace(step, **fields)
+
+
+# --- interleaved 1F1B: the order the planner walks is torch's ---------------------------------
+
+
+@pytest.mark.parametrize(
+    ("pp", "virtual", "microbatches"),
+    [(2, 2, 2), (2, 2, 8), (4, 2, 8), (4, 3, 12), (8, 2, 8), (8, 2, 16)],
+)
+def test_the_interleaved_order_is_torchs(pp: int, virtual: int, microbatches: int) -> None:
+    """Every rank's forwards and backwards, chunk by chunk, as torch's own schedule
+    computes them (its per-rank order, without the idle slots)."""
+    rounds = max(1, microbatches // pp)
+    schedule = SimpleNamespace(
+        n_local_stages=virtual,
+        pp_group_size=pp,
+        _n_microbatches=microbatches,
+        microbatches_per_round=microbatches // rounds,
+    )
+    step = _with(FP32, pp=pp, virtual_stages=virtual, microbatches=microbatches)
+    for rank in range(pp):
+        actions = ScheduleInterleaved1F1B._calculate_single_rank_operations(schedule, rank)
+        torchs = [
+            (a.computation_type != _ComputationType.FORWARD, a.stage_index // pp)
+            for a in actions
+            if a is not None
+        ]
+        assert interleaved_order(step, rank) == torchs
+
+
+def test_interleaved_gradients_of_every_chunk_are_unsharded_at_the_peak_past_one_round() -> None:
+    """One round of microbatches (m <= pp): the warm-up runs every forward and the last
+    chunk finishes its backwards before the next starts, so one chunk's gradients are
+    unsharded at the peak. Two rounds: the steady phase starts the first chunk's
+    backwards while the last one's wait for the second round (the 405B dry run at 16
+    microbatches: both chunks, 25 GiB of gradients)."""
+    one_round = _with(FP32, pp=8, virtual_stages=2, microbatches=8)
+    two_rounds = _with(one_round, microbatches=16)
+    assert [interleaved_gradient_chunks(one_round, r) for r in (0, 7)] == [1, 1]
+    assert [interleaved_gradient_chunks(two_rounds, r) for r in (0, 7)] == [2, 2]
+    shapes = {"model.layers.0.mlp.up_proj.weight": (64, 64)}  # one chunk's, per rank
+    grads = 64 * 64 * FP32.gradient_bytes
+    step = _with(two_rounds, sharded=8, schedule="interleaved_1f1b", stage_layers=(1,) * 16)
+    local = 2 * math.prod(shapes["model.layers.0.mlp.up_proj.weight"])
+    params = local * step.parameter_bytes
+    assert gathered_bytes(step, local=local, layer=local // 2, layers=2) == params + 2 * grads
+    step = _with(step, microbatches=8)
+    assert gathered_bytes(step, local=local, layer=local // 2, layers=2) == params + grads

@@ -86,12 +86,12 @@ def estimate_memory(
                 sum(step.stage_layers[s] for s in mine),
             )
             base = GatherUnits(local, layer, trained.layers)
-            states = lora_model_states(base, trained, step)
+            states = lora_model_states(base, trained, step, rank)
             per_rank.append(dataclasses.replace(states, activations=activations, loss=loss))
             continue
         if step.sharded > 1:
             layers = sum(step.stage_layers[s] for s in mine)
-            gathered = gathered_bytes(step, local=local, layer=layer, layers=layers)
+            gathered = gathered_bytes(step, local=local, layer=layer, layers=layers, rank=rank)
             per_rank.append(
                 sharded_model_states(
                     local, step, gathered=gathered, activations=activations, loss=loss

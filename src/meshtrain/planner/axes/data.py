@@ -215,14 +215,24 @@ def replicated_model_states(
     return with_model_states(padded, owned, step, activations=activations, loss=loss)
 
 
-def lora_model_states(base: GatherUnits, trained: GatherUnits, step: StepShape) -> MemoryEstimate:
+def lora_model_states(
+    base: GatherUnits, trained: GatherUnits, step: StepShape, rank: int = 0
+) -> MemoryEstimate:
     """The frozen base's parameters alone (fp32 shards under sharding, else the compute
-    dtype: bf16 under bf16 autocast too), and the adapters' full states (`trained`)."""
+    dtype: bf16 under bf16 autocast too), and the adapters' full states (`trained`), on
+    pipeline rank `rank`."""
     if step.sharded > 1:
         adapters = sharded_model_states(trained.local, step)
         gathered = gathered_bytes(
-            step, local=base.local, layer=base.layer, layers=base.layers, gradients=False
-        ) + gathered_bytes(step, local=trained.local, layer=trained.layer, layers=trained.layers)
+            step,
+            local=base.local,
+            layer=base.layer,
+            layers=base.layers,
+            gradients=False,
+            rank=rank,
+        ) + gathered_bytes(
+            step, local=trained.local, layer=trained.layer, layers=trained.layers, rank=rank
+        )
         frozen = math.ceil(base.local / step.shard_ranks) * BYTES_FP32
         return dataclasses.replace(
             adapters, parameters=adapters.parameters + frozen, gathered=gathered

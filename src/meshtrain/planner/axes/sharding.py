@@ -69,10 +69,17 @@ def sharded_model_states(
 
 
 def gathered_bytes(
-    step: StepShape, *, local: int, layer: int, layers: int, gradients: bool = True
+    step: StepShape,
+    *,
+    local: int,
+    layer: int,
+    layers: int,
+    gradients: bool = True,
+    rank: int = 0,
 ) -> int:
-    """Bytes of gathered parameters and unsharded gradients at the step's peak, for a rank
-    holding `local` elements of which `layers` decoder layers of `layer` elements each.
+    """Bytes of gathered parameters and unsharded gradients at the step's peak, for
+    pipeline rank `rank` holding `local` elements of which `layers` decoder layers of
+    `layer` elements each.
 
     Without pp the peak is the backward's start (dry runs, docs/dry_run.md): the root
     group (embedding, final norm, LM head) gathered for the whole step, the last layer
@@ -80,13 +87,13 @@ def gathered_bytes(
     embedding's comes last). Under pp the stage stays gathered and accumulates unsharded
     gradients until the schedule's last microbatch, whose backward copies the first group
     into a flat reduce-scatter buffer while the others are still gathered; interleaved,
-    only the last chunk's gradients exist at the warm-up's peak. (Sharding only.)"""
+    the chunks that have started their backwards and not finished them at the peak
+    (`pipeline.interleaved_gradient_chunks`). (Sharding only.)"""
     grad = step.gradient_bytes if gradients else 0  # a frozen base has none
     root = local - layers * layer
     if step.pp > 1 and step.schedule == "interleaved_1f1b":
-        # A rank's gradients are made by its chunks' first backwards: at the warm-up's
-        # peak only the last chunk has had one, and nothing is reduced yet (dry runs).
-        return local * step.parameter_bytes + local // step.virtual_stages * grad
+        chunks = pipeline.interleaved_gradient_chunks(step, rank)
+        return local * step.parameter_bytes + local * chunks // step.virtual_stages * grad
     if step.pp > 1:
         return local * (step.parameter_bytes + grad) + max(root, layer) * grad
     return (root + min(1, layers) * layer) * step.parameter_bytes
