@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The five big layouts of docs/dry_run.md ("The big layouts"), dry-run one after the other
-# on this machine: per rank the dry run's step peak beside the planner's, and each run's
-# wall time and peak resident memory. About 5 minutes on 2 cores.
+# The big layouts of docs/dry_run.md ("The big layouts", then the interleaved case of
+# "What the dry run found"), dry-run one after the other on this machine: per rank the
+# dry run's step peak beside the planner's, and each run's wall time and peak resident
+# memory. About 7 minutes on 2 cores.
 #
 #     bash bench/dry_runs.sh
 set -euo pipefail
@@ -24,3 +25,7 @@ for schedule in 1f1b interleaved_1f1b; do
 done
 dry --model $M/llama-3.2-3b.json --devices 32 --device trn1 --seq-len 4096 --global-batch 32 \
     --bf16 --dp 4 --tp 4 --pp 2
+# Interleaved past one round of microbatches (4 on pp2): every chunk's gradients unsharded.
+dry --model $M/llama-3.2-3b.json --devices 16 --device h100 --seq-len 4096 --global-batch 64 \
+    --bf16 --dp 8 --tp 1 --pp 2 --sdp 8 --schedule interleaved_1f1b \
+    --activation-checkpointing full --memory-margin 0
