@@ -25,6 +25,7 @@ from meshtrain.distributed.parallel_dims import ParallelDims
 from meshtrain.distributed.pipeline_parallel import PipelineRunner, SharedWeightSync
 from meshtrain.distributed.tensor_parallel import ParameterSharding, TensorParallelGradSync
 from meshtrain.models.packed_attention import packed_causal_mask
+from meshtrain.models.router_loss import RouterLoss
 
 
 def attention_inputs(batch: TokenBatch) -> dict[str, torch.Tensor | None]:
@@ -60,6 +61,8 @@ class ParallelModel:
     tied_copies: dict[str, str] = field(default_factory=dict)
     # This rank's share of every sequence under context parallelism (None: off).
     context: ContextParallel | None = None
+    # A mixture of experts' load-balancing loss, where its config turns it on.
+    router_loss: RouterLoss | None = None
 
     def loss_context(self) -> AbstractContextManager:
         # The unchunked cross-entropy on vocabulary-sharded logits: the full logits never
@@ -87,10 +90,18 @@ class ParallelModel:
                 with self.autocast(), record_function("meshtrain.pipeline"):
                     return self.runner.train_step(batch, trained_tokens, self.dims.dp_cp)
             with record_function("meshtrain.forward"):
-                loss = self._loss_sum(batch) / trained_tokens
+                objective = loss = self._routed_loss_sum(batch) / trained_tokens
+                if self.router_loss is not None:
+                    objective = loss + self.router_loss.term()
             with record_function("meshtrain.backward"):
-                (loss * self.dims.dp_cp).backward()
+                (objective * self.dims.dp_cp).backward()
         return as_local(loss.detach())
+
+    def _routed_loss_sum(self, batch: TokenBatch) -> torch.Tensor:
+        if self.router_loss is None:
+            return self._loss_sum(batch)
+        with self.router_loss.collecting():
+            return self._loss_sum(batch)
 
     def own_tokens(self, batch: TokenBatch) -> TokenBatch:
         """This rank's share of the batch's tokens (all of them without cp)."""

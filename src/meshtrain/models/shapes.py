@@ -14,7 +14,8 @@ import re
 from typing import Any
 
 from meshtrain.config import ConfigError, LoraSettings
-from meshtrain.models.llama.parameter_names import LM_HEAD, llama_family_shapes
+from meshtrain.models.llama.parameter_names import HEAD_NORMS, LM_HEAD, llama_family_shapes
+from meshtrain.models.moe_config import sparse_layers
 
 # PEFT's default targets for the Llama family (its TRANSFORMERS_MODELS_TO_LORA_TARGET_
 # MODULES_MAPPING), used when `model.lora.target_modules` is null.
@@ -34,15 +35,25 @@ def parameter_shapes(config: Any) -> dict[str, tuple[int, ...]]:
 def module_names(config: Any) -> list[str]:
     """Every submodule's dotted name, in the built model's `named_modules()` order."""
     names = ["model", "model.embed_tokens", "model.layers"]
+    sparse = set(sparse_layers(config))
     for i in range(config.num_hidden_layers):
         layer = f"model.layers.{i}"
         names += [layer, f"{layer}.self_attn"]
         names += [f"{layer}.self_attn.{p}" for p in _ATTENTION]
-        if config.model_type == "qwen3":
+        if config.model_type in HEAD_NORMS:
             names += [f"{layer}.self_attn.q_norm", f"{layer}.self_attn.k_norm"]
-        names += [f"{layer}.mlp", *(f"{layer}.mlp.{p}" for p in _MLP), f"{layer}.mlp.act_fn"]
+        names += [f"{layer}.mlp", *(f"{layer}.mlp.{p}" for p in _mlp_modules(config, i in sparse))]
         names += [f"{layer}.input_layernorm", f"{layer}.post_attention_layernorm"]
     return [*names, "model.norm", "model.rotary_emb", "lm_head"]
+
+
+def _mlp_modules(config: Any, sparse: bool) -> tuple[str, ...]:
+    """A layer's MLP's submodules in `named_modules()` order: the dense projections, or a
+    sparse layer's router (`gate`, not a Linear) and experts, in the model's order."""
+    if not sparse:
+        return (*_MLP, "act_fn")
+    experts = ("experts", "experts.act_fn")
+    return ("gate", *experts) if config.model_type == "mixtral" else (*experts, "gate")
 
 
 def linear_features(config: Any) -> dict[str, tuple[int, int]]:

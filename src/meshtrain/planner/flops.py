@@ -10,10 +10,22 @@ from meshtrain.planner.shapes import ModelShape, StepShape
 
 
 def layer_matmul_weights(m: ModelShape) -> int:
-    """The weights of one decoder layer's matmuls: q, o (hidden x heads' width), k, v
-    (hidden x KV heads' width), and the MLP's three."""
+    """The weights a token passes in one decoder layer's matmuls: q, o (hidden x heads'
+    width), k, v (hidden x KV heads' width), and the MLP's three (averaged over the
+    layers of a mixture of experts: `mlp_matmul_weights`)."""
     q, kv = m.heads * m.head_dim, m.kv_heads * m.head_dim
-    return m.hidden * (2 * q + 2 * kv) + 3 * m.hidden * m.intermediate
+    return m.hidden * (2 * q + 2 * kv) + mlp_matmul_weights(m)
+
+
+def mlp_matmul_weights(m: ModelShape) -> int:
+    """The MLP weights a token passes per decoder layer: the dense MLP's three matrices;
+    in a sparse layer the router (experts x hidden) and its `experts_per_token` experts'
+    three (the active parameters, not all the experts), averaged over the layers."""
+    dense = 3 * m.hidden * m.intermediate
+    if not m.sparse_layers:
+        return dense
+    sparse = m.experts * m.hidden + m.experts_per_token * 3 * m.hidden * m.expert_intermediate
+    return (dense * (m.layers - m.sparse_layers) + sparse * m.sparse_layers) // m.layers
 
 
 def layer_forward_flops(m: ModelShape, seq_len: int, excess: float = 1.0) -> float:

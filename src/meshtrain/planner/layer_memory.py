@@ -21,7 +21,7 @@ def layer_activation_elements(m: ModelShape, step: StepShape) -> tuple[float, fl
     h, i, a = m.hidden, m.intermediate, m.heads
     kv = local_kv_heads(m, t) * m.head_dim
     q_and_out = 2 * h / t  # q after rotary, attention output (= o_proj input)
-    mlp = 4 * i / t  # gate, up, SiLU(gate), their product
+    mlp = mlp_activation_elements(m, t)
     per_head = a / t  # log-sum-exp
     if step.activation_checkpointing == "selective":
         # Kept: the layer input and the outputs of every matmul, the attention and every
@@ -47,6 +47,30 @@ def layer_activation_elements(m: ModelShape, step: StepShape) -> tuple[float, fl
     return kept, norm_copies + q_and_out + 2 * kv + mlp + per_head
 
 
+def mlp_activation_elements(m: ModelShape, t: int) -> float:
+    """What the MLP keeps per token, averaged over the layers: the dense MLP's gate, up,
+    SiLU(gate) and their product; a sparse layer's router logits and probabilities, and
+    for each of the token's experts its gathered input, gate and up, SiLU(gate), their
+    product, the expert's output and its weighted copy (transformers' grouped-matmul
+    experts; tensor parallelism does not split a sparse layer)."""
+    dense = 4 * m.intermediate / t
+    if not m.sparse_layers:
+        return dense
+    per_expert = 3 * m.hidden + 4 * m.expert_intermediate
+    sparse = 2 * m.experts + m.experts_per_token * per_expert
+    return (dense * (m.layers - m.sparse_layers) + sparse * m.sparse_layers) / m.layers
+
+
+def _mlp_weights(m: ModelShape, t: int) -> float:
+    """A layer's MLP weights on a tp rank, averaged over the layers: a sparse layer's
+    router and every expert (autocast casts the whole 3-D parameters)."""
+    dense = 3 * m.hidden * m.intermediate / t
+    if not m.sparse_layers:
+        return dense
+    sparse = m.experts * m.hidden * (1 + 3 * m.expert_intermediate)
+    return (dense * (m.layers - m.sparse_layers) + sparse * m.sparse_layers) / m.layers
+
+
 def _head_norm_elements(m: ModelShape, t: int) -> float:
     """What per-head query and key norms keep per token in fp32: each norm's input and its
     normalised output, and one inverse root mean square per head."""
@@ -57,11 +81,12 @@ def layer_matmul_elements(m: ModelShape, t: int) -> int:
     """One decoder layer's matmul weights on a tp rank (a KV head at least)."""
     kv = local_kv_heads(m, t) * m.head_dim
     return int(2 * m.hidden * m.heads * m.head_dim / t + 2 * m.hidden * kv) + int(
-        3 * m.hidden * m.intermediate / t
+        _mlp_weights(m, t)
     )
 
 
 def backward_working_set(m: ModelShape, step: StepShape, tokens: int) -> int:
     """Gradients of a layer's activations alive at once during its backward."""
     t = step.tp
-    return int(tokens * (2 * m.hidden + 2 * m.intermediate / t) * step.parameter_bytes)
+    mlp = mlp_activation_elements(m, t) / 2  # the gradients of gate and up (or the experts')
+    return int(tokens * (2 * m.hidden + mlp) * step.parameter_bytes)

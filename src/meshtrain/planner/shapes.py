@@ -11,6 +11,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from meshtrain.config import Layout
+from meshtrain.models.llama.parameter_names import HEAD_NORMS
+from meshtrain.models.moe_config import (
+    expert_intermediate,
+    experts_per_token,
+    num_experts,
+    sparse_layers,
+)
 
 if TYPE_CHECKING:
     from meshtrain.models.config_file import ArchitectureConfig
@@ -24,7 +31,8 @@ INT64 = 8
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The sizes of a Llama-family model that memory and time depend on."""
+    """The sizes of a Llama-family model (or its mixture of experts) that memory and time
+    depend on."""
 
     hidden: int
     intermediate: int
@@ -35,6 +43,13 @@ class ModelShape:
     vocab: int
     tied_embeddings: bool
     head_norms: bool = False  # an RMSNorm over each query and key head (Qwen3)
+    # A mixture of experts (`models.moe_config`): `sparse_layers` of the decoder layers
+    # route each token to `experts_per_token` of their `experts` (each an MLP of
+    # `expert_intermediate`) instead of the dense MLP; 0: a dense model.
+    experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate: int = 0
+    sparse_layers: int = 0
 
     @classmethod
     def from_config(cls, config: ArchitectureConfig) -> ModelShape:
@@ -49,7 +64,11 @@ class ModelShape:
             head_dim=head_dim,
             vocab=config.vocab_size,
             tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-            head_norms=getattr(config, "model_type", "") == "qwen3",
+            head_norms=getattr(config, "model_type", "") in HEAD_NORMS,
+            experts=num_experts(config),
+            experts_per_token=experts_per_token(config),
+            expert_intermediate=expert_intermediate(config) if num_experts(config) else 0,
+            sparse_layers=len(sparse_layers(config)),
         )
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from meshtrain.models.moe_config import moe_layer_shapes, sparse_layers
+
 # Megatron's split of a decoder layer, by module name relative to the layer. Column
 # parallel: weight and bias split along the outputs. Row parallel: weight split along
 # the inputs; the bias is added once, after the sum, and stays whole.
@@ -28,6 +30,8 @@ KV_PROJECTIONS = ("self_attn.k_proj", "self_attn.v_proj")
 # The input embedding and the LM head: one tensor when the config ties them.
 EMBEDDING = "model.embed_tokens.weight"
 LM_HEAD = "lm_head.weight"
+# The architectures with an RMSNorm over each query and key head.
+HEAD_NORMS = ("qwen3", "qwen3_moe")
 
 
 def stored_name(name: str, config: Any) -> str:
@@ -79,46 +83,58 @@ def llama_family_shapes(config: Any) -> dict[str, tuple[int, ...]]:
 
     The same set `named_parameters()` of the built model gives (tests check it against a
     meta-device build for each supported architecture), without importing the modelling
-    code, which costs seconds the planner's command should not pay.
+    code, which costs seconds the planner's command should not pay. A mixture of
+    experts' sparse layers hold a router and experts where the others hold the MLP.
     """
-    kind = config.model_type
-    h, layers = config.hidden_size, config.num_hidden_layers
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or h // heads
-    inter, vocab = config.intermediate_size, config.vocab_size
-    attention_bias = getattr(config, "attention_bias", False)
-    qkv_bias = kind == "qwen2" or attention_bias
-    output_bias = attention_bias and kind != "qwen2"
-    mlp_bias = getattr(config, "mlp_bias", False)
+    h, vocab = config.hidden_size, config.vocab_size
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, h)}
-    for i in range(layers):
-        at = f"model.layers.{i}.self_attn"
-        mlp = f"model.layers.{i}.mlp"
-        shapes[f"{at}.q_proj.weight"] = (heads * head_dim, h)
-        if qkv_bias:
-            shapes[f"{at}.q_proj.bias"] = (heads * head_dim,)
-        for name in ("k_proj", "v_proj"):
-            shapes[f"{at}.{name}.weight"] = (kv_heads * head_dim, h)
-            if qkv_bias:
-                shapes[f"{at}.{name}.bias"] = (kv_heads * head_dim,)
-        shapes[f"{at}.o_proj.weight"] = (h, heads * head_dim)
-        if output_bias:
-            shapes[f"{at}.o_proj.bias"] = (h,)
-        if kind == "qwen3":
-            shapes[f"{at}.q_norm.weight"] = (head_dim,)
-            shapes[f"{at}.k_norm.weight"] = (head_dim,)
-        for name, shape in (
-            ("gate_proj", (inter, h)),
-            ("up_proj", (inter, h)),
-            ("down_proj", (h, inter)),
-        ):
-            shapes[f"{mlp}.{name}.weight"] = shape
-            if mlp_bias:
-                shapes[f"{mlp}.{name}.bias"] = (shape[0],)
+    sparse = set(sparse_layers(config))
+    for i in range(config.num_hidden_layers):
+        shapes.update(_attention_shapes(config, f"model.layers.{i}.self_attn"))
+        if i in sparse:
+            shapes.update(moe_layer_shapes(config, i))
+        else:
+            shapes.update(_mlp_shapes(config, f"model.layers.{i}.mlp"))
         shapes[f"model.layers.{i}.input_layernorm.weight"] = (h,)
         shapes[f"model.layers.{i}.post_attention_layernorm.weight"] = (h,)
     shapes["model.norm.weight"] = (h,)
     if not getattr(config, "tie_word_embeddings", False):
         shapes["lm_head.weight"] = (vocab, h)
+    return shapes
+
+
+def _attention_shapes(config: Any, at: str) -> dict[str, tuple[int, ...]]:
+    kind, h = config.model_type, config.hidden_size
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or h // heads
+    attention_bias = getattr(config, "attention_bias", False)
+    qkv_bias = kind == "qwen2" or attention_bias
+    shapes: dict[str, tuple[int, ...]] = {f"{at}.q_proj.weight": (heads * head_dim, h)}
+    if qkv_bias:
+        shapes[f"{at}.q_proj.bias"] = (heads * head_dim,)
+    for name in ("k_proj", "v_proj"):
+        shapes[f"{at}.{name}.weight"] = (kv_heads * head_dim, h)
+        if qkv_bias:
+            shapes[f"{at}.{name}.bias"] = (kv_heads * head_dim,)
+    shapes[f"{at}.o_proj.weight"] = (h, heads * head_dim)
+    if attention_bias and kind != "qwen2":
+        shapes[f"{at}.o_proj.bias"] = (h,)
+    if kind in HEAD_NORMS:
+        shapes[f"{at}.q_norm.weight"] = (head_dim,)
+        shapes[f"{at}.k_norm.weight"] = (head_dim,)
+    return shapes
+
+
+def _mlp_shapes(config: Any, mlp: str) -> dict[str, tuple[int, ...]]:
+    h, inter = config.hidden_size, config.intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name, shape in (
+        ("gate_proj", (inter, h)),
+        ("up_proj", (inter, h)),
+        ("down_proj", (h, inter)),
+    ):
+        shapes[f"{mlp}.{name}.weight"] = shape
+        if getattr(config, "mlp_bias", False):
+            shapes[f"{mlp}.{name}.bias"] = (shape[0],)
     return shapes

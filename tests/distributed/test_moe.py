@@ -1,0 +1,116 @@
+"""Mixtures of experts (Qwen3-MoE, Mixtral) on data-parallel layouts equal transformers'
+own model in one process: the same seeded weights, fp32, the load-balancing loss on at a
+nonzero coefficient. The reference runs each step's microbatches one forward each,
+with transformers' own loss (`out.loss`: the language-model loss plus the coefficient
+times the router loss), averaged over the microbatches: losses per step to 1e-5
+relative, weights after."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import datasets
+import pytest
+import torch
+
+from meshtrain.data.blocks import BlockStore, arrow_files
+from meshtrain.data.sampler import GlobalBatchSampler
+from meshtrain.models import build_model, build_model_config
+from tests.conftest import TINY_VOCAB
+from tests.distributed.reference import (
+    GLOBAL_BATCH,
+    TRAINING,
+    assert_matches_reference,
+    make_spec,
+    reference_optimizer,
+    reference_step,
+    run_group,
+)
+
+STEPS = 12
+_ATTENTION = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2}
+ROUTER = {"output_router_logits": True, "router_aux_loss_coef": 0.05}
+MODELS = {
+    # Layer 0 dense (`mlp_only_layers`), layers 1-2 sparse; top-2 of 4 experts, normalised.
+    "qwen3_moe": {
+        **_ATTENTION,
+        **ROUTER,
+        "intermediate_size": 96,
+        "moe_intermediate_size": 32,
+        "num_hidden_layers": 3,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": True,
+        "mlp_only_layers": [0],
+    },
+    "mixtral": {
+        **_ATTENTION,
+        **ROUTER,
+        "intermediate_size": 32,
+        "num_hidden_layers": 2,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+    },
+}
+# per-device batch x accumulation x dp = 8 in every case: 2 microbatches of 4 in each.
+FOUR_EACH = {"per_device_train_batch_size": 4}
+CASES = {
+    "one-process-accum2": (1, {}, {**FOUR_EACH, "gradient_accumulation_steps": 2}),
+    "dp2": (2, {"data_parallel_size": 2}, FOUR_EACH),
+    "dp2-zero1-ac-full": (
+        2,
+        {"data_parallel_size": 2, "zero_1": True, "activation_checkpointing": "full"},
+        FOUR_EACH,
+    ),
+    "dp2-sdp2": (2, {"data_parallel_size": 2, "sharded_data_parallel_degree": 2}, FOUR_EACH),
+}
+
+
+def transformers_run(
+    blocks: datasets.DatasetDict, architecture: str, fields: dict, microbatch: int = 4
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """transformers' model, each step's global batch as microbatches of `microbatch` rows
+    in the order the ranks take them, its own loss per forward averaged over them; the
+    language-model part of it per step (what meshtrain logs)."""
+    config = build_model_config(architecture, fields, vocab_size=TINY_VOCAB)
+    model = build_model(config, seed=TRAINING["seed"])
+    optimizer, schedule = reference_optimizer(model, STEPS)
+    store = BlockStore(arrow_files(blocks["train"]))
+    sampler = GlobalBatchSampler(len(store), GLOBAL_BATCH, TRAINING["seed"])
+    losses = []
+    for step in range(STEPS):
+        ids = store.batch(sampler.global_indices(step))
+        parts = ids.split(microbatch)
+        outs = [model(input_ids=part, labels=part, output_router_logits=True) for part in parts]
+        objective = sum(out.loss for out in outs) / len(parts)
+        lm = sum(out.loss - config.router_aux_loss_coef * out.aux_loss for out in outs)
+        losses.append(lm.item() / len(parts))
+        reference_step(model, objective, optimizer, schedule)
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("architecture", sorted(MODELS))
+def test_moe_on_data_parallel_layouts_matches_transformers(
+    architecture: str, tiny_blocks, tmp_path: Path
+) -> None:
+    fields = MODELS[architecture]
+    expected = transformers_run(tiny_blocks, architecture, fields)
+    for world in (1, 2):
+        specs = {
+            name: make_spec(
+                tiny_blocks,
+                tmp_path,
+                name,
+                world=world,
+                parallel=parallel,
+                training={**training, "max_steps": STEPS},
+                architecture=architecture,
+                fields=fields,
+            )
+            for name, (ranks, parallel, training) in CASES.items()
+            if ranks == world
+        }
+        summaries = run_group(list(specs.values()), world, tmp_path / f"w{world}", architecture)
+        for name, summary in zip(specs, summaries, strict=True):
+            assert_matches_reference(name, summary, *expected, tmp_path / name / "hf")
