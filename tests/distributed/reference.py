@@ -210,6 +210,14 @@ def assert_memory_model_holds(name: str, summary: dict[str, Any], tolerance: flo
     )
 
 
+def assert_losses_match(name: str, summary: dict[str, Any], expected: list[float]) -> None:
+    """The run's loss at every step agrees with one process's to 1e-5 relative."""
+    losses = [loss for _, loss in summary["losses"]]
+    assert len(losses) == len(expected), name
+    for step, (got, want) in enumerate(zip(losses, expected, strict=True)):
+        assert abs(got - want) / abs(want) <= 1e-5, f"{name} step {step}: {got} vs {want}"
+
+
 def assert_matches_reference(
     name: str,
     summary: dict[str, Any],
@@ -218,10 +226,7 @@ def assert_matches_reference(
     consolidated_dir: Path,
 ) -> None:
     """Losses per step and the consolidated weights agree with one process to 1e-5 relative."""
-    losses = [loss for _, loss in summary["losses"]]
-    assert len(losses) == len(expected_losses), name
-    for step, (got, want) in enumerate(zip(losses, expected_losses, strict=True)):
-        assert abs(got - want) / abs(want) <= 1e-5, f"{name} step {step}: {got} vs {want}"
+    assert_losses_match(name, summary, expected_losses)
     consolidate_checkpoint(summary["final_checkpoint"], consolidated_dir)
     weights = load_file(consolidated_dir / "model.safetensors")
     assert weights.keys() == expected_weights.keys(), name

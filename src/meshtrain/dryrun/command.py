@@ -23,6 +23,7 @@ from meshtrain.config import RunConfig
 from meshtrain.dryrun import pipeline
 from meshtrain.dryrun.fake_world import dry_run_device
 from meshtrain.dryrun.rank import RankMemory, dry_run_rank
+from meshtrain.models.moe_config import MOE_ARCHITECTURES
 from meshtrain.planner import Plan
 from meshtrain.planner.command import plan_from_args
 from meshtrain.planner.devices import GIB
@@ -34,6 +35,11 @@ PIPELINES_NOT_YET = (
     "does not settle (it follows torch 2.13's `_warmup_p2p`): fix --pp 1 to dry-run the "
     "other axes, or dry-run with torch 2.13"
 )
+EXPERTS_NOT_YET = (
+    "a mixture of experts is not dry-run yet: transformers' experts run torch's grouped "
+    "matmul, whose fake-tensor rule takes bf16 only (the CUDA kernel's), while the CPU code "
+    "path standing in runs it in fp32"
+)
 
 
 def run_dryrun(args: argparse.Namespace) -> int:
@@ -42,8 +48,8 @@ def run_dryrun(args: argparse.Namespace) -> int:
         print(f"error: {planned}")
         return 1
     run, plan = planned
-    if not runs_here(plan):
-        print(f"error: {plan.layout.name}: {PIPELINES_NOT_YET}")
+    if why := why_not_here(plan):
+        print(f"error: {plan.layout.name}: {why}")
         return 1
     ranks = args.rank or busiest_ranks(plan)
     if bad := [r for r in ranks if not 0 <= r < plan.world_size]:
@@ -67,9 +73,9 @@ def run_dryrun(args: argparse.Namespace) -> int:
 
 def dry_run_plan(run: RunConfig, plan: Plan) -> list[dict]:
     """`planner.dry_run`: the busiest ranks' comparisons, for plan.json and MLflow (none,
-    with a warning, where this torch cannot run the plan's pipeline)."""
-    if not runs_here(plan):
-        log.warning("no dry run of %s: %s", plan.layout.name, PIPELINES_NOT_YET)
+    with a warning, where the dry run cannot run the plan: `why_not_here`)."""
+    if why := why_not_here(plan):
+        log.warning("no dry run of %s: %s", plan.layout.name, why)
         return []
     device, why = dry_run_device(plan.device)
     log.info("dry run of %s: %s", plan.layout.name, why)
@@ -77,9 +83,14 @@ def dry_run_plan(run: RunConfig, plan: Plan) -> list[dict]:
     return [compare(memory, plan) for memory in ranks]
 
 
-def runs_here(plan: Plan) -> bool:
-    """Whether this torch can dry-run the plan (a pipeline needs torch 2.13's schedules)."""
-    return plan.layout.pipeline_parallel_size == 1 or pipeline.supported()
+def why_not_here(plan: Plan) -> str | None:
+    """Why the dry run cannot run the plan here (None: it can). A pipeline needs torch
+    2.13's schedules; a mixture of experts, a fake-tensor rule torch lacks."""
+    if plan.layout.pipeline_parallel_size > 1 and not pipeline.supported():
+        return PIPELINES_NOT_YET
+    if plan.model_config.get("model_type") in MOE_ARCHITECTURES:
+        return EXPERTS_NOT_YET
+    return None
 
 
 def busiest_ranks(plan: Plan) -> list[int]:

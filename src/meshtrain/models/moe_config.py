@@ -5,11 +5,9 @@ the names the experts are stored under in a Hugging Face folder.
 Qwen3-MoE and Mixtral keep the Llama family's attention and norms; a sparse layer's MLP
 is a router (`mlp.gate.weight`, experts x hidden) and the experts as two 3-D parameters
 (`mlp.experts.gate_up_proj`, experts x 2 intermediate x hidden, gate rows first;
-`mlp.experts.down_proj`, experts x hidden x intermediate). On disk transformers keeps
-one tensor per expert (`mlp.experts.{e}.gate_proj/up_proj/down_proj.weight` for
-Qwen3-MoE, `block_sparse_moe.experts.{e}.w1/w3/w2.weight` for Mixtral, whose router is
-stored as `block_sparse_moe.gate.weight`). The planner, the random init and the
-checkpoint readers and writers all take these facts from here.
+`mlp.experts.down_proj`, experts x hidden x intermediate). The planner, the model's
+shapes and the training loss take these facts from here; the names the experts are
+stored under on disk are `checkpoint.expert_layout`'s.
 """
 
 from __future__ import annotations
@@ -58,6 +56,16 @@ def sparse_layers(config: Any) -> list[int]:
     return [i for i in layers if i not in dense and (i + 1) % step == 0]
 
 
+def inactive_expert_parameters(config: Any) -> int:
+    """The expert weights a token does not pass: in each sparse layer, those of the
+    experts it is not routed to (the total less this is the model's active parameters)."""
+    idle = num_experts(config) - experts_per_token(config)
+    if not idle:
+        return 0
+    per_expert = 3 * config.hidden_size * expert_intermediate(config)
+    return len(sparse_layers(config)) * idle * per_expert
+
+
 def router_loss_coefficient(config: Any) -> float:
     """The load-balancing loss's weight in the training loss: `router_aux_loss_coef` where
     `output_router_logits` is on (the released configs ship it off, which turns the loss
@@ -76,31 +84,3 @@ def moe_layer_shapes(config: Any, layer: int) -> dict[str, tuple[int, ...]]:
         f"{prefix}.{GATE_UP}": (e, 2 * i, h),
         f"{prefix}.{DOWN}": (e, h, i),
     }
-
-
-def stored_expert_names(config: Any, name: str) -> list[list[str]] | None:
-    """For a 3-D experts parameter `name`, the names of the tensors it is stored as on
-    disk, per expert, in the order they stack along its second dimension (gate, then up;
-    or down alone); None for any other parameter."""
-    prefix, _, rest = name.partition(".mlp.experts.")
-    if not rest or rest not in ("gate_up_proj", "down_proj"):
-        return None
-    if config.model_type == "mixtral":
-        base, parts = (
-            f"{prefix}.block_sparse_moe.experts",
-            {"gate_up_proj": ("w1", "w3"), "down_proj": ("w2",)},
-        )
-    else:
-        base = f"{prefix}.mlp.experts"
-        parts = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
-    return [
-        [f"{base}.{e}.{part}.weight" for part in parts[rest]] for e in range(num_experts(config))
-    ]
-
-
-def stored_router_name(config: Any, name: str) -> str:
-    """The name parameter `name` is stored under on disk (Mixtral's router is
-    `block_sparse_moe.gate.weight`; anything else as it is)."""
-    if config.model_type == "mixtral" and name.endswith(f".{ROUTER}"):
-        return name.replace(f".{ROUTER}", ".block_sparse_moe.gate.weight")
-    return name

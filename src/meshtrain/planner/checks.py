@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from meshtrain.config import DataConfig, TrainingConfig
 from meshtrain.models.config_file import ArchitectureConfig
+from meshtrain.models.moe_config import num_experts
 from meshtrain.planner.types import Refusal
 
 # What the engine can run today. The planner is the one place that knows.
@@ -104,3 +105,26 @@ def check_model_vs_data(
             )
         )
     return refusals
+
+
+def check_experts_unsplit(
+    model_config: ArchitectureConfig, splits: list[tuple[str, int]]
+) -> list[Refusal]:
+    """A mixture of experts trains on data-parallel layouts for now: its routers and
+    experts are not yet cut over tensor-parallel ranks, pipeline stages (whose load-
+    balancing loss needs every stage's router counts) or context-parallel ranks (the same
+    across a sequence's shares). `splits`: each splitting axis's `parallel.*` parameter
+    and its degree in the layout."""
+    if not num_experts(model_config):
+        return []
+    return [
+        Refusal(
+            f"parallel.{parameter}",
+            degree,
+            f"{model_config.model_type} is a mixture of experts, whose sparse layers meshtrain "
+            "does not split that way yet (data parallelism, ZeRO-1 and sharding do)",
+            f"Use parallel.{parameter}=1 (or auto).",
+        )
+        for parameter, degree in splits
+        if degree > 1
+    ]

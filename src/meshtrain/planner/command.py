@@ -16,7 +16,8 @@ import json
 from pathlib import Path
 
 from meshtrain.config import AUTO, ConfigError, RunConfig
-from meshtrain.models.config_file import read_config_file
+from meshtrain.models.config_file import ConfigFile, read_config_file
+from meshtrain.models.moe_config import experts_per_token, inactive_expert_parameters, num_experts
 from meshtrain.planner.axes import DESCRIBE, STEP_LINE
 from meshtrain.planner.devices import BUILTIN_PROFILES, GIB
 from meshtrain.planner.search import plan_run
@@ -107,11 +108,22 @@ PRECISION_BYTES = {
 }
 
 
+def _parameters(plan: Plan) -> str:
+    """The model's size; a mixture of experts' also as the parameters a token passes."""
+    total = f"{plan.num_parameters / 1e9:.2f}B parameters"
+    config = ConfigFile(plan.model_config)
+    if not num_experts(config):
+        return total
+    active = plan.num_parameters - inactive_expert_parameters(config)
+    routed = f"{experts_per_token(config)} of {num_experts(config)} experts a token"
+    return f"{total} ({active / 1e9:.2f}B active: {routed})"
+
+
 def describe(plan: Plan, args: argparse.Namespace) -> str:
     """The choice, its breakdown and the runners-up, as a person reads them."""
     memory, time = plan.memory_estimate_per_rank, plan.time_estimate
     lines = [
-        f"{args.devices} x {plan.device}, {plan.num_parameters / 1e9:.2f}B parameters, "
+        f"{args.devices} x {plan.device}, {_parameters(plan)}, "
         f"sequence {args.seq_len}, global batch {plan.global_batch_size}",
         f"chosen: {plan.layout.name}  (per-device batch {plan.per_device_train_batch_size}, "
         f"accumulation {plan.gradient_accumulation_steps})",

@@ -19,6 +19,7 @@ from meshtrain.planner.candidate import Candidate
 from meshtrain.planner.checks import (
     check_activation_checkpointing,
     check_batch_vs_data,
+    check_experts_unsplit,
     check_model_vs_data,
     global_batch_size,
 )
@@ -127,6 +128,8 @@ def resolve_layout(
     refusals += [r for found in checks for r in found.options]
     notes = [note for found in checks for note in found.notes]
     refusals += check_activation_checkpointing(c.activation_checkpointing)
+    splits = [(axis.parameter, c.degree(axis.short)) for axis in AXES if axis.short != "dp"]
+    refusals += check_experts_unsplit(model_config, splits)
     found, found_notes = check_batch_vs_data(
         train,
         c.dp,

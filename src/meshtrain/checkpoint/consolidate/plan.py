@@ -7,6 +7,7 @@ read), so every shape, dtype and missing piece is reported before any output exi
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from typing import Any, TypeVar
 
 from meshtrain.checkpoint import files
 from meshtrain.checkpoint.consolidate.convert import FLOATING
+from meshtrain.checkpoint.expert_layout import stored_expert_names, stored_name
 from meshtrain.checkpoint.manifest import CheckpointError
 from meshtrain.checkpoint.safetensors_format import (
     SAFETENSORS_DTYPES,
@@ -79,6 +81,7 @@ def plan_tensors(
     tp = manifest["layout"]["tensor_parallel_size"]
     headers = _ShardHeaders(root)
     plans = [_plan_tensor(name, meta, tp, headers) for name, meta in manifest["tensors"].items()]
+    plans = _as_stored(plans, root / files.MODEL_CONFIG)
     if dtype is None:
         return plans
     return [
@@ -121,6 +124,43 @@ def _plan_tensor(name: str, meta: Mapping[str, Any], tp: int, headers: _ShardHea
         )
     spec = TensorSpec(name, dtype, tuple(shape))
     return TensorPlan(spec, tuple(pieces), tp_dim, copies, head_dim if copies > 1 else None)
+
+
+def _as_stored(plans: list[TensorPlan], config_file: Path) -> list[TensorPlan]:
+    """The tensors as a Hugging Face folder stores them: a mixture of experts' 3-D expert
+    parameters as one tensor per expert and part (each a run of whole rows of the 3-D
+    tensor, which no tensor parallelism splits), its router under its stored name."""
+    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    model_type = config.get("model_type", "")
+    experts = config.get("num_local_experts") or config.get("num_experts") or 0
+    stored: list[TensorPlan] = []
+    for plan in plans:
+        per_expert = stored_expert_names(model_type, experts, plan.spec.name)
+        if per_expert is None:
+            name = stored_name(model_type, plan.spec.name)
+            if name != plan.spec.name:
+                plan = dataclasses.replace(plan, spec=dataclasses.replace(plan.spec, name=name))
+            stored.append(plan)
+            continue
+        if plan.tp_dim is not None or len(plan.pieces) != 1:
+            raise CheckpointError(f"tensor {plan.spec.name}: experts split over ranks")
+        stored += _expert_parts(plan, per_expert)
+    return stored
+
+
+def _expert_parts(plan: TensorPlan, per_expert: list[list[str]]) -> list[TensorPlan]:
+    _, rows_per_expert, columns = plan.spec.shape
+    piece, parts = plan.pieces[0], len(per_expert[0])
+    rows = rows_per_expert // parts
+    row_bytes = columns * plan.spec.itemsize
+    out = []
+    for e, names in enumerate(per_expert):
+        for j, name in enumerate(names):
+            first_row = e * rows_per_expert + j * rows
+            part = Piece(piece.path, piece.start + first_row * row_bytes, (rows, columns))
+            spec = TensorSpec(name, plan.spec.dtype_name, (rows, columns))
+            out.append(TensorPlan(spec, (part,), None, 1, None))
+    return out
 
 
 def _dtype_of(name: str, meta: Mapping[str, Any]) -> str:

@@ -10,9 +10,11 @@ from pathlib import Path
 from typing import Any
 
 from meshtrain.checkpoint import files
+from meshtrain.checkpoint.expert_layout import stored_shapes
 from meshtrain.checkpoint.safetensors_format import folder_weight_files, read_safetensors_header
 from meshtrain.config import Refused
 from meshtrain.models.llama.parameter_names import llama_family_shapes
+from meshtrain.models.moe_config import num_experts
 
 
 class PretrainedError(Refused, ValueError):
@@ -33,8 +35,9 @@ def weight_files(folder: str | Path) -> dict[str, Path]:
 
 def check_pretrained(folder: str | Path, config: Any) -> None:
     """Refuse a folder whose tensors are not exactly those of its config: every name the
-    model has, of the config's shape (the tied LM head stored once), and nothing else."""
-    expected = llama_family_shapes(config)
+    model has, of the config's shape (the tied LM head stored once), and nothing else; a
+    mixture of experts' experts one tensor each (`checkpoint.expert_layout`)."""
+    expected = stored_shapes(config.model_type, num_experts(config), llama_family_shapes(config))
     stored = {}
     for path in sorted(set(weight_files(folder).values())):
         if not path.is_file():
@@ -87,6 +90,7 @@ def check_folder(folder: str | Path) -> None:
     if not model_type:
         raise PretrainedError(
             f"`model.init_from` {str(folder)!r}: its config.json has no model_type; "
-            "meshtrain starts from llama, qwen2, qwen3 or mistral checkpoints."
+            "meshtrain starts from llama, qwen2, qwen3, mistral, qwen3_moe or mixtral "
+            "checkpoints."
         )
     weight_files(folder)

@@ -26,10 +26,13 @@ from safetensors import safe_open
 from torch import nn
 from transformers import PretrainedConfig
 
+from meshtrain.checkpoint.expert_layout import stored_expert_names
+from meshtrain.checkpoint.expert_layout import stored_name as stored_expert_name
 from meshtrain.distributed.fsdp import shard_piece
 from meshtrain.distributed.tensor_parallel import ParameterSharding, local_tensor
 from meshtrain.models.llama.parameter_names import EMBEDDING, llama_family_shapes, stored_name
 from meshtrain.models.llama.pretrained import weight_files
+from meshtrain.models.moe_config import num_experts
 
 
 class WeightSource(Protocol):
@@ -82,7 +85,13 @@ class PretrainedWeights:
         return self._handles[path].get_slice(name)
 
     def local(self, name: str, spec: ParameterSharding, tp_rank: int, tp: int) -> torch.Tensor:
-        stored = self._slice(stored_name(name, self.config))
+        experts = stored_expert_names(self.config.model_type, num_experts(self.config), name)
+        if experts is not None:  # one tensor per expert on disk, stacked in memory
+            whole = torch.stack([torch.cat([self._slice(p)[:] for p in e]) for e in experts])
+            return spec.local_piece(whole, tp_rank, tp)
+        stored = self._slice(
+            stored_expert_name(self.config.model_type, stored_name(name, self.config))
+        )
         if spec.tp_dim is None or spec.kv_replication > 1:
             # Whole, or KV heads repeated before the split (small: a few KV heads).
             return spec.local_piece(stored[:], tp_rank, tp)
