@@ -1,9 +1,10 @@
 """Mixtures of experts (Qwen3-MoE, Mixtral) on data-parallel layouts equal transformers'
-own model in one process: the same seeded weights, fp32, the load-balancing loss on at a
-nonzero coefficient. The reference runs each step's microbatches one forward each,
-with transformers' own loss (`out.loss`: the language-model loss plus the coefficient
-times the router loss), averaged over the microbatches: losses per step to 1e-5
-relative, weights after."""
+own model in one process: the same weights (Mixtral's from a Hugging Face folder that
+transformers wrote), fp32, the load-balancing loss on at a nonzero coefficient. The
+reference runs each step's microbatches one forward each, with transformers' own loss
+(`out.loss`: the language-model loss plus the coefficient times the router loss),
+averaged over the microbatches: losses per step to 1e-5 relative; the consolidated
+folder, one tensor per expert, loads with transformers' class into the same weights."""
 
 from __future__ import annotations
 
@@ -69,14 +70,33 @@ CASES = {
 }
 
 
-def transformers_run(
-    blocks: datasets.DatasetDict, architecture: str, fields: dict, microbatch: int = 4
-) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """transformers' model, each step's global batch as microbatches of `microbatch` rows
-    in the order the ranks take them, its own loss per forward averaged over them; the
-    language-model part of it per step (what meshtrain logs)."""
+# Mixtral starts from a Hugging Face folder (`model.init_from`) that transformers wrote,
+# one tensor per expert, with weights of another seed than the run's.
+STARTS_FROM_A_FOLDER = ("mixtral",)
+
+
+def save_folder(architecture: str, fields: dict, folder: Path) -> Path:
     config = build_model_config(architecture, fields, vocab_size=TINY_VOCAB)
-    model = build_model(config, seed=TRAINING["seed"])
+    build_model(config, seed=TRAINING["seed"] + 1).save_pretrained(folder)
+    return folder
+
+
+def transformers_run(
+    blocks: datasets.DatasetDict,
+    architecture: str,
+    fields: dict,
+    folder: Path | None = None,
+    microbatch: int = 4,
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """transformers' model (from `folder`, else built from the run's seed), each step's
+    global batch as microbatches of `microbatch` rows in the order the ranks take them,
+    its own loss per forward averaged over them; the language-model part of it per step
+    (what meshtrain logs)."""
+    config = build_model_config(architecture, fields, vocab_size=TINY_VOCAB)
+    if folder is None:
+        model = build_model(config, seed=TRAINING["seed"])
+    else:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     optimizer, schedule = reference_optimizer(model, STEPS)
     store = BlockStore(arrow_files(blocks["train"]))
     sampler = GlobalBatchSampler(len(store), GLOBAL_BATCH, TRAINING["seed"])
@@ -116,7 +136,10 @@ def test_moe_on_data_parallel_layouts_matches_transformers(
     architecture: str, tiny_blocks, tmp_path: Path
 ) -> None:
     fields = MODELS[architecture]
-    expected = transformers_run(tiny_blocks, architecture, fields)
+    folder = None
+    if architecture in STARTS_FROM_A_FOLDER:
+        folder = save_folder(architecture, fields, tmp_path / "base")
+    expected = transformers_run(tiny_blocks, architecture, fields, folder)
     for world in (1, 2):
         specs = {
             name: make_spec(
@@ -128,6 +151,7 @@ def test_moe_on_data_parallel_layouts_matches_transformers(
                 training={**training, "max_steps": STEPS},
                 architecture=architecture,
                 fields=fields,
+                model={"init_from": str(folder)} if folder else None,
             )
             for name, (ranks, parallel, training) in CASES.items()
             if ranks == world

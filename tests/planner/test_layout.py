@@ -778,6 +778,9 @@ def test_microbatch_count_from_params_strings() -> None:
     assert run.parallel.pipeline_parallel_layers == [1, 3]
 
 
+MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 24}
+
+
 @pytest.mark.parametrize(
     ("architecture", "extra"),
     [
@@ -786,6 +789,10 @@ def test_microbatch_count_from_params_strings() -> None:
         ("qwen2", {"tie_word_embeddings": True}),
         ("qwen3", {"head_dim": 32}),
         ("mistral", {}),
+        # Dense layers 0 and 3, sparse 1 (every second from layer 1) ...
+        ("qwen3_moe", {**MOE, "decoder_sparse_step": 2, "mlp_only_layers": [3]}),
+        ("qwen3_moe", {**MOE, "tie_word_embeddings": True}),
+        ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),
     ],
 )
 def test_shapes_from_the_config_equal_the_built_model(architecture: str, extra: dict) -> None:

@@ -39,12 +39,17 @@ TARGETS: list[Any] = [
 ]
 
 
+# The mixtures of experts with 4 experts (sparse layers hold no dense MLP projections).
+ARCHITECTURES = ["llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral"]
+EXPERTS = {"qwen3_moe": {"num_experts": 4}, "mixtral": {"num_local_experts": 4}}
+
+
 def _config(architecture: str, tied: bool):
-    fields = {**SHAPE, "tie_word_embeddings": tied}
+    fields = {**SHAPE, "tie_word_embeddings": tied, **EXPERTS.get(architecture, {})}
     return build_model_config(architecture, fields, vocab_size=128)
 
 
-@pytest.mark.parametrize("architecture", ["llama", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
 @pytest.mark.parametrize("tied", [False, True])
 def test_module_names_are_the_built_models(architecture: str, tied: bool) -> None:
     config = _config(architecture, tied)
@@ -52,7 +57,7 @@ def test_module_names_are_the_built_models(architecture: str, tied: bool) -> Non
     assert module_names(config) == built
 
 
-@pytest.mark.parametrize("architecture", ["llama", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
 @pytest.mark.parametrize("targets", TARGETS, ids=repr)
 def test_adapter_shapes_are_the_converters(architecture: str, targets: Any) -> None:
     config = _config(architecture, tied=architecture == "qwen2")

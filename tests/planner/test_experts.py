@@ -1,0 +1,70 @@
+"""The planner on mixtures of experts: their size and active size as published, their
+model FLOPs on the active parameters, and the layouts meshtrain does not run yet refused
+before any worker starts (the dry run says why it does not run them)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from meshtrain.commands import main
+from tests.planner.test_command import EXAMPLES
+
+# Total and active parameters, in billions, as their model cards give them (rounded).
+PUBLISHED = {
+    "qwen3-30b-a3b": (30.5, 3.3, "8 of 128 experts a token"),
+    "qwen3-235b-a22b": (235.1, 22.2, "8 of 128 experts a token"),
+    "mixtral-8x7b": (46.7, 12.9, "2 of 8 experts a token"),
+}
+
+
+def _plan(*args: str) -> list[str]:
+    return ["plan", "--model", *args]
+
+
+@pytest.mark.parametrize("model", sorted(PUBLISHED))
+def test_moe_examples_plan_with_their_published_sizes(model: str, capsys) -> None:
+    total, active, routed = PUBLISHED[model]
+    path = str(EXAMPLES / f"{model}.json")
+    assert main(_plan(path, "--devices", "256", "--device", "h100", "--seq-len", "4096")) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    numbers = first.split(", ")[1]  # "30.53B parameters (3.35B active: ...)"
+    assert abs(float(numbers.split("B")[0]) - total) < 0.06, first
+    assert abs(float(numbers.split("(")[1].split("B")[0]) - active) < 0.06, first
+    assert routed in first
+
+
+def test_moe_model_flops_count_the_active_parameters(capsys) -> None:
+    """6 x the matmul weights a token passes (attention, router, its 8 experts, the head)
+    + the attention scores, from the config by hand."""
+    path = EXAMPLES / "qwen3-30b-a3b.json"
+    assert (
+        main(
+            [*_plan(str(path)), "--devices", "8", "--device", "h100", "--seq-len", "4096", "--json"]
+        )
+        == 0
+    )
+    plan = json.loads(capsys.readouterr().out)
+    c = json.loads(path.read_text())
+    h, layers, hd = c["hidden_size"], c["num_hidden_layers"], c["head_dim"]
+    q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
+    attention = h * (2 * q + 2 * kv)
+    mlp = c["num_experts"] * h + c["num_experts_per_tok"] * 3 * h * c["moe_intermediate_size"]
+    weights = layers * (attention + mlp) + h * c["vocab_size"]
+    scores = 12 * layers * c["num_attention_heads"] * hd * 4096
+    assert plan["model_flops_per_token"] == pytest.approx(6 * weights + scores, rel=1e-9)
+
+
+@pytest.mark.parametrize("flag", ["--tp", "--pp", "--cp"])
+def test_splitting_a_mixture_of_experts_is_refused_naming_the_parameter(flag: str, capsys) -> None:
+    path = str(EXAMPLES / "qwen3-30b-a3b.json")
+    assert main([*_plan(path), "--devices", "8", "--device", "h100", flag, "2"]) == 1
+    out = capsys.readouterr().out
+    assert "is a mixture of experts" in out and "=2:" in out and "Traceback" not in out
+
+
+def test_the_dry_run_says_why_it_does_not_run_a_mixture_of_experts(capsys) -> None:
+    path = str(EXAMPLES / "qwen3-30b-a3b.json")
+    assert main(["dryrun", "--model", path, "--devices", "8", "--device", "h100"]) == 1
+    assert "a mixture of experts is not dry-run yet" in capsys.readouterr().out
