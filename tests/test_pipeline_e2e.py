@@ -219,6 +219,37 @@ def assert_loads_and_matches_checkpoint(project: Path, consolidated: Path, check
 
 
 @pytest.mark.slow
+def test_a_mixture_of_experts_trains_with_its_routing_tracked(project: Path, default_run):
+    """`kedro run --env moe` (the default corpus and tokenizer, a small Qwen3-MoE on dp2):
+    MLflow holds its router loss and expert load per step, and the consolidated folder,
+    one tensor per expert, loads in plain transformers with the trained weights' logits."""
+    run = kedro_run(
+        project,
+        "--env",
+        "moe",
+        "--from-nodes",
+        "plan_layout",
+        "--params",
+        f"{SMALL_RUN},evaluation.log_model=false",
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
+    client = mlflow_client(project)
+    experiment = client.get_experiment_by_name("meshtrain")
+    (tracked,) = client.search_runs(
+        [experiment.experiment_id], "params.`model.architecture` = 'qwen3_moe'"
+    )
+    for metric in ("router_loss", "expert_load_max_over_mean"):
+        history = client.get_metric_history(tracked.info.run_id, metric)
+        assert len(history) == 8, metric
+    loads = client.get_metric_history(tracked.info.run_id, "expert_load_max_over_mean")
+    assert all(1.0 <= point.value <= 8.0 for point in loads)
+    consolidated = project / "data/06_models/moe"
+    assert (consolidated / "model.safetensors").is_file()
+    summary = json.loads((project / "data/06_models/training_summary.json").read_text())
+    assert_loads_and_matches_checkpoint(project, consolidated, Path(summary["final_checkpoint"]))
+
+
+@pytest.mark.slow
 def test_a_layout_refused_on_the_data_stops_before_any_worker(project: Path, default_run):
     """A batch larger than the corpus passes every check made before the data is read
     (tests/test_refusals_e2e.py has those) and is refused by the planning node."""

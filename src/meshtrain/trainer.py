@@ -330,6 +330,9 @@ class Trainer:
                 "epoch": self.sampler.epoch_of(done),
                 **({"mfu": mfu} if mfu is not None else {}),
                 **memory_metrics(self.device, self.model_states_bytes),
+                **(
+                    routing.step_metrics(self.dims.dp_group) if (routing := self.pm.routing) else {}
+                ),
             },
             step=done,
         )

@@ -28,7 +28,7 @@ from meshtrain.models.builder import build_meta_model, config_from_dict, weight_
 from meshtrain.models.converters import ModelConverter, build_converters
 from meshtrain.models.llama.parallelize import parallelize
 from meshtrain.models.parallel_model import ParallelModel
-from meshtrain.models.router_loss import RouterLoss
+from meshtrain.models.routing import Routing
 from meshtrain.planner import Plan
 
 
@@ -92,7 +92,7 @@ def build_rank(
         torch.manual_seed(training.seed * 1_000_003 + dims.dp_rank * 1_009 + dims.pp_rank)
     pm = build_rank_model(run, plan, dims, device, converters, meta_model)
     batch = batch_split(plan, training)
-    pm.router_loss = RouterLoss.of(pm.modules, pm.hf_config, dims.dp * batch.accumulation_steps)
+    pm.routing = Routing.of(pm.modules, pm.hf_config, dims.dp * batch.accumulation_steps)
     optimizer, optimizer_state = build_optimizer(
         pm, training=training, accumulation_steps=batch.accumulation_steps
     )

@@ -25,7 +25,7 @@ from meshtrain.distributed.parallel_dims import ParallelDims
 from meshtrain.distributed.pipeline_parallel import PipelineRunner, SharedWeightSync
 from meshtrain.distributed.tensor_parallel import ParameterSharding, TensorParallelGradSync
 from meshtrain.models.packed_attention import packed_causal_mask
-from meshtrain.models.router_loss import RouterLoss
+from meshtrain.models.routing import Routing
 
 
 def attention_inputs(batch: TokenBatch) -> dict[str, torch.Tensor | None]:
@@ -61,8 +61,8 @@ class ParallelModel:
     tied_copies: dict[str, str] = field(default_factory=dict)
     # This rank's share of every sequence under context parallelism (None: off).
     context: ContextParallel | None = None
-    # A mixture of experts' load-balancing loss, where its config turns it on.
-    router_loss: RouterLoss | None = None
+    # A mixture of experts' routing: its load-balancing loss and tokens per expert.
+    routing: Routing | None = None
 
     def loss_context(self) -> AbstractContextManager:
         # The unchunked cross-entropy on vocabulary-sharded logits: the full logits never
@@ -91,16 +91,16 @@ class ParallelModel:
                     return self.runner.train_step(batch, trained_tokens, self.dims.dp_cp)
             with record_function("meshtrain.forward"):
                 objective = loss = self._routed_loss_sum(batch) / trained_tokens
-                if self.router_loss is not None:
-                    objective = loss + self.router_loss.term()
+                if self.routing is not None and (term := self.routing.finish_forward()) is not None:
+                    objective = loss + term
             with record_function("meshtrain.backward"):
                 (objective * self.dims.dp_cp).backward()
         return as_local(loss.detach())
 
     def _routed_loss_sum(self, batch: TokenBatch) -> torch.Tensor:
-        if self.router_loss is None:
+        if self.routing is None:
             return self._loss_sum(batch)
-        with self.router_loss.collecting():
+        with self.routing.collecting():
             return self._loss_sum(batch)
 
     def own_tokens(self, batch: TokenBatch) -> TokenBatch:

@@ -1,0 +1,112 @@
+"""A mixture of experts' routing in a training run: its load-balancing loss, as its model
+defines it, and how evenly the routers spread the tokens.
+
+transformers computes the loss from every sparse layer's router logits of one forward
+(`load_balancing_loss_func` of the model's own module: the token counts per expert and
+the mean router probabilities summed over the layers, then multiplied) and adds
+`router_aux_loss_coef` times it to the forward's loss, where `output_router_logits` is on.
+meshtrain runs its layers itself and normalises the language-model loss over the whole
+global batch, so it collects the routers' logits of each forward here and adds the
+coefficient times the loss, divided by the microbatches of the global batch: the step's
+objective is the mean over its microbatches of what transformers adds to each, whatever
+the number of data-parallel ranks and accumulation steps the same microbatches are spread
+over. Each step also counts the tokens each expert received, for the run's metrics.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from meshtrain.models.moe_config import (
+    experts_per_token,
+    is_moe,
+    num_experts,
+    router_loss_coefficient,
+)
+
+ROUTER_MODULE = "mlp.gate"
+
+
+class Routing:
+    """Collects the routers' logits during each training forward: its loss term, and the
+    step's tokens per expert."""
+
+    def __init__(self, modules: list[nn.Module], config: object, microbatches: int) -> None:
+        """`modules`: the rank's model (or stages); `microbatches`: those of one global
+        batch (data-parallel ranks x accumulation steps)."""
+        self.coefficient = router_loss_coefficient(config)
+        self.experts, self.top_k = num_experts(config), experts_per_token(config)
+        self.share = 1.0 / microbatches
+        self._logits: list[torch.Tensor] = []
+        self._collecting = False
+        self._loss_func = None
+        self._step_loss = 0.0
+        self._step_counts: torch.Tensor | None = None  # layers x experts
+        for module in modules:
+            for name, sub in module.named_modules():
+                if name.endswith(ROUTER_MODULE):
+                    sub.register_forward_hook(self._keep)
+                    self._loss_func = sys.modules[type(sub).__module__].load_balancing_loss_func
+
+    @classmethod
+    def of(cls, modules: list[nn.Module], config: object, microbatches: int) -> Routing | None:
+        return cls(modules, config, microbatches) if is_moe(config) else None
+
+    def _keep(self, module: nn.Module, inputs: object, output: tuple) -> None:
+        # Not during activation checkpointing's recomputation in the backward.
+        if self._collecting:
+            self._logits.append(output[0])
+
+    @contextmanager
+    def collecting(self) -> Iterator[None]:
+        """Around one training forward: its routers' logits, none before or after."""
+        self._logits, self._collecting = [], True
+        try:
+            yield
+        finally:
+            self._collecting = False
+
+    def finish_forward(self) -> torch.Tensor | None:
+        """Count the forward's routing; its share of the step's objective (coefficient x
+        the load-balancing loss / the global batch's microbatches), None where it is off."""
+        logits, self._logits = self._logits, []
+        if not logits:
+            return None
+        with torch.no_grad():
+            chosen = [torch.topk(layer.float(), self.top_k, dim=-1).indices for layer in logits]
+            counts = torch.stack(
+                [torch.bincount(c.flatten(), minlength=self.experts) for c in chosen]
+            )
+            self._step_counts = counts if self._step_counts is None else self._step_counts + counts
+        if not self.coefficient or self._loss_func is None:
+            return None
+        loss = self._loss_func(tuple(logits), self.experts, self.top_k)
+        self._step_loss += float(loss.detach()) * self.share
+        return self.coefficient * self.share * loss
+
+    def step_metrics(self, group: dist.ProcessGroup | None) -> dict[str, float]:
+        """The step's mean load-balancing loss (where on) and how unevenly the tokens went:
+        per sparse layer the busiest expert's tokens over the mean, its largest and its mean
+        over the layers, summed over `group` (the data-parallel ranks). Collective."""
+        if self._step_counts is None:
+            return {}
+        counts = self._step_counts.float()
+        totals = torch.cat([counts.flatten(), torch.tensor([self._step_loss])])
+        if group is not None:
+            dist.all_reduce(totals, group=group)
+        counts = totals[:-1].view_as(counts)
+        imbalance = counts.max(dim=1).values / counts.mean(dim=1).clamp(min=1e-9)
+        metrics = {
+            "expert_load_max_over_mean": float(imbalance.max()),
+            "expert_load_max_over_mean_avg": float(imbalance.mean()),
+        }
+        if self.coefficient:
+            metrics["router_loss"] = float(totals[-1])
+        self._step_counts, self._step_loss = None, 0.0
+        return metrics
