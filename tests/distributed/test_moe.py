@@ -3,7 +3,8 @@ own model in one process: the same weights (Mixtral's from a Hugging Face folder
 transformers wrote), fp32, the load-balancing loss on at a nonzero coefficient. The
 reference runs each step's microbatches one forward each, with transformers' own loss
 (`out.loss`: the language-model loss plus the coefficient times the router loss),
-averaged over the microbatches: losses per step to 1e-5 relative; the consolidated
+averaged over the microbatches: losses per step to 1e-5 relative; the dry run within 5%
+of each run's measured peak; the consolidated
 folder, one tensor per expert, loads with transformers' class into the same weights."""
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from tests.conftest import TINY_VOCAB
 from tests.distributed.reference import (
     GLOBAL_BATCH,
     TRAINING,
+    assert_dry_run_holds,
     assert_losses_match,
     make_spec,
     reference_optimizer,
@@ -159,4 +161,5 @@ def test_moe_on_data_parallel_layouts_matches_transformers(
         summaries = run_group(list(specs.values()), world, tmp_path / f"w{world}", architecture)
         for name, summary in zip(specs, summaries, strict=True):
             assert_losses_match(name, summary, expected[0])
+            assert_dry_run_holds(name, specs[name], summary)
             assert_loads_as_trained(name, summary, expected[1], tmp_path / name / "hf")

@@ -1,6 +1,6 @@
 """The planner on mixtures of experts: their size and active size as published, their
 model FLOPs on the active parameters, and the layouts meshtrain does not run yet refused
-before any worker starts (the dry run says why it does not run them)."""
+before any worker starts."""
 
 from __future__ import annotations
 
@@ -62,9 +62,3 @@ def test_splitting_a_mixture_of_experts_is_refused_naming_the_parameter(flag: st
     assert main([*_plan(path), "--devices", "8", "--device", "h100", flag, "2"]) == 1
     out = capsys.readouterr().out
     assert "is a mixture of experts" in out and "=2:" in out and "Traceback" not in out
-
-
-def test_the_dry_run_says_why_it_does_not_run_a_mixture_of_experts(capsys) -> None:
-    path = str(EXAMPLES / "qwen3-30b-a3b.json")
-    assert main(["dryrun", "--model", path, "--devices", "8", "--device", "h100"]) == 1
-    assert "a mixture of experts is not dry-run yet" in capsys.readouterr().out

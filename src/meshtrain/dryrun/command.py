@@ -23,7 +23,6 @@ from meshtrain.config import RunConfig
 from meshtrain.dryrun import pipeline
 from meshtrain.dryrun.fake_world import dry_run_device
 from meshtrain.dryrun.rank import RankMemory, dry_run_rank
-from meshtrain.models.moe_config import MOE_ARCHITECTURES
 from meshtrain.planner import Plan
 from meshtrain.planner.command import plan_from_args
 from meshtrain.planner.devices import GIB
@@ -34,11 +33,6 @@ PIPELINES_NOT_YET = (
     f"this torch ({torch.__version__}) sets its pipeline stages up in a way the dry run "
     "does not settle (it follows torch 2.13's `_warmup_p2p`): fix --pp 1 to dry-run the "
     "other axes, or dry-run with torch 2.13"
-)
-EXPERTS_NOT_YET = (
-    "a mixture of experts is not dry-run yet: transformers' experts run torch's grouped "
-    "matmul, whose fake-tensor rule takes bf16 only (the CUDA kernel's), while the CPU code "
-    "path standing in runs it in fp32"
 )
 
 
@@ -84,12 +78,10 @@ def dry_run_plan(run: RunConfig, plan: Plan) -> list[dict]:
 
 
 def why_not_here(plan: Plan) -> str | None:
-    """Why the dry run cannot run the plan here (None: it can). A pipeline needs torch
-    2.13's schedules; a mixture of experts, a fake-tensor rule torch lacks."""
+    """Why the dry run cannot run the plan here (None: it can): a pipeline needs torch
+    2.13's schedules."""
     if plan.layout.pipeline_parallel_size > 1 and not pipeline.supported():
         return PIPELINES_NOT_YET
-    if plan.model_config.get("model_type") in MOE_ARCHITECTURES:
-        return EXPERTS_NOT_YET
     return None
 
 

@@ -14,6 +14,7 @@ from the first), as the trainer's memory probe does.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import warnings
 from collections.abc import Iterable
@@ -31,6 +32,7 @@ from meshtrain.config import RunConfig
 from meshtrain.data.batch import TokenBatch
 from meshtrain.distributed.parallel_dims import ParallelDims
 from meshtrain.distributed.tensor_parallel import local_tensor
+from meshtrain.dryrun.experts import experts_on_fallback
 from meshtrain.dryrun.fake_world import fake_process_group, fake_tensors, in_own_thread
 from meshtrain.dryrun.pipeline import static_setup, told_shapes
 from meshtrain.models.cpu_linear import onednn_available
@@ -66,6 +68,9 @@ def dry_run_rank(run: RunConfig, plan: Plan, rank: int, device: torch.device) ->
 
 def _dry_run_rank(run: RunConfig, plan: Plan, rank: int, device: torch.device) -> RankMemory:
     layout, began = plan.layout, time.perf_counter()
+    # The weights' values change no step's memory, and fake tensors cannot read files: a
+    # dry run draws them, with `model.init_from`'s config (the plan's model) kept.
+    run = dataclasses.replace(run, model=dataclasses.replace(run.model, init_from=None))
     with fake_process_group(rank, plan.world_size):
         # The mesh is made of real (tiny) tensors: outside the fake mode.
         dims = ParallelDims.of_layout(layout, device.type)
@@ -75,7 +80,7 @@ def _dry_run_rank(run: RunConfig, plan: Plan, rank: int, device: torch.device) -
         # which moving them to the device replaces.
         onednn_available()
         meta_model = plan_meta_model(run, plan)
-        with fake_tensors(device), static_setup():
+        with fake_tensors(device), static_setup(), experts_on_fallback():
             rank_parts = build_rank(
                 run, plan, dims, device, meta_model=meta_model, seed_dropout=False
             )

@@ -46,7 +46,7 @@ class Routing:
         self._logits: list[torch.Tensor] = []
         self._collecting = False
         self._loss_func = None
-        self._step_loss = 0.0
+        self._step_loss: torch.Tensor | float = 0.0
         self._step_counts: torch.Tensor | None = None  # layers x experts
         for module in modules:
             for name, sub in module.named_modules():
@@ -78,17 +78,20 @@ class Routing:
         logits, self._logits = self._logits, []
         if not logits:
             return None
-        with torch.no_grad():
-            chosen = [torch.topk(layer.float(), self.top_k, dim=-1).indices for layer in logits]
-            counts = torch.stack(
-                [torch.bincount(c.flatten(), minlength=self.experts) for c in chosen]
-            )
+        with torch.no_grad():  # (a fixed-size count, which fake tensors can follow too)
+            counts = torch.stack([self._counts(layer) for layer in logits])
             self._step_counts = counts if self._step_counts is None else self._step_counts + counts
         if not self.coefficient or self._loss_func is None:
             return None
         loss = self._loss_func(tuple(logits), self.experts, self.top_k)
-        self._step_loss += float(loss.detach()) * self.share
+        self._step_loss = self._step_loss + loss.detach() * self.share
         return self.coefficient * self.share * loss
+
+    def _counts(self, logits: torch.Tensor) -> torch.Tensor:
+        """Tokens each expert received from one router's logits."""
+        chosen = torch.topk(logits, self.top_k, dim=-1).indices.flatten()
+        ones = torch.ones_like(chosen, dtype=torch.float32)
+        return torch.zeros(self.experts, device=logits.device).index_add_(0, chosen, ones)
 
     def step_metrics(self, group: dist.ProcessGroup | None) -> dict[str, float]:
         """The step's mean load-balancing loss (where on) and how unevenly the tokens went:
@@ -96,8 +99,9 @@ class Routing:
         over the layers, summed over `group` (the data-parallel ranks). Collective."""
         if self._step_counts is None:
             return {}
-        counts = self._step_counts.float()
-        totals = torch.cat([counts.flatten(), torch.tensor([self._step_loss])])
+        counts = self._step_counts
+        loss = torch.as_tensor(self._step_loss, dtype=torch.float32, device=counts.device)
+        totals = torch.cat([counts.flatten(), loss.reshape(1)])
         if group is not None:
             dist.all_reduce(totals, group=group)
         counts = totals[:-1].view_as(counts)

@@ -87,8 +87,7 @@ class PretrainedWeights:
     def local(self, name: str, spec: ParameterSharding, tp_rank: int, tp: int) -> torch.Tensor:
         experts = stored_expert_names(self.config.model_type, num_experts(self.config), name)
         if experts is not None:  # one tensor per expert on disk, stacked in memory
-            whole = torch.stack([torch.cat([self._slice(p)[:] for p in e]) for e in experts])
-            return spec.local_piece(whole, tp_rank, tp)
+            return spec.local_piece(self._stacked(experts), tp_rank, tp)
         stored = self._slice(
             stored_expert_name(self.config.model_type, stored_name(name, self.config))
         )
@@ -100,6 +99,10 @@ class PretrainedWeights:
         index = [slice(None)] * len(shape)
         index[spec.tp_dim] = slice(tp_rank * size, (tp_rank + 1) * size)
         return stored[tuple(index)]
+
+    def _stacked(self, experts: list[list[str]]) -> torch.Tensor:
+        """A 3-D experts parameter from its stored parts (per expert, in stacking order)."""
+        return torch.stack([torch.cat([self._slice(p)[:] for p in names]) for names in experts])
 
 
 def materialize(
