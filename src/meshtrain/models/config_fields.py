@@ -25,7 +25,7 @@ from meshtrain.models.config_file import check_supported
 # configs carry flat (transformers 5 folds them into `rope_parameters`), and `head_dim`,
 # which Qwen2's attention reads with getattr although Qwen2Config does not declare it.
 _ROPE_LEGACY_FIELDS = ("rope_theta", "rope_scaling", "partial_rotary_factor")
-_READ_BY_GETATTR = {"qwen2": ("head_dim",)}
+_READ_BY_GETATTR = {"qwen2": ("head_dim",), "qwen3_moe": ("head_dim",)}
 # Shape fields that must be at least 1 (transformers accepts a negative hidden_size).
 _POSITIVE_FIELDS = (
     "hidden_size",

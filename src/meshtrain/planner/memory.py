@@ -40,7 +40,11 @@ from meshtrain.planner.axes import AXES, local_share
 from meshtrain.planner.axes.context import context_breakdown
 from meshtrain.planner.axes.data import lora_model_states, replicated_model_states
 from meshtrain.planner.axes.pipeline import in_flight_microbatches, last_stage_in_flight
-from meshtrain.planner.axes.sharding import gathered_bytes, sharded_model_states
+from meshtrain.planner.axes.sharding import (
+    at_backward_end,
+    gathered_bytes,
+    sharded_model_states,
+)
 from meshtrain.planner.layer_memory import (
     backward_working_set,
     layer_activation_elements,
@@ -92,11 +96,15 @@ def estimate_memory(
         if step.sharded > 1:
             layers = sum(step.stage_layers[s] for s in mine)
             gathered = gathered_bytes(step, local=local, layer=layer, layers=layers, rank=rank)
-            per_rank.append(
-                sharded_model_states(
-                    local, step, gathered=gathered, activations=activations, loss=loss
-                )
+            states = sharded_model_states(
+                local, step, gathered=gathered, activations=activations, loss=loss
             )
+            if step.pp == 1 and m.sparse_layers:  # measured on mixtures of experts only
+                end = at_backward_end(
+                    local, layer, layers, step, layer_activations=activations // max(1, layers)
+                )
+                states = max(states, end, key=lambda moment: moment.total)
+            per_rank.append(states)
             continue
         per_rank.append(replicated_model_states(local, step, activations=activations, loss=loss))
     worst = max(range(step.pp), key=lambda r: per_rank[r].total)

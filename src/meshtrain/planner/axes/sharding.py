@@ -6,6 +6,7 @@ what is gathered, its collectives' time, and what sharding buys and costs, in wo
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 
@@ -66,6 +67,24 @@ def sharded_model_states(
         gathered=gathered,
         gradients_at_peak=False,
     )
+
+
+def at_backward_end(
+    local: int, layer: int, layers: int, step: StepShape, *, layer_activations: int
+) -> MemoryEstimate:
+    """The other moment of a sharded step without a pipeline: the backward's end. Every
+    layer's sharded gradient exists by then; the root group and the last layer to go
+    backward are gathered, that layer makes its unsharded gradient and the reduce-scatter
+    copies it into its input buffer; one layer's activations are left. A mixture of
+    experts' layers, whose gradients are several times their activations, can peak here
+    (a 6-layer Qwen3-MoE at sdp2: dry run 1,600 MiB, real 1,593, this 1,588; docs/moe.md);
+    dense layers peak at the backward's start (`gathered_bytes`), where the dry runs hold
+    the planner, and this moment is not applied to them."""
+    root = local - layers * layer
+    gathered = (root + min(1, layers) * layer) * step.parameter_bytes
+    gathered += 2 * layer * step.gradient_bytes
+    states = sharded_model_states(local, step, gathered=gathered, activations=layer_activations)
+    return dataclasses.replace(states, gradients_at_peak=True)
 
 
 def gathered_bytes(
