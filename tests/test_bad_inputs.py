@@ -369,7 +369,9 @@ def test_the_shipped_model_configs_pass_the_field_check(env: str) -> None:
     check_model_fields(model["architecture"], model["config"])
 
 
-@pytest.mark.parametrize("architecture", ["llama", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize(
+    "architecture", ["llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral"]
+)
 def test_head_dim_and_rope_theta_are_fields_of_every_architecture(architecture: str) -> None:
     from meshtrain.models.builder import known_config_fields
 
