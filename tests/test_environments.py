@@ -30,14 +30,14 @@ def _parameters(env: str) -> dict:
     return loader["parameters"]
 
 
-@pytest.mark.parametrize("env", ["gpu", "trn1", "team", "sft"])
+@pytest.mark.parametrize("env", ["gpu", "trn1", "team", "sft", "moe"])
 def test_environment_parameters_parse_and_keep_the_base_values(env: str) -> None:
     params = _parameters(env)
     run = RunConfig.from_params(**{group: params.get(group) for group in GROUPS})
     base = _parameters("base")
     # Soft merge: an environment that sets one field of a group keeps the others.
     assert run.training.seed == base["training"]["seed"]
-    assert run.model.architecture == "auto"
+    assert run.model.architecture == ("qwen3_moe" if env == "moe" else "auto")
     if env == "gpu":
         assert run.launch.backend == "nccl"
         assert run.training.mixed_precision == "bf16"
@@ -52,6 +52,10 @@ def test_environment_parameters_parse_and_keep_the_base_values(env: str) -> None
             "bfd",
         )
         assert run.model.config == base["model"]["config"]  # not applied: the folder's wins
+    if env == "moe":  # the default shape, its MLPs made 8 experts with the router loss on
+        assert run.model.config["hidden_size"] == base["model"]["config"]["hidden_size"]
+        assert (run.model.config["num_experts"], run.model.config["num_experts_per_tok"]) == (8, 2)
+        assert run.model.config["output_router_logits"] is True
     if env == "trn1":
         assert run.launch.backend == "neuron"
         assert (run.parallel.tensor_parallel_size, run.parallel.pipeline_parallel_size) == (4, 2)
