@@ -24,9 +24,9 @@ GQA = {**TINY_MODEL, "num_hidden_layers": 4, "num_key_value_heads": 1}
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": "all-linear"}
 
 
-def save_base(folder: Path, fields: dict[str, Any] = GQA) -> Path:
+def save_base(folder: Path, fields: dict[str, Any] = GQA, architecture: str = "llama") -> Path:
     """The pretrained base: the seeded model of `fields`, saved as Hugging Face does."""
-    config = build_model_config("llama", fields, vocab_size=TINY_VOCAB)
+    config = build_model_config(architecture, fields, vocab_size=TINY_VOCAB)
     build_model(config, seed=TRAINING["seed"]).save_pretrained(folder)
     return folder
 
@@ -38,10 +38,17 @@ def assert_matches_peft(name: str, summary: dict, losses: list[float], first_ste
         assert abs(a - b) / abs(b) <= 1e-5, f"{name} step {step}: {a} vs {b}"
 
 
-def peft_model(fields: dict[str, Any], lora: dict[str, Any]) -> torch.nn.Module:
-    """PEFT's LoRA model on the seeded base, its adapters set to meshtrain's initial values."""
-    config = build_model_config("llama", fields, vocab_size=TINY_VOCAB)
-    base = build_model(config, seed=TRAINING["seed"])
+def peft_model(
+    fields: dict[str, Any],
+    lora: dict[str, Any],
+    architecture: str = "llama",
+    base: torch.nn.Module | None = None,
+) -> torch.nn.Module:
+    """PEFT's LoRA model on `base` (default: the seeded base), its adapters set to
+    meshtrain's initial values."""
+    if base is None:
+        config = build_model_config(architecture, fields, vocab_size=TINY_VOCAB)
+        base = build_model(config, seed=TRAINING["seed"])
     settings = {k: v for k, v in lora.items() if k != "allow_random_base"}
     model = get_peft_model(base, LoraConfig(**settings))
     shapes = {ours(name): tuple(p.shape) for name, p in model.named_parameters() if p.requires_grad}
@@ -59,10 +66,15 @@ def ours(peft_name: str) -> str:
 
 
 def peft_reference_run(
-    blocks: datasets.DatasetDict, fields: dict[str, Any], lora: dict[str, Any], steps: int
+    blocks: datasets.DatasetDict,
+    fields: dict[str, Any],
+    lora: dict[str, Any],
+    steps: int,
+    architecture: str = "llama",
+    base: torch.nn.Module | None = None,
 ) -> tuple[list[float], dict[str, torch.Tensor], torch.nn.Module]:
     """Losses per step, PEFT's saved adapter tensors (its file's keys) after, the model."""
-    model = peft_model(fields, lora)
+    model = peft_model(fields, lora, architecture, base)
     optimizer, schedule = reference_optimizer(model, steps)
     store = BlockStore(arrow_files(blocks["train"]))
     sampler = GlobalBatchSampler(len(store), GLOBAL_BATCH, TRAINING["seed"])

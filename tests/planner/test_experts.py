@@ -62,3 +62,19 @@ def test_splitting_a_mixture_of_experts_is_refused_naming_the_parameter(flag: st
     assert main([*_plan(path), "--devices", "8", "--device", "h100", flag, "2"]) == 1
     out = capsys.readouterr().out
     assert "is a mixture of experts" in out and "=2:" in out and "Traceback" not in out
+
+
+@pytest.mark.parametrize("targets", ["all-linear", ["q_proj", "gate_proj"], r".*_proj"])
+def test_lora_targets_that_peft_spreads_onto_the_experts_are_refused(targets) -> None:
+    """PEFT adapts a MoE's routers and 3-D experts for all-linear, the MLP's names and
+    regular expressions reaching them; meshtrain refuses those and takes the attention."""
+    from meshtrain.config import ConfigError, LoraSettings
+    from meshtrain.models import build_model_config
+    from meshtrain.models.shapes import lora_adapter_shapes
+
+    fields = {"hidden_size": 64, "num_attention_heads": 4, "num_experts": 4}
+    config = build_model_config("qwen3_moe", fields, vocab_size=128)
+    with pytest.raises(ConfigError, match="on a mixture of experts: PEFT applies"):
+        lora_adapter_shapes(config, LoraSettings(r=4, target_modules=targets))
+    attention = lora_adapter_shapes(config, LoraSettings(r=4, target_modules=["q_proj"]))
+    assert attention and all(".self_attn.q_proj." in name for name in attention)

@@ -76,6 +76,8 @@ def select_lora_targets(
     targets = settings.target_modules
     if targets is None:
         targets = list(DEFAULT_TARGETS)
+    if any(name.endswith(".mlp.experts") for name in modules):
+        _check_moe_targets(targets)
     if targets == ALL_LINEAR or targets == [ALL_LINEAR]:
         return [n for n in linears if n.rsplit(".", 1)[-1] not in NOT_ADAPTABLE]
     if isinstance(targets, str):
@@ -102,6 +104,20 @@ def select_lora_targets(
             )
     chosen = [n for n in linears if any(n == t or n.endswith("." + t) for t in targets)]
     return _adaptable(chosen)
+
+
+def _check_moe_targets(targets: str | list[str]) -> None:
+    """On a mixture of experts PEFT adapts the routers and the 3-D experts for
+    `all-linear`, a regular expression that reaches them, or the MLP's names (fused into
+    the experts' `gate_up_proj`); meshtrain adapts Linear layers only, for now."""
+    named = [targets] if isinstance(targets, str) else targets
+    if isinstance(targets, str) or ALL_LINEAR in named or set(named) & set(_MLP):
+        raise ConfigError(
+            f"`model.lora.target_modules` {targets!r} on a mixture of experts: PEFT applies "
+            "it to the routers and the experts too (their 3-D weights through "
+            "target_parameters), which meshtrain does not build yet. Adapt the attention: "
+            "[q_proj, k_proj, v_proj, o_proj]."
+        )
 
 
 def _adaptable(names: list[str]) -> list[str]:
