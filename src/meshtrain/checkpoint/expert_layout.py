@@ -35,7 +35,7 @@ def stored_expert_names(model_type: str, experts: int, name: str) -> list[list[s
     return [[f"{prefix}{folder}.{e}.{part}.weight" for part in parts[kind]] for e in range(experts)]
 
 
-def stored_name(model_type: str, name: str) -> str:
+def router_stored_name(model_type: str, name: str) -> str:
     """The name any other parameter is stored under (Mixtral's router moves)."""
     if model_type == "mixtral" and name.endswith(_ROUTER):
         return name.removesuffix(_ROUTER) + ".block_sparse_moe.gate.weight"
@@ -50,7 +50,7 @@ def stored_shapes(
     for name, shape in shapes.items():
         per_expert = stored_expert_names(model_type, experts, name)
         if per_expert is None:
-            stored[stored_name(model_type, name)] = shape
+            stored[router_stored_name(model_type, name)] = shape
             continue
         rows = shape[1] // len(per_expert[0])
         stored.update({part: (rows, shape[2]) for parts in per_expert for part in parts})

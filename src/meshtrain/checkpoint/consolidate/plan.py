@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 from meshtrain.checkpoint import files
 from meshtrain.checkpoint.consolidate.convert import FLOATING
-from meshtrain.checkpoint.expert_layout import stored_expert_names, stored_name
+from meshtrain.checkpoint.expert_layout import router_stored_name, stored_expert_names
 from meshtrain.checkpoint.manifest import CheckpointError
 from meshtrain.checkpoint.safetensors_format import (
     SAFETENSORS_DTYPES,
@@ -137,7 +137,7 @@ def _as_stored(plans: list[TensorPlan], config_file: Path) -> list[TensorPlan]:
     for plan in plans:
         per_expert = stored_expert_names(model_type, experts, plan.spec.name)
         if per_expert is None:
-            name = stored_name(model_type, plan.spec.name)
+            name = router_stored_name(model_type, plan.spec.name)
             if name != plan.spec.name:
                 plan = dataclasses.replace(plan, spec=dataclasses.replace(plan.spec, name=name))
             stored.append(plan)

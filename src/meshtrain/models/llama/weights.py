@@ -26,8 +26,7 @@ from safetensors import safe_open
 from torch import nn
 from transformers import PretrainedConfig
 
-from meshtrain.checkpoint.expert_layout import stored_expert_names
-from meshtrain.checkpoint.expert_layout import stored_name as stored_expert_name
+from meshtrain.checkpoint.expert_layout import router_stored_name, stored_expert_names
 from meshtrain.distributed.fsdp import shard_piece
 from meshtrain.distributed.tensor_parallel import ParameterSharding, local_tensor
 from meshtrain.models.llama.parameter_names import EMBEDDING, llama_family_shapes, stored_name
@@ -89,7 +88,7 @@ class PretrainedWeights:
         if experts is not None:  # one tensor per expert on disk, stacked in memory
             return spec.local_piece(self._stacked(experts), tp_rank, tp)
         stored = self._slice(
-            stored_expert_name(self.config.model_type, stored_name(name, self.config))
+            router_stored_name(self.config.model_type, stored_name(name, self.config))
         )
         if spec.tp_dim is None or spec.kv_replication > 1:
             # Whole, or KV heads repeated before the split (small: a few KV heads).
