@@ -90,18 +90,23 @@ class ParallelModel:
                 with self.autocast(), record_function("meshtrain.pipeline"):
                     return self.runner.train_step(batch, trained_tokens, self.dims.dp_cp)
             with record_function("meshtrain.forward"):
-                objective = loss = self._routed_loss_sum(batch) / trained_tokens
-                if self.routing is not None and (term := self.routing.finish_forward()) is not None:
-                    objective = loss + term
+                loss, objective = self._objective(batch, trained_tokens)
             with record_function("meshtrain.backward"):
                 (objective * self.dims.dp_cp).backward()
         return as_local(loss.detach())
 
-    def _routed_loss_sum(self, batch: TokenBatch) -> torch.Tensor:
+    def _objective(
+        self, batch: TokenBatch, trained_tokens: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch's share of the step's language-model loss, and what the backward
+        takes: that, plus a mixture of experts' load-balancing term where it is on."""
         if self.routing is None:
-            return self._loss_sum(batch)
+            loss = self._loss_sum(batch) / trained_tokens
+            return loss, loss
         with self.routing.collecting():
-            return self._loss_sum(batch)
+            loss = self._loss_sum(batch) / trained_tokens
+        term = self.routing.finish_forward()
+        return loss, loss if term is None else loss + term
 
     def own_tokens(self, batch: TokenBatch) -> TokenBatch:
         """This rank's share of the batch's tokens (all of them without cp)."""

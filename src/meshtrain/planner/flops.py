@@ -22,10 +22,8 @@ def mlp_matmul_weights(m: ModelShape) -> int:
     in a sparse layer the router (experts x hidden) and its `experts_per_token` experts'
     three (the active parameters, not all the experts), averaged over the layers."""
     dense = 3 * m.hidden * m.intermediate
-    if not m.sparse_layers:
-        return dense
     sparse = m.experts * m.hidden + m.experts_per_token * 3 * m.hidden * m.expert_intermediate
-    return (dense * (m.layers - m.sparse_layers) + sparse * m.sparse_layers) // m.layers
+    return int(m.per_layer(dense, sparse))
 
 
 def layer_forward_flops(m: ModelShape, seq_len: int, excess: float = 1.0) -> float:

@@ -55,22 +55,15 @@ def mlp_activation_elements(m: ModelShape, t: int) -> float:
     the sort (5 elements: two int64s and a weight). That is what transformers' grouped-
     matmul experts save, counted with saved-tensor hooks: within 0.1% at three shapes
     (docs/moe.md). Tensor parallelism does not split a sparse layer."""
-    dense = 4 * m.intermediate / t
-    if not m.sparse_layers:
-        return dense
     per_expert = 2 * m.hidden + 4 * m.expert_intermediate + 5
-    sparse = 2 * m.experts + m.experts_per_token * per_expert
-    return (dense * (m.layers - m.sparse_layers) + sparse * m.sparse_layers) / m.layers
+    return m.per_layer(4 * m.intermediate / t, 2 * m.experts + m.experts_per_token * per_expert)
 
 
 def _mlp_weights(m: ModelShape, t: int) -> float:
     """A layer's MLP weights on a tp rank, averaged over the layers: a sparse layer's
     router and every expert (autocast casts the whole 3-D parameters)."""
-    dense = 3 * m.hidden * m.intermediate / t
-    if not m.sparse_layers:
-        return dense
     sparse = m.experts * m.hidden * (1 + 3 * m.expert_intermediate)
-    return (dense * (m.layers - m.sparse_layers) + sparse * m.sparse_layers) / m.layers
+    return m.per_layer(3 * m.hidden * m.intermediate / t, sparse)
 
 
 def _head_norm_elements(m: ModelShape, t: int) -> float:

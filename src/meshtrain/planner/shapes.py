@@ -51,6 +51,14 @@ class ModelShape:
     expert_intermediate: int = 0
     sparse_layers: int = 0
 
+    def per_layer(self, dense: float, sparse: float) -> float:
+        """A per-layer quantity averaged over the decoder layers: `dense` in the dense ones,
+        `sparse` in a mixture of experts' sparse ones."""
+        if not self.sparse_layers:
+            return dense
+        mixed = dense * (self.layers - self.sparse_layers) + sparse * self.sparse_layers
+        return mixed / self.layers
+
     @classmethod
     def from_config(cls, config: ArchitectureConfig) -> ModelShape:
         heads = config.num_attention_heads
