@@ -92,6 +92,10 @@ class ParallelConfig:
     # (load-balanced for causal attention), which share the parameters as dp ranks do
     # (1 = off; auto = the planner decides; docs/context_parallel.md).
     context_parallel_size: int | Literal["auto"] = 1
+    # Expert parallelism: a mixture of experts' experts split over groups of this many
+    # data-parallel ranks, tokens sent to their experts' ranks and back (1 = off; auto =
+    # the planner decides; docs/moe.md).
+    expert_parallel_size: int | Literal["auto"] = 1
 
 
 @dataclass(frozen=True)
@@ -118,6 +122,8 @@ class Layout:
     loss_chunk_tokens: int = 0
     # Ranks that split each sequence's tokens (1: off).
     context_parallel_size: int = 1
+    # Data-parallel ranks that split a mixture of experts' experts (1: off).
+    expert_parallel_size: int = 1
 
     @classmethod
     def one_process(cls) -> Layout:
@@ -152,6 +158,8 @@ class Layout:
         ]
         if self.context_parallel_size > 1:
             parts.append(f"cp{self.context_parallel_size}")
+        if self.expert_parallel_size > 1:
+            parts.append(f"ep{self.expert_parallel_size}")
         if self.zero_1:
             parts.append("zero1")
         if self.sharded:

@@ -35,6 +35,7 @@ _POSITIVE_INTS = {
     "pipeline_parallel_num_microbatches",
     "pipeline_parallel_virtual_stages",
     "context_parallel_size",
+    "expert_parallel_size",
     "per_device_train_batch_size",
     "gradient_accumulation_steps",
     "global_batch_size",
