@@ -4,6 +4,8 @@
       shards/tp_rank_XX_pp_rank_YY/model.safetensors      local parameter shards
       shards/tp_rank_XX_pp_rank_YY/flat_layout.json       where each sits in the flat buffer
       optimizer/dp_rank_XX_tp_rank_YY_pp_rank_ZZ.safetensors   AdamW moments of a range
+      optimizer/experts_tp_rank_YY_pp_rank_ZZ.safetensors      ... of the experts (after
+                                                          the dense range; expert parallel)
       rng/rank_NNNNN.safetensors                          each rank's random state
       config.json, generation_config.json, tokenizer/     to rebuild a HF model
       trainer_state.json                                  step, layout, sample stream
@@ -61,10 +63,15 @@ def optimizer_file_name(dp_rank: int, tp_rank: int, pp_rank: int) -> str:
     return f"dp_rank_{dp_rank:02d}_{shard_dir_name(tp_rank, pp_rank)}.safetensors"
 
 
+def expert_optimizer_file_name(tp_rank: int, pp_rank: int) -> str:
+    return f"experts_{shard_dir_name(tp_rank, pp_rank)}.safetensors"
+
+
 def optimizer_files(root: Path, tp_rank: int, pp_rank: int) -> list[Path]:
-    """The moment files of one (tp, pp) coordinate, one per dp rank that owned a range."""
+    """The moment files of one (tp, pp) coordinate: one per dp rank that owned a range, and
+    the experts' range under expert parallelism."""
     suffix = f"_{shard_dir_name(tp_rank, pp_rank)}.safetensors"
-    return sorted((root / OPTIMIZER).glob(f"dp_rank_*{suffix}"))
+    return sorted((root / OPTIMIZER).glob(f"*{suffix}"))
 
 
 def rng_file(root: Path, rank: int) -> Path:

@@ -2,7 +2,8 @@
 
 AdamW over the flat buffer (ZeRO-1 when the layout says so; fp32 master
 weights and gradients under bf16 parameters), or, under sharded data
-parallelism, AdamW over FSDP2's shards. The trainer and the Checkpointer talk
+parallelism, AdamW over FSDP2's shards; under expert parallelism, two flat buffers
+(`components.expert_optimizer`). The trainer and the Checkpointer talk
 to either through `ModelOptimizer` alone: the step in two halves (so a
 non-finite norm can still refuse the update), and each optimizer writing and
 reading its own pieces of a checkpoint (`zero_state`, `fsdp_state`: what
@@ -12,12 +13,15 @@ optimizers know nothing of checkpoint files and checkpoint/ nothing of them).
 
 from __future__ import annotations
 
-from typing import Protocol
+from functools import partial
+from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 from meshtrain.checkpoint.checkpointer import OptimizerState
+from meshtrain.components.expert_optimizer import ExpertSplitAdamW, ExpertSplitState
 from meshtrain.components.fsdp_state import FSDPState
 from meshtrain.components.zero_state import ZeroState
 from meshtrain.config import TrainingConfig
@@ -84,21 +88,57 @@ def build_optimizer(
         groups = sum(isinstance(m, FSDPModule) for stage in pm.modules for m in stage.modules())
         sharded = FSDPAdamW(pm.parameters, pm.sharding, dims, groups=groups, **adam)
         return sharded, FSDPState(sharded)
+    flat_adam = partial(
+        _flat_adamw,
+        pm,
+        training=training,
+        backward_passes=accumulation_steps * pm.backward_passes_per_batch,
+        **adam,
+    )
+    if dims.ep == 1:
+        optimizer = flat_adam(pm.parameters, dims.dp_cp_group, dims.dp_cp)
+        return optimizer, ZeroState(optimizer)
+    experts = {n: p for n, p in pm.parameters.items() if pm.sharding[n].ep > 1}
+    dense = {n: p for n, p in pm.parameters.items() if n not in experts}
+    split = ExpertSplitAdamW(
+        dense=flat_adam(dense, dims.dp_cp_group, dims.dp_cp),
+        experts=flat_adam(
+            experts,
+            dims.expert_replica_group,
+            dims.expert_replicas,
+            mean_over=dims.dp_cp,
+            norm_groups=(dims.ep_group, *norm_groups),
+        ),
+    )
+    return split, ExpertSplitState(split)
+
+
+def _flat_adamw(
+    pm: ParallelModel,
+    parameters: dict[str, torch.Tensor],
+    group: dist.ProcessGroup,
+    shards: int,
+    *,
+    training: TrainingConfig,
+    mean_over: int | None = None,
+    **adam: Any,
+) -> ShardedAdamW:
+    """AdamW over a flat buffer of `parameters`, averaged (and ZeRO-1 sharded, where the
+    layout says so) over the `shards` ranks of `group`."""
     master_weights = training.mixed_precision == "bf16_master"
     grad_dtype = torch.float32 if master_weights and training.grad_reduce_dtype == "fp32" else None
     flat = FlatParameters(
-        pm.parameters.items(), num_shards=dims.dp_cp, sharding=pm.sharding, grad_dtype=grad_dtype
+        parameters.items(), num_shards=shards, sharding=pm.sharding, grad_dtype=grad_dtype
     )
-    optimizer = ShardedAdamW(
+    return ShardedAdamW(
         flat,
-        dims.dp_cp_group,
+        group,
         zero_1=pm.layout.zero_1,
         overlap_reduction=training.overlap_grad_reduce,
         bucket_bytes=int(training.grad_bucket_mb * 2**20),
-        backward_passes=accumulation_steps * pm.backward_passes_per_batch,
         reduce_after_backward=pm.gradients_finished_after_backward,
         master_weights=master_weights,
         gather_modules=pm.modules if training.gathers_under_forward else None,
+        mean_over=mean_over,
         **adam,
     )
-    return optimizer, ZeroState(optimizer)

@@ -10,8 +10,9 @@ Reading rebuilds each tensor at its full size from any layout's files
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -19,13 +20,32 @@ import torch
 from meshtrain.checkpoint import files
 from meshtrain.checkpoint.load import CheckpointReader
 from meshtrain.checkpoint.manifest import write_json_atomic
-from meshtrain.checkpoint.safetensors_format import SafetensorsWriter, TensorSpec, save_safetensors
+from meshtrain.checkpoint.safetensors_format import SafetensorsWriter, TensorSpec
 from meshtrain.checkpoint.save import write_moments
 from meshtrain.distributed.parallel_dims import ParallelDims
 from meshtrain.distributed.tensor_parallel import ParameterSharding, local_tensor
 from meshtrain.distributed.zero import ShardedAdamW
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+# A tensor of a weights file: its header entry, and what makes its values (collective
+# where they are spread over ranks; None on the ranks that do not write).
+WeightEntry = tuple[TensorSpec, Callable[[], "torch.Tensor | None"]]
+
+
+def write_weights(path: Path, entries: list[WeightEntry], *, writer: bool) -> None:
+    """One weights file, tensor by tensor: every rank makes each entry's values in the
+    same order (their collectives match), the `writer` writes them."""
+    if not writer:
+        for _, values in entries:
+            values()
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    specs = [spec for spec, _ in entries]
+    with SafetensorsWriter(path, specs, metadata={"format": "pt"}) as out:
+        for spec, values in entries:
+            out.write(spec.name, values())
 
 
 @dataclass(frozen=True)
@@ -67,47 +87,51 @@ class ZeroState:
     ) -> None:
         """Its (tp, pp) coordinate's parameter shard and flat index (dp rank 0 only), and
         its range of the optimizer's moments."""
-        optimizer = self.optimizer
+        writer = dims.dp_cp_rank == 0
         weights = files.shard_weights(root, dims.tp_rank, dims.pp_rank)
-        if dims.dp_cp_rank == 0:
-            weights.parent.mkdir(parents=True, exist_ok=True)
-        if optimizer.master is not None:
-            self._write_master_weights(weights, parameters, dims)
-        elif dims.dp_cp_rank == 0:
-            tensors = {n: local_tensor(p).detach() for n, p in parameters.items()}
-            # Streamed tensor by tensor from the parameters' own memory: no serialised copy.
-            save_safetensors(tensors, weights, metadata={"format": "pt"})
-        if dims.dp_cp_rank == 0:
+        write_weights(weights, self.weight_entries(parameters, dims), writer=writer)
+        if writer:
             # Where each parameter sits in this coordinate's flat buffer, so optimizer
             # moments (saved as flat ranges) can be resharded onto another layout.
             index = files.flat_index(root, dims.tp_rank, dims.pp_rank)
-            write_json_atomic(index, optimizer.flat.index())
-        if self.writes_moments(dims):
-            name = files.optimizer_file_name(dims.dp_cp_rank, dims.tp_rank, dims.pp_rank)
-            write_moments(
-                root / files.OPTIMIZER / name,
-                dtype=self.state_dtype,
-                elements=(optimizer.start, optimizer.end),
-                pieces=optimizer.moment_pieces,
-                step=optimizer.step_count(),
-            )
+            write_json_atomic(index, self.optimizer.flat.index())
+        self.write_own_moments(root, dims)
 
-    def _write_master_weights(
-        self, path: Path, parameters: Mapping[str, torch.Tensor], dims: ParallelDims
-    ) -> None:
-        """Under bf16 parameters the checkpoint holds the fp32 master weights (so resume is
-        exact and consolidation loses nothing). Under ZeRO-1 they are spread over the dp
-        ranks: each tensor is gathered to dp rank 0 as it is written, one at a time."""
+    def weight_entries(
+        self, parameters: Mapping[str, torch.Tensor], dims: ParallelDims
+    ) -> list[WeightEntry]:
+        """What the coordinate's weights file holds of this optimizer's parameters: under
+        bf16 parameters the fp32 master weights (so resume is exact and consolidation
+        loses nothing; under ZeRO-1 each gathered from its owners as it is written), else
+        the parameters, streamed from their own memory (no serialised copy)."""
         optimizer = self.optimizer
-        slots = [slot for slot in optimizer.flat.slots if slot.name in parameters]
-        if dims.dp_cp_rank != 0:
-            for slot in slots:
-                optimizer.full_master(slot)  # the sends of this rank's elements
+        if optimizer.master is not None:
+            slots = [slot for slot in optimizer.flat.slots if slot.name in parameters]
+            return [
+                (TensorSpec(s.name, self.state_dtype, s.shape), partial(optimizer.full_master, s))
+                for s in slots
+            ]
+        return [
+            (
+                TensorSpec(name, p.dtype, tuple(local_tensor(p).shape)),
+                partial(lambda p: local_tensor(p).detach(), p),
+            )
+            for name, p in parameters.items()
+        ]
+
+    def write_own_moments(self, root: Path, dims: ParallelDims) -> None:
+        """Its range of AdamW's moments (every ZeRO-1 owner; dp rank 0 without ZeRO-1)."""
+        if not self.writes_moments(dims):
             return
-        specs = [TensorSpec(slot.name, self.state_dtype, slot.shape) for slot in slots]
-        with SafetensorsWriter(path, specs, metadata={"format": "pt"}) as writer:
-            for slot in slots:
-                writer.write(slot.name, optimizer.full_master(slot))
+        optimizer = self.optimizer
+        name = files.optimizer_file_name(dims.dp_cp_rank, dims.tp_rank, dims.pp_rank)
+        write_moments(
+            root / files.OPTIMIZER / name,
+            dtype=self.state_dtype,
+            elements=(optimizer.start, optimizer.end),
+            pieces=optimizer.moment_pieces,
+            step=optimizer.step_count(),
+        )
 
     def load_state(
         self,

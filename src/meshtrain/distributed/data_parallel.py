@@ -100,10 +100,15 @@ class GradientReducer:
         bucket_bytes: int,
         overlap: bool,
         deferred_names: Collection[str] = (),
+        mean_over: int | None = None,
     ) -> None:
+        """`mean_over`: how many ranks' gradients the sum is the mean of (default: the
+        group's size; an expert's replicas sum what every data-parallel rank's tokens
+        gave it, a mean over all of them)."""
         self.flat = flat
         self.group = group
         self.size = dist.get_world_size(group) if group is not None else 1
+        self.mean_over = mean_over or self.size
         self.overlap = overlap and self.size > 1
         bucket_numel = max(1, bucket_bytes // flat.grads.element_size())
         self.buckets = cut_buckets(flat, bucket_numel, owned_ranges, deferred_names)
@@ -184,6 +189,8 @@ class GradientReducer:
         """Start what backward did not, wait for all, divide `mean_of` (the range this
         rank reads: a view of `flat.grads`) by the number of ranks."""
         if self.size == 1:
+            if self.mean_over > 1:
+                mean_of.div_(self.mean_over)
             return
         if self._armed:
             late = [i for i, n in enumerate(self._remaining) if n < 0]
@@ -201,4 +208,4 @@ class GradientReducer:
             work.wait()
         self._works.clear()
         self._armed = False
-        mean_of.div_(self.size)
+        mean_of.div_(self.mean_over)

@@ -17,17 +17,25 @@ layer's forward on a rank, given its tokens' top-k experts and routing weights:
    returned to the pairs' order and summed over each token's k experts.
 
 Dropless: every pair is computed, whatever the imbalance; the buffers' sizes follow the
-routing. Nothing here knows a model: the experts come as a function of (rows, local
-expert offsets).
+routing. `ExpertParallel` knows no model: the experts come as a function of (rows, local
+expert offsets). `ExpertShard` is that function for transformers' 3-D experts (a gated
+MLP per expert, `gate_up_proj` and `down_proj`): it takes the experts module's place
+with this rank's experts only, under the same parameter names, and `shard_experts` puts
+it into every sparse layer of a model on the meta device, before its weights exist.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.nn.functional import all_to_all_single
+from transformers.integrations import moe as hf_moe
+
+from meshtrain.distributed.tensor_parallel import ParameterSharding
 
 # (rows sorted by local expert, cumulative row counts per local expert) -> results
 LocalExperts = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -47,6 +55,16 @@ class ExpertParallel:
     def first_expert(self) -> int:
         return self.rank * self.local
 
+    def exchange_counts(self, expert_ids: torch.Tensor) -> tuple[list[int], list[list[int]]]:
+        """From this rank's pairs' experts (sorted): how many pairs it sends to each rank,
+        and how many it receives from each rank for each of its local experts (source x
+        local expert). Collective over the group."""
+        per_expert = torch.bincount(expert_ids, minlength=self.num_experts)
+        received = torch.empty_like(per_expert)
+        dist.all_to_all_single(received, per_expert, group=self.group)
+        send = per_expert.view(self.size, self.local).sum(1).tolist()
+        return send, received.view(self.size, self.local).tolist()
+
     def forward(
         self,
         hidden: torch.Tensor,
@@ -59,14 +77,10 @@ class ExpertParallel:
         tokens, k = top_k_index.shape
         expert_ids, order = torch.sort(top_k_index.reshape(-1), stable=True)
         sent = hidden[order // k]
-        per_expert = torch.bincount(expert_ids, minlength=self.num_experts)
-        received_per_expert = torch.empty_like(per_expert)
-        dist.all_to_all_single(received_per_expert, per_expert, group=self.group)
-        send_sizes = per_expert.view(self.size, self.local).sum(1).tolist()
-        from_each = received_per_expert.view(self.size, self.local)  # source x local expert
-        receive_sizes = from_each.sum(1).tolist()
+        send_sizes, from_each = self.exchange_counts(expert_ids)
+        receive_sizes = [sum(row) for row in from_each]
         received = _exchange(sent, receive_sizes, send_sizes, self.group)
-        by_expert, offsets = _by_local_expert(from_each)
+        by_expert, offsets = _by_local_expert(from_each, hidden.device)
         out = experts(received[by_expert], offsets)
         results = torch.empty_like(out).index_copy(0, by_expert, out)
         returned = _exchange(results, send_sizes, receive_sizes, self.group)
@@ -84,18 +98,90 @@ def _exchange(
     return all_to_all_single(out, rows.contiguous(), receive, send, group=group)
 
 
-def _by_local_expert(from_each: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """For received rows grouped by source rank, then local expert: the order that groups
-    them by local expert instead (keeping the source order within one), and the
-    cumulative row counts per local expert."""
-    sources, local = from_each.shape
-    starts = torch.cumsum(from_each.flatten(), 0) - from_each.flatten()  # each run's first row
+def _by_local_expert(
+    from_each: list[list[int]], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """For received rows grouped by source rank, then local expert (`from_each`: the
+    counts, source x local expert): the order that groups them by local expert instead
+    (keeping the source order within one), and the cumulative row counts per local
+    expert."""
+    flat = [count for row in from_each for count in row]
+    starts = [sum(flat[:i]) for i in range(len(flat))]  # each run's first row
+    local = len(from_each[0])
     runs = [
-        torch.arange(int(start), int(start) + int(count))
+        torch.arange(starts[source * local + e], starts[source * local + e] + count)
         for e in range(local)
-        for start, count in zip(
-            starts.view(sources, local)[:, e].tolist(), from_each[:, e].tolist(), strict=True
-        )
+        for source, row in enumerate(from_each)
+        if (count := row[e])
     ]
     order = torch.cat(runs) if runs else torch.empty(0, dtype=torch.long)
-    return order, torch.cumsum(from_each.sum(0), 0)
+    per_expert = [sum(row[e] for row in from_each) for e in range(local)]
+    offsets = torch.tensor(per_expert, device=device).cumsum(0)
+    return order.to(device), offsets
+
+
+class ExpertShard(nn.Module):
+    """One sparse layer's experts on this rank: E / ep of them, where transformers' experts
+    module held all E, with its parameter names and forward (tokens, their top-k experts
+    and weights) -> the tokens' weighted sum of their experts' outputs."""
+
+    def __init__(self, experts: nn.Module, ep: ExpertParallel) -> None:
+        super().__init__()
+        self.ep = ep
+        self.act_fn = experts.act_fn
+        for name in ("gate_up_proj", "down_proj"):
+            full = getattr(experts, name)
+            local = torch.empty(ep.local, *full.shape[1:], dtype=full.dtype, device=full.device)
+            setattr(self, name, nn.Parameter(local, requires_grad=full.requires_grad))
+
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        return self.ep.forward(hidden_states, top_k_index, top_k_weights, self._local_experts)
+
+    def _local_experts(self, rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """The gated MLP of each local expert over its rows, as one grouped matmul each way
+        (transformers' own dispatcher: the kernel, or its fallback, as the model runs it)."""
+        offs = offsets.to(torch.int32)
+        gate, up = hf_moe._grouped_mm(rows, self.gate_up_proj.transpose(-2, -1), offs).chunk(2, -1)
+        return hf_moe._grouped_mm(self.act_fn(gate) * up, self.down_proj.transpose(-2, -1), offs)
+
+
+def is_experts_module(module: nn.Module) -> bool:
+    """transformers' 3-D experts of a gated MLP (Qwen3-MoE's, Mixtral's)."""
+    gate_up = getattr(module, "gate_up_proj", None)
+    return isinstance(gate_up, torch.Tensor) and gate_up.dim() == 3 and hasattr(module, "act_fn")
+
+
+def shard_experts(
+    modules: list[nn.Module],
+    sharding: dict[str, ParameterSharding],
+    group: dist.ProcessGroup,
+    ep_rank: int,
+) -> dict[str, ParameterSharding]:
+    """Give every sparse layer of `modules` (on the meta device) this rank's experts over
+    `group`; the sharding with the experts' pieces recorded (checkpoints and weight sources
+    cut and rebuild them along the expert dimension)."""
+    sharding = dict(sharding)
+    for module in modules:
+        for path, experts in list(module.named_modules()):
+            if not is_experts_module(experts):
+                continue
+            ep = ExpertParallel(group, experts.gate_up_proj.shape[0])
+            parent, _, attribute = path.rpartition(".")
+            setattr(module.get_submodule(parent), attribute, ExpertShard(experts, ep))
+            for name in ("gate_up_proj", "down_proj"):
+                key = f"{path}.{name}"
+                sharding[key] = dataclasses.replace(sharding[key], ep=ep.size, ep_rank=ep_rank)
+    return sharding
+
+
+def gather_experts(local: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor | None:
+    """Every expert of a 3-D parameter, stacked, on rank 0 of the ep `group` (None on the
+    others), from each rank's `local` experts. Collective over `group`."""
+    size = dist.get_world_size(group)
+    root = dist.get_rank(group) == 0
+    whole = local.new_empty(size * local.shape[0], *local.shape[1:]) if root else None
+    gathered = list(whole.chunk(size)) if root else None
+    dist.gather(local.contiguous(), gathered, group_dst=0, group=group)
+    return whole

@@ -14,6 +14,12 @@ Context parallelism splits each sequence's tokens over `cp` ranks that hold the
 same parameters (torchtitan's `dp_shard_cp`): gradients are averaged, ZeRO-1 and
 FSDP2 shard, over the `dp x cp` ranks (`dp_cp`), while the sampler still deals
 batches over `dp` alone.
+
+Expert parallelism of degree N splits a mixture of experts' experts over groups of N
+neighbouring `dp_cp` ranks (`ep_group`); the `dp_cp / N` ranks that hold the same
+experts, one in each such group, form the `expert_replica_group`, over which the
+experts' gradients are summed (torchtitan and Megatron take ep from the data-parallel
+ranks the same way). Both are process groups of their own beside the mesh.
 """
 
 from __future__ import annotations
@@ -36,10 +42,20 @@ class ParallelDims:
     mesh: DeviceMesh
     sdp: int = 1  # sharded data parallelism's degree (1: off)
     cp: int = 1  # context parallelism's degree (1: off)
+    ep: int = 1  # expert parallelism's degree (1: off)
+    ep_group: dist.ProcessGroup | None = None
+    expert_replica_group: dist.ProcessGroup | None = None
 
     @classmethod
     def build(
-        cls, dp: int, tp: int, pp: int, device_type: str, sdp: int = 1, cp: int = 1
+        cls,
+        dp: int,
+        tp: int,
+        pp: int,
+        device_type: str,
+        sdp: int = 1,
+        cp: int = 1,
+        ep: int = 1,
     ) -> ParallelDims:
         world = dist.get_world_size()
         if dp * tp * pp * cp != world:
@@ -62,7 +78,10 @@ class ParallelDims:
             mesh[(*data_axes, "cp")]._flatten("dp_cp")
             if sdp > 1:
                 mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
-        return cls(dp=dp, tp=tp, pp=pp, mesh=mesh, sdp=sdp, cp=cp)
+        dims = cls(dp=dp, tp=tp, pp=pp, mesh=mesh, sdp=sdp, cp=cp, ep=ep)
+        if ep > 1:
+            dims.ep_group, dims.expert_replica_group = _expert_groups(mesh, dp * cp, ep)
+        return dims
 
     @classmethod
     def of_layout(cls, layout: Layout, device_type: str) -> ParallelDims:
@@ -74,6 +93,7 @@ class ParallelDims:
             device_type,
             sdp=layout.sharded_data_parallel_degree,
             cp=layout.context_parallel_size,
+            ep=layout.expert_parallel_size,
         )
 
     @property
@@ -119,6 +139,18 @@ class ParallelDims:
     def dp_cp_group(self) -> dist.ProcessGroup:
         return self.mesh.get_group("dp_cp") if self.cp > 1 else self.dp_group
 
+    # -- expert parallelism -------------------------------------------------------------------
+
+    @property
+    def ep_rank(self) -> int:
+        """Which of its ep group's expert shards this rank holds."""
+        return self.dp_cp_rank % self.ep
+
+    @property
+    def expert_replicas(self) -> int:
+        """Ranks that hold the same experts: dp x cp / ep."""
+        return self.dp_cp // self.ep
+
     # -- sharded data parallelism ----------------------------------------------------------
 
     @property
@@ -149,3 +181,26 @@ class ParallelDims:
         if self.sdp == 1:
             return None
         return self.mesh.get_group("dp_shard_cp" if self.cp > 1 else "dp_shard")
+
+
+def _expert_groups(
+    mesh: DeviceMesh, dp_cp: int, ep: int
+) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """This rank's expert-parallel group (ep neighbouring dp x cp ranks) and its expert
+    replica group (the dp x cp / ep ranks, one per ep group, holding the same experts).
+    Every rank creates every group, in one order, as `new_group` requires."""
+    if dp_cp % ep:
+        raise ValueError(f"expert parallelism's degree {ep} does not divide dp x cp = {dp_cp}")
+    names = mesh.mesh_dim_names
+    data = [i for i, name in enumerate(names) if name not in ("pp", "tp")]
+    order = [names.index("pp"), names.index("tp"), *data]
+    rows = mesh.mesh.permute(order).reshape(-1, dp_cp // ep, ep)  # coordinate x replica x ep
+    me = dist.get_rank()
+    mine: dict[str, dist.ProcessGroup] = {}
+    for coordinate in rows:
+        for kind, groups in (("ep", coordinate), ("replica", coordinate.T)):
+            for ranks in groups.tolist():
+                group = dist.new_group(ranks)
+                if me in ranks:
+                    mine[kind] = group
+    return mine["ep"], mine["replica"]

@@ -29,7 +29,9 @@ from meshtrain.distributed.kv_heads import repeat_kv_heads
 
 @dataclass(frozen=True)
 class ParameterSharding:
-    """How one trainable parameter is split over the tensor-parallel ranks."""
+    """How one trainable parameter is split over the tensor-parallel ranks (and, for a
+    mixture of experts' experts, over the expert-parallel ranks: along the expert
+    dimension, the first, before any tp split)."""
 
     name: str
     tp_dim: int | None  # the split dimension, None when every tp rank holds all of it
@@ -37,13 +39,19 @@ class ParameterSharding:
     kv_replication: int = 1  # KV heads repeated this many times before the split
     head_local: str | None = None  # "q"/"k": per-head norm whose grads are partial sums
     head_dim: int | None = None  # rows per KV head, to undo the replication
+    ep: int = 1  # expert-parallel ranks the experts (dimension 0) are split over
+    ep_rank: int = 0  # which of those pieces this rank holds
 
     def hf_shape(self, global_shape: Sequence[int]) -> list[int]:
-        """The Hugging Face tensor's shape, from the (DTensor's) global one: each KV head once."""
-        return [global_shape[0] // self.kv_replication, *global_shape[1:]]
+        """The Hugging Face tensor's shape, from the (DTensor's) global one: each KV head
+        once, every expert."""
+        return [global_shape[0] // self.kv_replication * self.ep, *global_shape[1:]]
 
     def local_piece(self, full: torch.Tensor, tp_rank: int, tp: int) -> torch.Tensor:
-        """This tp rank's part of the full Hugging Face tensor (KV heads repeated first)."""
+        """This tp rank's part of the full Hugging Face tensor (KV heads repeated first);
+        of experts, this ep rank's experts."""
+        if self.ep > 1:
+            full = torch.chunk(full, self.ep, dim=0)[self.ep_rank]
         if self.tp_dim is None:
             return full
         full = repeat_kv_heads(full, self.kv_replication, self.head_dim or 0)

@@ -59,6 +59,7 @@ class ShardedAdamW:
         reduce_after_backward: Collection[str] = (),
         master_weights: bool = False,
         gather_modules: Iterable[nn.Module] | None = None,
+        mean_over: int | None = None,
     ) -> None:
         """`backward_passes`: how often a step's backward accumulates into each gradient
         (microbatches, accumulation steps): its bucket is reduced after the last;
@@ -66,7 +67,8 @@ class ShardedAdamW:
         after the backward (tensor parallelism's sums) and so reduced after it;
         `master_weights`: keep and update an fp32 copy of the owned range (bf16 parameters);
         `gather_modules`: the modules holding `flat`'s parameters, to overlap ZeRO-1's
-        parameter gather with their next forward (None: gather right after the update)."""
+        parameter gather with their next forward (None: gather right after the update);
+        `mean_over`: the ranks the summed gradients are a mean over (default: `group`'s)."""
         self.flat = flat
         self.group = group
         self.zero_1 = zero_1
@@ -90,6 +92,7 @@ class ShardedAdamW:
             bucket_bytes=bucket_bytes,
             overlap=overlap_reduction,
             deferred_names=reduce_after_backward,
+            mean_over=mean_over,
         )
         self.backward_passes = backward_passes
         self.reducer.expect(backward_passes)
@@ -222,24 +225,30 @@ class ShardedAdamW:
         them and this is a view."""
         if self.master is None:
             raise ValueError("no master weights: the parameters are their own (not bf16_master)")
+        return self.gather_slot(self.master, slot)
+
+    def gather_slot(self, owned: torch.Tensor, slot: Slot) -> torch.Tensor | None:
+        """One parameter's (`slot`'s) values of `owned`, a tensor over this rank's owned range
+        (the master weights, a moment), whole, on dp rank 0 and None elsewhere: as
+        `full_master` gathers the masters."""
         a, b = slot.offset, slot.offset + slot.numel
         if not (self.zero_1 and self.reducer.size > 1):
-            return self.master[a - self.start : b - self.start].view(slot.shape)
+            return owned[a - self.start : b - self.start].view(slot.shape)
         rank, per_rank = dist.get_rank(self.group), self.owned_numel
         owners = range(a // per_rank, (b - 1) // per_rank + 1)
         if rank == 0:
-            full = self.master.new_empty(slot.numel)
+            full = owned.new_empty(slot.numel)
             for owner in owners:
                 lo, hi = max(a, owner * per_rank), min(b, (owner + 1) * per_rank)
                 if owner == 0:
-                    full[lo - a : hi - a] = self.master[lo:hi]
+                    full[lo - a : hi - a] = owned[lo:hi]
                 else:
                     source = dist.get_global_rank(self.group, owner)
                     dist.recv(full[lo - a : hi - a], src=source, group=self.group)
             return full.view(slot.shape)
         if rank in owners:
             lo, hi = max(a, self.start), min(b, self.end)
-            part = self.master[lo - self.start : hi - self.start]
+            part = owned[lo - self.start : hi - self.start]
             dist.send(part, dst=dist.get_global_rank(self.group, 0), group=self.group)
         return None
 

@@ -99,10 +99,10 @@ def real_device_meshes() -> Iterator[None]:
     `nonzero`, which fake tensors cannot answer: its methods that make or read that tensor
     (FSDP2 builds meshes as it shards) run outside the fake mode."""
     patches = [
-        mock.patch.object(DeviceMesh, name, _outside_fake(getattr(DeviceMesh, name)))
+        mock.patch.object(DeviceMesh, name, outside_fake(getattr(DeviceMesh, name)))
         for name in ("__init__", "_concatenate", "__getitem__", "_flatten")
     ]
-    real_mesh = property(_outside_fake(DeviceMesh.mesh.fget))
+    real_mesh = property(outside_fake(DeviceMesh.mesh.fget))
     patches.append(mock.patch.object(DeviceMesh, "mesh", real_mesh))
     with contextlib.ExitStack() as stack:
         for patch in patches:
@@ -110,7 +110,7 @@ def real_device_meshes() -> Iterator[None]:
         yield
 
 
-def _outside_fake(function: Callable) -> Callable:
+def outside_fake(function: Callable) -> Callable:
     @functools.wraps(function)
     def run(*args: Any, **kwargs: Any) -> Any:
         with unset_fake_temporarily():

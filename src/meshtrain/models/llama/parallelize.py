@@ -3,7 +3,8 @@
 On the meta device, the model goes through the run's converters, is split into
 this rank's pipeline stages (each built knowing its tp mesh and which of its
 weights are tied copies), and each stage is then sharded for tensor / sequence
-parallelism, given activation checkpointing, compiled and wrapped by FSDP2, in
+parallelism, given its share of the experts (expert parallelism), activation
+checkpointing, compiled and wrapped by FSDP2, in
 that order (torchtitan's); only then are this rank's shards allocated and filled,
 and the runtime that drives them (`ParallelModel`) built. The flat buffer of
 plain data parallelism and ZeRO-1 comes after, with the optimizer
@@ -27,6 +28,7 @@ from meshtrain.distributed.activation_checkpoint import (
     offload_context,
 )
 from meshtrain.distributed.context_parallel import ContextParallel
+from meshtrain.distributed.expert_parallel import shard_experts
 from meshtrain.distributed.fsdp import apply_fully_shard
 from meshtrain.distributed.kv_heads import kv_replication_factor
 from meshtrain.distributed.parallel_dims import ParallelDims
@@ -87,6 +89,8 @@ def parallelize(
         kv_replication_factor(model.config.num_key_value_heads, dims.tp) if dims.tp > 1 else 1
     )
     sharding = shard_tensor_parallel(modules, dims, layout, kv_replication, tied=tied)
+    if dims.ep > 1:
+        sharding = shard_experts(modules, sharding, dims.ep_group, dims.ep_rank)
     keep_frozen(modules, frozen)
     saved_ops = frozenset().union(*(converter.saved_ops for converter in converters))
     apply_activation_checkpointing(model, layout.activation_checkpointing, saved_ops)

@@ -16,6 +16,7 @@ order of building or the stages a rank holds.
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 from contextlib import ExitStack
 from pathlib import Path
@@ -85,8 +86,10 @@ class PretrainedWeights:
 
     def local(self, name: str, spec: ParameterSharding, tp_rank: int, tp: int) -> torch.Tensor:
         experts = stored_expert_names(self.config.model_type, num_experts(self.config), name)
-        if experts is not None:  # one tensor per expert on disk, stacked in memory
-            return spec.local_piece(self._stacked(experts), tp_rank, tp)
+        if experts is not None:  # one tensor per expert on disk: this rank's, stacked
+            per_rank = len(experts) // spec.ep
+            mine = experts[spec.ep_rank * per_rank : (spec.ep_rank + 1) * per_rank]
+            return dataclasses.replace(spec, ep=1).local_piece(self._stacked(mine), tp_rank, tp)
         stored = self._slice(
             router_stored_name(self.config.model_type, stored_name(name, self.config))
         )
