@@ -113,10 +113,11 @@ def planned_side(
     cuda: bool = False,
     lora: dict[str, Any] | None = None,
     planner: dict[str, Any] | None = None,
+    architecture: str = "llama",
 ) -> tuple[WorkerSpec, Plan]:
     """The worker spec and plan of one side, as `kedro run` would make them (no
     validation, no checkpoint but the last unless `training` says otherwise; `lora`: the
-    side's `model.lora`; `planner`: its `planner.*`)."""
+    side's `model.lora`; `planner`: its `planner.*`; `architecture`: `model.architecture`)."""
     run = RunConfig.from_params(
         parallel=parallel,
         training={
@@ -130,11 +131,16 @@ def planned_side(
             "run_name": name,
         },
         launch={"nproc_per_node": world},
-        model={"architecture": "llama", "config": shape, "init_from": init_from, "lora": lora},
+        model={
+            "architecture": architecture,
+            "config": shape,
+            "init_from": init_from,
+            "lora": lora,
+        },
         data={"block_size": block, "vocab_size": vocab},
         planner=planner or {},
     )
-    config = build_model_config("llama", shape, vocab_size=vocab, init_from=init_from)
+    config = build_model_config(architecture, shape, vocab_size=vocab, init_from=init_from)
     plan = plan_on_blocks(run, config, blocks, cuda=cuda)
     spec = make_worker_spec(
         run, plan, train_files=arrow_files(blocks["train"]), validation_files=[], tokenizer_dir=None
@@ -269,12 +275,13 @@ def work_root(stack: contextlib.ExitStack, work_dir: Path | None, prefix: str) -
 def print_side_table(rows: list[tuple[str, dict[str, Any], Plan]]) -> dict[str, tuple]:
     """One line per side: model states (counted from the tensors), the step's peak of live
     tensors and the peak resident set over the ranks, each beside the planner's figure;
-    the start-up RSS, tokens/s, the last loss. Returns per side (model states, step peak,
+    the start-up RSS, tokens/s beside the planner's (its estimate for the plan's device),
+    the last loss. Returns per side (model states, step peak,
     run RSS, tokens/s), for the ratios."""
     print(
         f"\n{'side':<18}{'model states MiB':>17}{'planner':>9}{'step peak MiB':>14}"
         f"{'planner':>9}{'start RSS':>10}{'RSS MiB':>9}{'planner':>9}{'tokens/s':>10}"
-        f"{'last loss':>11}"
+        f"{'planner':>9}{'last loss':>11}"
     )
     table = {}
     for name, summary, plan in rows:
@@ -293,6 +300,7 @@ def print_side_table(rows: list[tuple[str, dict[str, Any], Plan]]) -> dict[str, 
             (rss, 9, 1, ".0f"),
             (memory["process_total"], 9, MIB, ".0f"),
             (speed, 10, 1, ".0f"),
+            (plan.time_estimate.get("tokens_per_s"), 9, 1, ".0f"),
             (summary["final_loss"], 11, 1, ".4f"),
         ]
         text = "".join(

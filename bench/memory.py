@@ -11,6 +11,7 @@ once more, the A/A control. Nothing is asserted.
     .venv/bin/python bench/memory.py sharding    # 27M plain dp, ZeRO-1, FSDP2 at dp2/dp4
     .venv/bin/python bench/memory.py startup     # 428M tp4 x pp2, random and init_from
     .venv/bin/python bench/memory.py startup --small --sides random   # the smoke run
+    .venv/bin/python bench/memory.py experts     # 103M MoE (8 experts, top 2), ep4 and ep2 vs ep1
 """
 
 from __future__ import annotations
@@ -40,6 +41,26 @@ TP4_PP2 = {"tensor_parallel_size": 4, "pipeline_parallel_size": 2}
 
 def _precision(name: str) -> tuple[int, dict, dict]:
     return 2, ZERO1, {"per_device_train_batch_size": 4, "mixed_precision": name}
+
+
+# A Qwen3-MoE of 103M parameters (8 experts, top 2, in each of 6 layers: 94M of experts;
+# 33M active a token), for expert parallelism at dp4.
+EXPERTS = {
+    "hidden_size": 512,
+    "intermediate_size": 1536,
+    "moe_intermediate_size": 1280,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "norm_topk_prob": True,
+    "max_position_embeddings": 512,
+}
+
+
+def _experts(ep: int) -> tuple[int, dict, dict]:
+    return 4, {"data_parallel_size": 4, "expert_parallel_size": ep}, {"architecture": "qwen3_moe"}
 
 
 # group: model fields, vocab, block, steps, {side: (world, parallel, training)}, the sides
@@ -83,6 +104,15 @@ GROUPS = {
         "random,init_from",
         [("init_from", "random")],
     ),
+    "experts": (
+        EXPERTS,
+        4096,
+        256,
+        6,
+        {"ep1": _experts(1), "ep2": _experts(2), "ep4": _experts(4), "ep1-again": _experts(1)},
+        "ep1,ep4,ep2,ep1-again",
+        [("ep4", "ep1"), ("ep2", "ep1")],
+    ),
 }
 
 
@@ -103,6 +133,7 @@ def main() -> None:
         for name in (args.sides or default).split(","):
             world, parallel, training = sides[name]
             training = {"per_device_train_batch_size": 2, "max_steps": steps, **training}
+            architecture = training.pop("architecture", "llama")
             init_from = None
             if training.pop("init_from", False):
                 init_from = str(root / "pretrained")  # the same model in several files
@@ -119,6 +150,7 @@ def main() -> None:
                 vocab=vocab,
                 block=block,
                 init_from=init_from,
+                architecture=architecture,
             )
             rows.append((name, run_side(spec, world, root, name), plan))
     report(rows, pairs)

@@ -484,3 +484,19 @@ def test_the_comparison_table_puts_predictions_beside_measurements():
     # The worker's own prediction, when logged, wins over the plan's param.
     runs["metrics.memory/predicted_peak_mb"] = [28.0, None]
     assert comparison_table(runs).loc[0, "predicted peak (MiB)"] == 28
+
+
+def test_expert_parallel_size_is_a_size_token_taken_from_dp():
+    """`epN` sets parallel.expert_parallel_size; ep takes its ranks from dp, so `dp4-ep2`
+    runs on 4 processes, not 8, and ep not named keeps the configured value."""
+    spec = parse_shorthand("dp4-ep2")
+    assert spec.params["parallel.expert_parallel_size"] == 2
+    assert "parallel.expert_parallel_size" not in parse_shorthand("dp4").params
+    assert spec.model_ranks == 1
+    _, (entry,) = plan_sweep([spec], PARAMS)
+    assert entry.overrides["launch.nproc_per_node"] == 4
+    for text, says in (("ep", "it needs a number, e.g. ep2"), ("ep2-ep4", "both set")):
+        with pytest.raises(ShorthandError, match=says):
+            parse_shorthand(text)
+    with pytest.raises(ShorthandError, match="epN"):
+        parse_shorthand("dq2")

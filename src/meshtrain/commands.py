@@ -5,7 +5,7 @@
     python -m meshtrain consolidate CHECKPOINT_DIR [OUTPUT_DIR] [--max-shard-size 5GB]
         [--dtype bf16] [--no-verify]
     python -m meshtrain plan --model CONFIG_JSON --devices N --device trn1 [--seq-len 4096]
-        [--global-batch 256] [--tp/--pp/--dp/--cp SIZE] [--zero-1 true] [--json]
+        [--global-batch 256] [--tp/--pp/--dp/--cp/--ep SIZE] [--zero-1 true] [--json]
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ def add_dryrun_parser(commands: Any) -> None:
 def add_plan_parser(commands: Any) -> None:
     plan = commands.add_parser(
         "plan",
-        help="choose dp/tp/pp/cp, ZeRO-1, SP and checkpointing for a model on N devices",
+        help="choose dp/tp/pp/cp/ep, ZeRO-1, SP and checkpointing for a model on N devices",
         description="Choose a layout for a model and a cluster without the hardware: the "
         "fastest estimated layout that fits, its memory breakdown and step time, and why "
         "each other layout lost.",
@@ -142,6 +142,12 @@ def _plan_arguments(plan: Any) -> None:
         default="auto",
         help="fix parallel.context_parallel_size (1: off; default auto: weighed where "
         "activations dominate or nothing fits without it)",
+    )
+    plan.add_argument(
+        "--ep",
+        default="auto",
+        help="fix parallel.expert_parallel_size (1: off; default auto: on a mixture of experts "
+        "every size dividing its experts and dp is weighed, without sharding)",
     )
     plan.add_argument(
         "--sdp",

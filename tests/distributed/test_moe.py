@@ -1,11 +1,11 @@
-"""Mixtures of experts (Qwen3-MoE, Mixtral) on data-parallel layouts equal transformers'
-own model in one process: the same weights (Mixtral's from a Hugging Face folder that
-transformers wrote), fp32, the load-balancing loss on at a nonzero coefficient. The
-reference runs each step's microbatches one forward each, with transformers' own loss
-(`out.loss`: the language-model loss plus the coefficient times the router loss),
-averaged over the microbatches: losses per step to 1e-5 relative; the dry run within 5%
-of each run's measured peak; the consolidated
-folder, one tensor per expert, loads with transformers' class into the same weights."""
+"""Mixtures of experts (Qwen3-MoE, Mixtral) on data-parallel layouts, expert parallelism
+included, equal transformers' own model in one process: the same weights (Mixtral's from
+a Hugging Face folder that transformers wrote), fp32, the load-balancing loss on at a
+nonzero coefficient. The reference runs each step's microbatches one forward each, with
+transformers' own loss (`out.loss`: the language-model loss plus the coefficient times
+the router loss), averaged over the microbatches: losses per step to 1e-5 relative; the
+dry run within 5% of each run's measured peak; the consolidated folder, one tensor per
+expert, loads with transformers' class into the same weights."""
 
 from __future__ import annotations
 
@@ -74,6 +74,19 @@ CASES = {
         FOUR_EACH,
     ),
     "dp2-sdp2": (2, {"data_parallel_size": 2, "sharded_data_parallel_degree": 2}, FOUR_EACH),
+    # Expert parallelism: each rank holds half the experts (more in
+    # test_moe_expert_parallel.py).
+    "dp2-ep2": (2, {"data_parallel_size": 2, "expert_parallel_size": 2}, FOUR_EACH),
+    "dp2-ep2-zero1-ac-full": (
+        2,
+        {
+            "data_parallel_size": 2,
+            "expert_parallel_size": 2,
+            "zero_1": True,
+            "activation_checkpointing": "full",
+        },
+        FOUR_EACH,
+    ),
 }
 
 
@@ -82,9 +95,19 @@ CASES = {
 STARTS_FROM_A_FOLDER = ("mixtral",)
 
 
-def save_folder(architecture: str, fields: dict, folder: Path) -> Path:
+def save_folder(architecture: str, fields: dict, folder: Path, router_scale: float = 1.0) -> Path:
+    """A Hugging Face folder of the model, with weights of another seed than the run's.
+    `router_scale`: the routers that many times the init's scale: each token's top-k of
+    clearly ranked experts, so that the last-bit differences of two summation orders
+    never swap two experts' places (which moves the weights of the two experts and the
+    router at 1e-4, the loss less)."""
     config = build_model_config(architecture, fields, vocab_size=TINY_VOCAB)
-    build_model(config, seed=TRAINING["seed"] + 1).save_pretrained(folder)
+    model = build_model(config, seed=TRAINING["seed"] + 1)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                parameter.mul_(router_scale)
+    model.save_pretrained(folder)
     return folder
 
 

@@ -95,10 +95,10 @@ def build_optimizer(
         backward_passes=accumulation_steps * pm.backward_passes_per_batch,
         **adam,
     )
-    if dims.ep == 1:
+    experts = {n: p for n, p in pm.parameters.items() if pm.sharding[n].ep > 1}
+    if not experts:  # no expert parallelism, or its experts frozen (LoRA on the attention)
         optimizer = flat_adam(pm.parameters, dims.dp_cp_group, dims.dp_cp)
         return optimizer, ZeroState(optimizer)
-    experts = {n: p for n, p in pm.parameters.items() if pm.sharding[n].ep > 1}
     dense = {n: p for n, p in pm.parameters.items() if n not in experts}
     split = ExpertSplitAdamW(
         dense=flat_adam(dense, dims.dp_cp_group, dims.dp_cp),

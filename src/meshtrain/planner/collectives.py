@@ -17,3 +17,9 @@ def ring(bytes_: float, ranks: int, gbps: float, latency_us: float, factor: floa
 def link(device: DeviceProfile, span: int) -> float:
     """GB/s of a group whose ranks span `span` consecutive devices (tp innermost)."""
     return device.intra_node_gbps if span <= device.devices_per_node else device.inter_node_gbps
+
+
+def all_to_all(bytes_: float, ranks: int, gbps: float, latency_us: float) -> float:
+    """Seconds of an all-to-all of `bytes_` per rank: (ranks-1)/ranks of them leave it, in
+    ranks-1 pairwise exchanges (a ring gather's cost)."""
+    return ring(bytes_, ranks, gbps, latency_us, 1.0)

@@ -19,6 +19,7 @@ from meshtrain.config import AUTO, ConfigError, RunConfig
 from meshtrain.models.config_file import ConfigFile, read_config_file
 from meshtrain.models.moe_config import experts_per_token, inactive_expert_parameters, num_experts
 from meshtrain.planner.axes import DESCRIBE, STEP_LINE
+from meshtrain.planner.axes.expert import expert_degree
 from meshtrain.planner.devices import BUILTIN_PROFILES, GIB
 from meshtrain.planner.search import plan_run
 from meshtrain.planner.types import LayoutError, Plan
@@ -57,6 +58,7 @@ def plan_from_args(args: argparse.Namespace) -> tuple[RunConfig, Plan] | str:
                 "pipeline_parallel_size": args.pp,
                 "context_parallel_size": getattr(args, "cp", AUTO),
                 "sharded_data_parallel_degree": getattr(args, "sdp", AUTO),
+                "expert_parallel_size": getattr(args, "ep", AUTO),
                 "zero_1": {"true": True, "false": False}.get(getattr(args, "zero_1", AUTO), AUTO),
                 "activation_checkpointing": args.activation_checkpointing,
                 "pipeline_schedule": args.schedule,
@@ -142,6 +144,9 @@ def describe(plan: Plan, args: argparse.Namespace) -> str:
                 if inner == "context_mask" and not memory.get(inner):
                     continue  # packed examples only
                 lines.append(f"      of which {words:13} {memory.get(inner, 0) / GIB:8.2f} GiB")
+        if part == "activations" and memory.get("expert_dispatch"):
+            dispatch = memory["expert_dispatch"] / GIB
+            lines.append(f"      of which {'ep dispatch':13} {dispatch:8.2f} GiB")
     lines.append(
         f"  step {time['step_s']:.2f} s, {time['tokens_per_s']:,.0f} tokens/s: "
         + ", ".join(f"{k[:-2].replace('_', ' ')} {time[k]:.2f} s" for k in TIME_PARTS if k in time)
@@ -183,9 +188,11 @@ def _precision_bytes(plan: Plan, precision: str) -> str:
     if not plan.layout.sharded:
         words = PRECISION_BYTES[precision]
         # ZeRO-1 shards over the dp x cp ranks that hold the same parameters.
-        return (
-            words.replace("/dp", "/(dp x cp)") if plan.layout.context_parallel_size > 1 else words
-        )
+        if plan.layout.context_parallel_size > 1:
+            words = words.replace("/dp", "/(dp x cp)")
+        ep = expert_degree(plan.layout)
+        # Each rank holds E/ep experts; ZeRO-1 splits their moments over the dp/ep replicas.
+        return f"{words}; the experts' /{ep}, their moments /dp with ZeRO-1" if ep > 1 else words
     gathered = "bf16" if precision == "bf16_master" else "fp32"
     shards = plan.layout.sharded_data_parallel_degree * plan.layout.context_parallel_size
     return (

@@ -53,6 +53,12 @@
   link of cp x tp consecutive devices. The exchange runs right before attention,
   synchronously: none of it hides behind compute. The gradients are averaged (or
   sharded) over the dp x cp ranks that hold the parameters;
+- expert parallelism (`ep` > 1, `planner.axes.expert`): per sparse layer and microbatch two
+  all-to-alls of the routed pairs' hidden states forward, two backward (two more under full
+  checkpointing), `(ep-1)/ep` of each leaving the rank, on the link of ep x tp devices,
+  at the busiest rank's rows (the routing imbalance it assumes), none hidden; and that
+  rank's extra expert compute. The experts' gradients are averaged (and under ZeRO-1
+  gathered) over the dp x cp / ep ranks holding the same experts, after the dense part;
 - the optimizer's elementwise AdamW update over the owned parameters.
 
 Everything else runs one after the other, as meshtrain does.

@@ -59,10 +59,11 @@ def mlp_activation_elements(m: ModelShape, t: int) -> float:
     return m.per_layer(4 * m.intermediate / t, 2 * m.experts + m.experts_per_token * per_expert)
 
 
-def _mlp_weights(m: ModelShape, t: int) -> float:
+def _mlp_weights(m: ModelShape, t: int, ep: int = 1) -> float:
     """A layer's MLP weights on a tp rank, averaged over the layers: a sparse layer's
-    router and every expert (autocast casts the whole 3-D parameters)."""
-    sparse = m.experts * m.hidden * (1 + 3 * m.expert_intermediate)
+    router and every expert it holds (autocast casts the whole 3-D parameters; E/ep of
+    them under expert parallelism)."""
+    sparse = m.hidden * (m.experts + m.experts // ep * 3 * m.expert_intermediate)
     return m.per_layer(3 * m.hidden * m.intermediate / t, sparse)
 
 
@@ -72,11 +73,12 @@ def _head_norm_elements(m: ModelShape, t: int) -> float:
     return (m.heads / t + local_kv_heads(m, t)) * (2 * m.head_dim + 1)
 
 
-def layer_matmul_elements(m: ModelShape, t: int) -> int:
-    """One decoder layer's matmul weights on a tp rank (a KV head at least)."""
+def layer_matmul_elements(m: ModelShape, t: int, ep: int = 1) -> int:
+    """One decoder layer's matmul weights on a tp rank (a KV head at least) holding E/ep
+    of each sparse layer's experts."""
     kv = local_kv_heads(m, t) * m.head_dim
     return int(2 * m.hidden * m.heads * m.head_dim / t + 2 * m.hidden * kv) + int(
-        _mlp_weights(m, t)
+        _mlp_weights(m, t, ep)
     )
 
 

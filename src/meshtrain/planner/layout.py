@@ -128,7 +128,10 @@ def resolve_layout(
     refusals += [r for found in checks for r in found.options]
     notes = [note for found in checks for note in found.notes]
     refusals += check_activation_checkpointing(c.activation_checkpointing)
-    splits = [(axis.parameter, c.degree(axis.short)) for axis in AXES if axis.short != "dp"]
+    # ep is taken from the dp ranks: the expert axis checks it itself.
+    splits = [
+        (axis.parameter, c.degree(axis.short)) for axis in AXES if axis.short not in ("dp", "ep")
+    ]
     refusals += check_experts_unsplit(model_config, splits)
     found, found_notes = check_batch_vs_data(
         train,

@@ -20,7 +20,10 @@ measured peak of live tensors (`components.memory_probe`, `meshtrain.dryrun`):
   chunks (torch's schedule); the last stage keeps the loss's share of each
   microbatch in flight until its backward (`planner.axes.pipeline`);
 - context parallelism: per-token terms at the rank's block / cp tokens, the gathered
-  K/V and packed examples' masks (`planner.axes.context`); ZeRO-1 and FSDP2 over x cp.
+  K/V and packed examples' masks (`planner.axes.context`); ZeRO-1 and FSDP2 over x cp;
+- expert parallelism (ep > 1): E/ep experts per rank in a flat buffer of their own, ZeRO-1
+  over the dp/ep ranks holding the same experts; each sparse layer's dispatch buffers,
+  at the routing imbalance `planner.axes.expert` assumes.
 
 `process_total`, fitted into the device, adds the profile's runtime and allocator share;
 offloaded activations are counted apart (host memory).
@@ -39,6 +42,7 @@ import dataclasses
 from meshtrain.planner.axes import AXES, local_share
 from meshtrain.planner.axes.context import context_breakdown
 from meshtrain.planner.axes.data import lora_model_states, replicated_model_states
+from meshtrain.planner.axes.expert import dispatch_breakdown, expert_degree, expert_stage_counts
 from meshtrain.planner.axes.pipeline import in_flight_microbatches, last_stage_in_flight
 from meshtrain.planner.axes.sharding import (
     at_backward_end,
@@ -73,6 +77,7 @@ def estimate_memory(
     (`adapter_shapes`: a LoRA run's adapters, the only parameters it trains)."""
     share = local_share(m, step)
     counts, layer = local_counts(shapes, m, step, share)
+    experts = expert_stage_counts(shapes, step, share)
     stages = len(step.stage_layers)
     adapters, adapter_layer = (
         local_counts(adapter_shapes, m, step, share) if adapter_shapes else ([0] * stages, 0)
@@ -106,19 +111,22 @@ def estimate_memory(
                 states = max(states, end, key=lambda moment: moment.total)
             per_rank.append(states)
             continue
-        per_rank.append(replicated_model_states(local, step, activations=activations, loss=loss))
+        mine_experts = sum(experts[s] for s in mine)
+        per_rank.append(
+            replicated_model_states(
+                local, step, activations=activations, loss=loss, experts=mine_experts
+            )
+        )
     worst = max(range(step.pp), key=lambda r: per_rank[r].total)
     mine = list(range(worst, stages, step.pp))
-    context_kv, context_mask = context_breakdown(
-        m,
-        step,
-        layers=sum(step.stage_layers[s] for s in mine) / len(mine),
-        in_flight=in_flight_microbatches(step, worst),
-    )
+    chunk_layers = sum(step.stage_layers[s] for s in mine) / len(mine)
+    in_flight = in_flight_microbatches(step, worst)
+    context_kv, context_mask = context_breakdown(m, step, layers=chunk_layers, in_flight=in_flight)
     return dataclasses.replace(
         per_rank[worst],
         context_kv=context_kv,
         context_mask=context_mask,
+        expert_dispatch=dispatch_breakdown(m, step, layers=chunk_layers, in_flight=in_flight),
         pipeline_rank=worst,
         per_pipeline_rank=tuple(e.total for e in per_rank),
         offloaded=_offloaded(m, step, [e.activations for e in per_rank]),
@@ -198,7 +206,8 @@ def _activations_on_rank(
     if step.bf16 and not step.master_weights and step.activation_checkpointing == "none":
         # autocast's bf16 copy of each matmul weight, cached and kept by the backward
         # (without recomputation the trainer keeps the cache: one copy per weight).
-        activations += layers * layer_matmul_elements(m, t) * BYTES_BF16
+        ep = expert_degree(step.layout)
+        activations += layers * layer_matmul_elements(m, t, ep) * BYTES_BF16
 
     # Two moments of the backward, whichever is higher: its start at the loss (what the
     # loss keeps per microbatch in flight, plus its working set), or inside a layer (a

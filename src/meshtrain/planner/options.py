@@ -14,7 +14,7 @@ from typing import Any
 
 from meshtrain.config import AUTO, DataConfig, LaunchConfig, ParallelConfig, RunConfig
 from meshtrain.models.config_file import ArchitectureConfig
-from meshtrain.planner.axes import pipeline, sharding, tensor
+from meshtrain.planner.axes import expert, pipeline, sharding, tensor
 from meshtrain.planner.candidate import Candidate
 from meshtrain.planner.checks import IMPLEMENTED_ACTIVATION_CHECKPOINTING
 from meshtrain.planner.loss_memory import auto_loss_chunk_tokens
@@ -28,6 +28,7 @@ _DEGREES = {
     "pp": "pipeline_parallel_size",
     "cp": "context_parallel_size",
     "sdp": "sharded_data_parallel_degree",
+    "ep": "expert_parallel_size",
 }
 _CHOICES = ("zero_1", "sequence_parallel", "pipeline_parallel_num_microbatches")
 
@@ -56,9 +57,16 @@ def candidate_from(run: RunConfig, model_config: ArchitectureConfig) -> Candidat
     microbatches = par.pipeline_parallel_num_microbatches
     if microbatches == AUTO:
         microbatches = pipeline.auto_microbatches(pp, run.training.per_device_train_batch_size)
-    sdp = par.sharded_data_parallel_degree
+    sdp, ep = par.sharded_data_parallel_degree, par.expert_parallel_size
     return Candidate(
-        degrees={"dp": dp, "tp": tp, "pp": pp, "cp": cp, "sdp": 1 if sdp == AUTO else sdp},
+        degrees={
+            "dp": dp,
+            "tp": tp,
+            "pp": pp,
+            "cp": cp,
+            "sdp": 1 if sdp == AUTO else sdp,
+            "ep": 1 if ep == AUTO else ep,
+        },
         choices={
             "zero_1": False if par.zero_1 == AUTO else par.zero_1,
             "sequence_parallel": tp > 1 if par.sequence_parallel == AUTO else par.sequence_parallel,
@@ -121,17 +129,22 @@ def search_space(
     ]
     variants = []
     for tp, pp, cp in sizes:
-        for sdp in sharding_options(run, world // (tp * pp * cp), tp, cp):
-            for ac in ac_options:
-                parallel = dataclasses.replace(
-                    par,
-                    tensor_parallel_size=tp,
-                    pipeline_parallel_size=pp,
-                    context_parallel_size=cp,
-                    sharded_data_parallel_degree=sdp,
-                    activation_checkpointing=ac,
-                )
-                variants.append(dataclasses.replace(run, parallel=parallel))
+        dp = world // (tp * pp * cp)
+        for sdp in sharding_options(run, dp, tp, cp):
+            for ep in expert.AXIS.search_degrees(
+                run, model_config, ranks=dp * cp, sdp=sdp, splits=tp * pp * cp
+            ):
+                for ac in ac_options:
+                    parallel = dataclasses.replace(
+                        par,
+                        tensor_parallel_size=tp,
+                        pipeline_parallel_size=pp,
+                        context_parallel_size=cp,
+                        sharded_data_parallel_degree=sdp,
+                        expert_parallel_size=ep,
+                        activation_checkpointing=ac,
+                    )
+                    variants.append(dataclasses.replace(run, parallel=parallel))
     if cp_options is not None:
         return variants  # the cp sizes weighed beside cp 1: none may fit the fixed sizes
     return variants or [run]
@@ -140,12 +153,14 @@ def search_space(
 def sharding_options(run: RunConfig, dp: int, tp: int, cp: int = 1) -> list[int | str]:
     """The sharded data parallel degrees to weigh: as given, or at `auto` off, full and
     (across nodes) hybrid; only off when ZeRO-1 is asked for (sharding includes it) and
-    on Neuron."""
+    on Neuron, or beside a fixed expert parallelism (not built beside sharding yet)."""
     degree = run.parallel.sharded_data_parallel_degree
     if degree != AUTO:
         return [degree]
     # The engine shards with torch's FSDP2, which the Neuron (XLA) backend does not run.
     if run.parallel.zero_1 is True or run.launch.backend == "neuron":
+        return [1]
+    if run.parallel.expert_parallel_size not in (1, AUTO):
         return [1]
     return list(sharding.sharded_data_parallel_degrees(dp, tp, run.launch.nproc_per_node, cp))
 
@@ -189,10 +204,15 @@ def fit_global_batch(run: RunConfig) -> RunConfig:
 
 def variant_name(run: RunConfig) -> str:
     par = run.parallel
-    sdp, cp = par.sharded_data_parallel_degree, par.context_parallel_size
+    sdp, cp, ep = (
+        par.sharded_data_parallel_degree,
+        par.context_parallel_size,
+        par.expert_parallel_size,
+    )
     return (
         f"tp{par.tensor_parallel_size}-pp{par.pipeline_parallel_size}"
         + (f"-cp{cp}" if cp not in (1, AUTO) else "")
+        + (f"-ep{ep}" if ep not in (1, AUTO) else "")
         + (f"-sdp{sdp}" if sdp not in (1, AUTO) else "")
         + f"-ac-{par.activation_checkpointing}"
     )

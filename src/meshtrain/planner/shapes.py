@@ -108,6 +108,12 @@ class MemoryEstimate:
     # examples' attention masks (planner/axes/context.py).
     context_kv: int = 0
     context_mask: int = 0
+    # Expert parallelism (ep > 1), parts of the model states: the experts' own flat buffer
+    # (planner/axes/expert.py); and of `activations`: the dispatch buffers at the peak.
+    expert_parameters: int = 0
+    expert_gradients: int = 0
+    expert_optimizer_states: int = 0
+    expert_dispatch: int = 0
 
     @property
     def model_states(self) -> int:
@@ -128,17 +134,29 @@ class MemoryEstimate:
         return self.runtime + self.allocator + self.total
 
     def to_dict(self) -> dict[str, int | list[int]]:
-        """The breakdown plan.json holds; `gathered` only under sharded data parallelism."""
+        """The breakdown plan.json holds; `gathered` only under sharded data parallelism, the
+        experts' parts only under expert parallelism."""
         gathered = {"gathered": self.gathered} if self.gathered else {}
         offloaded = {"offloaded_to_host": self.offloaded} if self.offloaded else {}
+        experts = (
+            {
+                "expert_parameters": self.expert_parameters,
+                "expert_gradients": self.expert_gradients,
+                "expert_optimizer_states": self.expert_optimizer_states,
+            }
+            if self.expert_parameters
+            else {}
+        )
         return {
             "parameters": self.parameters,
             "gradients": self.gradients,
             "optimizer_states": self.optimizer_states,
+            **experts,
             **gathered,
             "activations": self.activations,
             **({"context_kv": self.context_kv} if self.context_kv else {}),
             **({"context_mask": self.context_mask} if self.context_mask else {}),
+            **({"expert_dispatch": self.expert_dispatch} if self.expert_dispatch else {}),
             "loss": self.loss,
             "total": self.total,
             "runtime": self.runtime,

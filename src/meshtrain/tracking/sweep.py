@@ -2,7 +2,7 @@
 
 A layout shorthand names a whole layout in a few letters, the way people say it:
 `dp2`, `tp2`, `pp2`, `dp2xtp2`, `tp2xpp2-gpipe-mb8`, `dp4-nozero1`, `dp4-sdp4`, `dp2-cp2`,
-`cp4`. This module
+`cp4`, `dp4-ep2`. This module
 turns such strings into `--params` overrides and holds the global batch fixed
 across the layouts (the layout-independence contract compares runs at the
 same global batch; the planner splits it per layout); the comparison table from
@@ -29,13 +29,15 @@ SWEEP_STATUS_TAG = "meshtrain.sweep.status"
 SWEEP_ERROR_TAG = "meshtrain.sweep.error"
 SWEEP_STAGE_TAG = "meshtrain.sweep.stage"
 
-_SIZE = re.compile(r"^(sdp|dp|tp|pp|cp|mb|v)(\d+)$")
+_SIZE = re.compile(r"^(sdp|dp|tp|pp|cp|ep|mb|v)(\d+)$")
 _SIZE_PARAMS = {
     "sdp": "parallel.sharded_data_parallel_degree",
     "dp": "parallel.data_parallel_size",
     "tp": "parallel.tensor_parallel_size",
     "pp": "parallel.pipeline_parallel_size",
     "cp": "parallel.context_parallel_size",
+    # Expert parallelism takes its ranks from dp: it does not multiply the world.
+    "ep": "parallel.expert_parallel_size",
     "mb": "parallel.pipeline_parallel_num_microbatches",
     "v": "parallel.pipeline_parallel_virtual_stages",
 }
@@ -59,9 +61,10 @@ GRAMMAR = (
     "tp, pp and cp (context parallel) default to 1, dp to auto = the rest of the world "
     "size), and optionally "
     f"{', '.join(_FLAGS)}, mbN (pipeline microbatches), vN (virtual stages per rank), "
-    "sdpN (sharded data parallel degree: N divides dp; N = dp shards fully). "
+    "sdpN (sharded data parallel degree: N divides dp; N = dp shards fully), epN (expert "
+    "parallel: a mixture of experts' experts over N of the dp ranks; N divides dp). "
     "Examples: dp2, tp2, pp2, dp2xtp2, tp2xpp2-gpipe-mb8, dp4-nozero1, dp2xtp2-ac, dp4-sdp4, "
-    "dp2-cp2, cp4"
+    "dp2-cp2, cp4, dp4-ep2"
 )
 
 
@@ -103,7 +106,7 @@ def parse_shorthand(text: str) -> LayoutShorthand:
 
     tp, pp and cp not named are 1 (a layout shorthand describes the whole layout); dp not
     named stays `auto` (the world size over tp x pp, as in `kedro run`). Anything
-    else not named keeps the project's configured value.
+    else not named keeps the project's configured value (ep's is 1 unless changed).
     """
     original = text
     text = text.strip().lower().replace("ac-full", "ac")
@@ -130,7 +133,7 @@ def parse_shorthand(text: str) -> LayoutShorthand:
             name, value = _FLAGS[token]
         else:
             hint = ""
-            if re.fullmatch(r"(sdp|dp|tp|pp|cp|mb|v)", token):
+            if re.fullmatch(r"(sdp|dp|tp|pp|cp|ep|mb|v)", token):
                 hint = f" (it needs a number, e.g. {token}2)"
             raise ShorthandError(
                 f"layout {original!r}: token {token!r} is not understood{hint}; {GRAMMAR}"

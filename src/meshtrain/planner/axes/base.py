@@ -1,7 +1,7 @@
 """The protocol every parallelism axis of the planner follows, and what its checks return.
 
-An axis (`planner.axes.data`, `.tensor`, `.pipeline`, `.context`; expert parallelism
-next) owns its degree: the options it offers the search, its checks and refusals on a
+An axis (`planner.axes.data`, `.tensor`, `.pipeline`, `.context`, `.expert`) owns its
+degree: the options it offers the search, its checks and refusals on a
 `Candidate`, the layout fields it resolves, its line in `python -m meshtrain plan`'s
 description (`describe`, in `axes.DESCRIBE`'s order), the bytes it adds to a rank's
 activations (`memory_terms`, which `planner.memory` adds up over `AXES`) and its seconds
@@ -13,24 +13,20 @@ chosen layout and the ones that lost (`note`, `lost_clause`). What composes
 several axes stays where it composes them: activations x microbatches in flight
 (`planner.memory`), each pipeline rank's stages, the model states of dp/ZeRO-1/FSDP2.
 
-How an expert axis (ep, issue 47) plugs in: a module `axes/expert.py` with an
-`ExpertAxis(AxisBase)` (`parameter = "expert_parallel_size"`, `degrees`, `check`: ep
-divides the experts and the world, the layout field it resolves) and `AXIS`, and its
-line in `axes/__init__.py`'s `AXES` (before `pipeline.AXIS`, so that its all-to-alls,
-which run inside each microbatch, count in the busiest rank's microbatch the bubble
-scales; and in `DESCRIBE`, `STEP_LINE`, `TIE_BREAK` for its description line, its
-seconds in the step line (`time_parts`) and a preference among fast layouts). Its terms:
-`memory_terms` -> `MemoryTerms(layer={"expert_dispatch": ...})` (the all-to-all
-dispatch and combine buffers each MoE layer keeps per microbatch); `time_terms` ->
-`AxisTime({"expert_parallel_s": ...})` (two all-to-alls each way per MoE layer per
-microbatch, `timing.microbatches`), a breakdown in its `report` if wanted; `local_numel`:
-the expert weights' elements / ep (gradients, moments, ZeRO-1 and FSDP2 follow what is
-local). Its degree reaches it as `c.degree("ep")` on a candidate and as the resolved
-`step.layout.expert_parallel_size` on a step (no planner field to add; the layout field
-is `config.Layout`'s). Still outside the protocol: `planner.options` reading and
-resolving `parallel.expert_parallel_size` (as it does every degree), `ModelShape`'s
-expert counts, and an MoE layer's compute and activations (`planner.flops`,
-`planner.layer_memory`).
+How the expert axis (ep, `axes.expert`) plugs in, the pattern for the next one: a module
+with an `ExpertAxis(AxisBase)` and `AXIS`, and its line in `axes/__init__.py`'s `AXES`
+(before `pipeline.AXIS`, so that its all-to-alls, which run inside each microbatch, count
+in the busiest rank's microbatch the bubble scales) and in `DESCRIBE`, `STEP_LINE` and
+`TIE_BREAK`. Its terms: `memory_terms` -> `MemoryTerms(layer={"expert_dispatch": ...})`;
+`time_terms` -> `AxisTime({"expert_parallel_s": ...}, report)`; `local_numel`: the expert
+weights' elements / ep (gradients, moments and ZeRO-1 follow what is local; the experts'
+own flat buffer is `axes.data`'s, its degree read through `axes.expert.expert_degree`).
+Its degree reaches it as `c.degree("ep")` on a candidate and through the resolved layout
+on a step (no planner field to add; the layout field is `config.Layout`'s). Still outside
+the protocol: `planner.options` reading and resolving the `parallel.*` degree (as it does
+every degree, the expert axis's `search_degrees` telling it which to weigh),
+`ModelShape`'s expert counts, and an MoE layer's compute and activations
+(`planner.flops`, `planner.layer_memory`).
 """
 
 from __future__ import annotations

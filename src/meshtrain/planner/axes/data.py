@@ -15,6 +15,7 @@ from meshtrain.config import AUTO, LaunchConfig, Layout, ParallelConfig, RunConf
 from meshtrain.models.config_file import ArchitectureConfig
 from meshtrain.planner.axes import context, pipeline, tensor
 from meshtrain.planner.axes.base import AxisBase, AxisChecks
+from meshtrain.planner.axes.expert import expert_degree
 from meshtrain.planner.axes.pipeline import pipeline_parallel_degrees
 from meshtrain.planner.axes.sharding import (
     SHARDING,
@@ -157,12 +158,24 @@ def replicated_dp_time(
         return max(seconds - hidden_behind * device.collective_overlap, edge_bucket)
 
     factor = 1.0 if step.layout.zero_1 else 2.0
-    averaging = ring(memory.gradients, ranks, dp_link, device.latency_us, factor)
+
+    def over_replicas(dense: int, experts: int, factor: float) -> float:
+        """The dense part over the dp x cp ranks; ep's experts (their own buffer, 0 at ep 1)
+        over the dp x cp / ep ranks holding the same experts, one after the other."""
+        seconds = ring(dense, ranks, dp_link, device.latency_us, factor)
+        if experts:
+            replicas = ranks // expert_degree(step.layout)
+            seconds += ring(experts, replicas, dp_link, device.latency_us, factor)
+        return seconds
+
+    experts = memory.expert_gradients
+    averaging = over_replicas(memory.gradients - experts, experts, factor)
     if overlap_grad_reduce:
         averaging = exposed(averaging, memory.gradients, 2 / 3 * microbatch_compute)
     if not step.layout.zero_1:
         return averaging
-    gather = ring(memory.parameters, ranks, dp_link, device.latency_us, 1.0)
+    experts = memory.expert_parameters
+    gather = over_replicas(memory.parameters - experts, experts, 1.0)
     if overlap_param_gather:
         gather = exposed(gather, memory.parameters, microbatch_compute / 3)
     return averaging + gather
@@ -205,14 +218,37 @@ def with_model_states(
 
 
 def replicated_model_states(
-    local: int, step: StepShape, *, activations: int = 0, loss: int = 0
+    local: int, step: StepShape, *, activations: int = 0, loss: int = 0, experts: int = 0
 ) -> MemoryEstimate:
     """The states of a rank holding `local` elements whole: under ZeRO-1 the flat buffer
-    padded to a multiple of the dp x cp ranks, each owning the optimizer states of 1/ranks."""
+    padded to a multiple of the dp x cp ranks, each owning the optimizer states of 1/ranks.
+    `experts`: of `local`, the experts ep > 1 splits, in a flat buffer of their own that
+    ZeRO-1 splits over the dp x cp / ep ranks holding the same experts (0: one buffer)."""
     ranks = step.grad_ranks
-    padded = math.ceil(local / ranks) * ranks if step.layout.zero_1 else local
-    owned = padded // ranks if step.layout.zero_1 else local
-    return with_model_states(padded, owned, step, activations=activations, loss=loss)
+    held, owned = _flat_buffer(local - experts, ranks, step.layout.zero_1)
+    states = with_model_states(held, owned, step, activations=activations, loss=loss)
+    if not experts:
+        return states
+    replicas = ranks // expert_degree(step.layout)
+    mine = with_model_states(*_flat_buffer(experts, replicas, step.layout.zero_1), step)
+    return dataclasses.replace(
+        states,
+        parameters=states.parameters + mine.parameters,
+        gradients=states.gradients + mine.gradients,
+        optimizer_states=states.optimizer_states + mine.optimizer_states,
+        expert_parameters=mine.parameters,
+        expert_gradients=mine.gradients,
+        expert_optimizer_states=mine.optimizer_states,
+    )
+
+
+def _flat_buffer(elements: int, ranks: int, zero_1: bool) -> tuple[int, int]:
+    """(held, owned) elements of a flat buffer: under ZeRO-1 padded to a multiple of the
+    `ranks` it is split over, each owning 1/ranks of it; else all of it."""
+    if not zero_1:
+        return elements, elements
+    padded = math.ceil(elements / ranks) * ranks
+    return padded, padded // ranks
 
 
 def lora_model_states(

@@ -1,0 +1,305 @@
+"""Expert parallelism in the planner (issue 47): each rank's experts, their states under
+ZeRO-1, the all-to-alls and dispatch buffers, the refusals, and what `auto` picks.
+
+The expected numbers are counted from the configs by hand, not by the planner's helpers.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+from transformers import PretrainedConfig
+
+from meshtrain.commands import main
+from meshtrain.config import RunConfig
+from meshtrain.models import build_model_config
+from meshtrain.planner import LayoutError, Plan, Refusal, plan_run
+from meshtrain.planner.devices import BUILTIN_PROFILES
+from meshtrain.planner.options import search_space
+from tests.planner.test_layout import SHAPE as LLAMA_SHAPE
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "model_configs"
+QWEN3_30B = str(EXAMPLES / "qwen3-30b-a3b.json")
+
+# A small Qwen3-MoE whose sizes are odd, so that every flat buffer pads: layer 0 dense,
+# layer 1 sparse (every second layer), 12 experts of which 2 a token.
+SHAPE = {
+    "hidden_size": 63,
+    "intermediate_size": 40,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 3,
+    "num_key_value_heads": 1,
+    "num_experts": 12,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 25,
+    "decoder_sparse_step": 2,
+    "max_position_embeddings": 512,
+}
+VOCAB = 500
+BLOCK = 128
+EP = "parallel.expert_parallel_size"
+
+
+def _config(**changes: Any) -> PretrainedConfig:
+    return build_model_config("qwen3_moe", {**SHAPE, **changes}, vocab_size=VOCAB)
+
+
+def _llama() -> PretrainedConfig:
+    return build_model_config("llama", dict(LLAMA_SHAPE), vocab_size=VOCAB)
+
+
+def _plan(config: PretrainedConfig, **groups: dict[str, Any]) -> Plan:
+    groups = {"model": {"architecture": config.model_type}, "data": {"block_size": BLOCK}, **groups}
+    return plan_run(
+        RunConfig.from_params(**groups),
+        config,
+        num_train_blocks=1000,
+        num_validation_blocks=50,
+        cuda_available=False,
+    )
+
+
+def _refusal(config: PretrainedConfig, **groups: dict[str, Any]) -> Refusal:
+    with pytest.raises(LayoutError) as info:
+        _plan(config, **groups)
+    found = [r for r in info.value.refusals if r.parameter == EP]
+    assert len(found) == 1, info.value.refusals
+    return found[0]
+
+
+def _by_hand() -> tuple[int, int]:
+    """(every other parameter, the experts) of `SHAPE`'s model, in elements."""
+    h, heads, kv = SHAPE["hidden_size"], SHAPE["num_attention_heads"], SHAPE["num_key_value_heads"]
+    head_dim = h // heads
+    attention = 2 * heads * head_dim * h + 2 * kv * head_dim * h + 2 * head_dim + 2 * h
+    dense_mlp = 3 * h * SHAPE["intermediate_size"]
+    router = SHAPE["num_experts"] * h
+    experts = SHAPE["num_experts"] * 3 * h * SHAPE["moe_intermediate_size"]
+    embeddings = 2 * VOCAB * h + h  # input, untied head, final norm
+    return 2 * attention + dense_mlp + router + embeddings, experts
+
+
+def _padded(elements: int, ranks: int) -> int:
+    return -(-elements // ranks) * ranks
+
+
+@pytest.mark.parametrize("zero_1", [False, True])
+@pytest.mark.parametrize("ep", [1, 2, 4])
+def test_model_states_per_rank_follow_the_experts_over_ep(ep: int, zero_1: bool) -> None:
+    """fp32 on 8 ranks: 4 B weight + 4 B gradient + 8 B moments an element. At ep1 one flat
+    buffer; at ep > 1 the rank's E/ep experts in a buffer of their own, whose moments ZeRO-1
+    splits over the 8/ep ranks holding the same experts (each buffer padded to its ranks)."""
+    dense, experts = _by_hand()
+    dp = 8
+    plan = _plan(
+        _config(),
+        launch={"nproc_per_node": dp},
+        parallel={"expert_parallel_size": ep, "zero_1": zero_1},
+    )
+    assert plan.num_parameters == dense + experts
+    assert plan.layout.expert_parallel_size == ep
+    if ep == 1:
+        held = _padded(dense + experts, dp) if zero_1 else dense + experts
+        owned, expert_held, expert_owned = (held // dp if zero_1 else held), 0, 0
+    else:
+        replicas, local = dp // ep, experts // ep
+        expert_held = _padded(local, replicas) if zero_1 else local
+        expert_owned = expert_held // replicas if zero_1 else local
+        dense_held = _padded(dense, dp) if zero_1 else dense
+        held = dense_held + expert_held
+        owned = (dense_held // dp if zero_1 else dense) + expert_owned
+    memory = plan.memory_estimate_per_rank
+    assert (memory["parameters"], memory["gradients"]) == (4 * held, 4 * held)
+    assert memory["optimizer_states"] == 8 * owned
+    if ep == 1:
+        assert "expert_parameters" not in memory
+        return
+    assert memory["expert_parameters"] == memory["expert_gradients"] == 4 * expert_held
+    assert memory["expert_optimizer_states"] == 8 * expert_owned
+    # The rules in words: weights and gradients / ep; moments / ep, and / (dp/ep) more
+    # under ZeRO-1 (the padding aside).
+    assert expert_held == pytest.approx(experts / ep, abs=dp)
+    assert expert_owned == pytest.approx(experts / ep / (dp / ep if zero_1 else 1), abs=1)
+
+
+def test_all_to_all_seconds_grow_with_ep_as_the_share_leaving_the_rank() -> None:
+    """Per sparse layer and microbatch four all-to-alls of tokens x top-k x hidden (fp32),
+    the busiest rank's 1.25 x, (ep-1)/ep of it over NVLink: none at ep1."""
+    config = _config(num_experts=8)
+    h100 = BUILTIN_PROFILES["h100"]
+    planner = {"device": "h100", "device_profiles": {"h100": {"latency_us": 0.0}}}
+    seconds = {}
+    for ep in (1, 2, 4, 8):
+        plan = _plan(
+            config,
+            launch={"nproc_per_node": 8},
+            parallel={"expert_parallel_size": ep},
+            planner=planner,
+        )
+        t = plan.time_estimate
+        if ep == 1:
+            assert "expert_parallel_s" not in t and "ep_all_to_all_s" not in t
+            continue
+        rows = plan.per_device_train_batch_size * BLOCK * SHAPE["num_experts_per_tok"]
+        payload = rows * SHAPE["hidden_size"] * 4
+        assert t["ep_all_to_all_bytes"] == payload
+        one = 1.25 * payload * (ep - 1) / ep / (h100.intra_node_gbps * 1e9)
+        assert t["ep_all_to_all_per_layer_s"] == pytest.approx(one, rel=1e-12)
+        microbatches = plan.gradient_accumulation_steps  # one forward each, no pp
+        assert t["ep_all_to_all_s"] == pytest.approx(1 * microbatches * 4 * one, rel=1e-12)
+        assert t["expert_parallel_s"] > t["ep_all_to_all_s"]  # and the imbalance's compute
+        seconds[ep] = t["ep_all_to_all_s"]
+    for ep in (4, 8):
+        share = ((ep - 1) / ep) / (1 / 2)
+        assert seconds[ep] / seconds[2] == pytest.approx(share, rel=1e-12)
+
+
+def test_full_checkpointing_repeats_the_forward_all_to_alls() -> None:
+    parallel = {"expert_parallel_size": 2}
+    kept = _plan(_config(), launch={"nproc_per_node": 2}, parallel=parallel)
+    full = {**parallel, "activation_checkpointing": "full"}
+    recomputed = _plan(_config(), launch={"nproc_per_node": 2}, parallel=full)
+    assert kept.time_estimate["ep_all_to_alls_per_layer"] == 4
+    assert recomputed.time_estimate["ep_all_to_alls_per_layer"] == 6
+    assert recomputed.time_estimate["ep_all_to_all_s"] == pytest.approx(
+        kept.time_estimate["ep_all_to_all_s"] * 6 / 4
+    )
+
+
+def test_dispatch_buffers_are_kept_per_sparse_layer_at_the_stated_imbalance() -> None:
+    """The busiest rank's experts compute 0.25 x tokens x top-k rows more than the mean,
+    and keep for the backward their gathered input and gate, up, activation and product
+    (hidden + 4 x expert width each, fp32), for the one sparse layer: the only
+    activations ep adds (no checkpointing)."""
+    launch = {"nproc_per_node": 2}
+    one = _plan(_config(), launch=launch)
+    two = _plan(_config(), launch=launch, parallel={"expert_parallel_size": 2})
+    rows = two.per_device_train_batch_size * BLOCK * SHAPE["num_experts_per_tok"]
+    width = SHAPE["hidden_size"] + 4 * SHAPE["moe_intermediate_size"]
+    dispatch = 0.25 * rows * width * 4  # one sparse layer
+    assert two.memory_estimate_per_rank["expert_dispatch"] == dispatch
+    added = (
+        two.memory_estimate_per_rank["activations"] - one.memory_estimate_per_rank["activations"]
+    )
+    assert added == pytest.approx(dispatch, abs=1)
+    assert "expert_dispatch" not in one.memory_estimate_per_rank
+
+
+def test_expert_parallelism_on_a_dense_model_is_refused() -> None:
+    llama = _llama()
+    refusal = _refusal(
+        llama,
+        model={"architecture": "llama"},
+        launch={"nproc_per_node": 2},
+        parallel={"expert_parallel_size": 2},
+    )
+    assert "not a mixture of experts" in refusal.reason
+    assert f"Use {EP}=1" in refusal.fix
+
+
+@pytest.mark.parametrize(
+    ("ep", "says"),
+    [
+        (8, "it must divide the 12 experts of each sparse layer"),
+        (3, "taken from the 4 data-parallel ranks, so it must divide 4"),
+    ],
+)
+def test_ep_must_divide_the_experts_and_the_data_parallel_ranks(ep: int, says: str) -> None:
+    refusal = _refusal(
+        _config(), launch={"nproc_per_node": 4}, parallel={"expert_parallel_size": ep}
+    )
+    assert str(refusal).startswith(f"{EP}={ep}: ")
+    assert says in refusal.reason
+    assert refusal.fix == "Values that work here: 1, 2, 4."
+
+
+def test_ep_beside_sharded_data_parallelism_is_refused_with_what_works() -> None:
+    parallel = {"expert_parallel_size": 2, "sharded_data_parallel_degree": 2}
+    refusal = _refusal(_config(), launch={"nproc_per_node": 4}, parallel=parallel)
+    assert "not built yet" in refusal.reason
+    assert refusal.fix == "Use sharded_data_parallel_degree=1, or expert_parallel_size=1."
+
+
+def test_auto_weighs_ep_without_sharding_on_a_mixture_of_experts_only() -> None:
+    """At `auto` each layout weighs the ep sizes dividing the experts and its dp, those
+    with sdp > 1 only ep1; a fixed ep > 1 takes sharding off; a dense model plans ep1."""
+    auto = {"expert_parallel_size": "auto", "sharded_data_parallel_degree": "auto"}
+
+    def weighed(config: PretrainedConfig, **parallel: Any) -> set[tuple[int, int]]:
+        run = RunConfig.from_params(
+            model={"architecture": config.model_type},
+            launch={"nproc_per_node": 8},
+            parallel=parallel,
+        )
+        return {
+            (v.parallel.expert_parallel_size, v.parallel.sharded_data_parallel_degree)
+            for v in search_space(run, config)
+        }
+
+    assert weighed(_config(), **auto) == {(1, 1), (2, 1), (4, 1), (1, 8)}
+    assert weighed(_config(), **{**auto, "expert_parallel_size": 2}) == {(2, 1)}
+    llama = _llama()
+    assert weighed(llama, **auto) == {(1, 1), (1, 8)}
+
+
+def _cli(capsys, *args: str) -> dict[str, Any]:
+    """`plan --json` for Qwen3-30B-A3B at 4,096 tokens, global batch 256, bf16."""
+    flags = ["--seq-len", "4096", "--global-batch", "256", "--bf16", "--json"]
+    assert main(["plan", "--model", QWEN3_30B, *args, *flags]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_auto_on_eight_h100_shards_because_no_ep_layout_fits(capsys) -> None:
+    """Qwen3-30B-A3B at 4,096 tokens on 8 x H100: even at ep8 every rank holds 16 experts'
+    fp32 weights, gradients and moments (no replica to split them over): 66.9 GiB of model
+    states, over the 72 GiB budget with the step's tensors. Full sharding fits."""
+    plan = _cli(capsys, "--devices", "8", "--device", "h100")
+    assert plan["layout"]["expert_parallel_size"] == 1
+    assert plan["layout"]["sharded_data_parallel_degree"] == 8
+    note = next(n for n in plan["notes"] if n.startswith("expert parallelism: ep1"))
+    assert "no layout with expert parallelism fits" in note and "-ep8-" in note
+
+
+@pytest.mark.parametrize(("devices", "device"), [("16", "h100"), ("8", "h200")])
+def test_auto_picks_ep_for_qwen3_30b_where_memory_needs_it(
+    capsys, devices: str, device: str
+) -> None:
+    """With room for the experts (16 H100s: two replicas to split their moments over; or
+    H200s) a layout with expert parallelism fits and is faster than sharding."""
+    plan = _cli(capsys, "--devices", devices, "--device", device)
+    layout = plan["layout"]
+    ep = layout["expert_parallel_size"]
+    assert ep > 1 and layout["sharded_data_parallel_degree"] == 1
+    assert f"-ep{ep}" in plan["layout_name"]
+    assert plan["time_estimate"]["expert_parallel_s"] > 0
+    assert plan["memory_estimate_per_rank"]["expert_parameters"] > 0
+    assert any(n.startswith(f"expert parallelism: ep{ep}") for n in plan["notes"])
+    lost = [c["layout"] for c in plan["candidates"]]
+    assert not any("-ep" in name and "-sdp" in name for name in lost)
+    assert Plan.from_dict(plan).layout.expert_parallel_size == ep
+
+
+def test_plan_ep_flag_fixes_the_degree_and_the_description_says_it(capsys) -> None:
+    args = ["plan", "--model", QWEN3_30B, "--devices", "8", "--device", "h200"]
+    assert main([*args, "--seq-len", "4096", "--bf16", "--ep", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "chosen: dp8-tp1-pp1-ep4" in out
+    assert "expert parallel over 4 ranks: 32 of each sparse layer's 128 experts per rank" in out
+    assert "routing imbalance 1.25 assumed" in out
+    step = next(line for line in out.splitlines() if line.startswith("  step "))
+    assert "expert parallel" in step
+    assert main([*args, "--ep", "3"]) == 1
+    assert f"{EP}=3: it must divide the 128 experts" in capsys.readouterr().out
+
+
+def test_dense_plans_are_the_same_with_ep_at_auto() -> None:
+    llama = _llama()
+    common = {"model": {"architecture": "llama"}, "launch": {"nproc_per_node": 4}}
+    fixed = _plan(llama, **common, parallel={"expert_parallel_size": 1, "zero_1": "auto"})
+    auto = _plan(llama, **common, parallel={"expert_parallel_size": "auto", "zero_1": "auto"})
+    assert auto.to_dict() == fixed.to_dict()
+    assert math.isclose(auto.time_estimate["step_s"], fixed.time_estimate["step_s"])
