@@ -220,9 +220,10 @@ def assert_loads_and_matches_checkpoint(project: Path, consolidated: Path, check
 
 @pytest.mark.slow
 def test_a_mixture_of_experts_trains_with_its_routing_tracked(project: Path, default_run):
-    """`kedro run --env moe` (the default corpus and tokenizer, a small Qwen3-MoE on dp2):
-    MLflow holds its router loss and expert load per step, and the consolidated folder,
-    one tensor per expert, loads in plain transformers with the trained weights' logits."""
+    """`kedro run --env moe` (the default corpus and tokenizer, a small Qwen3-MoE on dp2
+    with expert parallelism over both ranks): MLflow holds its layout (ep2) and its router
+    loss and expert load per step, and the consolidated folder, one tensor per expert,
+    loads in plain transformers with the trained weights' logits."""
     run = kedro_run(
         project,
         "--env",
@@ -238,6 +239,8 @@ def test_a_mixture_of_experts_trains_with_its_routing_tracked(project: Path, def
     (tracked,) = client.search_runs(
         [experiment.experiment_id], "params.`model.architecture` = 'qwen3_moe'"
     )
+    assert tracked.data.params["parallel.expert_parallel_size"] == "2"
+    assert "-ep2" in tracked.data.tags["meshtrain.layout"]
     for metric in ("router_loss", "expert_load_max_over_mean"):
         history = client.get_metric_history(tracked.info.run_id, metric)
         assert len(history) == 8, metric
