@@ -303,3 +303,15 @@ def test_dense_plans_are_the_same_with_ep_at_auto() -> None:
     auto = _plan(llama, **common, parallel={"expert_parallel_size": "auto", "zero_1": "auto"})
     assert auto.to_dict() == fixed.to_dict()
     assert math.isclose(auto.time_estimate["step_s"], fixed.time_estimate["step_s"])
+
+
+@pytest.mark.parametrize("top_k", [0, 13])
+def test_more_experts_a_token_than_there_are_is_refused(top_k: int) -> None:
+    """top-k of the router's scores needs 1 <= k <= the experts (12 here)."""
+    with pytest.raises(LayoutError) as info:
+        _plan(_config(num_experts_per_tok=top_k), launch={"nproc_per_node": 2})
+    (refusal,) = [
+        r for r in info.value.refusals if r.parameter == "model.config.num_experts_per_tok"
+    ]
+    assert refusal.value == top_k
+    assert refusal.fix == "Use num_experts_per_tok between 1 and 12."

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from meshtrain.config import DataConfig, TrainingConfig
 from meshtrain.models.config_file import ArchitectureConfig
-from meshtrain.models.moe_config import num_experts
+from meshtrain.models.moe_config import experts_per_token, num_experts
 from meshtrain.planner.types import Refusal
 
 # What the engine can run today. The planner is the one place that knows.
@@ -127,4 +127,24 @@ def check_experts_unsplit(
         )
         for parameter, degree in splits
         if degree > 1
+    ]
+
+
+def check_routing(model_config: ArchitectureConfig) -> list[Refusal]:
+    """A mixture of experts routes each token to top-k of its experts: k between 1 and
+    the experts (torch's top-k would fail inside the first sparse layer, on every rank)."""
+    experts = num_experts(model_config)
+    if not experts:
+        return []
+    k = experts_per_token(model_config)
+    if 1 <= k <= experts:
+        return []
+    return [
+        Refusal(
+            "model.config.num_experts_per_tok",
+            k,
+            f"each token is routed to its top {k} of the {experts} experts of each sparse "
+            "layer, which must be at least 1 and at most the experts",
+            f"Use num_experts_per_tok between 1 and {experts}.",
+        )
     ]

@@ -21,6 +21,7 @@ from meshtrain.planner.checks import (
     check_batch_vs_data,
     check_experts_unsplit,
     check_model_vs_data,
+    check_routing,
     global_batch_size,
 )
 from meshtrain.planner.cost import estimate_step_time
@@ -133,6 +134,7 @@ def resolve_layout(
         (axis.parameter, c.degree(axis.short)) for axis in AXES if axis.short not in ("dp", "ep")
     ]
     refusals += check_experts_unsplit(model_config, splits)
+    refusals += check_routing(model_config)
     found, found_notes = check_batch_vs_data(
         train,
         c.dp,
