@@ -32,7 +32,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.nn.functional import all_to_all_single
+from torch.distributed._functional_collectives import all_to_all_single_autograd
 from transformers.integrations import moe as hf_moe
 
 from meshtrain.distributed.tensor_parallel import ParameterSharding
@@ -94,8 +94,7 @@ def _exchange(
 ) -> torch.Tensor:
     """An uneven all-to-all of `rows` (sent in `send`-sized runs, one per rank), with the
     backward sending the gradients back."""
-    out = rows.new_empty(sum(receive), *rows.shape[1:])
-    return all_to_all_single(out, rows.contiguous(), receive, send, group=group)
+    return all_to_all_single_autograd(rows.contiguous(), receive, send, group)
 
 
 def _by_local_expert(
