@@ -1,10 +1,12 @@
 """Expert parallelism on 4 ranks equals the same data-parallel layout without it and
 transformers' model in one process (fp32, the load-balancing loss on): Qwen3-MoE from the
 run's seed at dp4 x ep2, Mixtral from a Hugging Face folder at dp4 x ep2 with ZeRO-1 and
-at ep4 (one expert a rank); resume bitwise on the same layout, and onto another ep
-(ep2 -> ep1, ep2 -> ep4 with ZeRO-1, ep1 -> ep2). Losses per step within 1e-5 relative
-of one process; the consolidated folder, one tensor per expert, loads with transformers'
-class into the weights of the same layout without expert parallelism within 1e-5.
+at ep4 (one expert a rank), both at dp4 x ep2 fully sharded (the experts sharded over
+the two ranks holding them); resume bitwise on the same layout, and onto another ep
+(ep2 -> ep1, ep2 -> ep4 with ZeRO-1, ep1 -> ep2, ep2 -> ep2 sharded). Losses per step
+within 1e-5 relative of one process; the consolidated folder, one tensor per expert,
+loads with transformers' class into the weights of the same layout without expert
+parallelism within 1e-5.
 
 (Against one process the weights of this 4-rank layout, microbatches of 2 rows, drift to
 1.6e-5 in the embedding with or without expert parallelism, so the weights are held to
@@ -32,6 +34,7 @@ from tests.distributed.test_moe import (
 )
 
 SAVE_AT = 3
+SDP = "sharded_data_parallel_degree"
 TWO_EACH = {"per_device_train_batch_size": 2}  # x dp4 = 8, one microbatch of 2 a rank
 RUNS = {
     # name: (architecture, parallel, the run whose checkpoint-3 it resumes from)
@@ -45,9 +48,13 @@ RUNS = {
         "q-dp4-ep2",
     ),
     "q-dp4-ep2-from-ep1": ("qwen3_moe", {"expert_parallel_size": 2}, "q-dp4"),
+    # Sharded data parallelism: the experts sharded over the 2 ranks holding them.
+    "q-dp4-ep2-sdp4": ("qwen3_moe", {"expert_parallel_size": 2, SDP: 4}, None),
+    "q-dp4-ep2-sdp4-from-ep2": ("qwen3_moe", {"expert_parallel_size": 2, SDP: 4}, "q-dp4-ep2"),
     "m-dp4-zero1": ("mixtral", {"zero_1": True}, None),
     "m-dp4-ep2-zero1": ("mixtral", {"expert_parallel_size": 2, "zero_1": True}, None),
     "m-dp4-ep4": ("mixtral", {"expert_parallel_size": 4}, None),
+    "m-dp4-ep2-sdp4": ("mixtral", {"expert_parallel_size": 2, SDP: 4}, None),
 }
 
 

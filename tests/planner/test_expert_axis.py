@@ -217,16 +217,36 @@ def test_ep_must_divide_the_experts_and_the_data_parallel_ranks(ep: int, says: s
     assert refusal.fix == "Values that work here: 1, 2, 4."
 
 
-def test_ep_beside_sharded_data_parallelism_is_refused_with_what_works() -> None:
+def test_ep_beside_hybrid_sharding_is_refused_with_what_works() -> None:
     parallel = {"expert_parallel_size": 2, "sharded_data_parallel_degree": 2}
     refusal = _refusal(_config(), launch={"nproc_per_node": 4}, parallel=parallel)
-    assert "not built yet" in refusal.reason
-    assert refusal.fix == "Use sharded_data_parallel_degree=1, or expert_parallel_size=1."
+    assert "hybrid" in refusal.reason and "not built yet" in refusal.reason
+    assert refusal.fix == (
+        "Use sharded_data_parallel_degree=1 or 4 (full sharding), or expert_parallel_size=1."
+    )
 
 
-def test_auto_weighs_ep_without_sharding_on_a_mixture_of_experts_only() -> None:
-    """At `auto` each layout weighs the ep sizes dividing the experts and its dp, those
-    with sdp > 1 only ep1; a fixed ep > 1 takes sharding off; a dense model plans ep1."""
+@pytest.mark.parametrize("ep", [2, 4])
+def test_model_states_under_full_sharding_split_the_experts_over_their_replicas(ep: int) -> None:
+    """fp32 on 8 ranks, fully sharded: every rank holds 1/8 of the dense parameters and
+    1/(8/ep) of its E/ep experts, padded to the ranks sharing each (so 1/8 of the experts
+    too: ep changes what a layer gathers and who exchanges, not the states)."""
+    dense, experts = _by_hand()
+    parallel = {"expert_parallel_size": ep, "sharded_data_parallel_degree": 8}
+    plan = _plan(_config(), launch={"nproc_per_node": 8}, parallel=parallel)
+    replicas = 8 // ep
+    expert_shard = -(-(experts // ep) // replicas)
+    shard = -(-dense // 8) + expert_shard
+    memory = plan.memory_estimate_per_rank
+    assert (memory["parameters"], memory["gradients"]) == (4 * shard, 4 * shard)
+    assert memory["optimizer_states"] == 8 * shard
+    assert memory["expert_parameters"] == 4 * expert_shard
+
+
+def test_auto_weighs_ep_unsharded_and_fully_sharded_on_a_mixture_of_experts_only() -> None:
+    """At `auto` each layout weighs the ep sizes dividing the experts and its dp, unsharded
+    and fully sharded (hybrid sharding only at ep1); a fixed ep > 1 keeps those two; a
+    dense model plans ep1."""
     auto = {"expert_parallel_size": "auto", "sharded_data_parallel_degree": "auto"}
 
     def weighed(config: PretrainedConfig, **parallel: Any) -> set[tuple[int, int]]:
@@ -240,8 +260,8 @@ def test_auto_weighs_ep_without_sharding_on_a_mixture_of_experts_only() -> None:
             for v in search_space(run, config)
         }
 
-    assert weighed(_config(), **auto) == {(1, 1), (2, 1), (4, 1), (1, 8)}
-    assert weighed(_config(), **{**auto, "expert_parallel_size": 2}) == {(2, 1)}
+    assert weighed(_config(), **auto) == {(1, 1), (2, 1), (4, 1), (1, 8), (2, 8), (4, 8)}
+    assert weighed(_config(), **{**auto, "expert_parallel_size": 2}) == {(2, 1), (2, 8)}
     llama = _llama()
     assert weighed(llama, **auto) == {(1, 1), (1, 8)}
 
@@ -253,15 +273,17 @@ def _cli(capsys, *args: str) -> dict[str, Any]:
     return json.loads(capsys.readouterr().out)
 
 
-def test_auto_on_eight_h100_shards_because_no_ep_layout_fits(capsys) -> None:
-    """Qwen3-30B-A3B at 4,096 tokens on 8 x H100: even at ep8 every rank holds 16 experts'
-    fp32 weights, gradients and moments (no replica to split them over): 66.9 GiB of model
-    states, over the 72 GiB budget with the step's tensors. Full sharding fits."""
+def test_auto_on_eight_h100_shards_the_experts_over_their_replicas(capsys) -> None:
+    """Qwen3-30B-A3B at 4,096 tokens on 8 x H100: unsharded, even at ep8 every rank holds
+    16 experts' fp32 weights, gradients and moments (no replica to split them over),
+    over the 72 GiB budget with the step's tensors. Fully sharded, ep still pays: each
+    layer gathers E/ep experts, not all of them."""
     plan = _cli(capsys, "--devices", "8", "--device", "h100")
-    assert plan["layout"]["expert_parallel_size"] == 1
-    assert plan["layout"]["sharded_data_parallel_degree"] == 8
-    note = next(n for n in plan["notes"] if n.startswith("expert parallelism: ep1"))
-    assert "no layout with expert parallelism fits" in note and "-ep8-" in note
+    layout = plan["layout"]
+    ep = layout["expert_parallel_size"]
+    assert ep > 1 and layout["sharded_data_parallel_degree"] == 8
+    note = next(n for n in plan["notes"] if n.startswith(f"expert parallelism: ep{ep}"))
+    assert "(ep1)" in note and "sdp8" in note
 
 
 @pytest.mark.parametrize(("devices", "device"), [("16", "h100"), ("8", "h200")])
@@ -278,8 +300,6 @@ def test_auto_picks_ep_for_qwen3_30b_where_memory_needs_it(
     assert plan["time_estimate"]["expert_parallel_s"] > 0
     assert plan["memory_estimate_per_rank"]["expert_parameters"] > 0
     assert any(n.startswith(f"expert parallelism: ep{ep}") for n in plan["notes"])
-    lost = [c["layout"] for c in plan["candidates"]]
-    assert not any("-ep" in name and "-sdp" in name for name in lost)
     assert Plan.from_dict(plan).layout.expert_parallel_size == ep
 
 

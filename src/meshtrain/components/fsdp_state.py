@@ -26,10 +26,17 @@ from meshtrain.checkpoint.load import CheckpointReader
 from meshtrain.checkpoint.manifest import write_json_atomic
 from meshtrain.checkpoint.safetensors_format import SafetensorsWriter, TensorSpec
 from meshtrain.checkpoint.save import write_moments
+from meshtrain.distributed.expert_parallel import gather_experts
 from meshtrain.distributed.fsdp import shard_piece
 from meshtrain.distributed.fsdp_optimizer import FSDPAdamW
 from meshtrain.distributed.parallel_dims import ParallelDims
 from meshtrain.distributed.tensor_parallel import ParameterSharding, local_tensor
+
+
+def full_shape(parameter: torch.Tensor, spec: ParameterSharding, tp: int) -> tuple[int, ...]:
+    """The shape a checkpoint stores: the tp piece, with every expert (expert parallelism)."""
+    shape = tp_local_shape(parameter, spec, tp)
+    return (shape[0] * spec.ep, *shape[1:])
 
 
 def tp_local_shape(parameter: torch.Tensor, spec: ParameterSharding, tp: int) -> tuple[int, ...]:
@@ -40,22 +47,25 @@ def tp_local_shape(parameter: torch.Tensor, spec: ParameterSharding, tp: int) ->
     return tuple(shape)
 
 
-def gather_piece(shard: torch.Tensor, shape: tuple[int, ...], dims: ParallelDims):
+def gather_piece(
+    shard: torch.Tensor, shape: tuple[int, ...], dims: ParallelDims, experts: bool = False
+):
     """The tp piece of `shape` from its FSDP shards, on shard rank 0 (None elsewhere).
-    Collective over the shard group; shards are padded to FSDP's chunk size to gather."""
-    rows, n = shape[0], dims.shard_degree
+    Collective over the shard group; shards are padded to FSDP's chunk size to gather.
+    `experts`: a parameter of the experts under expert parallelism, sharded over their
+    replicas: gathered there, then over the ep group, onto dp rank 0, at its full shape."""
+    rank, n, group = dims.fsdp_shards(experts)
+    rows = shape[0]
     chunk = -(-rows // n)
     padded = shard.new_zeros((chunk, *shape[1:]))
     padded[: shard.shape[0]] = shard
-    root = dims.shard_rank == 0
+    root = rank == 0
     whole = shard.new_empty((chunk * n, *shape[1:])) if root else None
-    dist.gather(
-        padded,
-        list(whole.chunk(n)) if root else None,
-        group_dst=0,
-        group=dims.shard_group,
-    )
-    return whole[:rows] if root else None
+    dist.gather(padded, list(whole.chunk(n)) if root else None, group_dst=0, group=group)
+    piece = whole[:rows] if root else None
+    if experts and dims.ep > 1 and root:
+        return gather_experts(piece, dims.ep_group)
+    return piece
 
 
 def flat_index(shapes: dict[str, tuple[int, ...]]) -> dict:
@@ -88,7 +98,7 @@ class FSDPState:
         """On dp rank 0, its coordinate's weights and two moments; nothing elsewhere."""
         if dims.dp_cp_rank != 0:
             return 0
-        shapes = (tp_local_shape(p, sharding[n], dims.tp) for n, p in parameters.items())
+        shapes = (full_shape(p, sharding[n], dims.tp) for n, p in parameters.items())
         return 3 * sum(torch.Size(s).numel() for s in shapes) * self.state_dtype.itemsize
 
     def save_state(
@@ -102,7 +112,9 @@ class FSDPState:
         writes it (other replicas hold the same shards)."""
         if dims.dp_cp_rank >= dims.shard_degree:
             return  # not in the first replica: its shards are copies of the first's
-        shapes = {n: tp_local_shape(p, sharding[n], dims.tp) for n, p in parameters.items()}
+        local = {n: tp_local_shape(p, sharding[n], dims.tp) for n, p in parameters.items()}
+        shapes = {n: full_shape(p, sharding[n], dims.tp) for n, p in parameters.items()}
+        experts = self.optimizer.experts
 
         def gathered(key: str | None) -> Iterator[torch.Tensor | None]:
             for name, p in parameters.items():
@@ -111,7 +123,7 @@ class FSDPState:
                     if key is None
                     else self.optimizer.local_moment(name, key)
                 )
-                yield gather_piece(shard, shapes[name], dims)
+                yield gather_piece(shard, local[name], dims, experts=name in experts)
 
         if dims.dp_cp_rank != 0:
             for key in (None, "exp_avg", "exp_avg_sq"):
@@ -146,7 +158,8 @@ class FSDPState:
 
         def mine(full: torch.Tensor, spec: ParameterSharding) -> torch.Tensor:
             piece = spec.local_piece(full, dims.tp_rank, dims.tp)
-            return shard_piece(piece, dims.shard_rank, dims.shard_degree)
+            rank, shards, _ = dims.fsdp_shards(experts=spec.ep > 1)
+            return shard_piece(piece, rank, shards)
 
         moments: dict[str, dict[str, torch.Tensor]] = {}
         with torch.no_grad():

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from meshtrain.distributed.expert_parallel import ExpertShard
 from meshtrain.distributed.parallel_dims import ParallelDims
 
 
@@ -62,6 +63,28 @@ def apply_fully_shard(
     for current, following in zip(sharded, sharded[1:], strict=False):
         current.set_modules_to_forward_prefetch([following])
         following.set_modules_to_backward_prefetch([current])
+
+
+def shard_experts_data_parallel(
+    stage: nn.Module,
+    dims: ParallelDims,
+    *,
+    reshard_after_forward: bool,
+    policy: MixedPrecisionPolicy,
+) -> None:
+    """Under expert parallelism, each sparse layer's experts are a group of their own,
+    sharded over the ranks that hold the same experts (`ParallelDims.expert_shard_mesh`),
+    before their layer is sharded over the dp ranks with the rest. (Their reduce-scatter
+    averages over the replicas; `FSDPAdamW` makes that the mean over the data-parallel
+    ranks.)"""
+    for module in stage.modules():
+        if isinstance(module, ExpertShard):
+            fully_shard(
+                module,
+                mesh=dims.expert_shard_mesh,
+                reshard_after_forward=reshard_after_forward,
+                mp_policy=policy,
+            )
 
 
 def shard_piece(piece: torch.Tensor, shard_rank: int, shards: int) -> torch.Tensor:

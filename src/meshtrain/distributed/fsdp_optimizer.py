@@ -45,6 +45,8 @@ class FSDPAdamW:
         self.parameters = parameters
         self.dims = dims
         self.shard_group = dims.shard_group
+        # Under expert parallelism: the experts, sharded over their replicas instead.
+        self.experts = frozenset(n for n in parameters if sharding[n].ep > 1)
         self.norm_groups = norm_groups
         self.max_grad_norm = max_grad_norm
         self.groups = groups
@@ -68,7 +70,15 @@ class FSDPAdamW:
     # -- the step -------------------------------------------------------------------------
 
     def reduce_gradients(self) -> torch.Tensor:
-        """The backward already left the mean gradient shards: their global norm."""
+        """The backward already left the mean gradient shards: their global norm. (An
+        expert's gradient under expert parallelism already holds what every ep rank's
+        tokens gave it; FSDP2 averaged it over the dp / ep ranks holding the expert, so
+        it is divided by ep for the mean over the dp ranks: FSDP2's own divide factor
+        needs a reduction gloo has not.)"""
+        for name in self.experts:
+            grad = self.parameters[name].grad
+            if grad is not None:
+                local_tensor(grad).div_(self.dims.ep)
         return self.global_grad_norm()
 
     def apply(self, norm: torch.Tensor) -> None:
@@ -90,10 +100,20 @@ class FSDPAdamW:
 
     def global_grad_norm(self) -> torch.Tensor:
         """The shards' squares (tp copies weighted down), summed over the shard group and
-        the `norm_groups`; replicas hold the same shards and are not summed."""
-        pieces = ((g, 1.0 / self._copies[n]) for n, g in self._local_grads().items())
+        the `norm_groups`; replicas hold the same shards and are not summed. The experts'
+        (expert parallelism) over their own shard group and the ep group, whose ranks
+        hold different experts."""
+        grads = self._local_grads()
+        pieces = ((g, 1.0 / self._copies[n]) for n, g in grads.items() if n not in self.experts)
         shard = (self.shard_group,) if self.shard_group is not None else ()
-        return global_grad_norm(pieces, shard + tuple(self.norm_groups), device=self.device)
+        norm = global_grad_norm(pieces, shard + tuple(self.norm_groups), device=self.device)
+        if not self.experts:
+            return norm
+        experts = ((g, 1.0) for n, g in grads.items() if n in self.experts)
+        _, _, replicas = self.dims.fsdp_shards(experts=True)
+        groups = (replicas, self.dims.ep_group, *self.norm_groups)
+        expert_norm = global_grad_norm(experts, groups, device=self.device)
+        return torch.sqrt(norm.square() + expert_norm.square())
 
     def _local_grads(self) -> dict[str, torch.Tensor]:
         return {

@@ -45,6 +45,7 @@ class ParallelDims:
     ep: int = 1  # expert parallelism's degree (1: off)
     ep_group: dist.ProcessGroup | None = None
     expert_replica_group: dist.ProcessGroup | None = None
+    _expert_mesh: DeviceMesh | None = None
 
     @classmethod
     def build(
@@ -150,6 +151,32 @@ class ParallelDims:
     def expert_replicas(self) -> int:
         """Ranks that hold the same experts: dp x cp / ep."""
         return self.dp_cp // self.ep
+
+    @property
+    def expert_replica_rank(self) -> int:
+        """This rank's place among the ranks holding its experts."""
+        return self.dp_cp_rank // self.ep
+
+    def fsdp_shards(self, experts: bool = False) -> tuple[int, int, dist.ProcessGroup | None]:
+        """(this rank's FSDP2 shard, how many shards, their group) of a parameter: under
+        expert parallelism the experts are sharded over the ranks holding them (full
+        sharding), the rest as always."""
+        if not (experts and self.ep > 1):
+            return self.shard_rank, self.shard_degree, self.shard_group
+        if self.sdp == 1:
+            return 0, 1, None
+        return self.expert_replica_rank, self.expert_replicas, self.expert_replica_group
+
+    @property
+    def expert_shard_mesh(self) -> DeviceMesh:
+        """The one-dimensional mesh FSDP2 shards the experts over: their replicas."""
+        if self._expert_mesh is None:
+            self._expert_mesh = DeviceMesh.from_group(
+                self.expert_replica_group,
+                self.mesh.device_type,
+                mesh_dim_names=("dp_shard_experts",),
+            )
+        return self._expert_mesh
 
     # -- sharded data parallelism ----------------------------------------------------------
 

@@ -98,20 +98,30 @@ def estimate_memory(
             states = lora_model_states(base, trained, step, rank)
             per_rank.append(dataclasses.replace(states, activations=activations, loss=loss))
             continue
+        mine_experts = sum(experts[s] for s in mine)
         if step.sharded > 1:
             layers = sum(step.stage_layers[s] for s in mine)
             gathered = gathered_bytes(step, local=local, layer=layer, layers=layers, rank=rank)
+            # ep's experts are sharded over the ranks holding them (full sharding).
+            split = {
+                "experts": mine_experts,
+                "expert_shards": step.shard_ranks // expert_degree(step.layout),
+            }
             states = sharded_model_states(
-                local, step, gathered=gathered, activations=activations, loss=loss
+                local, step, gathered=gathered, activations=activations, loss=loss, **split
             )
             if step.pp == 1 and m.sparse_layers:  # measured on mixtures of experts only
                 end = at_backward_end(
-                    local, layer, layers, step, layer_activations=activations // max(1, layers)
+                    local,
+                    layer,
+                    layers,
+                    step,
+                    layer_activations=activations // max(1, layers),
+                    **split,
                 )
                 states = max(states, end, key=lambda moment: moment.total)
             per_rank.append(states)
             continue
-        mine_experts = sum(experts[s] for s in mine)
         per_rank.append(
             replicated_model_states(
                 local, step, activations=activations, loss=loss, experts=mine_experts

@@ -153,16 +153,18 @@ def search_space(
 def sharding_options(run: RunConfig, dp: int, tp: int, cp: int = 1) -> list[int | str]:
     """The sharded data parallel degrees to weigh: as given, or at `auto` off, full and
     (across nodes) hybrid; only off when ZeRO-1 is asked for (sharding includes it) and
-    on Neuron, or beside a fixed expert parallelism (not built beside sharding yet)."""
+    on Neuron; beside a fixed expert parallelism off and full only (hybrid sharding is
+    not built beside it)."""
     degree = run.parallel.sharded_data_parallel_degree
     if degree != AUTO:
         return [degree]
     # The engine shards with torch's FSDP2, which the Neuron (XLA) backend does not run.
     if run.parallel.zero_1 is True or run.launch.backend == "neuron":
         return [1]
+    degrees = sharding.sharded_data_parallel_degrees(dp, tp, run.launch.nproc_per_node, cp)
     if run.parallel.expert_parallel_size not in (1, AUTO):
-        return [1]
-    return list(sharding.sharded_data_parallel_degrees(dp, tp, run.launch.nproc_per_node, cp))
+        return [d for d in degrees if d in (1, dp)]
+    return list(degrees)
 
 
 def fit_global_batch(run: RunConfig) -> RunConfig:

@@ -29,7 +29,7 @@ from meshtrain.distributed.activation_checkpoint import (
 )
 from meshtrain.distributed.context_parallel import ContextParallel
 from meshtrain.distributed.expert_parallel import shard_experts
-from meshtrain.distributed.fsdp import apply_fully_shard
+from meshtrain.distributed.fsdp import apply_fully_shard, shard_experts_data_parallel
 from meshtrain.distributed.kv_heads import kv_replication_factor
 from meshtrain.distributed.parallel_dims import ParallelDims
 from meshtrain.distributed.pipeline_parallel import (
@@ -106,7 +106,8 @@ def parallelize(
             device,
             tp_rank=dims.tp_rank,
             tp=dims.tp,
-            dp_shard=(dims.shard_rank, dims.shard_degree),
+            dp_shard=dims.fsdp_shards()[:2],
+            expert_shard=dims.fsdp_shards(experts=True)[:2],
         )
     return _runtime(
         model.config,
@@ -190,6 +191,10 @@ def shard_data_parallel(
     forward (ZeRO-3); with one they stay gathered through the step's microbatches."""
     for module in modules:
         layers = [layer for _, layer in decoder_layers(module)]
+        if dims.ep > 1:
+            shard_experts_data_parallel(
+                module, dims, reshard_after_forward=dims.pp == 1, policy=policy
+            )
         apply_fully_shard(module, layers, dims, reshard_after_forward=dims.pp == 1, policy=policy)
 
 

@@ -116,12 +116,13 @@ def materialize(
     tp_rank: int,
     tp: int,
     dp_shard: tuple[int, int] = (0, 1),
+    expert_shard: tuple[int, int] = (0, 1),
 ) -> None:
     """Allocate this rank's (meta-device) stages on `device` and fill every parameter with
     its piece from `source`; the rotary tables, computed at construction, are rebuilt.
     `dp_shard`: (rank, size) of sharded data parallelism, whose FSDP2 shard of each piece
-    is what this rank keeps."""
-    shard_rank, shards = dp_shard
+    is what this rank keeps; `expert_shard`: the same of the experts under expert
+    parallelism (sharded over the ranks that hold them)."""
     for module in modules:
         module.to_empty(device=device)
         if getattr(module.config, "tie_word_embeddings", False) and _holds_both(module):
@@ -132,6 +133,7 @@ def materialize(
         with torch.no_grad():
             for name, parameter in module.named_parameters():
                 piece = source.local(name, sharding[name], tp_rank, tp)
+                shard_rank, shards = expert_shard if sharding[name].ep > 1 else dp_shard
                 if shards > 1:
                     piece = shard_piece(piece, shard_rank, shards)
                 local_tensor(parameter).copy_(piece)

@@ -136,14 +136,14 @@ def check_expert_parallel(
         )
     degree = [Refusal(name, ep, "; ".join(why), works)] if why else []
     options = []
-    if c.sdp > 1:
+    if 1 < c.sdp < c.dp:
         options.append(
             Refusal(
                 name,
                 ep,
-                f"expert parallelism beside sharded data parallelism "
-                f"({SHARDING}={c.sdp}) is not built yet",
-                f"Use {SHARDING}=1, or {PARAMETER}=1.",
+                f"expert parallelism beside hybrid sharded data parallelism "
+                f"({SHARDING}={c.sdp} of {c.dp} data-parallel ranks) is not built yet",
+                f"Use {SHARDING}=1 or {c.dp} (full sharding), or {PARAMETER}=1.",
             )
         )
     return degree, options
@@ -270,12 +270,12 @@ class ExpertAxis(AxisBase):
     ) -> list[int]:
         """The ep sizes to weigh on one layout of the search: as given, or at `auto` those
         dividing its `ranks` (dp x cp), only where nothing else splits the model (`splits`:
-        tp x pp x cp, which a mixture of experts refuses) and without sharding (not built
-        beside ep)."""
+        tp x pp x cp, which a mixture of experts refuses), unsharded or fully sharded
+        (hybrid sharding is not built beside ep)."""
         degree = getattr(run.parallel, PARAMETER)
         if degree != AUTO:
             return [degree]
-        if splits > 1 or sdp > 1:
+        if splits > 1 or 1 < sdp < ranks:
             return [1]
         return [d for d in self.degrees(run, model_config) if ranks % d == 0]
 

@@ -52,12 +52,22 @@ def sharding_degree(layout: Layout) -> int:
 
 
 def sharded_model_states(
-    local: int, step: StepShape, *, gathered: int = 0, activations: int = 0, loss: int = 0
+    local: int,
+    step: StepShape,
+    *,
+    gathered: int = 0,
+    activations: int = 0,
+    loss: int = 0,
+    experts: int = 0,
+    expert_shards: int = 1,
 ) -> MemoryEstimate:
     """The rank's 1/N of `local` elements: fp32 parameters (the master weights under
     bf16_master), fp32 gradients (FSDP2 casts the reduced gradient to the parameter's
-    dtype) and the two moments, padded to a multiple of N."""
-    shard = math.ceil(local / step.shard_ranks)
+    dtype) and the two moments, padded to a multiple of N. `experts`: of `local`, the
+    experts that expert parallelism splits, sharded over the `expert_shards` ranks that
+    hold them instead."""
+    experts_shard = math.ceil(experts / expert_shards) if experts else 0
+    shard = math.ceil((local - experts) / step.shard_ranks) + experts_shard
     return MemoryEstimate(
         parameters=shard * BYTES_FP32,
         gradients=shard * BYTES_FP32,
@@ -66,11 +76,21 @@ def sharded_model_states(
         loss=loss,
         gathered=gathered,
         gradients_at_peak=False,
+        expert_parameters=experts_shard * BYTES_FP32,
+        expert_gradients=experts_shard * BYTES_FP32,
+        expert_optimizer_states=experts_shard * step.optimizer_bytes,
     )
 
 
 def at_backward_end(
-    local: int, layer: int, layers: int, step: StepShape, *, layer_activations: int
+    local: int,
+    layer: int,
+    layers: int,
+    step: StepShape,
+    *,
+    layer_activations: int,
+    experts: int = 0,
+    expert_shards: int = 1,
 ) -> MemoryEstimate:
     """The other moment of a sharded step without a pipeline: the backward's end. Every
     layer's sharded gradient exists by then; the root group and the last layer to go
@@ -83,7 +103,14 @@ def at_backward_end(
     root = local - layers * layer
     gathered = (root + min(1, layers) * layer) * step.parameter_bytes
     gathered += 2 * layer * step.gradient_bytes
-    states = sharded_model_states(local, step, gathered=gathered, activations=layer_activations)
+    states = sharded_model_states(
+        local,
+        step,
+        gathered=gathered,
+        activations=layer_activations,
+        experts=experts,
+        expert_shards=expert_shards,
+    )
     return dataclasses.replace(states, gradients_at_peak=True)
 
 
