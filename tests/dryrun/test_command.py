@@ -49,3 +49,26 @@ def test_a_pipeline_runs_its_first_and_last_stage(capsys) -> None:
     assert [(r["rank"], r["pp"]) for r in report["ranks"]] == [(0, 0), (4, 1)]
     for rank in report["ranks"]:
         assert rank["terms"]["step_peak"]["dry_run"] > 0
+
+
+def test_expert_parallelism_beside_full_sharding_runs_with_the_planners_model_states(
+    capsys, tmp_path: Path
+) -> None:
+    """A Qwen3-MoE at dp4 x ep2, fully sharded: the dry run builds the experts' FSDP2
+    groups over the ranks holding them, and its model states are the planner's (dense
+    / 4, experts / 2 / 2)."""
+    config = {
+        "model_type": "qwen3_moe", "hidden_size": 256, "intermediate_size": 512,
+        "moe_intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "num_experts": 8, "num_experts_per_tok": 2,
+        "vocab_size": 1024,
+    }  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    flags = ["--devices", "4", "--seq-len", "256", "--global-batch", "8"]
+    layout = ["--dp", "4", "--tp", "1", "--pp", "1", "--ep", "2", "--sdp", "4"]
+    assert main(["dryrun", "--model", str(tmp_path), *flags, *layout, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert report["layout"].startswith("dp4-tp1-pp1-ep2-sdp4")
+    terms = report["ranks"][0]["terms"]
+    for name in ("parameters", "gradients", "optimizer_states"):
+        assert abs(terms[name]["planner_over_dry_run"] - 1) < 1e-3, name

@@ -45,7 +45,9 @@ class ParallelDims:
     ep: int = 1  # expert parallelism's degree (1: off)
     ep_group: dist.ProcessGroup | None = None
     expert_replica_group: dist.ProcessGroup | None = None
-    _expert_mesh: DeviceMesh | None = None
+    # Under expert parallelism with sharding: the one-dimensional mesh of the expert
+    # replica group, over which FSDP2 shards the experts.
+    expert_shard_mesh: DeviceMesh | None = None
 
     @classmethod
     def build(
@@ -82,6 +84,12 @@ class ParallelDims:
         dims = cls(dp=dp, tp=tp, pp=pp, mesh=mesh, sdp=sdp, cp=cp, ep=ep)
         if ep > 1:
             dims.ep_group, dims.expert_replica_group = _expert_groups(mesh, dp * cp, ep)
+        if ep > 1 and sdp > 1:
+            # Made here with the mesh, of real tensors (the dry run makes them outside its
+            # fake mode).
+            dims.expert_shard_mesh = DeviceMesh.from_group(
+                dims.expert_replica_group, device_type, mesh_dim_names=("dp_shard_experts",)
+            )
         return dims
 
     @classmethod
@@ -167,16 +175,6 @@ class ParallelDims:
             return 0, 1, None
         return self.expert_replica_rank, self.expert_replicas, self.expert_replica_group
 
-    @property
-    def expert_shard_mesh(self) -> DeviceMesh:
-        """The one-dimensional mesh FSDP2 shards the experts over: their replicas."""
-        if self._expert_mesh is None:
-            self._expert_mesh = DeviceMesh.from_group(
-                self.expert_replica_group,
-                self.mesh.device_type,
-                mesh_dim_names=("dp_shard_experts",),
-            )
-        return self._expert_mesh
 
     # -- sharded data parallelism ----------------------------------------------------------
 
