@@ -175,7 +175,6 @@ class ParallelDims:
             return 0, 1, None
         return self.expert_replica_rank, self.expert_replicas, self.expert_replica_group
 
-
     # -- sharded data parallelism ----------------------------------------------------------
 
     @property
