@@ -87,6 +87,18 @@ CASES = {
         },
         FOUR_EACH,
     ),
+    # Context parallelism: each microbatch's rows split over two ranks, which sum their
+    # routers' picks for the load-balancing loss; with ep the cp pair splits the experts.
+    "cp2-accum2": (
+        2,
+        {"context_parallel_size": 2},
+        {**FOUR_EACH, "gradient_accumulation_steps": 2},
+    ),
+    "cp2-ep2-accum2": (
+        2,
+        {"context_parallel_size": 2, "expert_parallel_size": 2},
+        {**FOUR_EACH, "gradient_accumulation_steps": 2},
+    ),
 }
 
 

@@ -56,12 +56,25 @@ def test_moe_model_flops_count_the_active_parameters(capsys) -> None:
     assert plan["model_flops_per_token"] == pytest.approx(6 * weights + scores, rel=1e-9)
 
 
-@pytest.mark.parametrize("flag", ["--tp", "--pp", "--cp"])
+@pytest.mark.parametrize("flag", ["--tp", "--pp"])
 def test_splitting_a_mixture_of_experts_is_refused_naming_the_parameter(flag: str, capsys) -> None:
     path = str(EXAMPLES / "qwen3-30b-a3b.json")
     assert main([*_plan(path), "--devices", "8", "--device", "h100", flag, "2"]) == 1
     out = capsys.readouterr().out
     assert "is a mixture of experts" in out and "=2:" in out and "Traceback" not in out
+
+
+def test_context_parallelism_of_a_mixture_of_experts_plans_with_ep_from_its_ranks(
+    capsys,
+) -> None:
+    """cp splits every sequence, sparse layers included; ep is taken from dp x cp."""
+    path = str(EXAMPLES / "qwen3-30b-a3b.json")
+    args = [*_plan(path), "--devices", "8", "--device", "h100", "--seq-len", "16384"]
+    assert main([*args, "--cp", "2", "--ep", "8", "--bf16"]) == 0
+    assert "chosen: dp4-tp1-pp1-cp2-ep8-" in capsys.readouterr().out.splitlines()[1]
+    assert main([*args, "--cp", "4", "--ep", "8", "--tp", "2"]) == 1
+    out = capsys.readouterr().out
+    assert "taken from the 4 data- x context-parallel ranks, so it must divide 4" in out
 
 
 @pytest.mark.parametrize("targets", ["all-linear", ["q_proj", "gate_proj"], r".*_proj"])

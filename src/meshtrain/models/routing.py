@@ -2,20 +2,27 @@
 defines it, and how evenly the routers spread the tokens.
 
 transformers computes the loss from every sparse layer's router logits of one forward
-(`load_balancing_loss_func` of the model's own module: the token counts per expert and
-the mean router probabilities summed over the layers, then multiplied) and adds
-`router_aux_loss_coef` times it to the forward's loss, where `output_router_logits` is on.
-meshtrain runs its layers itself and normalises the language-model loss over the whole
-global batch, so it collects the routers' logits of each forward here and adds the
-coefficient times the loss, divided by the microbatches of the global batch: the step's
-objective is the mean over its microbatches of what transformers adds to each, whatever
-the number of data-parallel ranks and accumulation steps the same microbatches are spread
-over. Each step also counts the tokens each expert received, for the run's metrics.
+(`load_balancing_loss_func` of Qwen3-MoE and Mixtral alike): E x sum_e T_e P_e, where T_e
+counts the top-k picks of expert e over every layer's rows and P_e sums its router
+probability over them, each divided by the rows; it adds `router_aux_loss_coef` times it
+to the forward's loss, where `output_router_logits` is on. meshtrain runs its layers
+itself and normalises the language-model loss over the whole global batch, so it collects
+the routers' logits of each forward here and adds the coefficient times the loss, divided
+by the microbatches of the global batch: the step's objective is the mean over its
+microbatches of what transformers adds to each, whatever the number of data-parallel
+ranks and accumulation steps the same microbatches are spread over.
+
+Under context parallelism a microbatch's rows are spread over the cp ranks, and the loss
+is not a sum over rows: its T and P multiply. T comes from top-k and has no gradient, so
+the ranks sum their counts and rows (one small all-reduce per forward) and each adds
+E x sum_e T_e P_e with its own probabilities only: the ranks' terms add up to the
+microbatch's loss, and each rank's routers get their exact gradient.
+
+Each step also counts the tokens each expert received, for the run's metrics.
 """
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -37,26 +44,38 @@ class Routing:
     """Collects the routers' logits during each training forward: its loss term, and the
     step's tokens per expert."""
 
-    def __init__(self, modules: list[nn.Module], config: object, microbatches: int) -> None:
+    def __init__(
+        self,
+        modules: list[nn.Module],
+        config: object,
+        microbatches: int,
+        sequence_group: dist.ProcessGroup | None = None,
+    ) -> None:
         """`modules`: the rank's model (or stages); `microbatches`: those of one global
-        batch (data-parallel ranks x accumulation steps)."""
+        batch (data-parallel ranks x accumulation steps); `sequence_group`: the ranks that
+        hold the other rows of this rank's microbatches (cp; None: this rank holds all)."""
         self.coefficient = router_loss_coefficient(config)
         self.experts, self.top_k = num_experts(config), experts_per_token(config)
         self.share = 1.0 / microbatches
+        self.sequence_group = sequence_group
         self._logits: list[torch.Tensor] = []
         self._collecting = False
-        self._loss_func = None
         self._step_loss: torch.Tensor | float = 0.0
         self._step_counts: torch.Tensor | None = None  # layers x experts
         for module in modules:
             for name, sub in module.named_modules():
                 if name.endswith(ROUTER_MODULE):
                     sub.register_forward_hook(self._keep)
-                    self._loss_func = sys.modules[type(sub).__module__].load_balancing_loss_func
 
     @classmethod
-    def of(cls, modules: list[nn.Module], config: object, microbatches: int) -> Routing | None:
-        return cls(modules, config, microbatches) if is_moe(config) else None
+    def of(
+        cls,
+        modules: list[nn.Module],
+        config: object,
+        microbatches: int,
+        sequence_group: dist.ProcessGroup | None = None,
+    ) -> Routing | None:
+        return cls(modules, config, microbatches, sequence_group) if is_moe(config) else None
 
     def _keep(self, module: nn.Module, inputs: object, output: tuple) -> None:
         # Not during activation checkpointing's recomputation in the backward.
@@ -81,11 +100,24 @@ class Routing:
         with torch.no_grad():  # (a fixed-size count, which fake tensors can follow too)
             counts = torch.stack([self._counts(layer) for layer in logits])
             self._step_counts = counts if self._step_counts is None else self._step_counts + counts
-        if not self.coefficient or self._loss_func is None:
+        if not self.coefficient:
             return None
-        loss = self._loss_func(tuple(logits), self.experts, self.top_k)
+        loss = self._balance_loss(logits, counts)
         self._step_loss = self._step_loss + loss.detach() * self.share
         return self.coefficient * self.share * loss
+
+    def _balance_loss(self, logits: list[torch.Tensor], counts: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the microbatch's load-balancing loss (all of it where it holds
+        every row): E x sum_e T_e P_e, the picks T over all the ranks' rows, the
+        probabilities P over its own (module docstring)."""
+        probabilities = sum(torch.softmax(layer, dim=-1).float().sum(dim=0) for layer in logits)
+        rows = sum(layer.shape[0] for layer in logits)
+        with torch.no_grad():
+            totals = torch.cat([counts.sum(dim=0), counts.new_tensor([rows])])
+            if self.sequence_group is not None:
+                dist.all_reduce(totals, group=self.sequence_group)
+        picks, rows = totals[:-1], totals[-1]
+        return self.experts * torch.sum(picks / rows * (probabilities / rows))
 
     def _counts(self, logits: torch.Tensor) -> torch.Tensor:
         """Tokens each expert received from one router's logits."""
@@ -96,7 +128,7 @@ class Routing:
     def step_metrics(self, group: dist.ProcessGroup | None) -> dict[str, float]:
         """The step's mean load-balancing loss (where on) and how unevenly the tokens went:
         per sparse layer the busiest expert's tokens over the mean, its largest and its mean
-        over the layers, summed over `group` (the data-parallel ranks). Collective."""
+        over the layers, summed over `group` (the data- and context-parallel ranks). Collective."""
         if self._step_counts is None:
             return {}
         counts = self._step_counts

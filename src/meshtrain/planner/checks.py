@@ -110,11 +110,10 @@ def check_model_vs_data(
 def check_experts_unsplit(
     model_config: ArchitectureConfig, splits: list[tuple[str, int]]
 ) -> list[Refusal]:
-    """A mixture of experts trains on data-parallel layouts for now: its routers and
-    experts are not yet cut over tensor-parallel ranks, pipeline stages (whose load-
-    balancing loss needs every stage's router counts) or context-parallel ranks (the same
-    across a sequence's shares). `splits`: each splitting axis's `parallel.*` parameter
-    and its degree in the layout."""
+    """A mixture of experts trains on data- and context-parallel layouts for now: its
+    routers and experts are not yet cut over tensor-parallel ranks or pipeline stages
+    (whose load-balancing loss needs every stage's router counts). `splits`: each
+    splitting axis's `parallel.*` parameter and its degree in the layout."""
     if not num_experts(model_config):
         return []
     return [
@@ -122,7 +121,7 @@ def check_experts_unsplit(
             f"parallel.{parameter}",
             degree,
             f"{model_config.model_type} is a mixture of experts, whose sparse layers meshtrain "
-            "does not split that way yet (data parallelism, ZeRO-1 and sharding do)",
+            "does not split that way yet (data and context parallelism, ZeRO-1 and sharding do)",
             f"Use parallel.{parameter}=1 (or auto).",
         )
         for parameter, degree in splits

@@ -129,9 +129,11 @@ def resolve_layout(
     refusals += [r for found in checks for r in found.options]
     notes = [note for found in checks for note in found.notes]
     refusals += check_activation_checkpointing(c.activation_checkpointing)
-    # ep is taken from the dp ranks: the expert axis checks it itself.
+    # ep is taken from the dp x cp ranks: the expert axis checks it itself.
     splits = [
-        (axis.parameter, c.degree(axis.short)) for axis in AXES if axis.short not in ("dp", "ep")
+        (axis.parameter, c.degree(axis.short))
+        for axis in AXES
+        if axis.short not in ("dp", "ep", "cp")
     ]
     refusals += check_experts_unsplit(model_config, splits)
     refusals += check_routing(model_config)

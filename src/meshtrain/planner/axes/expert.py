@@ -130,8 +130,9 @@ def check_expert_parallel(
     if experts % ep:
         why.append(f"it must divide the {experts} experts of each sparse layer")
     if world_ranks % ep:
+        ranks = "data-parallel" if c.cp == 1 else "data- x context-parallel"
         why.append(
-            f"its ranks are taken from the {world_ranks} data-parallel ranks, so it must "
+            f"its ranks are taken from the {world_ranks} {ranks} ranks, so it must "
             f"divide {world_ranks}"
         )
     degree = [Refusal(name, ep, "; ".join(why), works)] if why else []
@@ -270,7 +271,7 @@ class ExpertAxis(AxisBase):
     ) -> list[int]:
         """The ep sizes to weigh on one layout of the search: as given, or at `auto` those
         dividing its `ranks` (dp x cp), only where nothing else splits the model (`splits`:
-        tp x pp x cp, which a mixture of experts refuses), unsharded or fully sharded
+        tp x pp, which a mixture of experts refuses), unsharded or fully sharded
         (hybrid sharding is not built beside ep)."""
         degree = getattr(run.parallel, PARAMETER)
         if degree != AUTO:
