@@ -3,7 +3,8 @@ transformers' model in one process (fp32, the load-balancing loss on): Qwen3-MoE
 run's seed at dp4 x ep2, Mixtral from a Hugging Face folder at dp4 x ep2 with ZeRO-1 and
 at ep4 (one expert a rank), both at dp4 x ep2 fully sharded (the experts sharded over
 the two ranks holding them); resume bitwise on the same layout, and onto another ep
-(ep2 -> ep1, ep2 -> ep4 with ZeRO-1, ep1 -> ep2, ep2 -> ep2 sharded). Losses per step
+(ep2 -> ep1, ep2 -> ep4 with ZeRO-1, ep1 -> ep2, ep2 -> ep2 sharded); Qwen3-MoE at
+dp2 x pp2 (1F1B) x ep2. Losses per step
 within 1e-5 relative of one process; the consolidated folder, one tensor per expert,
 loads with transformers' class into the weights of the same layout without expert
 parallelism within 1e-5.
@@ -24,7 +25,12 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from meshtrain.checkpoint import consolidate_checkpoint
-from tests.distributed.reference import assert_losses_match, make_spec, run_group
+from tests.distributed.reference import (
+    assert_dry_run_holds,
+    assert_losses_match,
+    make_spec,
+    run_group,
+)
 from tests.distributed.test_moe import (
     MODELS,
     STEPS,
@@ -35,7 +41,14 @@ from tests.distributed.test_moe import (
 
 SAVE_AT = 3
 SDP = "sharded_data_parallel_degree"
-TWO_EACH = {"per_device_train_batch_size": 2}  # x dp4 = 8, one microbatch of 2 a rank
+# Per-device batches of 2 x dp4 = 8: one microbatch of 2 a rank; dp2 x pp2: a batch of 4
+# a rank, two pipeline microbatches of 2.
+PP2 = {
+    "data_parallel_size": 2,
+    "pipeline_parallel_size": 2,
+    "pipeline_parallel_num_microbatches": 2,
+    "pipeline_schedule": "1f1b",
+}
 RUNS = {
     # name: (architecture, parallel, the run whose checkpoint-3 it resumes from)
     "q-dp4-ep2": ("qwen3_moe", {"expert_parallel_size": 2}, None),
@@ -55,6 +68,16 @@ RUNS = {
     "m-dp4-ep2-zero1": ("mixtral", {"expert_parallel_size": 2, "zero_1": True}, None),
     "m-dp4-ep4": ("mixtral", {"expert_parallel_size": 4}, None),
     "m-dp4-ep2-sdp4": ("mixtral", {"expert_parallel_size": 2, SDP: 4}, None),
+    # Pipeline parallelism: the experts of each stage split over its two dp ranks.
+    "q-dp2-pp2-ep2": ("qwen3_moe", {**PP2, "expert_parallel_size": 2}, None),
+    "q-dp2-pp2-ep2-sdp2": ("qwen3_moe", {**PP2, "expert_parallel_size": 2, SDP: 2}, None),
+    "q-dp2-pp2-ep2-zero1-ac-full": (
+        "qwen3_moe",
+        {**PP2, "expert_parallel_size": 2, "zero_1": True, "activation_checkpointing": "full"},
+        None,
+    ),
+    # Its checkpoint is every other's: resumed on dp4 x ep2 without the pipeline.
+    "q-dp4-ep2-from-pp2": ("qwen3_moe", {"expert_parallel_size": 2}, "q-dp2-pp2-ep2"),
 }
 
 
@@ -70,18 +93,24 @@ def test_expert_parallel_on_four_ranks_and_resume(tiny_blocks, tmp_path: Path) -
             name,
             world=4,
             parallel={"data_parallel_size": 4, **parallel},
-            training={**TWO_EACH, "max_steps": STEPS, "checkpoint_every": SAVE_AT, "keep_last": 0},
+            training={
+                "per_device_train_batch_size": 2 * parallel.get("pipeline_parallel_size", 1),
+                "max_steps": STEPS,
+                "checkpoint_every": SAVE_AT,
+                "keep_last": 0,
+            },
             architecture=architecture,
             fields=MODELS[architecture],
             model={"init_from": str(folder)} if architecture == "mixtral" else None,
         )
-        assert made.plan["layout"]["expert_parallel_size"] == parallel.get(
-            "expert_parallel_size", 1
-        )
+        for key in ("expert_parallel_size", "pipeline_parallel_size", SDP):
+            assert made.plan["layout"][key] == parallel.get(key, 1), key
         saved = tmp_path / resumes / f"checkpoint-{SAVE_AT}" if resumes else None
         return dataclasses.replace(made, resume_from=saved and str(saved))
 
-    summaries = dict(zip(RUNS, run_group([spec(n) for n in RUNS], 4, tmp_path, "ep4"), strict=True))
+    specs = {name: spec(name) for name in RUNS}
+    summaries = dict(zip(RUNS, run_group(list(specs.values()), 4, tmp_path, "ep4"), strict=True))
+    assert_dry_run_holds("q-dp2-pp2-ep2", specs["q-dp2-pp2-ep2"], summaries["q-dp2-pp2-ep2"])
     expected = {
         "qwen3_moe": transformers_run(tiny_blocks, "qwen3_moe", MODELS["qwen3_moe"], None, 2),
         "mixtral": transformers_run(tiny_blocks, "mixtral", MODELS["mixtral"], folder, 2),

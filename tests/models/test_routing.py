@@ -39,9 +39,9 @@ def test_the_load_balancing_loss_is_transformers_own(architecture: str) -> None:
         routers = [p for n, p in model.named_parameters() if n.endswith("mlp.gate.weight")]
         return torch.autograd.grad(loss, routers, retain_graph=True)
 
-    with routing.collecting():
+    with routing.collecting() as logits:
         out = model(input_ids=ids, output_router_logits=True)
-    term = routing.finish_forward()
+    term = routing.finish_forward(logits)
     func = sys.modules[type(model).__module__].load_balancing_loss_func
     expected = func(out.router_logits, routing.experts, routing.top_k)
     want = config.router_aux_loss_coef / microbatches * expected
@@ -51,3 +51,24 @@ def test_the_load_balancing_loss_is_transformers_own(architecture: str) -> None:
     metrics = routing.step_metrics(None)
     assert metrics["router_loss"] == pytest.approx(float(expected) / microbatches, rel=1e-6)
     assert metrics["expert_load_max_over_mean"] >= 1.0
+
+
+def test_stage_tallies_add_up_to_the_whole_forwards() -> None:
+    """Pipeline stages each tally their own sparse layers; the sum is the whole model's
+    tally, and the loss the last stage scores from it is the model's own."""
+    config = build_model_config("qwen3_moe", {**SHAPE, **EXPERTS["qwen3_moe"]}, vocab_size=64)
+    model = build_model(config, seed=5)
+    routing = Routing([model], config, microbatches=1)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    with routing.collecting() as logits:
+        out = model(input_ids=ids, output_router_logits=True)
+    layers = routing.sparse_layers
+    assert len(layers) == len(logits) == 2
+    first = routing.empty_tally() + routing.tally(logits[:1], layers[:1])
+    whole = first + routing.tally(logits[1:], layers[1:])
+    assert torch.equal(whole.detach(), routing.tally(logits, layers).detach())
+    term, counts, _ = routing.score(whole)
+    assert counts.sum() == 2 * 8 * 2 * routing.top_k  # rows x layers x k
+    func = sys.modules[type(model).__module__].load_balancing_loss_func
+    expected = config.router_aux_loss_coef * func(out.router_logits, routing.experts, 2)
+    assert torch.allclose(term, expected, rtol=1e-6)

@@ -283,7 +283,8 @@ def test_auto_on_eight_h100_shards_the_experts_over_their_replicas(capsys) -> No
     ep = layout["expert_parallel_size"]
     assert ep > 1 and layout["sharded_data_parallel_degree"] == 8
     note = next(n for n in plan["notes"] if n.startswith(f"expert parallelism: ep{ep}"))
-    assert "(ep1)" in note and "sdp8" in note
+    # (The fastest layout with the experts replicated pipelines them: pp8.)
+    assert "(ep1)" in note and "x slower" in note
 
 
 @pytest.mark.parametrize(("devices", "device"), [("16", "h100"), ("8", "h200")])

@@ -56,12 +56,21 @@ def test_moe_model_flops_count_the_active_parameters(capsys) -> None:
     assert plan["model_flops_per_token"] == pytest.approx(6 * weights + scores, rel=1e-9)
 
 
-@pytest.mark.parametrize("flag", ["--tp", "--pp"])
-def test_splitting_a_mixture_of_experts_is_refused_naming_the_parameter(flag: str, capsys) -> None:
+def test_tensor_parallelism_of_a_mixture_of_experts_is_refused_naming_it(capsys) -> None:
     path = str(EXAMPLES / "qwen3-30b-a3b.json")
-    assert main([*_plan(path), "--devices", "8", "--device", "h100", flag, "2"]) == 1
+    assert main([*_plan(path), "--devices", "8", "--device", "h100", "--tp", "2"]) == 1
     out = capsys.readouterr().out
-    assert "is a mixture of experts" in out and "=2:" in out and "Traceback" not in out
+    assert "is a mixture of experts" in out and "tensor_parallel_size=2:" in out
+    assert "Traceback" not in out
+
+
+def test_pipeline_parallelism_of_a_mixture_of_experts_plans_ep_inside_the_stages(
+    capsys,
+) -> None:
+    path = str(EXAMPLES / "qwen3-30b-a3b.json")
+    assert main([*_plan(path), "--devices", "16", "--device", "h100", "--pp", "2"]) == 0
+    chosen = capsys.readouterr().out.splitlines()[1]
+    assert "-pp2-" in chosen and "-ep" in chosen, chosen
 
 
 def test_context_parallelism_of_a_mixture_of_experts_plans_with_ep_from_its_ranks(

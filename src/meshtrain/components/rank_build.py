@@ -92,9 +92,8 @@ def build_rank(
         torch.manual_seed(training.seed * 1_000_003 + dims.dp_rank * 1_009 + dims.pp_rank)
     pm = build_rank_model(run, plan, dims, device, converters, meta_model)
     batch = batch_split(plan, training)
-    pm.routing = Routing.of(
-        pm.modules, pm.hf_config, dims.dp * batch.accumulation_steps, dims.cp_group
-    )
+    forwards = dims.dp * batch.accumulation_steps * pm.backward_passes_per_batch
+    pm.use_routing(Routing.of(pm.modules, pm.hf_config, forwards, dims.cp_group))
     optimizer, optimizer_state = build_optimizer(
         pm, training=training, accumulation_steps=batch.accumulation_steps
     )

@@ -6,6 +6,10 @@ pipeline holds stages `r, r + pp, r + 2pp, ...`, the looped placement the
 interleaved schedule expects. The schedules themselves are torch's; this
 module chooses and drives them.
 
+A mixture of experts' stages also pass a small tally of its routing along the pipeline
+(`models.routing`): the last stage returns (summed loss, tally), and the loss function
+adds the load-balancing term the tally gives.
+
 Gradient scaling: torch's `scale_grads` divides the accumulated gradients at
 the end of every `step`, which would also shrink what earlier accumulation
 steps left there; so it is off, and the loss function divides each
@@ -17,7 +21,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -146,6 +150,19 @@ def theoretical_bubble(pp: int, microbatches: int, virtual: int = 1) -> float:
     return bubble / (microbatches + bubble)
 
 
+class TallyScorer(Protocol):
+    """What scores a microbatch's routing tally (`models.routing.Routing`)."""
+
+    sparse_layers: list[int]
+    experts: int
+
+    def score(
+        self, tally: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]: ...
+
+    def record(self, counts: torch.Tensor, loss: torch.Tensor | None) -> None: ...
+
+
 class PipelineRunner:
     """Runs one training or evaluation batch through this rank's stages with the schedule."""
 
@@ -171,6 +188,11 @@ class PipelineRunner:
         self.holds_last = num_stages - 1 in stage_ids
         self.num_microbatches = num_microbatches
         self.loss_scale = 1.0
+        self.data_parallel = 1
+        self.training = True
+        self.routing: TallyScorer | None = None
+        # Per microbatch scored: its language-model loss, and its routing where scored.
+        self._scores: list[tuple[torch.Tensor, tuple[torch.Tensor, Any] | None]] = []
         schedule_class = SCHEDULES[schedule]
         stages: Any = self.stages if schedule == "interleaved_1f1b" else self.stages[0]
         self.schedule = schedule_class(
@@ -178,10 +200,32 @@ class PipelineRunner:
         )
         self.recorder = SpanRecorder(self.stages)
 
-    def _scaled_loss(self, loss_sum: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return loss_sum * self.loss_scale
+    def use_routing(self, routing: TallyScorer) -> None:
+        """A mixture of experts: every stage tallies its routing, the loss scores it."""
+        self.routing = routing
+        for stage in self.stages:
+            stage.submod.routing = routing
+
+    def _scaled_loss(self, output: Any, labels: torch.Tensor) -> torch.Tensor:
+        """The objective of one microbatch on the last stage: its summed loss scaled, plus
+        the load-balancing term of its routing tally while training."""
+        tally = None
+        if self.routing is not None:
+            output, tally = output
+        loss = output * self.loss_scale
+        if tally is None or not self.training:
+            self._scores.append((loss.detach(), None))
+            return loss
+        term, counts, routed_loss = self.routing.score(tally)
+        self._scores.append((loss.detach(), (counts, routed_loss)))
+        return loss if term is None else loss + term * self.data_parallel
 
     def _run(self, method: Callable, batch: TokenBatch) -> list[torch.Tensor]:
+        """The schedule over one batch; the language-model loss of each microbatch (none
+        off the last stage). Only the last `num_microbatches` scores count: in a stage's
+        first step, and the first after switching between training and evaluation, torch
+        infers the stages' shapes with one more pass, through the loss function too."""
+        self._scores = []
         losses: list[torch.Tensor] = []
         args = (batch.input_ids,) if self.holds_first else ()
         target = batch.labels if self.holds_last else None
@@ -192,7 +236,11 @@ class PipelineRunner:
         if batch.position_ids is not None:
             inputs["position_ids"] = batch.position_ids
         method(*args, target=target, losses=losses, return_outputs=False, **inputs)
-        return losses
+        scores = self._scores[-self.num_microbatches :] if self.holds_last else []
+        for _, routed in scores:
+            if routed is not None and self.routing is not None:
+                self.routing.record(*routed)
+        return [loss for loss, _ in scores]
 
     def train_step(self, batch: TokenBatch, trained_tokens: int, dp: int) -> torch.Tensor:
         """Forward and backward of one batch; returns its summed loss / `trained_tokens`
@@ -201,7 +249,7 @@ class PipelineRunner:
 
         The loss is only known on the rank holding the last stage; elsewhere 0.
         """
-        self.loss_scale = dp / trained_tokens
+        self.loss_scale, self.data_parallel, self.training = dp / trained_tokens, dp, True
         losses = self._run(self.schedule.step, batch)
         if not losses:
             return torch.zeros((), device=batch.input_ids.device)
@@ -211,7 +259,7 @@ class PipelineRunner:
     def eval_step(self, batch: TokenBatch) -> torch.Tensor:
         """Summed loss over one batch's trained tokens, forward only (0 where the last
         stage is not held)."""
-        self.loss_scale = 1.0
+        self.loss_scale, self.training = 1.0, False
         losses = self._run(self.schedule.eval, batch)
         if not losses:
             return torch.zeros((), device=batch.input_ids.device)

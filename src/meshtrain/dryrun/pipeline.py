@@ -8,7 +8,8 @@ group delivers nothing and fake tensors have no values, so neither can run. What
 would settle is known from the plan: every stage but the first takes the hidden states
 of one microbatch (this rank's sequence shard under sequence parallelism) in the
 residual stream's dtype, and every stage but the last gives the same; the first takes
-token ids, the last gives its summed loss. `told_shapes` hands each stage those
+token ids, the last gives its summed loss; a mixture of experts' stages pass their
+routing tally beside (`models.routing`). `told_shapes` hands each stage those
 (`PipelineStage`'s static metadata) and `static_setup` settles the vote as torch would
 with every stage's shapes known: static. Nothing else of the schedule changes: its
 order of forwards and backwards is the real one.
@@ -46,13 +47,17 @@ def told_shapes(runner: PipelineRunner, run: RunConfig, plan: Plan, device: torc
     hidden.requires_grad_(True)
     ids = torch.empty(microbatch, block, dtype=torch.long, device=device)
     loss = torch.empty((), dtype=torch.float32, device=device, requires_grad=True)
+    beside = ()
+    if (routing := runner.routing) is not None:
+        rows = len(routing.sparse_layers) + 1
+        beside = (torch.empty(rows, routing.experts, device=device, requires_grad=True),)
     from torch.distributed.pipelining._utils import _StageMeta, extract_tensor_metas  # noqa: PLC0415
 
     for stage in runner.stages:
-        inputs = ids if stage.is_first else hidden
-        outputs = loss if stage.is_last else hidden
+        inputs = (ids,) if stage.is_first else (hidden, *beside)
+        outputs = (loss if stage.is_last else hidden, *beside)
         stage._user_meta = _StageMeta(
-            inputs=extract_tensor_metas((inputs,)), outputs=extract_tensor_metas((outputs,))
+            inputs=extract_tensor_metas(inputs), outputs=extract_tensor_metas(outputs)
         )
 
 

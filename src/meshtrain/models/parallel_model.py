@@ -64,6 +64,13 @@ class ParallelModel:
     # A mixture of experts' routing: its load-balancing loss and tokens per expert.
     routing: Routing | None = None
 
+    def use_routing(self, routing: Routing | None) -> None:
+        """A mixture of experts' routing: the whole model's forward scores it, or each
+        pipeline stage tallies it and the schedule's loss scores it."""
+        self.routing = routing
+        if routing is not None and self.runner is not None:
+            self.runner.use_routing(routing)
+
     def loss_context(self) -> AbstractContextManager:
         # The unchunked cross-entropy on vocabulary-sharded logits: the full logits never
         # exist on one rank (the chunked loss combines the shards itself).
@@ -103,9 +110,9 @@ class ParallelModel:
         if self.routing is None:
             loss = self._loss_sum(batch) / trained_tokens
             return loss, loss
-        with self.routing.collecting():
+        with self.routing.collecting() as logits:
             loss = self._loss_sum(batch) / trained_tokens
-        term = self.routing.finish_forward()
+        term = self.routing.finish_forward(logits)
         return loss, loss if term is None else loss + term
 
     def own_tokens(self, batch: TokenBatch) -> TokenBatch:

@@ -18,6 +18,12 @@ the ranks sum their counts and rows (one small all-reduce per forward) and each 
 E x sum_e T_e P_e with its own probabilities only: the ranks' terms add up to the
 microbatch's loss, and each rank's routers get their exact gradient.
 
+Under pipeline parallelism a microbatch's sparse layers are spread over the stages. Each
+stage adds its layers' picks (one row per sparse layer of the model) and its summed
+probabilities (with their gradient) to a small tally that travels with the hidden states
+(`tally`); the last stage computes the loss from the whole tally, and autograd sends the
+probabilities' gradient back along the pipeline with the hidden states' own.
+
 Each step also counts the tokens each expert received, for the run's metrics.
 """
 
@@ -35,14 +41,15 @@ from meshtrain.models.moe_config import (
     is_moe,
     num_experts,
     router_loss_coefficient,
+    sparse_layers,
 )
 
 ROUTER_MODULE = "mlp.gate"
 
 
 class Routing:
-    """Collects the routers' logits during each training forward: its loss term, and the
-    step's tokens per expert."""
+    """Collects the routers' logits during each forward: the microbatch's tally of picks
+    and probabilities, its loss term, and the step's tokens per expert."""
 
     def __init__(
         self,
@@ -51,17 +58,20 @@ class Routing:
         microbatches: int,
         sequence_group: dist.ProcessGroup | None = None,
     ) -> None:
-        """`modules`: the rank's model (or stages); `microbatches`: those of one global
-        batch (data-parallel ranks x accumulation steps); `sequence_group`: the ranks that
-        hold the other rows of this rank's microbatches (cp; None: this rank holds all)."""
+        """`modules`: the rank's model (or stages); `microbatches`: the forwards of one
+        global batch (data-parallel ranks x accumulation steps x pipeline microbatches);
+        `sequence_group`: the ranks that hold the other rows of this rank's microbatches
+        (cp; None: this rank holds all)."""
         self.coefficient = router_loss_coefficient(config)
         self.experts, self.top_k = num_experts(config), experts_per_token(config)
+        self.sparse_layers = sparse_layers(config)
         self.share = 1.0 / microbatches
         self.sequence_group = sequence_group
+        self.device = next(p.device for m in modules for p in m.parameters())
         self._logits: list[torch.Tensor] = []
         self._collecting = False
         self._step_loss: torch.Tensor | float = 0.0
-        self._step_counts: torch.Tensor | None = None  # layers x experts
+        self._step_counts: torch.Tensor | None = None  # sparse layers x experts
         for module in modules:
             for name, sub in module.named_modules():
                 if name.endswith(ROUTER_MODULE):
@@ -83,39 +93,70 @@ class Routing:
             self._logits.append(output[0])
 
     @contextmanager
-    def collecting(self) -> Iterator[None]:
-        """Around one training forward: its routers' logits, none before or after."""
-        self._logits, self._collecting = [], True
+    def collecting(self) -> Iterator[list[torch.Tensor]]:
+        """Around one forward (of the model or a stage): its routers' logits, in layer
+        order, none before or after."""
+        logits: list[torch.Tensor] = []
+        self._logits, self._collecting = logits, True
         try:
-            yield
+            yield logits
         finally:
-            self._collecting = False
+            self._collecting, self._logits = False, []
 
-    def finish_forward(self) -> torch.Tensor | None:
-        """Count the forward's routing; its share of the step's objective (coefficient x
-        the load-balancing loss / the global batch's microbatches), None where it is off."""
-        logits, self._logits = self._logits, []
+    def empty_tally(self) -> torch.Tensor:
+        """What the first pipeline stage starts a microbatch's tally from. It requires a
+        gradient so that the tally always does, whichever stages hold sparse layers (the
+        pipeline sends gradients back only for outputs that have them)."""
+        rows = len(self.sparse_layers) + 1
+        return torch.zeros(rows, self.experts, device=self.device, requires_grad=True)
+
+    def tally(self, logits: list[torch.Tensor], layers: list[int]) -> torch.Tensor:
+        """One forward's routing over the sparse `layers` (model indices) it ran: each
+        layer's picks per expert in its row of the model's sparse layers (no gradient),
+        and the summed router probabilities in the last row (with theirs)."""
+        picks = torch.zeros(len(self.sparse_layers), self.experts, device=self.device)
+        probabilities = torch.zeros(self.experts, device=self.device)
+        with torch.no_grad():  # (a fixed-size count, which fake tensors can follow too)
+            for layer, scores in zip(layers, logits, strict=True):
+                picks[self.sparse_layers.index(layer)] = self._counts(scores)
+        for scores in logits:
+            probabilities = probabilities + torch.softmax(scores, dim=-1).float().sum(dim=0)
+        return torch.cat([picks, probabilities[None]])
+
+    def finish_forward(self, logits: list[torch.Tensor]) -> torch.Tensor | None:
+        """Count a whole model's forward; its share of the step's objective (coefficient
+        x the load-balancing loss / the global batch's microbatches), None where off."""
         if not logits:
             return None
-        with torch.no_grad():  # (a fixed-size count, which fake tensors can follow too)
-            counts = torch.stack([self._counts(layer) for layer in logits])
-            self._step_counts = counts if self._step_counts is None else self._step_counts + counts
-        if not self.coefficient:
-            return None
-        loss = self._balance_loss(logits, counts)
-        self._step_loss = self._step_loss + loss.detach() * self.share
-        return self.coefficient * self.share * loss
+        term, counts, loss = self.score(self.tally(logits, self.sparse_layers))
+        self.record(counts, loss)
+        return term
 
-    def _balance_loss(self, logits: list[torch.Tensor], counts: torch.Tensor) -> torch.Tensor:
+    def score(
+        self, tally: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+        """From a microbatch's whole tally: its term of the step's objective (None where
+        the loss is off), its picks per sparse layer and expert, and its share of the
+        step's mean loss. Collective over the sequence group where the loss is on."""
+        counts = tally[:-1].detach()
+        if not self.coefficient:
+            return None, counts, None
+        loss = self._balance_loss(counts, tally[-1])
+        return self.coefficient * self.share * loss, counts, loss.detach() * self.share
+
+    def record(self, counts: torch.Tensor, loss: torch.Tensor | None) -> None:
+        """Add a microbatch's picks and loss share to the step's."""
+        self._step_counts = counts if self._step_counts is None else self._step_counts + counts
+        if loss is not None:
+            self._step_loss = self._step_loss + loss
+
+    def _balance_loss(self, counts: torch.Tensor, probabilities: torch.Tensor) -> torch.Tensor:
         """This rank's part of the microbatch's load-balancing loss (all of it where it holds
         every row): E x sum_e T_e P_e, the picks T over all the ranks' rows, the
-        probabilities P over its own (module docstring)."""
-        probabilities = sum(torch.softmax(layer, dim=-1).float().sum(dim=0) for layer in logits)
-        rows = sum(layer.shape[0] for layer in logits)
-        with torch.no_grad():
-            totals = torch.cat([counts.sum(dim=0), counts.new_tensor([rows])])
-            if self.sequence_group is not None:
-                dist.all_reduce(totals, group=self.sequence_group)
+        probabilities P over its own (module docstring). Every row is picked k times."""
+        totals = torch.cat([counts.sum(dim=0), counts.sum().reshape(1) / self.top_k])
+        if self.sequence_group is not None:
+            dist.all_reduce(totals, group=self.sequence_group)
         picks, rows = totals[:-1], totals[-1]
         return self.experts * torch.sum(picks / rows * (probabilities / rows))
 
@@ -125,17 +166,21 @@ class Routing:
         ones = torch.ones_like(chosen, dtype=torch.float32)
         return torch.zeros(self.experts, device=logits.device).index_add_(0, chosen, ones)
 
-    def step_metrics(self, group: dist.ProcessGroup | None) -> dict[str, float]:
+    def step_metrics(
+        self, group: dist.ProcessGroup | None, pipeline: dist.ProcessGroup | None = None
+    ) -> dict[str, float]:
         """The step's mean load-balancing loss (where on) and how unevenly the tokens went:
         per sparse layer the busiest expert's tokens over the mean, its largest and its mean
-        over the layers, summed over `group` (the data- and context-parallel ranks). Collective."""
-        if self._step_counts is None:
-            return {}
+        over the layers, summed over `group` (the data- and context-parallel ranks) and
+        `pipeline` (the stages: only the last one scores). Collective."""
         counts = self._step_counts
+        if counts is None:
+            counts = torch.zeros(len(self.sparse_layers), self.experts, device=self.device)
         loss = torch.as_tensor(self._step_loss, dtype=torch.float32, device=counts.device)
         totals = torch.cat([counts.flatten(), loss.reshape(1)])
-        if group is not None:
-            dist.all_reduce(totals, group=group)
+        for ranks in (group, pipeline):
+            if ranks is not None:
+                dist.all_reduce(totals, group=ranks)
         counts = totals[:-1].view_as(counts)
         imbalance = counts.max(dim=1).values / counts.mean(dim=1).clamp(min=1e-9)
         metrics = {

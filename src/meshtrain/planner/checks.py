@@ -110,10 +110,9 @@ def check_model_vs_data(
 def check_experts_unsplit(
     model_config: ArchitectureConfig, splits: list[tuple[str, int]]
 ) -> list[Refusal]:
-    """A mixture of experts trains on data- and context-parallel layouts for now: its
-    routers and experts are not yet cut over tensor-parallel ranks or pipeline stages
-    (whose load-balancing loss needs every stage's router counts). `splits`: each
-    splitting axis's `parallel.*` parameter and its degree in the layout."""
+    """A mixture of experts trains on data-, context- and pipeline-parallel layouts for
+    now: its routers and experts are not yet cut over tensor-parallel ranks. `splits`:
+    each splitting axis's `parallel.*` parameter and its degree in the layout."""
     if not num_experts(model_config):
         return []
     return [
@@ -121,7 +120,7 @@ def check_experts_unsplit(
             f"parallel.{parameter}",
             degree,
             f"{model_config.model_type} is a mixture of experts, whose sparse layers meshtrain "
-            "does not split that way yet (data and context parallelism, ZeRO-1 and sharding do)",
+            "does not split that way yet (data, context and pipeline parallelism do)",
             f"Use parallel.{parameter}=1 (or auto).",
         )
         for parameter, degree in splits

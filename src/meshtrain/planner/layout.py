@@ -133,7 +133,7 @@ def resolve_layout(
     splits = [
         (axis.parameter, c.degree(axis.short))
         for axis in AXES
-        if axis.short not in ("dp", "ep", "cp")
+        if axis.short not in ("dp", "ep", "cp", "pp")
     ]
     refusals += check_experts_unsplit(model_config, splits)
     refusals += check_routing(model_config)

@@ -132,7 +132,7 @@ def search_space(
         dp = world // (tp * pp * cp)
         for sdp in sharding_options(run, dp, tp, cp):
             for ep in expert.AXIS.search_degrees(
-                run, model_config, ranks=dp * cp, sdp=sdp, splits=tp * pp
+                run, model_config, ranks=dp * cp, sdp=sdp, splits=tp
             ):
                 for ac in ac_options:
                     parallel = dataclasses.replace(

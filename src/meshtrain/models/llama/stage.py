@@ -12,6 +12,7 @@ from meshtrain.distributed.context_parallel import ContextAttention, ContextPara
 from meshtrain.models.context_attention import use_context_parallel_attention
 from meshtrain.models.head_loss import head_loss
 from meshtrain.models.packed_attention import packed_causal_mask
+from meshtrain.models.routing import Routing
 
 
 def decoder_inputs(
@@ -130,23 +131,43 @@ class LlamaStage(nn.Module):
         self.tp_mesh = tp_mesh
         self.sequence_parallel = sequence_parallel and tp_mesh is not None
         split_context(self, context)
+        # A mixture of experts' routing (`models.routing`), set by the pipeline runner.
+        self.routing: Routing | None = None
 
     def forward(
         self,
         inputs: torch.Tensor,
+        tally: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """`position_ids`: packed examples' positions (restarting per example), which also
-        keep attention inside each example; None: one sequence per row. `labels`: the
-        targets the last stage scores (every stage is handed them)."""
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """`tally`: a mixture of experts' routing tally from the stage before (after the
+        first), which this stage adds to and passes on with its output. `position_ids`:
+        packed examples' positions (restarting per example), which also keep attention
+        inside each example; None: one sequence per row. `labels`: the targets the last
+        stage scores (every stage is handed them)."""
         if self.is_first:
             hidden = self.model.embed_tokens(inputs)
         elif self.sequence_parallel:
             hidden = DTensor.from_local(inputs, self.tp_mesh, [Shard(1)], run_check=False)
         else:
             hidden = inputs
-        hidden = run_layers(self.model, hidden, *decoder_inputs(hidden, position_ids, self.context))
+        hidden, tally = self._layers(hidden, tally, position_ids)
         if self.is_last:
-            return head_loss(self.model.norm(hidden), self.lm_head, labels)
-        return hidden.to_local() if isinstance(hidden, DTensor) else hidden
+            output = head_loss(self.model.norm(hidden), self.lm_head, labels)
+        else:
+            output = hidden.to_local() if isinstance(hidden, DTensor) else hidden
+        return output if tally is None else (output, tally)
+
+    def _layers(
+        self, hidden: torch.Tensor, tally: torch.Tensor | None, position_ids: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The stage's layers, and the routing tally with theirs added (None: dense)."""
+        inputs = decoder_inputs(hidden, position_ids, self.context)
+        if self.routing is None:
+            return run_layers(self.model, hidden, *inputs), None
+        with self.routing.collecting() as logits:
+            hidden = run_layers(self.model, hidden, *inputs)
+        sparse = [i for i in map(int, self.model.layers) if i in self.routing.sparse_layers]
+        start = self.routing.empty_tally() if tally is None else tally
+        return hidden, start + self.routing.tally(logits, sparse)

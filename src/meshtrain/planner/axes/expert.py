@@ -270,8 +270,8 @@ class ExpertAxis(AxisBase):
         self, run: RunConfig, model_config: ArchitectureConfig, *, ranks: int, sdp: int, splits: int
     ) -> list[int]:
         """The ep sizes to weigh on one layout of the search: as given, or at `auto` those
-        dividing its `ranks` (dp x cp), only where nothing else splits the model (`splits`:
-        tp x pp, which a mixture of experts refuses), unsharded or fully sharded
+        dividing its `ranks` (dp x cp), only where nothing else splits the experts (`splits`:
+        tp, which a mixture of experts refuses), unsharded or fully sharded
         (hybrid sharding is not built beside ep)."""
         degree = getattr(run.parallel, PARAMETER)
         if degree != AUTO:
