@@ -331,7 +331,7 @@ class Trainer:
                 **({"mfu": mfu} if mfu is not None else {}),
                 **memory_metrics(self.device, self.model_states_bytes),
                 **(
-                    routing.step_metrics(self.dims.dp_cp_group, self.dims.pp_group)
+                    routing.step_metrics(self.dims.dp_group, self.dims.pp_group)
                     if (routing := self.pm.routing)
                     else {}
                 ),

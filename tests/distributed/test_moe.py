@@ -99,6 +99,13 @@ CASES = {
         {"context_parallel_size": 2, "expert_parallel_size": 2},
         {**FOUR_EACH, "gradient_accumulation_steps": 2},
     ),
+    # Tensor parallelism with SP: attention split over the pair, the sparse layers whole
+    # on each, run on its half of the sequence; the routers' picks summed over the pair.
+    "tp2-sp-accum2": (
+        2,
+        {"tensor_parallel_size": 2, "sequence_parallel": True},
+        {**FOUR_EACH, "gradient_accumulation_steps": 2},
+    ),
 }
 # Pipeline parallelism: each stage tallies its routers' picks for the last stage's
 # load-balancing loss. Two pipeline microbatches of 2 rows per batch of 4: the reference

@@ -336,3 +336,15 @@ def test_more_experts_a_token_than_there_are_is_refused(top_k: int) -> None:
     ]
     assert refusal.value == top_k
     assert refusal.fix == "Use num_experts_per_tok between 1 and 12."
+
+
+def test_tensor_parallelism_without_sequence_parallelism_is_refused() -> None:
+    """The sparse layers run on each tp rank's share of the sequence: SP is needed."""
+    with pytest.raises(LayoutError) as info:
+        _plan(
+            _config(),
+            launch={"nproc_per_node": 2},
+            parallel={"tensor_parallel_size": 2, "sequence_parallel": False},
+        )
+    (refusal,) = [r for r in info.value.refusals if r.parameter == "parallel.sequence_parallel"]
+    assert "mixture of experts" in refusal.reason and "sequence_parallel=true" in refusal.fix

@@ -56,12 +56,13 @@ def test_moe_model_flops_count_the_active_parameters(capsys) -> None:
     assert plan["model_flops_per_token"] == pytest.approx(6 * weights + scores, rel=1e-9)
 
 
-def test_tensor_parallelism_of_a_mixture_of_experts_is_refused_naming_it(capsys) -> None:
+def test_tensor_parallelism_of_a_mixture_of_experts_plans_with_sequence_parallelism(
+    capsys,
+) -> None:
     path = str(EXAMPLES / "qwen3-30b-a3b.json")
-    assert main([*_plan(path), "--devices", "8", "--device", "h100", "--tp", "2"]) == 1
-    out = capsys.readouterr().out
-    assert "is a mixture of experts" in out and "tensor_parallel_size=2:" in out
-    assert "Traceback" not in out
+    assert main([*_plan(path), "--devices", "16", "--device", "h100", "--tp", "2"]) == 0
+    chosen = capsys.readouterr().out.splitlines()[1]
+    assert "-tp2-" in chosen and "-sp" in chosen, chosen
 
 
 def test_pipeline_parallelism_of_a_mixture_of_experts_plans_ep_inside_the_stages(

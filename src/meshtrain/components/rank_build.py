@@ -93,7 +93,8 @@ def build_rank(
     pm = build_rank_model(run, plan, dims, device, converters, meta_model)
     batch = batch_split(plan, training)
     forwards = dims.dp * batch.accumulation_steps * pm.backward_passes_per_batch
-    pm.use_routing(Routing.of(pm.modules, pm.hf_config, forwards, dims.cp_group))
+    sequence = dims.sequence_group(plan.layout.sequence_parallel)
+    pm.use_routing(Routing.of(pm.modules, pm.hf_config, forwards, sequence))
     optimizer, optimizer_state = build_optimizer(
         pm, training=training, accumulation_steps=batch.accumulation_steps
     )

@@ -109,7 +109,8 @@ class FSDPAdamW:
         norm = global_grad_norm(pieces, shard + tuple(self.norm_groups), device=self.device)
         if not self.experts:
             return norm
-        experts = ((g, 1.0) for n, g in grads.items() if n in self.experts)
+        # (Whole on every tp rank, each counted once.)
+        experts = ((g, 1.0 / self._copies[n]) for n, g in grads.items() if n in self.experts)
         _, _, replicas = self.dims.fsdp_shards(experts=True)
         groups = (replicas, self.dims.ep_group, *self.norm_groups)
         expert_norm = global_grad_norm(experts, groups, device=self.device)

@@ -81,6 +81,8 @@ class ParallelDims:
             mesh[(*data_axes, "cp")]._flatten("dp_cp")
             if sdp > 1:
                 mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+            if tp > 1:
+                mesh["cp", "tp"]._flatten("cp_tp")
         dims = cls(dp=dp, tp=tp, pp=pp, mesh=mesh, sdp=sdp, cp=cp, ep=ep)
         if ep > 1:
             dims.ep_group, dims.expert_replica_group = _expert_groups(mesh, dp * cp, ep)
@@ -132,6 +134,14 @@ class ParallelDims:
     @property
     def cp_group(self) -> dist.ProcessGroup | None:
         return self.mesh.get_group("cp") if self.cp > 1 else None
+
+    def sequence_group(self, sequence_parallel: bool) -> dist.ProcessGroup | None:
+        """The ranks that hold the other tokens of this rank's microbatches: its cp group,
+        and under sequence parallelism its tp group too (None: it holds them all)."""
+        split_over_tp = self.tp > 1 and sequence_parallel
+        if split_over_tp and self.cp > 1:
+            return self.mesh.get_group("cp_tp")
+        return self.mesh.get_group("tp") if split_over_tp else self.cp_group
 
     # -- the ranks that hold one copy of the parameters: dp x cp -------------------------
 

@@ -6,7 +6,8 @@ trainable parameter, what the optimizer and the checkpoint need to know
 (`ParameterSharding`): along which dimension it is split, how many tp ranks
 hold a copy of each element (for the gradient norm), and which gradients need
 an extra sum over tp ranks before data-parallel reduction (replicated KV
-heads, per-head norms). The communication of tensor parallelism itself
+heads, per-head norms, a mixture of experts' routers and experts, which run on
+the rank's sequence shard). The communication of tensor parallelism itself
 happens inside the DTensor parallel styles and `loss_parallel`.
 """
 
@@ -41,6 +42,9 @@ class ParameterSharding:
     head_dim: int | None = None  # rows per KV head, to undo the replication
     ep: int = 1  # expert-parallel ranks the experts (dimension 0) are split over
     ep_rank: int = 0  # which of those pieces this rank holds
+    # Whole on every tp rank but run on its sequence shard only (a sparse layer's router
+    # and experts under sequence parallelism): its gradients are partial sums over tp.
+    sequence_local: bool = False
 
     def hf_shape(self, global_shape: Sequence[int]) -> list[int]:
         """The Hugging Face tensor's shape, from the (DTensor's) global one: each KV head
@@ -78,12 +82,14 @@ def read_sharding(
     kv_replication: int = 1,
     head_dim: int | None = None,
     head_local: dict[str, str] | None = None,
+    sequence_local: Collection[str] = (),
 ) -> dict[str, ParameterSharding]:
     """Every parameter's sharding, read off a model its plan has already sharded.
 
     `kv_replicated`: names of the parameters whose KV heads were repeated
     `kv_replication` times (of `head_dim` rows each); `head_local`: name -> "q"/"k"
-    for per-head norm weights.
+    for per-head norm weights; `sequence_local`: names of the parameters that run on
+    the rank's sequence shard only.
     """
     head_local = head_local or {}
     sharding = {}
@@ -95,7 +101,13 @@ def read_sharding(
         kv = kv_replication if name in kv_replicated else 1
         copies = tp if tp_dim is None else kv
         sharding[name] = ParameterSharding(
-            name, tp_dim, copies, kv, head_local.get(name), head_dim if kv > 1 else None
+            name,
+            tp_dim,
+            copies,
+            kv,
+            head_local.get(name),
+            head_dim if kv > 1 else None,
+            sequence_local=name in sequence_local,
         )
     return sharding
 
@@ -112,7 +124,9 @@ class TensorParallelGradSync:
       heads: sum over the tp ranks (a replicated KV head's norm is then
       counted `kv_replication` times, so divide by it);
     * a replicated KV head's copies each saw some of its query heads: sum
-      over the ranks holding copies of the same head.
+      over the ranks holding copies of the same head;
+    * a sequence-local parameter (a sparse layer's router and experts) saw only
+      the rank's tokens: sum over the tp ranks.
     """
 
     def __init__(
@@ -128,10 +142,13 @@ class TensorParallelGradSync:
             for n, spec in sharding.items()
             if spec.head_local
         ]
+        self.head_local += [(params[n], 1.0) for n, spec in sharding.items() if spec.sequence_local]
         self.kv_copies = [params[n] for n, spec in sharding.items() if spec.kv_replication > 1]
         # Their gradients are final only after this sum (data parallelism waits for it).
         self.parameter_names = frozenset(
-            n for n, spec in sharding.items() if spec.head_local or spec.kv_replication > 1
+            n
+            for n, spec in sharding.items()
+            if spec.head_local or spec.kv_replication > 1 or spec.sequence_local
         )
         self.kv_group = None
         if kv_replication > 1:

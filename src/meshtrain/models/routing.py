@@ -12,11 +12,13 @@ by the microbatches of the global batch: the step's objective is the mean over i
 microbatches of what transformers adds to each, whatever the number of data-parallel
 ranks and accumulation steps the same microbatches are spread over.
 
-Under context parallelism a microbatch's rows are spread over the cp ranks, and the loss
-is not a sum over rows: its T and P multiply. T comes from top-k and has no gradient, so
-the ranks sum their counts and rows (one small all-reduce per forward) and each adds
-E x sum_e T_e P_e with its own probabilities only: the ranks' terms add up to the
-microbatch's loss, and each rank's routers get their exact gradient.
+Under context parallelism a microbatch's rows are spread over the cp ranks (and under
+sequence parallelism over the tp ranks, where the sparse layers run on each rank's
+share of the sequence), and the loss is not a sum over rows: its T and P multiply. T
+comes from top-k and has no gradient, so the ranks sum their counts and rows (one small
+all-reduce per forward) and each adds E x sum_e T_e P_e with its own probabilities
+only: the ranks' terms add up to the microbatch's loss, and each rank's routers get
+their exact gradient.
 
 Under pipeline parallelism a microbatch's sparse layers are spread over the stages. Each
 stage adds its layers' picks (one row per sparse layer of the model) and its summed
@@ -61,7 +63,7 @@ class Routing:
         """`modules`: the rank's model (or stages); `microbatches`: the forwards of one
         global batch (data-parallel ranks x accumulation steps x pipeline microbatches);
         `sequence_group`: the ranks that hold the other rows of this rank's microbatches
-        (cp; None: this rank holds all)."""
+        (cp, and tp under sequence parallelism; None: this rank holds all)."""
         self.coefficient = router_loss_coefficient(config)
         self.experts, self.top_k = num_experts(config), experts_per_token(config)
         self.sparse_layers = sparse_layers(config)
@@ -167,18 +169,18 @@ class Routing:
         return torch.zeros(self.experts, device=logits.device).index_add_(0, chosen, ones)
 
     def step_metrics(
-        self, group: dist.ProcessGroup | None, pipeline: dist.ProcessGroup | None = None
+        self, data: dist.ProcessGroup | None, pipeline: dist.ProcessGroup | None = None
     ) -> dict[str, float]:
         """The step's mean load-balancing loss (where on) and how unevenly the tokens went:
         per sparse layer the busiest expert's tokens over the mean, its largest and its mean
-        over the layers, summed over `group` (the data- and context-parallel ranks) and
-        `pipeline` (the stages: only the last one scores). Collective."""
+        over the layers, summed over the `data`-parallel ranks, the sequence group and the
+        `pipeline` stages (only the last one scores). Collective."""
         counts = self._step_counts
         if counts is None:
             counts = torch.zeros(len(self.sparse_layers), self.experts, device=self.device)
         loss = torch.as_tensor(self._step_loss, dtype=torch.float32, device=counts.device)
         totals = torch.cat([counts.flatten(), loss.reshape(1)])
-        for ranks in (group, pipeline):
+        for ranks in (data, self.sequence_group, pipeline):
             if ranks is not None:
                 dist.all_reduce(totals, group=ranks)
         counts = totals[:-1].view_as(counts)

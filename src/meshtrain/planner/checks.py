@@ -107,24 +107,23 @@ def check_model_vs_data(
     return refusals
 
 
-def check_experts_unsplit(
-    model_config: ArchitectureConfig, splits: list[tuple[str, int]]
+def check_experts_beside_tensor_parallelism(
+    model_config: ArchitectureConfig, tp: int, sequence_parallel: bool
 ) -> list[Refusal]:
-    """A mixture of experts trains on data-, context- and pipeline-parallel layouts for
-    now: its routers and experts are not yet cut over tensor-parallel ranks. `splits`:
-    each splitting axis's `parallel.*` parameter and its degree in the layout."""
-    if not num_experts(model_config):
+    """Under tensor parallelism a mixture of experts' sparse layers run whole on every tp
+    rank, each on its own sequence shard: that needs sequence parallelism (Megatron asks
+    the same), or every tp rank would route and compute every token again."""
+    if not num_experts(model_config) or tp == 1 or sequence_parallel:
         return []
     return [
         Refusal(
-            f"parallel.{parameter}",
-            degree,
-            f"{model_config.model_type} is a mixture of experts, whose sparse layers meshtrain "
-            "does not split that way yet (data, context and pipeline parallelism do)",
-            f"Use parallel.{parameter}=1 (or auto).",
+            "parallel.sequence_parallel",
+            False,
+            f"{model_config.model_type} is a mixture of experts, whose sparse layers run on "
+            f"each tp rank's share of the sequence: with tensor_parallel_size={tp} they need "
+            "sequence parallelism",
+            "Use parallel.sequence_parallel=true (or auto).",
         )
-        for parameter, degree in splits
-        if degree > 1
     ]
 
 

@@ -54,9 +54,11 @@ def mlp_activation_elements(m: ModelShape, t: int) -> float:
     product and the expert's output, with its routing weight, expert index and place in
     the sort (5 elements: two int64s and a weight). That is what transformers' grouped-
     matmul experts save, counted with saved-tensor hooks: within 0.1% at three shapes
-    (docs/moe.md). Tensor parallelism does not split a sparse layer."""
+    (docs/moe.md). Tensor parallelism does not split a sparse layer: it runs whole on
+    the rank's 1/t of the sequence (sequence parallelism, which it needs)."""
     per_expert = 2 * m.hidden + 4 * m.expert_intermediate + 5
-    return m.per_layer(4 * m.intermediate / t, 2 * m.experts + m.experts_per_token * per_expert)
+    sparse = 2 * m.experts + m.experts_per_token * per_expert
+    return m.per_layer(4 * m.intermediate / t, sparse / t)
 
 
 def _mlp_weights(m: ModelShape, t: int, ep: int = 1) -> float:

@@ -19,7 +19,7 @@ from meshtrain.planner.candidate import Candidate
 from meshtrain.planner.checks import (
     check_activation_checkpointing,
     check_batch_vs_data,
-    check_experts_unsplit,
+    check_experts_beside_tensor_parallelism,
     check_model_vs_data,
     check_routing,
     global_batch_size,
@@ -129,13 +129,9 @@ def resolve_layout(
     refusals += [r for found in checks for r in found.options]
     notes = [note for found in checks for note in found.notes]
     refusals += check_activation_checkpointing(c.activation_checkpointing)
-    # ep is taken from the dp x cp ranks: the expert axis checks it itself.
-    splits = [
-        (axis.parameter, c.degree(axis.short))
-        for axis in AXES
-        if axis.short not in ("dp", "ep", "cp", "pp")
-    ]
-    refusals += check_experts_unsplit(model_config, splits)
+    refusals += check_experts_beside_tensor_parallelism(
+        model_config, c.tp, c.choice("sequence_parallel")
+    )
     refusals += check_routing(model_config)
     found, found_notes = check_batch_vs_data(
         train,

@@ -131,9 +131,7 @@ def search_space(
     for tp, pp, cp in sizes:
         dp = world // (tp * pp * cp)
         for sdp in sharding_options(run, dp, tp, cp):
-            for ep in expert.AXIS.search_degrees(
-                run, model_config, ranks=dp * cp, sdp=sdp, splits=tp
-            ):
+            for ep in expert.AXIS.search_degrees(run, model_config, ranks=dp * cp, sdp=sdp):
                 for ac in ac_options:
                     parallel = dataclasses.replace(
                         par,

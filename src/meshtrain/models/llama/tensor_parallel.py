@@ -25,6 +25,7 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -72,12 +73,21 @@ def tensor_parallel_plan(model: nn.Module, *, sequence_parallel: bool) -> dict[s
         )
     if sp and hasattr(model.model, "norm"):
         plan["model.norm"] = SequenceParallel()
-    for index, _ in decoder_layers(model):
+    for index, decoder_layer in decoder_layers(model):
         layer = f"model.layers.{index}"
+        sparse = is_sparse(decoder_layer)
+        if sparse and not sp:
+            raise ValueError(
+                "tensor parallelism of a mixture of experts needs sequence parallelism"
+            )
         for name in COLUMN_PARALLEL:
+            if sparse and name.startswith("mlp."):
+                continue
             lora = isinstance(model.get_submodule(f"{layer}.{name}"), LoraLayer)
             plan[f"{layer}.{name}"] = LoraColwiseParallel() if lora else ColwiseParallel()
         for name in ROW_PARALLEL:
+            if sparse and name.startswith("mlp."):
+                continue
             style = (
                 LoraRowwiseParallel
                 if isinstance(model.get_submodule(f"{layer}.{name}"), LoraLayer)
@@ -97,12 +107,49 @@ def tensor_parallel_plan(model: nn.Module, *, sequence_parallel: bool) -> dict[s
             desired_input_kwarg_layouts={"hidden_states": Replicate()},
             use_local_output=False,
         )
-        plan[f"{layer}.mlp"] = PrepareModuleInput(
-            input_layouts=(residual,),
-            desired_input_layouts=(Replicate(),),
-            use_local_output=False,
+        plan[f"{layer}.mlp"] = (
+            sparse_mlp_style()
+            if sparse
+            else PrepareModuleInput(
+                input_layouts=(residual,),
+                desired_input_layouts=(Replicate(),),
+                use_local_output=False,
+            )
         )
     return plan
+
+
+def is_sparse(decoder_layer: nn.Module) -> bool:
+    """Whether a decoder layer's MLP is a mixture of experts (a router and experts)."""
+    return hasattr(decoder_layer.mlp, "experts")
+
+
+def sparse_mlp_style() -> ParallelStyle:
+    """A mixture of experts' MLP (router and experts) under sequence parallelism: whole
+    on every tp rank, run on the rank's own sequence shard as plain tensors (Megatron's
+    expert tensor parallelism of 1, which needs SP too). No collective enters or leaves
+    it; its weights' gradients, partial over tp, are summed like the per-head norms'
+    (`sequence_local_parameters`)."""
+    shard = Shard(1)
+    return PrepareModuleInputOutput(
+        input_layouts=(shard,),
+        desired_input_layouts=(shard,),
+        use_local_input=True,
+        output_layouts=(shard,),
+        desired_output_layouts=(shard,),
+        use_local_output=False,
+    )
+
+
+def sequence_local_parameters(model: nn.Module) -> list[str]:
+    """The parameters of every sparse layer's MLP (router and experts): whole on every
+    tp rank, each rank's gradient covering its sequence shard only."""
+    return [
+        f"model.layers.{index}.mlp.{name}"
+        for index, layer in decoder_layers(model)
+        if is_sparse(layer)
+        for name, _ in layer.mlp.named_parameters()
+    ]
 
 
 def replicate_kv_heads(model: nn.Module, factor: int) -> list[str]:
@@ -191,4 +238,5 @@ def apply_tensor_parallel(
         kv_replication=kv_replication,
         head_dim=decoder_layers(model)[0][1].self_attn.head_dim,
         head_local=head_local_parameters(model),
+        sequence_local=sequence_local_parameters(model),
     )

@@ -83,8 +83,9 @@ def activation_bytes(step: StepShape) -> int:
 
 
 def pair_rows(m: ModelShape, step: StepShape) -> int:
-    """(token, expert) pairs of one microbatch on a rank: its tokens x top-k."""
-    return step.microbatch_size * step.local_seq_len * m.experts_per_token
+    """(token, expert) pairs of one microbatch on a rank: its tokens x top-k (under
+    tensor parallelism its share of the sequence: the sparse layers run under SP)."""
+    return step.microbatch_size * step.local_seq_len // step.tp * m.experts_per_token
 
 
 def dispatch_bytes(m: ModelShape, step: StepShape) -> float:
@@ -267,16 +268,15 @@ class ExpertAxis(AxisBase):
         return expert_degrees(num_experts(model_config), run.launch.world_size)
 
     def search_degrees(
-        self, run: RunConfig, model_config: ArchitectureConfig, *, ranks: int, sdp: int, splits: int
+        self, run: RunConfig, model_config: ArchitectureConfig, *, ranks: int, sdp: int
     ) -> list[int]:
         """The ep sizes to weigh on one layout of the search: as given, or at `auto` those
-        dividing its `ranks` (dp x cp), only where nothing else splits the experts (`splits`:
-        tp, which a mixture of experts refuses), unsharded or fully sharded
-        (hybrid sharding is not built beside ep)."""
+        dividing its `ranks` (dp x cp), unsharded or fully sharded (hybrid sharding is not
+        built beside ep)."""
         degree = getattr(run.parallel, PARAMETER)
         if degree != AUTO:
             return [degree]
-        if splits > 1 or 1 < sdp < ranks:
+        if 1 < sdp < ranks:
             return [1]
         return [d for d in self.degrees(run, model_config) if ranks % d == 0]
 
