@@ -283,6 +283,7 @@ CASES = [
     # planner.*
     case("planner.memory_margin=1.5", id="margin-above-one"),
     case("planner.device=tpu", id="unknown-device"),
+    case("planner.moe_imbalance=0.8", id="moe-imbalance-below-one"),
 ]
 
 

@@ -241,11 +241,14 @@ def test_a_mixture_of_experts_trains_with_its_routing_tracked(project: Path, def
     )
     assert tracked.data.params["parallel.expert_parallel_size"] == "2"
     assert "-ep2" in tracked.data.tags["meshtrain.layout"]
-    for metric in ("router_loss", "expert_load_max_over_mean"):
+    for metric in ("router_loss", "expert_load_max_over_mean", "expert_rank_load_max_over_mean"):
         history = client.get_metric_history(tracked.info.run_id, metric)
         assert len(history) == 8, metric
     loads = client.get_metric_history(tracked.info.run_id, "expert_load_max_over_mean")
     assert all(1.0 <= point.value <= 8.0 for point in loads)
+    # Two ep ranks: the busier receives at most all of its group's rows.
+    ranks = client.get_metric_history(tracked.info.run_id, "expert_rank_load_max_over_mean")
+    assert all(1.0 <= point.value <= 2.0 for point in ranks)
     consolidated = project / "data/06_models/moe"
     assert (consolidated / "model.safetensors").is_file()
     summary = json.loads((project / "data/06_models/training_summary.json").read_text())

@@ -196,6 +196,10 @@ class PlannerConfig:
     # Run the plan's busiest ranks on fake tensors (`meshtrain.dryrun`) and keep the
     # result with the plan.
     dry_run: bool = False
+    # Under expert parallelism, the rows the busiest rank of an ep group receives over the
+    # mean (dropless routing is uneven; a run logs what it measured as
+    # `expert_rank_load_max_over_mean`): its dispatch buffers, all-to-alls and compute.
+    moe_imbalance: float = 1.25
 
     def check(self) -> None:
         check_ranges(self, PLANNER_RANGES)

@@ -172,4 +172,11 @@ PLANNER_RANGES: tuple[RangeRow, ...] = (
         "`planner.memory_margin` is {value}; use a fraction in [0, 1), e.g. 0.1 to keep 10% "
         "of device memory free.",
     ),
+    (
+        "moe_imbalance",
+        Bound(low=1),
+        "`planner.moe_imbalance` is {value}; use the busiest expert-parallel rank's rows over "
+        "the mean, at least 1 (1.25: 25% more; a run logs it as "
+        "expert_rank_load_max_over_mean).",
+    ),
 )

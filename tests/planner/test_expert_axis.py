@@ -348,3 +348,23 @@ def test_tensor_parallelism_without_sequence_parallelism_is_refused() -> None:
         )
     (refusal,) = [r for r in info.value.refusals if r.parameter == "parallel.sequence_parallel"]
     assert "mixture of experts" in refusal.reason and "sequence_parallel=true" in refusal.fix
+
+
+def test_the_assumed_imbalance_is_a_setting() -> None:
+    """`planner.moe_imbalance` sizes the busiest rank's dispatch and all-to-alls."""
+    layout = {"data_parallel_size": 4, "expert_parallel_size": 2}
+    runs = {
+        imbalance: _plan(
+            _config(),
+            launch={"nproc_per_node": 4},
+            parallel=layout,
+            planner={"moe_imbalance": imbalance},
+        )
+        for imbalance in (1.0, 1.25, 2.0)
+    }
+    dispatch = {k: p.memory_estimate_per_rank.get("expert_dispatch", 0) for k, p in runs.items()}
+    assert dispatch[1.0] == 0 < dispatch[1.25] < dispatch[2.0]
+    assert dispatch[2.0] == pytest.approx(4 * dispatch[1.25], rel=1e-6)
+    times = {k: p.time_estimate["ep_all_to_all_s"] for k, p in runs.items()}
+    assert times[1.0] < times[1.25] < times[2.0]
+    assert runs[2.0].time_estimate["ep_imbalance"] == 2.0

@@ -94,7 +94,7 @@ def build_rank(
     batch = batch_split(plan, training)
     forwards = dims.dp * batch.accumulation_steps * pm.backward_passes_per_batch
     sequence = dims.sequence_group(plan.layout.sequence_parallel)
-    pm.use_routing(Routing.of(pm.modules, pm.hf_config, forwards, sequence))
+    pm.use_routing(Routing.of(pm.modules, pm.hf_config, forwards, sequence, dims.ep_group))
     optimizer, optimizer_state = build_optimizer(
         pm, training=training, accumulation_steps=batch.accumulation_steps
     )

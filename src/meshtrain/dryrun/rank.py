@@ -132,13 +132,21 @@ def _block(plan: Plan) -> int:
     return plan.tokens_per_step // plan.global_batch_size
 
 
+# Accumulation steps a dry-run step runs at most: the first (no gradients yet), one in
+# the middle (gradients held, not yet reduced) and the last (reduced: FSDP2's reduce-
+# scatter, the flat buffer's buckets). Every other is the middle one again, to the byte,
+# and a step of 32 took 32 x the time to find the same peak.
+MICROBATCHES = 3
+
+
 def _batches(plan: Plan, rank: RankParts) -> list[TokenBatch]:
-    """One step's microbatches on this rank: random ids of the planned shape."""
+    """One step's microbatches on this rank (`MICROBATCHES` at most): random ids of the
+    planned shape."""
     vocab = plan.model_config["vocab_size"]
     shape = (rank.batch.per_device, _block(plan))
     return [
         TokenBatch.of_ids(torch.randint(vocab, shape, device=rank.device))
-        for _ in range(rank.batch.accumulation_steps)
+        for _ in range(min(rank.batch.accumulation_steps, MICROBATCHES))
     ]
 
 

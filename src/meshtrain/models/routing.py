@@ -59,16 +59,19 @@ class Routing:
         config: object,
         microbatches: int,
         sequence_group: dist.ProcessGroup | None = None,
+        expert_group: dist.ProcessGroup | None = None,
     ) -> None:
         """`modules`: the rank's model (or stages); `microbatches`: the forwards of one
         global batch (data-parallel ranks x accumulation steps x pipeline microbatches);
         `sequence_group`: the ranks that hold the other rows of this rank's microbatches
-        (cp, and tp under sequence parallelism; None: this rank holds all)."""
+        (cp, and tp under sequence parallelism; None: this rank holds all);
+        `expert_group`: the ranks the experts are split over (ep; None: off)."""
         self.coefficient = router_loss_coefficient(config)
         self.experts, self.top_k = num_experts(config), experts_per_token(config)
         self.sparse_layers = sparse_layers(config)
         self.share = 1.0 / microbatches
         self.sequence_group = sequence_group
+        self.expert_group = expert_group
         self.device = next(p.device for m in modules for p in m.parameters())
         self._logits: list[torch.Tensor] = []
         self._collecting = False
@@ -86,8 +89,11 @@ class Routing:
         config: object,
         microbatches: int,
         sequence_group: dist.ProcessGroup | None = None,
+        expert_group: dist.ProcessGroup | None = None,
     ) -> Routing | None:
-        return cls(modules, config, microbatches, sequence_group) if is_moe(config) else None
+        if not is_moe(config):
+            return None
+        return cls(modules, config, microbatches, sequence_group, expert_group)
 
     def _keep(self, module: nn.Module, inputs: object, output: tuple) -> None:
         # Not during activation checkpointing's recomputation in the backward.
@@ -179,17 +185,38 @@ class Routing:
         if counts is None:
             counts = torch.zeros(len(self.sparse_layers), self.experts, device=self.device)
         loss = torch.as_tensor(self._step_loss, dtype=torch.float32, device=counts.device)
+        metrics = self._rank_load(counts) if self.expert_group is not None else {}
         totals = torch.cat([counts.flatten(), loss.reshape(1)])
         for ranks in (data, self.sequence_group, pipeline):
             if ranks is not None:
                 dist.all_reduce(totals, group=ranks)
         counts = totals[:-1].view_as(counts)
-        imbalance = counts.max(dim=1).values / counts.mean(dim=1).clamp(min=1e-9)
-        metrics = {
-            "expert_load_max_over_mean": float(imbalance.max()),
-            "expert_load_max_over_mean_avg": float(imbalance.mean()),
+        metrics |= {
+            "expert_load_max_over_mean": float(_max_over_mean(counts).max()),
+            "expert_load_max_over_mean_avg": float(_max_over_mean(counts).mean()),
         }
         if self.coefficient:
             metrics["router_loss"] = float(totals[-1])
         self._step_counts, self._step_loss = None, 0.0
         return metrics
+
+    def _rank_load(self, counts: torch.Tensor) -> dict[str, float]:
+        """Under expert parallelism, the rows the busiest rank of an ep group received in
+        the step over the group's mean, per sparse layer (what the planner's
+        `moe_imbalance` assumes): the largest over layers and groups, and the largest
+        group's mean over layers. `counts`: this rank's picks. Collective (all ranks)."""
+        received = counts.clone()
+        dist.all_reduce(received, group=self.expert_group)
+        ep = dist.get_world_size(self.expert_group)
+        ratio = _max_over_mean(received.view(len(self.sparse_layers), ep, -1).sum(dim=-1))
+        worst = torch.stack([ratio.max(), ratio.mean()])
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        return {
+            "expert_rank_load_max_over_mean": float(worst[0]),
+            "expert_rank_load_max_over_mean_avg": float(worst[1]),
+        }
+
+
+def _max_over_mean(load: torch.Tensor) -> torch.Tensor:
+    """Per row (sparse layer), its largest entry over its mean (0 where it is empty)."""
+    return load.max(dim=1).values / load.mean(dim=1).clamp(min=1e-9)

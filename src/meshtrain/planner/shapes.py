@@ -211,6 +211,8 @@ class StepShape:
     cp: int = 1
     packed: bool = False
     cp_fused_backward: bool = False
+    # Under expert parallelism, the busiest rank's dispatched rows over the mean.
+    moe_imbalance: float = 1.25
 
     @property
     def local_seq_len(self) -> int:

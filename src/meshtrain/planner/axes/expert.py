@@ -12,10 +12,11 @@ dispatch buffers, the all-to-all time and its lines in the explanation.
   their experts' ranks by an uneven all-to-all and come back the same way: two forward,
   the same two backward, and under full checkpointing the forward's two again. Of each,
   (ep - 1)/ep leaves the rank. The all-to-all of E counts before each is left out (tiny).
-- Dropless routing is uneven: the busiest rank receives `IMBALANCE` x the mean rows
-  (an assumption, not measured here). It sizes what that rank keeps beyond the mean for
-  each sparse layer's backward (the expert side of its activations), the all-to-alls (the
-  busiest rank gates each one) and that rank's extra expert compute.
+- Dropless routing is uneven: the busiest rank receives `planner.moe_imbalance` x the
+  mean rows (1.25 by default; a run logs what it measured). It sizes what that rank
+  keeps beyond the mean for each sparse layer's backward (the expert side of its
+  activations), the all-to-alls (the busiest rank gates each one) and that rank's extra
+  expert compute.
 """
 
 from __future__ import annotations
@@ -44,11 +45,6 @@ from meshtrain.planner.types import Plan, Refusal, divisors, format_values
 
 # The parameter (and `config.Layout` field) this axis owns; other modules name it here.
 PARAMETER = "expert_parallel_size"
-
-# The busiest rank of an ep group receives this many times the mean rows of a sparse
-# layer's dispatch (1.25: 25% more). Dropless routing is uneven and the planner cannot see
-# the data; `planner.moe_imbalance` (issue 47) would make it a setting.
-IMBALANCE = 1.25
 
 
 def expert_degree(layout: Layout) -> int:
@@ -98,7 +94,7 @@ def dispatch_bytes(m: ModelShape, step: StepShape) -> float:
     if expert_degree(step.layout) == 1:
         return 0.0
     receiving_side = m.hidden + 4 * m.expert_intermediate
-    return (IMBALANCE - 1) * pair_rows(m, step) * receiving_side * activation_bytes(step)
+    return (step.moe_imbalance - 1) * pair_rows(m, step) * receiving_side * activation_bytes(step)
 
 
 def dispatch_breakdown(m: ModelShape, step: StepShape, *, layers: float, in_flight: int) -> int:
@@ -174,14 +170,15 @@ def estimate_expert_time(
 ) -> dict[str, float]:
     """ep's seconds in one step (`flops`: the model's training FLOPs per token): the
     all-to-alls, none hidden (the experts wait for their rows), on the busiest rank, and
-    that rank's extra expert compute (`IMBALANCE` - 1 of the mean)."""
+    that rank's extra expert compute (`moe_imbalance` - 1 of the mean)."""
     ep = expert_degree(step.layout)
     payload = pair_rows(m, step) * m.hidden * activation_bytes(step)  # one, the mean rank
-    one = all_to_all(IMBALANCE * payload, ep, link(device, ep * step.tp), device.latency_us)
+    imbalance = step.moe_imbalance
+    one = all_to_all(imbalance * payload, ep, link(device, ep * step.tp), device.latency_us)
     per_layer = 4 + 2 * (step.activation_checkpointing == "full")
     rounds = sparse_layers_on_busiest_rank(m, step) * timing.microbatches
     exchange = rounds * per_layer * one
-    extra = timing.compute_s * expert_compute_share(m, step, flops) * (IMBALANCE - 1)
+    extra = timing.compute_s * expert_compute_share(m, step, flops) * (imbalance - 1)
     return {
         "expert_parallel_s": exchange + extra,
         "ep_replicas": float(step.grad_ranks // ep),
@@ -189,7 +186,7 @@ def estimate_expert_time(
         "ep_all_to_all_per_layer_s": one,
         "ep_all_to_alls_per_layer": float(per_layer),
         "ep_all_to_all_bytes": float(payload),
-        "ep_imbalance": IMBALANCE,
+        "ep_imbalance": imbalance,
         "ep_imbalance_compute_s": extra,
     }
 
@@ -211,8 +208,8 @@ def expert_line(plan: Plan) -> str:
         f"all-to-alls of {t['ep_all_to_all_bytes'] / 2**20:.1f} MiB a rank ({(ep - 1) / ep:.0%} "
         f"leaving it), {t['ep_all_to_all_per_layer_s'] * 1e3:.2f} ms each: "
         f"{t['ep_all_to_all_s']:.2f} s per step, none hidden behind compute; routing "
-        f"imbalance {IMBALANCE:g} assumed (the busiest rank receives "
-        f"{IMBALANCE - 1:.0%} more rows than the mean): its dispatch buffers, and "
+        f"imbalance {t['ep_imbalance']:g} assumed (the busiest rank receives "
+        f"{t['ep_imbalance'] - 1:.0%} more rows than the mean): its dispatch buffers, and "
         f"{t['ep_imbalance_compute_s']:.2f} s of extra expert compute per step"
     )
 
