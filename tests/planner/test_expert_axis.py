@@ -287,12 +287,14 @@ def test_auto_on_eight_h100_shards_the_experts_over_their_replicas(capsys) -> No
     assert "(ep1)" in note and "x slower" in note
 
 
-@pytest.mark.parametrize(("devices", "device"), [("16", "h100"), ("8", "h200")])
+@pytest.mark.parametrize(("devices", "device"), [("16", "h100"), ("16", "h200")])
 def test_auto_picks_ep_for_qwen3_30b_where_memory_needs_it(
     capsys, devices: str, device: str
 ) -> None:
-    """With room for the experts (16 H100s: two replicas to split their moments over; or
-    H200s) a layout with expert parallelism fits and is faster than sharding."""
+    """With room for the experts (16 GPUs: two replicas to split their moments over) a
+    layout with expert parallelism fits and is faster than sharding. (On 8 H200s the
+    unsharded ep layouts miss by a few GiB: selective recomputation keeps each sparse
+    layer's exchanged rows.)"""
     plan = _cli(capsys, "--devices", devices, "--device", device)
     layout = plan["layout"]
     ep = layout["expert_parallel_size"]

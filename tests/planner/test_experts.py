@@ -79,12 +79,12 @@ def test_context_parallelism_of_a_mixture_of_experts_plans_with_ep_from_its_rank
 ) -> None:
     """cp splits every sequence, sparse layers included; ep is taken from dp x cp."""
     path = str(EXAMPLES / "qwen3-30b-a3b.json")
-    args = [*_plan(path), "--devices", "8", "--device", "h100", "--seq-len", "16384"]
+    args = [*_plan(path), "--devices", "16", "--device", "h100", "--seq-len", "16384"]
     assert main([*args, "--cp", "2", "--ep", "8", "--bf16"]) == 0
-    assert "chosen: dp4-tp1-pp1-cp2-ep8-" in capsys.readouterr().out.splitlines()[1]
-    assert main([*args, "--cp", "4", "--ep", "8", "--tp", "2"]) == 1
+    assert "chosen: dp8-tp1-pp1-cp2-ep8-" in capsys.readouterr().out.splitlines()[1]
+    assert main([*args, "--cp", "4", "--ep", "16", "--tp", "2"]) == 1
     out = capsys.readouterr().out
-    assert "taken from the 4 data- x context-parallel ranks, so it must divide 4" in out
+    assert "taken from the 8 data- x context-parallel ranks, so it must divide 8" in out
 
 
 @pytest.mark.parametrize("targets", ["all-linear", ["q_proj", "gate_proj"], r".*_proj"])

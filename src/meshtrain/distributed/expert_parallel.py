@@ -76,7 +76,7 @@ class ExpertParallel:
         experts and weights (tokens x k), with this rank's `experts`."""
         tokens, k = top_k_index.shape
         expert_ids, order = torch.sort(top_k_index.reshape(-1), stable=True)
-        sent = hidden[order // k]
+        sent = in_compute_dtype(hidden[order // k])
         send_sizes, from_each = self.exchange_counts(expert_ids)
         receive_sizes = [sum(row) for row in from_each]
         received = _exchange(sent, receive_sizes, send_sizes, self.group)
@@ -87,6 +87,16 @@ class ExpertParallel:
         weighted = returned * top_k_weights.reshape(-1)[order].unsqueeze(-1).to(returned.dtype)
         pairs = weighted.new_zeros(tokens * k, weighted.shape[-1]).index_copy(0, order, weighted)
         return pairs.view(tokens, k, -1).sum(dim=1).to(hidden.dtype)
+
+
+def in_compute_dtype(rows: torch.Tensor) -> torch.Tensor:
+    """`rows` in the dtype the experts' matmuls run in: autocast's where it is on (the
+    rows travel in it, half the bytes of an fp32 residual stream, and come back in it as
+    the experts' outputs do), else their own."""
+    device = rows.device.type
+    if torch.is_autocast_enabled(device):
+        return rows.to(torch.get_autocast_dtype(device))
+    return rows
 
 
 def _exchange(
@@ -140,10 +150,14 @@ class ExpertShard(nn.Module):
 
     def _local_experts(self, rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """The gated MLP of each local expert over its rows, as one grouped matmul each way
-        (transformers' own dispatcher: the kernel, or its fallback, as the model runs it)."""
+        (transformers' own dispatcher: the kernel, or its fallback, as the model runs it),
+        the weights cast to the rows' dtype as autocast casts a linear's."""
         offs = offsets.to(torch.int32)
-        gate, up = hf_moe._grouped_mm(rows, self.gate_up_proj.transpose(-2, -1), offs).chunk(2, -1)
-        return hf_moe._grouped_mm(self.act_fn(gate) * up, self.down_proj.transpose(-2, -1), offs)
+        gate_up, down = (
+            w.to(rows.dtype).transpose(-2, -1) for w in (self.gate_up_proj, self.down_proj)
+        )
+        gate, up = hf_moe._grouped_mm(rows, gate_up, offs).chunk(2, -1)
+        return hf_moe._grouped_mm(self.act_fn(gate) * up, down, offs)
 
 
 def is_experts_module(module: nn.Module) -> bool:

@@ -28,8 +28,10 @@ def layer_activation_elements(m: ModelShape, step: StepShape) -> tuple[float, fl
         # collective (no collective runs twice): q, k, v, attention, gate, up, and
         # o_proj's and down_proj's whole-width partial sums; under tp also those sums
         # all-reduced (or reduce-scattered under SP, which also keeps the two all-gathered
-        # norm outputs). Norms, rotary, SiLU and the gating product are recomputed.
-        core = 2 * h / t + 2 * kv + 2 * i / t + per_head + 2 * h
+        # norm outputs). Norms, rotary, SiLU and the gating product are recomputed. A
+        # sparse layer keeps its router's logits and recomputes its experts (grouped
+        # matmuls are not kept; what an exchange under ep keeps: `axes.expert`).
+        core = 2 * h / t + 2 * kv + m.per_layer(2 * i / t, m.experts) + per_head + 2 * h
         if t == 1:
             return h, core
         if step.sequence_parallel:

@@ -208,6 +208,7 @@ def _layout_step_shape(
         # The engine's fused CPU backward (distributed/gathered_attention.py).
         cp_fused_backward=context.device.name == "cpu",
         moe_imbalance=run.planner.moe_imbalance,
+        accumulation=run.training.gradient_accumulation_steps,
         # The profile times the layers a converter runs on that converter's table.
         converters=converter_names(
             run.training, on_cpu=context.device.name == "cpu", tensor_parallel=c.tp > 1

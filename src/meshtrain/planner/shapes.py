@@ -213,6 +213,8 @@ class StepShape:
     cp_fused_backward: bool = False
     # Under expert parallelism, the busiest rank's dispatched rows over the mean.
     moe_imbalance: float = 1.25
+    # Forwards and backwards per optimizer step on the rank, outside a pipeline's own.
+    accumulation: int = 1
 
     @property
     def local_seq_len(self) -> int:

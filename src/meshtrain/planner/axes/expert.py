@@ -86,15 +86,22 @@ def pair_rows(m: ModelShape, step: StepShape) -> int:
 
 def dispatch_bytes(m: ModelShape, step: StepShape) -> float:
     """What one sparse layer keeps per microbatch for its backward on the busiest rank
-    beyond the mean, which the sparse layer's activations already count (0 at ep 1). The
+    beyond the mean, which the sparse layer's activations already count (0 at ep 1;
+    under selective recomputation what the exchange keeps, below). The
     dispatch saves what one rank holding every expert saves: its experts' gathered input
     rows and their gate, up, activation and product on the rank that computes them, the
     results on the rank whose tokens they are (`distributed.expert_parallel`: the buffers
     sent and received are not kept); only the computing side follows the imbalance."""
     if expert_degree(step.layout) == 1:
         return 0.0
+    rows = pair_rows(m, step) * activation_bytes(step)
+    if step.activation_checkpointing == "selective":
+        # Selective recomputation keeps every collective's output and recomputes the
+        # experts (`distributed/activation_checkpoint.py`): the rows the rank received
+        # (the busiest: moe_imbalance x the mean) and the results it got back.
+        return (step.moe_imbalance + 1) * rows * m.hidden
     receiving_side = m.hidden + 4 * m.expert_intermediate
-    return (step.moe_imbalance - 1) * pair_rows(m, step) * receiving_side * activation_bytes(step)
+    return (step.moe_imbalance - 1) * rows * receiving_side
 
 
 def dispatch_breakdown(m: ModelShape, step: StepShape, *, layers: float, in_flight: int) -> int:

@@ -65,7 +65,10 @@ def sharded_model_states(
     bf16_master), fp32 gradients (FSDP2 casts the reduced gradient to the parameter's
     dtype) and the two moments, padded to a multiple of N. `experts`: of `local`, the
     experts that expert parallelism splits, sharded over the `expert_shards` ranks that
-    hold them instead."""
+    hold them instead. The sharded gradients are made by the first backward's reduce-
+    scatters, after the peak at its start; with gradient accumulation (no pipeline) every
+    later backward starts with all of them (Qwen3-30B-A3B on 8 x h100, 32 accumulation
+    steps: the dry run's peak at the second backward's start holds them)."""
     experts_shard = math.ceil(experts / expert_shards) if experts else 0
     shard = math.ceil((local - experts) / step.shard_ranks) + experts_shard
     return MemoryEstimate(
@@ -75,7 +78,7 @@ def sharded_model_states(
         activations=activations,
         loss=loss,
         gathered=gathered,
-        gradients_at_peak=False,
+        gradients_at_peak=step.accumulation > 1 and step.pp == 1,
         expert_parameters=experts_shard * BYTES_FP32,
         expert_gradients=experts_shard * BYTES_FP32,
         expert_optimizer_states=experts_shard * step.optimizer_bytes,
