@@ -11,16 +11,9 @@ import torch
 
 from meshtrain.models import build_model, build_model_config
 from meshtrain.models.routing import Routing
+from tests.models.test_expert_layout import SHAPE as STORED_SHAPE
 
-SHAPE = {
-    "hidden_size": 32,
-    "intermediate_size": 48,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "output_router_logits": True,
-    "router_aux_loss_coef": 0.1,
-}
+SHAPE = {**STORED_SHAPE, "output_router_logits": True, "router_aux_loss_coef": 0.1}
 EXPERTS = {
     "qwen3_moe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 16},
     "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
