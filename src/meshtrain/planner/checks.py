@@ -120,7 +120,7 @@ def check_experts_beside_tensor_parallelism(
             "parallel.sequence_parallel",
             False,
             f"{model_config.model_type} is a mixture of experts, whose sparse layers run on "
-            f"each tp rank's share of the sequence: with tensor_parallel_size={tp} they need "
+            f"each tp rank's share of the sequence: with tensor parallelism (tp={tp}) they need "
             "sequence parallelism",
             "Use parallel.sequence_parallel=true (or auto).",
         )
