@@ -80,14 +80,10 @@ def tensor_parallel_plan(model: nn.Module, *, sequence_parallel: bool) -> dict[s
             raise ValueError(
                 "tensor parallelism of a mixture of experts needs sequence parallelism"
             )
-        for name in COLUMN_PARALLEL:
-            if sparse and name.startswith("mlp."):
-                continue
+        for name in _split_projections(COLUMN_PARALLEL, sparse):
             lora = isinstance(model.get_submodule(f"{layer}.{name}"), LoraLayer)
             plan[f"{layer}.{name}"] = LoraColwiseParallel() if lora else ColwiseParallel()
-        for name in ROW_PARALLEL:
-            if sparse and name.startswith("mlp."):
-                continue
+        for name in _split_projections(ROW_PARALLEL, sparse):
             style = (
                 LoraRowwiseParallel
                 if isinstance(model.get_submodule(f"{layer}.{name}"), LoraLayer)
@@ -117,6 +113,12 @@ def tensor_parallel_plan(model: nn.Module, *, sequence_parallel: bool) -> dict[s
             )
         )
     return plan
+
+
+def _split_projections(names: tuple[str, ...], sparse: bool) -> list[str]:
+    """Of a layer's projections, those tp splits: a sparse layer's MLP has none of its
+    own (its experts run whole, `sparse_mlp_style`)."""
+    return [name for name in names if not (sparse and name.startswith("mlp."))]
 
 
 def is_sparse(decoder_layer: nn.Module) -> bool:
