@@ -137,12 +137,12 @@ class TensorParallelGradSync:
         kv_replication: int,
     ) -> None:
         self.tp_group = mesh.get_group("tp") if mesh["tp"].size() > 1 else None
-        self.head_local = [
-            (params[n], 1.0 if spec.head_local == "q" else 1.0 / kv_replication)
+        # (parameter, scale) of the gradients that are partial sums over the tp ranks.
+        self.partial = [
+            (params[n], 1.0 if spec.head_local != "k" else 1.0 / kv_replication)
             for n, spec in sharding.items()
-            if spec.head_local
+            if spec.head_local or spec.sequence_local
         ]
-        self.head_local += [(params[n], 1.0) for n, spec in sharding.items() if spec.sequence_local]
         self.kv_copies = [params[n] for n, spec in sharding.items() if spec.kv_replication > 1]
         # Their gradients are final only after this sum (data parallelism waits for it).
         self.parameter_names = frozenset(
@@ -161,7 +161,7 @@ class TensorParallelGradSync:
             self.kv_group = kv_mesh.get_group("kv_copy")
 
     def __call__(self) -> None:
-        for parameter, scale in self.head_local:
+        for parameter, scale in self.partial:
             grad = accumulated_grad(parameter)
             dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=self.tp_group)
             if scale != 1.0:
