@@ -24,6 +24,10 @@ class LoraSettings:
     # must match), "all-linear" (every Linear but the LM head), or null (PEFT's default
     # for the model type: q_proj and v_proj in the Llama family).
     target_modules: str | list[str] | None = None
+    # PEFT's meaning: parameters adapted directly (a name matches a parameter whose dotted
+    # name is it or ends with "." + it): a mixture of experts' routers (gate.weight) and
+    # 3-D experts (gate_up_proj, down_proj); see `models.parameter_targets`.
+    target_parameters: list[str] | None = None
     use_rslora: bool = False  # scale by alpha / sqrt(r) instead of alpha / r
     # LoRA on a randomly initialised model trains a low-rank update of noise: refused
     # unless this is set (e.g. to test a layout without a pretrained folder).
@@ -65,7 +69,6 @@ _PEFT_UNSUPPORTED = (
     "lora_bias",
     "trainable_token_indices",
     "use_qalora",
-    "target_parameters",
 )
 
 
@@ -89,7 +92,8 @@ def peft_only_defaults(values: dict[str, Any]) -> dict[str, Any]:
         if name in values:
             raise ConfigError(
                 f"`model.lora.{name}`: PEFT's `{name}` is not implemented by meshtrain's LoRA "
-                "(r, lora_alpha, lora_dropout, target_modules and use_rslora are). Remove it."
+                "(r, lora_alpha, lora_dropout, target_modules, target_parameters and use_rslora "
+                "are). Remove it."
             )
     return values
 
@@ -110,7 +114,14 @@ def check_lora(settings: LoraSettings) -> None:
             f"`model.lora.lora_dropout` is {settings.lora_dropout}; use a probability in "
             "[0, 1), e.g. 0.05 (1 would drop every input of the adapters)."
         )
+    if settings.target_parameters is not None and not settings.target_parameters:
+        raise ConfigError(
+            "`model.lora.target_parameters` is empty; name a mixture of experts' parameters "
+            "(e.g. [gate_up_proj, down_proj]) or leave it out."
+        )
     if isinstance(settings.target_modules, list) and not settings.target_modules:
+        if settings.target_parameters:
+            return  # PEFT's way to adapt the parameters only
         raise ConfigError(
             "`model.lora.target_modules` is empty; name modules (e.g. [q_proj, v_proj]), "
             "use all-linear, or null for PEFT's default."

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
 
-from meshtrain.checkpoint.consolidate.lora import PEFT_PREFIX
+from meshtrain.checkpoint.consolidate.peft_layout import PEFT_PREFIX
 from meshtrain.data.blocks import BlockStore, arrow_files
 from meshtrain.data.sampler import GlobalBatchSampler
 from meshtrain.models import build_model, build_model_config

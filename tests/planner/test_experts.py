@@ -87,17 +87,40 @@ def test_context_parallelism_of_a_mixture_of_experts_plans_with_ep_from_its_rank
     assert "taken from the 8 data- x context-parallel ranks, so it must divide 8" in out
 
 
-@pytest.mark.parametrize("targets", ["all-linear", ["q_proj", "gate_proj"], r".*_proj"])
-def test_lora_targets_that_peft_spreads_onto_the_experts_are_refused(targets) -> None:
-    """PEFT adapts a MoE's routers and 3-D experts for all-linear, the MLP's names and
-    regular expressions reaching them; meshtrain refuses those and takes the attention."""
+@pytest.mark.parametrize(
+    ("lora", "refusal"),
+    [
+        ({"target_modules": ["q_proj", "gate_proj"]}, "names gate_proj without up_proj"),
+        ({"target_modules": r".*_proj"}, "a regular expression on a mixture of experts"),
+        ({"target_modules": "all-linear", "lora_dropout": 0.1}, "PEFT refuses dropout"),
+        ({"target_modules": [], "target_parameters": ["w2"]}, "not a parameter of this model"),
+    ],
+)
+def test_lora_targets_on_a_mixture_of_experts_are_read_as_peft_reads_them(lora, refusal) -> None:
+    """all-linear and the MLP's names reach the routers and the 3-D experts (gate and up
+    fused at twice the rank), as PEFT maps them; what PEFT refuses is refused."""
     from meshtrain.config import ConfigError, LoraSettings
     from meshtrain.models import build_model_config
     from meshtrain.models.shapes import lora_adapter_shapes
 
     fields = {"hidden_size": 64, "num_attention_heads": 4, "num_experts": 4}
     config = build_model_config("qwen3_moe", fields, vocab_size=128)
-    with pytest.raises(ConfigError, match="on a mixture of experts: PEFT applies"):
-        lora_adapter_shapes(config, LoraSettings(r=4, target_modules=targets))
-    attention = lora_adapter_shapes(config, LoraSettings(r=4, target_modules=["q_proj"]))
-    assert attention and all(".self_attn.q_proj." in name for name in attention)
+    with pytest.raises(ConfigError, match=refusal):
+        lora_adapter_shapes(config, LoraSettings(r=4, **lora))
+    shapes = lora_adapter_shapes(config, LoraSettings(r=4, target_modules="all-linear"))
+    layer = {k.removeprefix("model.layers.0."): v for k, v in shapes.items() if ".layers.0." in k}
+    assert layer["mlp.experts.lora_A.gate_up_proj"] == (4, 8, 64)  # E x 2r x hidden
+    assert layer["mlp.experts.lora_B.down_proj"] == (4, 64, 4)
+    assert layer["mlp.gate.lora_B.weight"] == (4, 4)
+    assert {k.split(".lora_")[0] for k in layer} == {
+        *(f"self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "o_proj")),
+        "mlp.gate",
+        "mlp.experts",
+    }
+    dense = build_model_config(
+        "qwen3",
+        {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 4},
+        vocab_size=128,
+    )
+    with pytest.raises(ConfigError, match="this qwen3 model has none of"):
+        lora_adapter_shapes(dense, LoraSettings(target_parameters=["gate_up_proj"]))

@@ -36,6 +36,7 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from transformers.integrations import moe as hf_moe
 
 from meshtrain.distributed.tensor_parallel import ParameterSharding
+from meshtrain.models.lora_parameters import carry_adapters
 
 # (rows sorted by local expert, cumulative row counts per local expert) -> results
 LocalExperts = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -182,8 +183,10 @@ def shard_experts(
                 continue
             ep = ExpertParallel(group, experts.gate_up_proj.shape[0])
             parent, _, attribute = path.rpartition(".")
-            setattr(module.get_submodule(parent), attribute, ExpertShard(experts, ep))
-            for name in ("gate_up_proj", "down_proj"):
+            shard = ExpertShard(experts, ep)
+            adapters = carry_adapters(experts, shard, ep.local)  # LoRA's, expert first too
+            setattr(module.get_submodule(parent), attribute, shard)
+            for name in ("gate_up_proj", "down_proj", *adapters):
                 key = f"{path}.{name}"
                 sharding[key] = dataclasses.replace(sharding[key], ep=ep.size, ep_rank=ep_rank)
     return sharding

@@ -1,4 +1,5 @@
-"""LoRA adapters: the frozen base plus a trained low-rank update on the chosen Linear layers.
+"""LoRA adapters: the frozen base plus a trained low-rank update on the chosen Linear layers
+(and on a mixture of experts' routers and experts, `models.lora_parameters`).
 
 A model converter (`models.converters`): on the meta model, before any parallelism, every
 base parameter is frozen and each targeted Linear layer becomes a LoRA layer in place
@@ -32,6 +33,8 @@ from meshtrain.config_lora import check_pretrained_base
 from meshtrain.distributed.tensor_parallel import ParameterSharding
 from meshtrain.models.converters import LORA
 from meshtrain.models.llama.weights import WeightSource
+from meshtrain.models.lora_parameters import add_parameter_adapters
+from meshtrain.models.parameter_targets import parameter_adapters
 from meshtrain.models.shapes import select_lora_targets
 
 NAME = LORA  # the converter's name, as `converter_names` gives it
@@ -90,7 +93,7 @@ def target_names(model: nn.Module, settings: LoraSettings) -> list[str]:
     """The Linear layers `settings.target_modules` selects (`models.shapes`' rules, which
     the planner reads from the config alone); refuses a target the model lacks."""
     modules = [name for name, _ in model.named_modules()]
-    return select_lora_targets(linear_names(model), modules, settings)
+    return select_lora_targets(linear_names(model), modules, settings, model.config.model_type)
 
 
 @dataclass
@@ -114,6 +117,8 @@ class LoraConverter:
 
     def convert(self, model: nn.Module) -> None:
         targets = target_names(model, self.settings)
+        names = [name for name, _ in model.named_parameters()]
+        adapted = parameter_adapters(model.config.model_type, names, self.settings)
         for parameter in model.parameters():
             parameter.requires_grad_(False)
         if self.base_dtype is not None:
@@ -125,6 +130,7 @@ class LoraConverter:
             layer.add_adapters(s.r, s.lora_dropout, s.scaling, self.adapter_dtype)
             self.shapes[f"{name}.lora_A.weight"] = (s.r, layer.in_features)
             self.shapes[f"{name}.lora_B.weight"] = (layer.out_features, s.r)
+        self.shapes.update(add_parameter_adapters(model, adapted, self.adapter_dtype))
 
     def weights(self, base: WeightSource) -> AdapterInit:
         """`base`'s weights, with the adapters' initial values for the adapters."""
@@ -146,9 +152,11 @@ class AdapterInit:
             return torch.zeros(shape)
         stream = (self.seed * 0x9E3779B1 + zlib.crc32(name.encode())) % 2**63
         generator = torch.Generator().manual_seed(stream)
-        tensor = torch.empty(shape)
-        # PEFT's (and nn.Linear's) init: bound 1/sqrt(fan_in).
-        return nn.init.kaiming_uniform_(tensor, a=math.sqrt(5), generator=generator)
+        # PEFT's (and nn.Linear's) init: bound 1/sqrt(fan_in); the experts' A (E, r, in)
+        # drawn as PEFT holds it, one (E r) x in matrix.
+        tensor = torch.empty(math.prod(shape[:-1]), shape[-1])
+        nn.init.kaiming_uniform_(tensor, a=math.sqrt(5), generator=generator)
+        return tensor.view(shape)
 
     def local(self, name: str, spec: ParameterSharding, tp_rank: int, tp: int) -> torch.Tensor:
         if name in self.shapes:

@@ -16,6 +16,7 @@ from typing import Any
 from meshtrain.config import ConfigError, LoraSettings
 from meshtrain.models.llama.parameter_names import HEAD_NORMS, LM_HEAD, llama_family_shapes
 from meshtrain.models.moe_config import sparse_layers
+from meshtrain.models.parameter_targets import parameter_adapter_shapes, resolve_targets
 
 # PEFT's default targets for the Llama family (its TRANSFORMERS_MODELS_TO_LORA_TARGET_
 # MODULES_MAPPING), used when `model.lora.target_modules` is null.
@@ -69,15 +70,19 @@ def linear_features(config: Any) -> dict[str, tuple[int, int]]:
 
 
 def select_lora_targets(
-    linears: list[str], modules: list[str], settings: LoraSettings
+    linears: list[str], modules: list[str], settings: LoraSettings, model_type: str
 ) -> list[str]:
     """The Linear layers `settings.target_modules` selects, with PEFT's matching rules;
-    refuses a target the model does not have (naming the closest) or cannot adapt."""
+    refuses a target the model does not have (naming the closest) or cannot adapt. On a
+    mixture of experts the MLP's names go to the routers and experts instead
+    (`models.parameter_targets`), and may leave no Linear target."""
     targets = settings.target_modules
+    if any(name.endswith(".mlp.experts") for name in modules):
+        targets = resolve_targets(model_type, settings).modules
+        if targets == []:
+            return []
     if targets is None:
         targets = list(DEFAULT_TARGETS)
-    if any(name.endswith(".mlp.experts") for name in modules):
-        _check_moe_targets(targets)
     if targets == ALL_LINEAR or targets == [ALL_LINEAR]:
         return [n for n in linears if n.rsplit(".", 1)[-1] not in NOT_ADAPTABLE]
     if isinstance(targets, str):
@@ -106,20 +111,6 @@ def select_lora_targets(
     return _adaptable(chosen)
 
 
-def _check_moe_targets(targets: str | list[str]) -> None:
-    """On a mixture of experts PEFT adapts the routers and the 3-D experts for
-    `all-linear`, a regular expression that reaches them, or the MLP's names (fused into
-    the experts' `gate_up_proj`); meshtrain adapts Linear layers only, for now."""
-    named = [targets] if isinstance(targets, str) else targets
-    if isinstance(targets, str) or ALL_LINEAR in named or set(named) & set(_MLP):
-        raise ConfigError(
-            f"`model.lora.target_modules` {targets!r} on a mixture of experts: PEFT applies "
-            "it to the routers and the experts too (their 3-D weights through "
-            "target_parameters), which meshtrain does not build yet. Adapt the attention: "
-            "[q_proj, k_proj, v_proj, o_proj]."
-        )
-
-
 def _adaptable(names: list[str]) -> list[str]:
     for name in names:
         last = name.rsplit(".", 1)[-1]
@@ -140,11 +131,13 @@ def _refuse_not_adaptable(target: str) -> None:
 
 def lora_adapter_shapes(config: Any, settings: LoraSettings) -> dict[str, tuple[int, ...]]:
     """Each adapter parameter's Hugging Face name and shape, as `LoraConverter` makes them:
-    A is r x in, B out x r, for every targeted Linear layer in module order."""
+    A is r x in, B out x r, for every targeted Linear layer in module order; then the
+    adapters of a mixture's routers and experts (`models.parameter_targets`)."""
     linears = linear_features(config)
     shapes: dict[str, tuple[int, ...]] = {}
-    for name in select_lora_targets(list(linears), module_names(config), settings):
+    names = module_names(config)
+    for name in select_lora_targets(list(linears), names, settings, config.model_type):
         in_features, out_features = linears[name]
         shapes[f"{name}.lora_A.weight"] = (settings.r, in_features)
         shapes[f"{name}.lora_B.weight"] = (out_features, settings.r)
-    return shapes
+    return {**shapes, **parameter_adapter_shapes(config, parameter_shapes(config), settings)}

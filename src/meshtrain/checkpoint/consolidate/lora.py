@@ -27,31 +27,45 @@ from meshtrain.checkpoint.consolidate.driver import (
     parse_size,
     swap_into_place,
 )
+from meshtrain.checkpoint.consolidate.peft_layout import (
+    delta,
+    is_expert_adapter,
+    is_router_adapter,
+    peft_tensors,
+    ranks,
+    scalings,
+    stored_deltas,
+    target_parameters,
+)
 from meshtrain.checkpoint.consolidate.plan import file_names, split_into_files
 from meshtrain.checkpoint.lora_base import base_identity, check_same_base, checkpoint_lora_state
 from meshtrain.checkpoint.manifest import CheckpointError, resolve_checkpoint
 from meshtrain.config import LoraSettings
 
 ADAPTER_CONFIG = "adapter_config.json"
-# PEFT's key for an adapter is this prefix + its meshtrain (Hugging Face style) name.
-PEFT_PREFIX = "base_model.model."
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 
 def adapter_targets(adapter_names: list[str]) -> list[str]:
-    """The module names (PEFT's `target_modules`) the adapters sit on, shortest form."""
-    return sorted({n.split(".lora_")[0].rsplit(".", 1)[-1] for n in adapter_names})
+    """The Linear layers' names (PEFT's `target_modules`) the adapters sit on, shortest
+    form (a mixture's routers and experts are `target_parameters`)."""
+    linear = [n for n in adapter_names if not (is_expert_adapter(n) or is_router_adapter(n))]
+    return sorted({n.split(".lora_")[0].rsplit(".", 1)[-1] for n in linear})
 
 
-def peft_config(settings: LoraSettings, adapter_names: list[str], base: str | None) -> dict:
+def peft_config(settings: LoraSettings, adapters: dict[str, Any], base: str | None) -> dict:
     """The adapter_config.json PEFT writes for these adapters (its own LoraConfig's)."""
     from peft import LoraConfig  # noqa: PLC0415  (only LoRA's consolidation needs PEFT)
 
+    rank_pattern = {rf".*\.{name}": r for name, r in ranks(adapters, settings.r).items()}
     config = LoraConfig(
         r=settings.r,
         lora_alpha=settings.lora_alpha,
         lora_dropout=settings.lora_dropout,
-        target_modules=adapter_targets(adapter_names),
+        target_modules=adapter_targets(list(adapters)),
+        target_parameters=target_parameters(list(adapters)) or None,
+        rank_pattern=rank_pattern,
+        alpha_pattern={k: settings.lora_alpha * r / settings.r for k, r in rank_pattern.items()},
         use_rslora=settings.use_rslora,
         task_type="CAUSAL_LM",
         base_model_name_or_path=base,
@@ -117,12 +131,12 @@ def write_adapter_folder(
     adapters = _adapters(root, output_dir.with_name(output_dir.name + ".adapters"), dtype)
     partial.mkdir(parents=True)
     save_file(
-        {PEFT_PREFIX + name: tensor.contiguous() for name, tensor in adapters.items()},
+        {key: tensor.contiguous() for key, tensor in peft_tensors(adapters).items()},
         partial / ADAPTER_WEIGHTS,
         metadata={"format": "pt"},
     )
     settings = LoraSettings(**state["settings"])
-    config = peft_config(settings, sorted(adapters), state["base"]["folder"])
+    config = peft_config(settings, dict(sorted(adapters.items())), state["base"]["folder"])
     (partial / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     if (root / files.TOKENIZER).is_dir():
         shutil.copytree(root / files.TOKENIZER, partial, dirs_exist_ok=True)
@@ -164,8 +178,27 @@ def merge_lora(
     check_same_base(saved, base_identity(str(folder), config, 0), f"merge {root} into {folder}")
     scratch = Path(output_dir).with_name(Path(output_dir).name + ".adapters")
     adapters = _adapters(root, scratch, None)
-    scaling = LoraSettings(**state["settings"]).scaling
-    return _write_merged(folder, adapters, scaling, Path(output_dir), dtype, max_shard_size)
+    s = LoraSettings(**state["settings"])
+    deltas = _Deltas(
+        config["model_type"], adapters, scalings(adapters, s.r, s.lora_alpha, s.use_rslora)
+    )
+    return _write_merged(folder, deltas, Path(output_dir), dtype, max_shard_size)
+
+
+class _Deltas:
+    """What the adapters add to each stored base tensor they change (`peft_layout`)."""
+
+    def __init__(self, model_type: str, adapters: dict[str, Any], scaling: dict[str, float]):
+        self.adapters, self.scaling = adapters, scaling
+        self.where = stored_deltas(model_type, adapters, scaling)
+
+    def get(self, name: str, rows: int) -> Any:
+        """The fp32 change of stored tensor `name` (of `rows` rows), or None."""
+        if name not in self.where:
+            return None
+        a_name, expert, part = self.where[name]
+        parts = self.adapters[a_name.replace(".lora_A.", ".lora_B.")].shape[-2] // rows
+        return delta(self.adapters, a_name, expert, part, parts, self.scaling[a_name])
 
 
 def _lora_checkpoint(checkpoint: str | Path) -> tuple[Path, dict[str, Any]]:
@@ -181,8 +214,7 @@ def _lora_checkpoint(checkpoint: str | Path) -> tuple[Path, dict[str, Any]]:
 
 def _write_merged(
     base: Path,
-    adapters: dict[str, Any],
-    scaling: float,
+    deltas: _Deltas,
     output_dir: Path,
     dtype: str | None,
     max_shard_size: int | str,
@@ -219,11 +251,9 @@ def _write_merged(
                 by_name = {spec.name: spec for spec in group}
                 for name in w.names:
                     tensor = handles[located[name]].get_tensor(name)
-                    prefix = name.removesuffix(".weight")
-                    if f"{prefix}.lora_A.weight" in adapters:
-                        a = adapters[f"{prefix}.lora_A.weight"].float()
-                        b = adapters[f"{prefix}.lora_B.weight"].float()
-                        tensor = tensor.float() + scaling * (b @ a)
+                    change = deltas.get(name, tensor.shape[0])
+                    if change is not None:
+                        tensor = tensor.float() + change
                     w.write(name, tensor.to(getattr(torch, by_name[name].dtype_name)))
     if len(groups) > 1:
         index = {
@@ -233,7 +263,7 @@ def _write_merged(
         (partial / files.HF_WEIGHTS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
     _copy_base_files(base, partial, dtype)
     swap_into_place(partial, output_dir)
-    merged = sum(1 for n in adapters if ".lora_A." in n)
+    merged = len(deltas.where)
     return {
         "output_dir": str(output_dir),
         "base_model": str(base),

@@ -1,0 +1,136 @@
+"""meshtrain's adapters as PEFT names and lays them out, and as deltas of the stored
+base tensors (the merged model).
+
+A Linear layer's or a router's adapters are PEFT's already (`<module>.lora_A.weight`).
+The experts' are held expert first, A (E, r, in) and B (E, out, r)
+(`models.parameter_targets`); PEFT's `ParamWrapper` keeps A as one (E r) x in matrix
+and B as out x (r E), B's columns running over the experts fastest, so its split over
+expert-parallel ranks is strided. PEFT wraps a module once per adapted parameter, the
+first of the module's parameters innermost: with both gate_up_proj and down_proj
+adapted, gate_up_proj's adapters sit under `experts.base_layer.` and down_proj's under
+`experts.`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from meshtrain.checkpoint.expert_layout import router_stored_name, stored_expert_names
+
+PEFT_PREFIX = "base_model.model."
+# The experts module's parameters in registration order (both architectures).
+_EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
+
+
+def _split(name: str) -> tuple[str, str, str]:
+    """An adapter's (module, part, parameter): `m.lora_A.p` -> (m, lora_A, p)."""
+    rest, _, parameter = name.rpartition(".")
+    module, _, part = rest.rpartition(".")
+    return module, part, parameter
+
+
+def is_expert_adapter(name: str) -> bool:
+    return _split(name)[2] in _EXPERT_PARAMETERS
+
+
+def peft_tensors(adapters: dict[str, Any]) -> dict[str, Any]:
+    """`adapters` (meshtrain's names, whole tensors) under PEFT's keys and layouts."""
+    adapted: dict[str, list[str]] = {}
+    for name in adapters:
+        if is_expert_adapter(name):
+            module, _, parameter = _split(name)
+            adapted.setdefault(module, [])
+            if parameter not in adapted[module]:
+                adapted[module].append(parameter)
+    out = {}
+    for name, tensor in adapters.items():
+        if not is_expert_adapter(name):
+            out[PEFT_PREFIX + name] = tensor
+            continue
+        module, part, parameter = _split(name)
+        order = [p for p in _EXPERT_PARAMETERS if p in adapted[module]]
+        wrappers = ".base_layer" * (len(order) - 1 - order.index(parameter))
+        key = f"{PEFT_PREFIX}{module}{wrappers}.{part}.weight"
+        out[key] = _peft_a(tensor) if part == "lora_A" else _peft_b(tensor)
+    return out
+
+
+def _peft_a(a: Any) -> Any:
+    """(E, r, in) -> (E r, in)."""
+    return a.reshape(-1, a.shape[-1]).contiguous()
+
+
+def _peft_b(b: Any) -> Any:
+    """(E, out, r) -> (out, r E), the expert fastest."""
+    experts, out, rank = b.shape
+    return b.permute(1, 2, 0).reshape(out, rank * experts).contiguous()
+
+
+def is_router_adapter(name: str) -> bool:
+    return _split(name)[0].endswith(".mlp.gate")
+
+
+def target_parameters(adapters: list[str]) -> list[str]:
+    """PEFT's `target_parameters` for these adapters: `gate.weight`, `experts.<p>`."""
+    names = set()
+    for name in adapters:
+        if is_expert_adapter(name):
+            names.add(f"experts.{_split(name)[2]}")
+        elif is_router_adapter(name):
+            names.add("gate.weight")
+    return sorted(names)
+
+
+def ranks(adapters: dict[str, Any], rank: int) -> dict[str, int]:
+    """The adapted parameters whose adapters' rank is not `rank` (gate_up_proj named
+    through gate and up: twice it) -> their rank, by PEFT's `target_parameters` name."""
+    out = {}
+    for name, tensor in adapters.items():
+        if ".lora_A." in name and tensor.shape[-2] != rank:
+            out[f"experts.{_split(name)[2]}"] = int(tensor.shape[-2])
+    return out
+
+
+def scalings(adapters: dict[str, Any], rank: int, alpha: float, rslora: bool) -> dict[str, float]:
+    """Each A's scaling: alpha / r (or / sqrt r), alpha growing with the rank as PEFT's
+    fused adapters' does."""
+    out = {}
+    for name, tensor in adapters.items():
+        if ".lora_A." in name:
+            r = int(tensor.shape[-2])
+            out[name] = alpha * r / rank / (r**0.5 if rslora else r)
+    return out
+
+
+def stored_deltas(
+    model_type: str, adapters: dict[str, Any], scaling: dict[str, float]
+) -> dict[str, tuple[str, int, int]]:
+    """For each stored base tensor an adapter changes: (its adapter's A name, expert or
+    -1, part) -- the delta is part `part` of s B A (of that expert), split along its rows
+    into as many parts as the tensor was stored in. `scaling`: per A name."""
+    deltas = {}
+    for a_name in adapters:
+        module, part, parameter = _split(a_name)
+        if part != "lora_A":
+            continue
+        base = f"{module}.{parameter}"
+        experts = adapters[a_name].shape[0] if adapters[a_name].dim() == 3 else None
+        per_expert = stored_expert_names(model_type, experts or 0, base) if experts else None
+        if per_expert is None:
+            deltas[router_stored_name(model_type, base)] = (a_name, -1, 0)
+            continue
+        for expert, parts in enumerate(per_expert):
+            for index, stored in enumerate(parts):
+                deltas[stored] = (a_name, expert, index)
+    return deltas
+
+
+def delta(
+    adapters: dict[str, Any], a_name: str, expert: int, part: int, parts: int, scaling: float
+) -> Any:
+    """The fp32 change of one stored tensor (see `stored_deltas`)."""
+    a = adapters[a_name].float()
+    b = adapters[a_name.replace(".lora_A.", ".lora_B.")].float()
+    if expert >= 0:
+        a, b = a[expert], b[expert]
+    return (scaling * (b @ a)).chunk(parts, dim=0)[part]
