@@ -11,11 +11,13 @@ import torch
 import torch.nn.functional as F
 from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
 
-from meshtrain.checkpoint.consolidate.peft_layout import PEFT_PREFIX
+from meshtrain.checkpoint.consolidate.peft_layout import peft_tensors
+from meshtrain.config import LoraSettings
 from meshtrain.data.blocks import BlockStore, arrow_files
 from meshtrain.data.sampler import GlobalBatchSampler
 from meshtrain.models import build_model, build_model_config
 from meshtrain.models.lora import AdapterInit
+from meshtrain.models.shapes import lora_adapter_shapes
 from tests.conftest import TINY_MODEL, TINY_VOCAB
 from tests.distributed.reference import GLOBAL_BATCH, TRAINING, reference_optimizer, reference_step
 
@@ -45,24 +47,26 @@ def peft_model(
     base: torch.nn.Module | None = None,
 ) -> torch.nn.Module:
     """PEFT's LoRA model on `base` (default: the seeded base), its adapters set to
-    meshtrain's initial values."""
+    meshtrain's initial values (drawn under meshtrain's names, laid out as PEFT's)."""
     if base is None:
         config = build_model_config(architecture, fields, vocab_size=TINY_VOCAB)
         base = build_model(config, seed=TRAINING["seed"])
     settings = {k: v for k, v in lora.items() if k != "allow_random_base"}
+    shapes = lora_adapter_shapes(base.config, LoraSettings(**settings))
     model = get_peft_model(base, LoraConfig(**settings))
-    shapes = {ours(name): tuple(p.shape) for name, p in model.named_parameters() if p.requires_grad}
     initial = AdapterInit(base=None, shapes=shapes, seed=TRAINING["seed"])
+    values = peft_tensors({name: initial.full(name) for name in shapes})
+    trained = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    assert {peft_key(name) for name in trained} == values.keys()
     with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if parameter.requires_grad:
-                parameter.copy_(initial.full(ours(name)))
+        for name, parameter in trained.items():
+            parameter.copy_(values[peft_key(name)])
     return model
 
 
-def ours(peft_name: str) -> str:
-    """PEFT's in-memory parameter name -> meshtrain's (no prefix, no adapter name)."""
-    return peft_name.removeprefix(PEFT_PREFIX).replace(".default.", ".")
+def peft_key(name: str) -> str:
+    """PEFT's in-memory parameter name -> its file's key (no adapter name)."""
+    return name.replace(".default.", ".")
 
 
 def peft_reference_run(

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from meshtrain.checkpoint import consolidate_checkpoint
-from meshtrain.checkpoint.consolidate.lora import ADAPTER_WEIGHTS, write_adapter_folder
+from meshtrain.checkpoint.consolidate.lora import ADAPTER_WEIGHTS, merge_lora, write_adapter_folder
 from meshtrain.data.blocks import BlockStore, arrow_files
 from meshtrain.data.sampler import GlobalBatchSampler
 from meshtrain.models import build_model, build_model_config
@@ -37,8 +37,6 @@ from tests.distributed.reference import (
 )
 
 STEPS = 12
-# LoRA on a MoE's attention only (see the test).
-MOE_LORA = {**LORA, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
 _ATTENTION = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2}
 ROUTER = {"output_router_logits": True, "router_aux_loss_coef": 0.05}
 MODELS = {
@@ -241,11 +239,30 @@ def test_moe_on_data_parallel_layouts_matches_transformers(
                 assert_loads_as_trained(name, summary, weights, tmp_path / name / "hf")
 
 
+LORA_CASES = {
+    "lora-dp2-zero1": {"data_parallel_size": 2, "zero_1": True},
+    "lora-dp2-ep2": {"data_parallel_size": 2, "expert_parallel_size": 2},
+    "lora-dp2-ep2-sdp2": {
+        "data_parallel_size": 2,
+        "expert_parallel_size": 2,
+        "sharded_data_parallel_degree": 2,
+    },
+    "lora-dp2-ep2-zero1-ac-full": {
+        "data_parallel_size": 2,
+        "expert_parallel_size": 2,
+        "zero_1": True,
+        "activation_checkpointing": "full",
+    },
+}
+
+
 @pytest.mark.slow
 def test_lora_on_a_mixture_of_experts_matches_peft(tiny_blocks, tmp_path: Path) -> None:
-    """LoRA on a Qwen3-MoE's attention (PEFT's all-linear and MLP names adapt its routers
-    and experts too, which meshtrain refuses for now), from a folder, dp2 ZeRO-1 against
-    PEFT in one process: losses per step and the adapter folder's tensors."""
+    """LoRA with all-linear on a Qwen3-MoE from a folder: PEFT adapts its attention, its
+    routers and its 3-D experts (gate and up fused at twice the rank); meshtrain with and
+    without expert parallelism (the adapters split with the experts), sharded and ZeRO-1,
+    against PEFT in one process: losses per step, the adapter folder's tensors under
+    PEFT's keys, and the merged folder's logits against PEFT's merged model."""
     fields = {k: v for k, v in MODELS["qwen3_moe"].items() if k not in ROUTER}
     # Routers 20x the init's scale: top-2 of clearly ranked experts, so that the last-bit
     # differences of two summation orders (PEFT's LoRA layer and meshtrain's) never
@@ -257,28 +274,40 @@ def test_lora_on_a_mixture_of_experts_matches_peft(tiny_blocks, tmp_path: Path) 
             if name.endswith("mlp.gate.weight"):
                 parameter.mul_(20.0)
     model.save_pretrained(tmp_path / "base")
-    base = tmp_path / "base"
-    spec = make_spec(
-        tiny_blocks,
-        tmp_path,
-        "lora-dp2-zero1",
-        world=2,
-        parallel={"data_parallel_size": 2, "zero_1": True},
-        training={**FOUR_EACH, "max_steps": STEPS},
-        architecture="qwen3_moe",
-        fields=fields,
-        model={"lora": MOE_LORA, "init_from": str(base)},
+    specs = [
+        make_spec(
+            tiny_blocks,
+            tmp_path,
+            name,
+            world=2,
+            parallel=parallel,
+            training={**FOUR_EACH, "max_steps": STEPS},
+            architecture="qwen3_moe",
+            fields=fields,
+            model={"lora": LORA, "init_from": str(tmp_path / "base")},
+        )
+        for name, parallel in LORA_CASES.items()
+    ]
+    summaries = run_group(specs, 2, tmp_path / "lora", "moe-lora")
+    losses, adapters, reference = peft_reference_run(
+        tiny_blocks, fields, LORA, STEPS, "qwen3_moe", base=model
     )
-    (summary,) = run_group([spec], 2, tmp_path / "lora", "moe-lora")
-    losses, adapters, _ = peft_reference_run(
-        tiny_blocks, fields, MOE_LORA, STEPS, "qwen3_moe", base=model
-    )
-    assert_matches_peft("lora-dp2-zero1", summary, losses)
-    folder = tmp_path / "adapter"
-    write_adapter_folder(summary["final_checkpoint"], folder)
-    assert any(".self_attn." in key for key in adapters)
-    assert not any(".experts." in key or ".mlp.gate." in key for key in adapters)
-    stored = load_file(folder / ADAPTER_WEIGHTS)
-    assert stored.keys() == adapters.keys()
-    for key, want in adapters.items():
-        assert (stored[key] - want).norm() / want.norm() <= 1e-5, key
+    assert any(".experts.base_layer.lora_B." in key for key in adapters)  # gate_up_proj
+    assert any(".mlp.gate.lora_A." in key for key in adapters)
+    for name, spec, summary in zip(LORA_CASES, specs, summaries, strict=True):
+        assert_matches_peft(name, summary, losses)
+        # The routers 20x: the ep ranks' loads differ (see assert_dry_run_holds).
+        assert_dry_run_holds(name, spec, summary, most_loaded="ep2" in name)
+        folder = tmp_path / name / "adapter"
+        write_adapter_folder(summary["final_checkpoint"], folder)
+        stored = load_file(folder / ADAPTER_WEIGHTS)
+        assert stored.keys() == adapters.keys(), name
+        for key, want in adapters.items():
+            assert (stored[key] - want).norm() / want.norm() <= 1e-5, (name, key)
+    merged = tmp_path / "merged"
+    merge_lora(summaries[1]["final_checkpoint"], merged)
+    ids = torch.arange(24).view(2, 12) % TINY_VOCAB
+    with torch.no_grad():
+        want = reference.merge_and_unload()(input_ids=ids).logits
+        got = AutoModelForCausalLM.from_pretrained(merged)(input_ids=ids).logits
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()

@@ -69,28 +69,28 @@ def build_rank(
     device: torch.device,
     *,
     meta_model: PreTrainedModel | None = None,
+    converters: list[ModelConverter] | None = None,
     seed_dropout: bool = True,
 ) -> RankParts:
     """This rank's model (`build_rank_model`) and optimizer, as the plan lays them out.
 
     `meta_model`: the plan's model already on the meta device (`plan_meta_model`; the dry
-    run builds it before its tensors turn fake). `seed_dropout`: seed the global generator,
+    run builds it before its tensors turn fake), and `converters` the run's converters
+    that already converted it (`rank_converters`; before the tensors turn fake too: an
+    adapter's init under fake tensors leaves references that moving it to the device
+    cannot replace). `seed_dropout`: seed the global generator,
     which draws only dropout masks (LoRA's adapters'), for this rank: one stream per
     data-parallel and pipeline coordinate, the same on the tp ranks, whose replicated
     adapter inputs must drop alike. It is seeded after the converters (the CPU kernel
     check draws from it, once per process) and before the model, as training always did;
     the dry run, which draws no masks, leaves its process's generator alone."""
     training = run.training
-    converters = build_converters(
-        training,
-        device.type,
-        tensor_parallel=dims.tp > 1,
-        lora=run.model.lora,
-        sharded=plan.layout.sharded,
-    )
+    converted = converters is not None
+    if converters is None:
+        converters = rank_converters(run, plan, dims, device.type)
     if seed_dropout:
         torch.manual_seed(training.seed * 1_000_003 + dims.dp_rank * 1_009 + dims.pp_rank)
-    pm = build_rank_model(run, plan, dims, device, converters, meta_model)
+    pm = build_rank_model(run, plan, dims, device, converters, meta_model, converted=converted)
     batch = batch_split(plan, training)
     forwards = dims.dp * batch.accumulation_steps * pm.backward_passes_per_batch
     sequence = dims.sequence_group(plan.layout.sequence_parallel)
@@ -109,6 +109,19 @@ def build_rank(
     )
 
 
+def rank_converters(
+    run: RunConfig, plan: Plan, dims: ParallelDims, device_type: str
+) -> list[ModelConverter]:
+    """The run's model converters on this rank (`models.converters`)."""
+    return build_converters(
+        run.training,
+        device_type,
+        tensor_parallel=dims.tp > 1,
+        lora=run.model.lora,
+        sharded=plan.layout.sharded,
+    )
+
+
 def build_rank_model(
     run: RunConfig,
     plan: Plan,
@@ -116,6 +129,8 @@ def build_rank_model(
     device: torch.device,
     converters: list[ModelConverter],
     meta_model: PreTrainedModel | None = None,
+    *,
+    converted: bool = False,
 ) -> ParallelModel:
     """Build the model on the meta device, identically on every rank; allocate and fill
     only this rank's part of it (random init from the seed, or `model.init_from`)."""
@@ -147,6 +162,7 @@ def build_rank_model(
             weights=weights,
             compile_layers=cfg.compile,
             converters=converters,
+            converted=converted,
             fsdp_policy=mixed_precision_policy(cfg.mixed_precision, cfg.grad_reduce_dtype),
         )
     pm.set_training(True)

@@ -26,7 +26,12 @@ from torch.distributed._tools.mod_tracker import ModTracker
 
 from meshtrain.components.memory_probe import measure_peak_memory
 from meshtrain.components.optimizer import ModelOptimizer
-from meshtrain.components.rank_build import RankParts, build_rank, plan_meta_model
+from meshtrain.components.rank_build import (
+    RankParts,
+    build_rank,
+    plan_meta_model,
+    rank_converters,
+)
 from meshtrain.components.train_step import optimizer_step
 from meshtrain.config import RunConfig
 from meshtrain.data.batch import TokenBatch
@@ -80,9 +85,18 @@ def _dry_run_rank(run: RunConfig, plan: Plan, rank: int, device: torch.device) -
         # which moving them to the device replaces.
         onednn_available()
         meta_model = plan_meta_model(run, plan)
+        converters = rank_converters(run, plan, dims, device.type)
+        for converter in converters:
+            converter.convert(meta_model)
         with fake_tensors(device), static_setup(), experts_on_fallback():
             rank_parts = build_rank(
-                run, plan, dims, device, meta_model=meta_model, seed_dropout=False
+                run,
+                plan,
+                dims,
+                device,
+                meta_model=meta_model,
+                converters=converters,
+                seed_dropout=False,
             )
             pm, optimizer = rank_parts.pm, rank_parts.optimizer
             if pm.runner is not None:

@@ -18,6 +18,7 @@ from contextlib import contextmanager
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from meshtrain.models.parameter_targets import ParameterTarget, adapter_names, adapter_shapes
 
@@ -44,9 +45,7 @@ class AdaptedParameters:
         for adapters, adapter_shape in zip(
             (self.lora_A, self.lora_B), adapter_shapes(shape, rank), strict=True
         ):
-            adapters[name] = nn.Parameter(
-                torch.empty(adapter_shape, dtype=dtype, device=weight.device)
-            )
+            adapters[name] = nn.Parameter(_uninitialised(adapter_shape, dtype, weight.device))
         self.lora_scaling[name] = scaling
 
     def forward(self, *args: object, **kwargs: object) -> object:
@@ -74,6 +73,18 @@ class AdaptedParameters:
             with torch.autocast(weight.device.type, enabled=False):
                 return torch.baddbmm(weight, b.to(weight.dtype), a.to(weight.dtype), alpha=scaling)
         return weight + ((b @ a) * scaling).to(weight.dtype)
+
+
+def _uninitialised(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """An adapter's tensor before its values exist. On the meta device it is made outside
+    any fake tensor mode (the dry run's), as the base's parameters are: a fake one made
+    here can keep a weak reference that stops `to_empty` from replacing it."""
+    if device.type == "meta":
+        with unset_fake_temporarily():
+            return torch.empty(shape, dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
 
 
 @functools.cache

@@ -15,6 +15,7 @@ from meshtrain.config import Layout, RunConfig
 from meshtrain.models.config_file import ArchitectureConfig
 from meshtrain.models.converters import converter_names
 from meshtrain.planner.axes import AXES, local_share
+from meshtrain.planner.axes.expert import expert_degree
 from meshtrain.planner.candidate import Candidate
 from meshtrain.planner.checks import (
     check_activation_checkpointing,
@@ -27,10 +28,10 @@ from meshtrain.planner.checks import (
 from meshtrain.planner.cost import estimate_step_time
 from meshtrain.planner.devices import DeviceProfile
 from meshtrain.planner.flops import model_flops_per_token
-from meshtrain.planner.lora_memory import lora_activation_terms
+from meshtrain.planner.lora_memory import lora_activation_terms, merged_weight_bytes
 from meshtrain.planner.memory import estimate_memory
 from meshtrain.planner.parameters import gather_units
-from meshtrain.planner.shapes import ModelShape, StepShape
+from meshtrain.planner.shapes import BYTES_BF16, BYTES_FP32, ModelShape, StepShape
 from meshtrain.planner.types import LayoutError, Plan, Refusal
 
 
@@ -171,8 +172,18 @@ def _step_shape(run: RunConfig, c: Candidate, layout: Layout, context: PlanConte
         value_bytes=step.parameter_bytes,
         mask_bytes=step.parameter_bytes if context.device.name == "cpu" else 1,
     )
+    merged = merged_weight_bytes(
+        context.adapter_shapes,
+        context.model_config.num_hidden_layers,
+        ep=expert_degree(layout),
+        value_bytes=BYTES_BF16 if step.bf16 else BYTES_FP32,
+    )
     return dataclasses.replace(
-        step, frozen_base=True, adapter_bytes_per_token=adapter_bytes, unsaved_elements=unsaved
+        step,
+        frozen_base=True,
+        adapter_bytes_per_token=adapter_bytes,
+        unsaved_elements=unsaved,
+        merged_weight_bytes=merged,
     )
 
 

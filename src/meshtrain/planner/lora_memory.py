@@ -1,6 +1,6 @@
 """What a LoRA run's adapters add to, and take from, a decoder layer's saved activations
-(`StepShape.adapter_bytes_per_token` and `.unsaved_elements`, which
-`planner.memory` counts)."""
+(`StepShape.adapter_bytes_per_token`, `.unsaved_elements` and `.merged_weight_bytes`,
+which `planner.memory` counts)."""
 
 from __future__ import annotations
 
@@ -46,3 +46,19 @@ def lora_activation_terms(
     if "down_proj" not in adapted:
         unsaved += m.intermediate / tp
     return adapter_bytes, unsaved
+
+
+def merged_weight_bytes(
+    adapter_shapes: dict[str, tuple[int, ...]], layers: int, *, ep: int, value_bytes: int
+) -> float:
+    """Bytes per decoder layer (averaged over the layers) of the merged expert weights
+    W + s B A a forward builds for each adapted 3-D parameter, as PEFT's ParamWrapper
+    does: backward keeps them, and its gradient of one layer's is as large. E / ep
+    experts a rank: A is (E, r, in) and B (E, out, r)."""
+    elements = 0
+    for name, (experts, _, width) in (
+        (n, s) for n, s in adapter_shapes.items() if ".lora_A." in n and len(s) == 3
+    ):
+        out = adapter_shapes[name.replace(".lora_A.", ".lora_B.")][1]
+        elements += experts // ep * out * width
+    return elements * value_bytes / max(1, layers)

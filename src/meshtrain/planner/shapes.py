@@ -203,6 +203,8 @@ class StepShape:
     frozen_base: bool = False
     adapter_bytes_per_token: float = 0.0
     unsaved_elements: float = 0.0
+    # A LoRA run's merged expert weights per decoder layer (`planner.lora_memory`).
+    merged_weight_bytes: float = 0.0
     # The loss over chunks of this many tokens (0: over the whole logits; planner/loss_memory).
     loss_chunk_tokens: int = 0
     # Context parallelism: each row's tokens split over `cp` ranks holding the same

@@ -62,6 +62,7 @@ def parallelize(
     weights: WeightSource | None = None,
     compile_layers: bool = False,
     converters: Sequence[ModelConverter] = (),
+    converted: bool = False,
     fsdp_policy: MixedPrecisionPolicy | None = None,
 ) -> ParallelModel:
     """Apply the layout to a model built identically on every rank: converters, pipeline
@@ -73,12 +74,14 @@ def parallelize(
     (without, the model already holds its weights, on `device`).
     `compile_layers`: torch.compile every decoder layer in place (parameter names, and
     so checkpoints, stay those of the Hugging Face model).
-    `converters`: the run's model converters (`models.converters`), applied first.
+    `converters`: the run's model converters (`models.converters`), applied first
+    (`converted`: they already converted `model`; their weights still apply).
     `fsdp_policy`: FSDP2's mixed precision under sharded data parallelism (its default,
     no dtype change, when None).
     """
     for converter in converters:
-        converter.convert(model)
+        if not converted:
+            converter.convert(model)
         if weights is not None:
             weights = converter.weights(weights)  # with what the converter added (adapters)
     frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
