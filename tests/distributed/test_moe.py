@@ -9,6 +9,7 @@ expert, loads with transformers' class into the same weights."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import datasets
@@ -23,6 +24,7 @@ from meshtrain.checkpoint.consolidate.lora import ADAPTER_WEIGHTS, merge_lora, w
 from meshtrain.data.blocks import BlockStore, arrow_files
 from meshtrain.data.sampler import GlobalBatchSampler
 from meshtrain.models import build_model, build_model_config
+from meshtrain.trainer import WorkerSpec
 from tests.conftest import TINY_VOCAB
 from tests.distributed.lora import LORA, assert_matches_peft, peft_reference_run
 from tests.distributed.reference import (
@@ -37,6 +39,7 @@ from tests.distributed.reference import (
 )
 
 STEPS = 12
+SAVE_AT = 6
 _ATTENTION = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2}
 ROUTER = {"output_router_logits": True, "router_aux_loss_coef": 0.05}
 MODELS = {
@@ -239,30 +242,32 @@ def test_moe_on_data_parallel_layouts_matches_transformers(
                 assert_loads_as_trained(name, summary, weights, tmp_path / name / "hf")
 
 
+EP2 = {"data_parallel_size": 2, "expert_parallel_size": 2}
+ACCUM2 = {**FOUR_EACH, "gradient_accumulation_steps": 2}
 LORA_CASES = {
-    "lora-dp2-zero1": {"data_parallel_size": 2, "zero_1": True},
-    "lora-dp2-ep2": {"data_parallel_size": 2, "expert_parallel_size": 2},
-    "lora-dp2-ep2-sdp2": {
-        "data_parallel_size": 2,
-        "expert_parallel_size": 2,
-        "sharded_data_parallel_degree": 2,
-    },
-    "lora-dp2-ep2-zero1-ac-full": {
-        "data_parallel_size": 2,
-        "expert_parallel_size": 2,
-        "zero_1": True,
-        "activation_checkpointing": "full",
-    },
+    "lora-dp2-zero1": ({"data_parallel_size": 2, "zero_1": True}, FOUR_EACH),
+    "lora-dp2-ep2": (EP2, FOUR_EACH),
+    "lora-dp2-ep2-sdp2": ({**EP2, "sharded_data_parallel_degree": 2}, FOUR_EACH),
+    "lora-dp2-ep2-zero1-ac-full": (
+        {**EP2, "zero_1": True, "activation_checkpointing": "full"},
+        FOUR_EACH,
+    ),
+    # The routers and experts whole on both tp ranks, run on each one's half of the
+    # sequence: their adapters' gradients summed over the pair.
+    "lora-tp2-sp-accum2": ({"tensor_parallel_size": 2, "sequence_parallel": True}, ACCUM2),
+    "lora-pp2-1f1b-accum2": ({**PIPELINE, "pipeline_parallel_num_microbatches": 2}, ACCUM2),
 }
 
 
 @pytest.mark.slow
 def test_lora_on_a_mixture_of_experts_matches_peft(tiny_blocks, tmp_path: Path) -> None:
     """LoRA with all-linear on a Qwen3-MoE from a folder: PEFT adapts its attention, its
-    routers and its 3-D experts (gate and up fused at twice the rank); meshtrain with and
-    without expert parallelism (the adapters split with the experts), sharded and ZeRO-1,
-    against PEFT in one process: losses per step, the adapter folder's tensors under
-    PEFT's keys, and the merged folder's logits against PEFT's merged model."""
+    routers and its 3-D experts (gate and up fused at twice the rank). meshtrain with and
+    without expert parallelism (the adapters split with the experts), sharded, ZeRO-1,
+    full recomputation, tp2 with SP and pp2, against PEFT in one process: losses per
+    step, the dry run, the adapter folder's tensors under PEFT's keys, the merged
+    folder's logits against PEFT's merged model; resumed from ep2 on ep2 (bitwise) and
+    on ep1."""
     fields = {k: v for k, v in MODELS["qwen3_moe"].items() if k not in ROUTER}
     # Routers 20x the init's scale: top-2 of clearly ranked experts, so that the last-bit
     # differences of two summation orders (PEFT's LoRA layer and meshtrain's) never
@@ -274,27 +279,36 @@ def test_lora_on_a_mixture_of_experts_matches_peft(tiny_blocks, tmp_path: Path) 
             if name.endswith("mlp.gate.weight"):
                 parameter.mul_(20.0)
     model.save_pretrained(tmp_path / "base")
-    specs = [
-        make_spec(
+
+    def spec(name: str, parallel: dict, training: dict) -> WorkerSpec:
+        return make_spec(
             tiny_blocks,
             tmp_path,
             name,
             world=2,
             parallel=parallel,
-            training={**FOUR_EACH, "max_steps": STEPS},
+            training={**training, "max_steps": STEPS, "checkpoint_every": SAVE_AT},
             architecture="qwen3_moe",
             fields=fields,
             model={"lora": LORA, "init_from": str(tmp_path / "base")},
         )
-        for name, parallel in LORA_CASES.items()
-    ]
+
+    specs = [spec(name, *case) for name, case in LORA_CASES.items()]
+    # Resumed at step 6 from dp2 x ep2's checkpoint: on ep2 (bitwise), and on ep1 ZeRO-1,
+    # the experts' adapters gathered from the two ranks.
+    saved = str(tmp_path / "lora-dp2-ep2" / f"checkpoint-{SAVE_AT}")
+    for name, source in (("ep2-resumed", "lora-dp2-ep2"), ("ep2-onto-zero1", "lora-dp2-zero1")):
+        specs.append(dataclasses.replace(spec(name, *LORA_CASES[source]), resume_from=saved))
     summaries = run_group(specs, 2, tmp_path / "lora", "moe-lora")
     losses, adapters, reference = peft_reference_run(
         tiny_blocks, fields, LORA, STEPS, "qwen3_moe", base=model
     )
     assert any(".experts.base_layer.lora_B." in key for key in adapters)  # gate_up_proj
     assert any(".mlp.gate.lora_A." in key for key in adapters)
-    for name, spec, summary in zip(LORA_CASES, specs, summaries, strict=True):
+    same, other = summaries[len(LORA_CASES) :]
+    assert same["losses"] == summaries[1]["losses"][SAVE_AT:]
+    assert_matches_peft("ep2-onto-zero1", other, losses, first_step=SAVE_AT)
+    for name, spec, summary in zip(LORA_CASES, specs, summaries, strict=False):
         assert_matches_peft(name, summary, losses)
         # The routers 20x: the ep ranks' loads differ (see assert_dry_run_holds).
         assert_dry_run_holds(name, spec, summary, most_loaded="ep2" in name)
