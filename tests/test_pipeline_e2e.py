@@ -249,6 +249,8 @@ def test_a_mixture_of_experts_trains_with_its_routing_tracked(project: Path, def
     # Two ep ranks: the busier receives at most all of its group's rows.
     ranks = client.get_metric_history(tracked.info.run_id, "expert_rank_load_max_over_mean")
     assert all(1.0 <= point.value <= 2.0 for point in ranks)
+    dropped = client.get_metric_history(tracked.info.run_id, "expert_dropped_pairs")
+    assert len(dropped) == 8 and all(point.value == 0 for point in dropped)  # dropless
     consolidated = project / "data/06_models/moe"
     assert (consolidated / "model.safetensors").is_file()
     summary = json.loads((project / "data/06_models/training_summary.json").read_text())

@@ -47,6 +47,7 @@ class ExpertParallel:
 
     def __init__(self, group: dist.ProcessGroup, num_experts: int) -> None:
         self.group = group
+        self.pairs_returned = 0  # (token, expert) pairs of the last forward computed
         self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         if num_experts % self.size:
             raise ValueError(f"{num_experts} experts do not split over {self.size} ranks")
@@ -85,6 +86,7 @@ class ExpertParallel:
         out = experts(received[by_expert], offsets)
         results = torch.empty_like(out).index_copy(0, by_expert, out)
         returned = _exchange(results, send_sizes, receive_sizes, self.group)
+        self.pairs_returned = returned.shape[0]  # every pair sent: dropless
         weighted = returned * top_k_weights.reshape(-1)[order].unsqueeze(-1).to(returned.dtype)
         pairs = weighted.new_zeros(tokens * k, weighted.shape[-1]).index_copy(0, order, weighted)
         return pairs.view(tokens, k, -1).sum(dim=1).to(hidden.dtype)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -47,6 +48,14 @@ from meshtrain.models.moe_config import (
 )
 
 ROUTER_MODULE = "mlp.gate"
+
+
+@runtime_checkable
+class ExpertCounts(Protocol):
+    """An expert-parallel dispatch (`distributed.expert_parallel.ExpertParallel`): the
+    (token, expert) pairs its last forward got back from the experts' ranks."""
+
+    pairs_returned: int
 
 
 class Routing:
@@ -77,10 +86,13 @@ class Routing:
         self._collecting = False
         self._step_loss: torch.Tensor | float = 0.0
         self._step_counts: torch.Tensor | None = None  # sparse layers x experts
+        self._step_dropped = 0  # (token, expert) pairs routed but not computed
         for module in modules:
             for name, sub in module.named_modules():
                 if name.endswith(ROUTER_MODULE):
                     sub.register_forward_hook(self._keep)
+                if isinstance(getattr(sub, "ep", None), ExpertCounts):
+                    sub.register_forward_hook(self._count_dropped)
 
     @classmethod
     def of(
@@ -99,6 +111,12 @@ class Routing:
         # Not during activation checkpointing's recomputation in the backward.
         if self._collecting:
             self._logits.append(output[0])
+
+    def _count_dropped(self, module: nn.Module, inputs: tuple, output: object) -> None:
+        """An expert-parallel layer's pairs routed (its input's top-k) less those whose
+        results came back from the experts' ranks."""
+        if self._collecting:
+            self._step_dropped += inputs[1].numel() - module.ep.pairs_returned
 
     @contextmanager
     def collecting(self) -> Iterator[list[torch.Tensor]]:
@@ -186,18 +204,21 @@ class Routing:
             counts = torch.zeros(len(self.sparse_layers), self.experts, device=self.device)
         loss = torch.as_tensor(self._step_loss, dtype=torch.float32, device=counts.device)
         metrics = self._rank_load(counts) if self.expert_group is not None else {}
-        totals = torch.cat([counts.flatten(), loss.reshape(1)])
+        dropped = torch.tensor([float(self._step_dropped)], device=counts.device)
+        totals = torch.cat([counts.flatten(), loss.reshape(1), dropped])
         for ranks in (data, self.sequence_group, pipeline):
             if ranks is not None:
                 dist.all_reduce(totals, group=ranks)
-        counts = totals[:-1].view_as(counts)
+        counts = totals[:-2].view_as(counts)
+        if self.expert_group is not None:
+            metrics["expert_dropped_pairs"] = float(totals[-1])
         metrics |= {
             "expert_load_max_over_mean": float(_max_over_mean(counts).max()),
             "expert_load_max_over_mean_avg": float(_max_over_mean(counts).mean()),
         }
         if self.coefficient:
-            metrics["router_loss"] = float(totals[-1])
-        self._step_counts, self._step_loss = None, 0.0
+            metrics["router_loss"] = float(totals[-2])
+        self._step_counts, self._step_loss, self._step_dropped = None, 0.0, 0
         return metrics
 
     def _rank_load(self, counts: torch.Tensor) -> dict[str, float]:
