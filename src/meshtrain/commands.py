@@ -180,6 +180,18 @@ def _plan_arguments(plan: Any) -> None:
         help="training.loss_chunk_tokens: tokens the LM head and loss take at a time (0: the "
         "whole microbatch's logits at once; default auto)",
     )
+    plan.add_argument(
+        "--lora-r",
+        type=int,
+        help="plan a LoRA run: model.lora.r (lora_alpha twice it); without, full fine-tuning",
+    )
+    plan.add_argument(
+        "--lora-targets",
+        default="all-linear",
+        help="with --lora-r: model.lora.target_modules, comma-separated or all-linear "
+        "(default: %(default)s; on a mixture of experts PEFT's reading, with the routers "
+        "and experts)",
+    )
     plan.add_argument("--memory-margin", type=float, default=0.1)
     plan.add_argument("--json", action="store_true", help="print plan.json's content instead")
 

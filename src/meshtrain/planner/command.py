@@ -76,7 +76,7 @@ def plan_from_args(args: argparse.Namespace) -> tuple[RunConfig, Plan] | str:
                 # GPU plan is made without looking for GPUs on this one.
                 "backend": "neuron" if args.device.startswith("trn") else AUTO,
             },
-            model={"architecture": config.model_type},
+            model={"architecture": config.model_type, **_lora(args)},
             data={"block_size": args.seq_len},
             planner={"device": args.device, "memory_margin": args.memory_margin},
         )
@@ -90,6 +90,18 @@ def plan_from_args(args: argparse.Namespace) -> tuple[RunConfig, Plan] | str:
     except (ConfigError, LayoutError) as error:
         return str(error)
     return run, plan
+
+
+def _lora(args: argparse.Namespace) -> dict:
+    """`model.lora` of `--lora-r` and `--lora-targets` (none without --lora-r). A plan
+    reads no weights, so the base is no folder."""
+    r = getattr(args, "lora_r", None)
+    if r is None:
+        return {}
+    targets = args.lora_targets
+    modules = targets if targets == "all-linear" else targets.split(",")
+    lora = {"r": r, "lora_alpha": 2 * r, "target_modules": modules, "allow_random_base": True}
+    return {"lora": lora}
 
 
 def _chunk(value: str) -> int | str:

@@ -29,7 +29,7 @@ def lora_activation_terms(
     targets: dict[str, tuple[int, ...]] = {
         name.split(".layers.0.")[1].split(".lora_A")[0]: shape
         for name, shape in adapter_shapes.items()
-        if ".layers.0." in name and ".lora_A." in name
+        if ".layers.0." in name and _on_tokens(name)
     }
     adapter_bytes = 0.0
     for module, (rank, width) in targets.items():
@@ -46,6 +46,12 @@ def lora_activation_terms(
     if "down_proj" not in adapted:
         unsaved += m.intermediate / tp
     return adapter_bytes, unsaved
+
+
+def _on_tokens(name: str) -> bool:
+    """A Linear layer's A, which runs on the tokens (a router's or the experts' adapters
+    are folded into their weights: `merged_weight_bytes`)."""
+    return name.endswith(".lora_A.weight") and not name.endswith(".mlp.gate.lora_A.weight")
 
 
 def merged_weight_bytes(

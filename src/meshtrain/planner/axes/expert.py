@@ -53,8 +53,11 @@ def expert_degree(layout: Layout) -> int:
 
 
 def is_expert_weight(name: str) -> bool:
-    """A sparse layer's 3-D experts, the parameters ep splits (not its router)."""
-    return name.endswith((f".{GATE_UP}", f".{DOWN}"))
+    """A sparse layer's 3-D experts, the parameters ep splits (not its router), and their
+    LoRA adapters (`<experts>.lora_A.gate_up_proj`: the expert first, split alike)."""
+    module = name.rpartition(".")[0]
+    adapter = module.endswith((".mlp.experts.lora_A", ".mlp.experts.lora_B"))
+    return adapter or name.endswith((f".{GATE_UP}", f".{DOWN}"))
 
 
 def expert_degrees(experts: int, ranks: int) -> list[int]:
@@ -247,7 +250,7 @@ def expert_note(chosen: Plan, planned: list[Plan], budget: float) -> str | None:
 def _experts_words(p: Plan) -> str:
     """A layout's expert states per rank and all-to-all seconds, in a few words."""
     m = p.memory_estimate_per_rank
-    if expert_degree(p.layout) == 1:
+    if expert_degree(p.layout) == 1 or "expert_parameters" not in m:  # or LoRA's states
         return f"model states {model_states(p) / GIB:.2f} GiB per rank"
     states = m["expert_parameters"] + m["expert_gradients"] + m["expert_optimizer_states"]
     return (
