@@ -124,3 +124,23 @@ def test_lora_targets_on_a_mixture_of_experts_are_read_as_peft_reads_them(lora, 
     )
     with pytest.raises(ConfigError, match="this qwen3 model has none of"):
         lora_adapter_shapes(dense, LoraSettings(target_parameters=["gate_up_proj"]))
+
+
+def test_lora_on_the_experts_plans_their_merged_weights(capsys) -> None:
+    """`plan --lora-r` on Qwen3-30B-A3B: the routers' and experts' adapters split with
+    the experts over ep, and each sparse layer's merged expert weights (E/ep x out x in
+    per adapted parameter, as PEFT builds them) counted."""
+    from meshtrain.config import LoraSettings
+    from meshtrain.models.config_file import read_config_file
+    from meshtrain.models.shapes import lora_adapter_shapes
+    from meshtrain.planner.lora_memory import merged_weight_bytes
+
+    path = EXAMPLES / "qwen3-30b-a3b.json"
+    config = read_config_file(path)
+    shapes = lora_adapter_shapes(config, LoraSettings(r=16, target_modules="all-linear"))
+    per_layer = merged_weight_bytes(shapes, 48, ep=2, value_bytes=2)
+    assert per_layer == 64 * (2 * 768 * 2048 + 2048 * 768) * 2  # 64 experts a rank
+    args = [*_plan(str(path)), "--devices", "8", "--device", "h100", "--seq-len", "4096"]
+    assert main([*args, "--global-batch", "64", "--bf16", "--lora-r", "16"]) == 0
+    chosen = capsys.readouterr().out.splitlines()[1]
+    assert "-ep" in chosen and chosen.split()[1].endswith("-lora16")

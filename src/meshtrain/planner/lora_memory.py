@@ -59,8 +59,9 @@ def merged_weight_bytes(
 ) -> float:
     """Bytes per decoder layer (averaged over the layers) of the merged expert weights
     W + s B A a forward builds for each adapted 3-D parameter, as PEFT's ParamWrapper
-    does: backward keeps them, and its gradient of one layer's is as large. E / ep
-    experts a rank: A is (E, r, in) and B (E, out, r)."""
+    does: backward keeps them (recomputes them under activation checkpointing: not a
+    matmul), and its gradient of one layer's is as large. E / ep experts a rank: A is
+    (E, r, in) and B (E, out, r)."""
     elements = 0
     for name, (experts, _, width) in (
         (n, s) for n, s in adapter_shapes.items() if ".lora_A." in n and len(s) == 3

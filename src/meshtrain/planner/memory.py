@@ -179,7 +179,9 @@ def _activations_on_rank(
     layer_bytes = tokens * (kept * kept_bytes + matmul * matmul_bytes)
     for extra in (v for t in terms for v in t.layer.values()):
         layer_bytes += extra
-    layer_bytes += step.merged_weight_bytes  # kept by the backward, recomputed under full
+    recomputes_merged = step.activation_checkpointing != "none"  # not a matmul: recomputed
+    if not recomputes_merged:
+        layer_bytes += step.merged_weight_bytes  # LoRA's merged expert weights, kept
     if step.activation_checkpointing != "full":
         layer_bytes += tokens * step.adapter_bytes_per_token
     holds_first = 0 in stages
@@ -226,7 +228,9 @@ def _activations_on_rank(
     # gone).
     kept_loss, at_loss = loss_bytes(m, step, tokens) if holds_last else (0, 0)
     in_layer = int(recomputed + backward_working_set(m, step, tokens)) - kept_loss
-    in_layer += int(step.merged_weight_bytes)  # the merged expert weights' gradient
+    # The merged expert weights' gradient in a layer's backward (and the weights again
+    # where recomputed).
+    in_layer += int(step.merged_weight_bytes * (2 if recomputes_merged else 1))
     in_layer += sum(v for t in terms for v in t.backward.values())  # cp's K/V gradient, ...
     kept_losses = kept_loss * last_stage_in_flight(step)
     return activations + max(0, in_layer - at_loss), kept_losses + at_loss
