@@ -104,9 +104,14 @@ def _block_rows(blocks: datasets.Dataset, indices: list[int]) -> list[dict[str, 
     return [rows[i] for i in range(len(indices))]
 
 
-def packed_reference_run(blocks: datasets.DatasetDict, fields: dict[str, Any], steps: int = STEPS):
+def packed_reference_run(
+    blocks: datasets.DatasetDict,
+    fields: dict[str, Any],
+    steps: int = STEPS,
+    architecture: str = "llama",
+):
     """One process, every example alone: the losses per step and the final weights."""
-    config = build_model_config("llama", fields, vocab_size=TINY_VOCAB)
+    config = build_model_config(architecture, fields, vocab_size=TINY_VOCAB)
     model = build_model(config, seed=TRAINING["seed"])
     optimizer, schedule = reference_optimizer(model, steps)
     sampler = GlobalBatchSampler(len(blocks["train"]), GLOBAL_BATCH, TRAINING["seed"])

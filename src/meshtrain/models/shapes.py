@@ -140,4 +140,7 @@ def lora_adapter_shapes(config: Any, settings: LoraSettings) -> dict[str, tuple[
         in_features, out_features = linears[name]
         shapes[f"{name}.lora_A.weight"] = (settings.r, in_features)
         shapes[f"{name}.lora_B.weight"] = (out_features, settings.r)
-    return {**shapes, **parameter_adapter_shapes(config, parameter_shapes(config), settings)}
+    adapted = parameter_adapter_shapes(config, parameter_shapes(config), settings)
+    place = {name: i for i, name in enumerate(names)}  # in the model's module order
+    by_module = sorted(adapted.items(), key=lambda item: place[item[0].split(".lora_")[0]])
+    return {**shapes, **dict(by_module)}
