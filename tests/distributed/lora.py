@@ -18,12 +18,20 @@ from meshtrain.data.sampler import GlobalBatchSampler
 from meshtrain.models import build_model, build_model_config
 from meshtrain.models.lora import AdapterInit
 from meshtrain.models.shapes import lora_adapter_shapes
+from meshtrain.trainer import WorkerSpec
 from tests.conftest import TINY_MODEL, TINY_VOCAB
-from tests.distributed.reference import GLOBAL_BATCH, TRAINING, reference_optimizer, reference_step
+from tests.distributed.reference import (
+    GLOBAL_BATCH,
+    TRAINING,
+    make_spec,
+    reference_optimizer,
+    reference_step,
+)
 
 # GQA with one KV head for four query heads: at tp 2 the KV head is replicated.
 GQA = {**TINY_MODEL, "num_hidden_layers": 4, "num_key_value_heads": 1}
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": "all-linear"}
+STEPS, SAVE_AT = 12, 6  # a LoRA run's steps, and its checkpoint to resume from
 
 
 def save_base(folder: Path, fields: dict[str, Any] = GQA, architecture: str = "llama") -> Path:
@@ -31,6 +39,33 @@ def save_base(folder: Path, fields: dict[str, Any] = GQA, architecture: str = "l
     config = build_model_config(architecture, fields, vocab_size=TINY_VOCAB)
     build_model(config, seed=TRAINING["seed"]).save_pretrained(folder)
     return folder
+
+
+def lora_spec(
+    blocks: datasets.DatasetDict,
+    out: Path,
+    name: str,
+    parallel: dict[str, Any],
+    training: dict[str, Any],
+    base: Path,
+    *,
+    lora: dict[str, Any] = LORA,
+    fields: dict[str, Any] = GQA,
+    architecture: str = "llama",
+) -> WorkerSpec:
+    """A 2-rank LoRA run from the base folder `base`, of `STEPS` steps with a checkpoint
+    at `SAVE_AT`."""
+    return make_spec(
+        blocks,
+        out,
+        name,
+        world=2,
+        parallel=parallel,
+        training={**training, "max_steps": STEPS, "checkpoint_every": SAVE_AT},
+        architecture=architecture,
+        fields=fields,
+        model={"lora": lora, "init_from": str(base)},
+    )
 
 
 def assert_matches_peft(name: str, summary: dict, losses: list[float], first_step: int = 0):

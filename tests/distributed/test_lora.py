@@ -25,14 +25,15 @@ from tests.conftest import TINY_VOCAB
 from tests.distributed.lora import (
     GQA,
     LORA,
+    SAVE_AT,
+    STEPS,
     assert_matches_peft,
+    lora_spec,
     peft_reference_run,
     save_base,
 )
-from tests.distributed.reference import assert_memory_model_holds, make_spec, run_group
+from tests.distributed.reference import assert_memory_model_holds, run_group
 
-STEPS = 12
-SAVE_AT = 6
 PIPELINE = {
     "pipeline_parallel_size": 2,
     "pipeline_parallel_num_microbatches": 2,
@@ -62,30 +63,6 @@ def base_folder(tmp_path_factory) -> Path:
     return save_base(tmp_path_factory.mktemp("lora") / "base")
 
 
-def _spec(
-    blocks,
-    out: Path,
-    name: str,
-    parallel: dict,
-    training: dict,
-    base: Path,
-    *,
-    lora: dict = LORA,
-    fields: dict = GQA,
-):
-    return make_spec(
-        blocks,
-        out,
-        name,
-        world=2,
-        parallel=parallel,
-        training={**training, "max_steps": STEPS, "checkpoint_every": SAVE_AT},
-        architecture="llama",
-        fields=fields,
-        model={"lora": lora, "init_from": str(base)},
-    )
-
-
 def assert_adapters_match(name: str, folder: Path, expected: dict[str, torch.Tensor]) -> None:
     got = load_file(folder / ADAPTER_WEIGHTS)
     assert got.keys() == expected.keys(), name
@@ -101,21 +78,27 @@ def logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.slow
 def test_lora_on_two_ranks_matches_peft(tiny_blocks, base_folder: Path, tmp_path: Path):
-    specs = [_spec(tiny_blocks, tmp_path, n, *case, base_folder) for n, case in TWO_RANKS.items()]
+    specs = [
+        lora_spec(tiny_blocks, tmp_path, n, *case, base_folder) for n, case in TWO_RANKS.items()
+    ]
     # Resumed at step 6: dp2 ZeRO-1 from its own checkpoint (bitwise), and from tp 2's.
     for name, source in (("zero1-resumed", "lora-dp2-zero1"), ("tp2-onto-dp2", "lora-tp2-sp-kv")):
-        resumed = _spec(tiny_blocks, tmp_path, name, *ZERO_1, base_folder)
+        resumed = lora_spec(tiny_blocks, tmp_path, name, *ZERO_1, base_folder)
         saved = tmp_path / source / f"checkpoint-{SAVE_AT}"
         specs.append(dataclasses.replace(resumed, resume_from=str(saved)))
     # Dropout: the same seed, the same losses; tied embeddings over two stages; bf16 masters.
     tied_base = save_base(tmp_path / "tied-base", TIED_GQA)
     extra = {
-        "dropout-a": _spec(tiny_blocks, tmp_path, "dropout-a", *ZERO_1, base_folder, lora=DROPOUT),
-        "dropout-b": _spec(tiny_blocks, tmp_path, "dropout-b", *ZERO_1, base_folder, lora=DROPOUT),
-        "tied-pp2": _spec(
+        "dropout-a": lora_spec(
+            tiny_blocks, tmp_path, "dropout-a", *ZERO_1, base_folder, lora=DROPOUT
+        ),
+        "dropout-b": lora_spec(
+            tiny_blocks, tmp_path, "dropout-b", *ZERO_1, base_folder, lora=DROPOUT
+        ),
+        "tied-pp2": lora_spec(
             tiny_blocks, tmp_path, "tied-pp2", PIPELINE, TP2[1], tied_base, fields=TIED_GQA
         ),
-        "bf16-master": _spec(
+        "bf16-master": lora_spec(
             tiny_blocks,
             tmp_path,
             "bf16-master",

@@ -26,7 +26,7 @@ from meshtrain.data.sampler import GlobalBatchSampler
 from meshtrain.models import build_model, build_model_config
 from meshtrain.trainer import WorkerSpec
 from tests.conftest import TINY_VOCAB
-from tests.distributed.lora import LORA, assert_matches_peft, peft_reference_run
+from tests.distributed.lora import LORA, assert_matches_peft, lora_spec, peft_reference_run
 from tests.distributed.packed import packed_reference_run
 from tests.distributed.reference import (
     GLOBAL_BATCH,
@@ -326,19 +326,11 @@ def test_lora_on_a_mixture_of_experts_matches_peft(tiny_blocks, tmp_path: Path) 
             if name.endswith("mlp.gate.weight"):
                 parameter.mul_(20.0)
     model.save_pretrained(tmp_path / "base")
+    moe = {"fields": fields, "architecture": "qwen3_moe"}
 
     def spec(name: str, parallel: dict, training: dict) -> WorkerSpec:
-        return make_spec(
-            tiny_blocks,
-            tmp_path,
-            name,
-            world=2,
-            parallel=parallel,
-            training={**training, "max_steps": STEPS, "checkpoint_every": SAVE_AT},
-            architecture="qwen3_moe",
-            fields=fields,
-            model={"lora": LORA, "init_from": str(tmp_path / "base")},
-        )
+        base = tmp_path / "base"
+        return lora_spec(tiny_blocks, tmp_path, name, parallel, training, base, **moe)
 
     specs = [spec(name, *case) for name, case in LORA_CASES.items()]
     # Resumed at step 6 from dp2 x ep2's checkpoint: on ep2 (bitwise), and on ep1 ZeRO-1,
