@@ -15,6 +15,7 @@ from pathlib import Path
 import datasets
 import pytest
 import torch
+from peft import PeftModel
 from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
@@ -360,10 +361,16 @@ def test_lora_on_a_mixture_of_experts_matches_peft(tiny_blocks, tmp_path: Path) 
     merged = tmp_path / "merged"
     merge_lora(summaries[1]["final_checkpoint"], merged)
     ids = torch.arange(24).view(2, 12) % TINY_VOCAB
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "base")
+    loaded = PeftModel.from_pretrained(base, tmp_path / "lora-dp2-ep2" / "adapter")
     with torch.no_grad():
-        want = reference.merge_and_unload()(input_ids=ids).logits
-        got = AutoModelForCausalLM.from_pretrained(merged)(input_ids=ids).logits
-    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+        want = reference(input_ids=ids).logits
+        for label, model in (
+            ("PeftModel.from_pretrained", loaded),
+            ("merged", AutoModelForCausalLM.from_pretrained(merged)),
+        ):
+            got = model(input_ids=ids).logits
+            assert (got - want).abs().max() <= 1e-5 * want.abs().max(), label
 
 
 PACKED_CASES = {
