@@ -145,6 +145,7 @@ class ExpertShard(nn.Module):
             full = getattr(experts, name)
             local = torch.empty(ep.local, *full.shape[1:], dtype=full.dtype, device=full.device)
             setattr(self, name, nn.Parameter(local, requires_grad=full.requires_grad))
+        carry_adapters(experts, self, ep.local)  # LoRA's on the experts, if any
 
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
@@ -186,9 +187,8 @@ def shard_experts(
             ep = ExpertParallel(group, experts.gate_up_proj.shape[0])
             parent, _, attribute = path.rpartition(".")
             shard = ExpertShard(experts, ep)
-            adapters = carry_adapters(experts, shard, ep.local)  # LoRA's, expert first too
             setattr(module.get_submodule(parent), attribute, shard)
-            for name in ("gate_up_proj", "down_proj", *adapters):
+            for name, _ in shard.named_parameters():  # LoRA's adapters too: expert first
                 key = f"{path}.{name}"
                 sharding[key] = dataclasses.replace(sharding[key], ep=ep.size, ep_rank=ep_rank)
     return sharding

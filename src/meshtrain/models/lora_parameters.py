@@ -18,7 +18,6 @@ from contextlib import contextmanager
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from meshtrain.models.parameter_targets import ParameterTarget, adapter_names, adapter_shapes
 
@@ -45,7 +44,8 @@ class AdaptedParameters:
         for adapters, adapter_shape in zip(
             (self.lora_A, self.lora_B), adapter_shapes(shape, rank), strict=True
         ):
-            adapters[name] = nn.Parameter(_uninitialised(adapter_shape, dtype, weight.device))
+            empty = torch.empty(adapter_shape, dtype=dtype, device=weight.device)
+            adapters[name] = nn.Parameter(empty)
         self.lora_scaling[name] = scaling
 
     def forward(self, *args: object, **kwargs: object) -> object:
@@ -75,18 +75,6 @@ class AdaptedParameters:
         return weight + ((b @ a) * scaling).to(weight.dtype)
 
 
-def _uninitialised(
-    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
-) -> torch.Tensor:
-    """An adapter's tensor before its values exist. On the meta device it is made outside
-    any fake tensor mode (the dry run's), as the base's parameters are: a fake one made
-    here can keep a weak reference that stops `to_empty` from replacing it."""
-    if device.type == "meta":
-        with unset_fake_temporarily():
-            return torch.empty(shape, dtype=dtype, device=device)
-    return torch.empty(shape, dtype=dtype, device=device)
-
-
 @functools.cache
 def adapted_class(base: type[nn.Module]) -> type[nn.Module]:
     """`base` with adapted parameters (one class per base class, made once)."""
@@ -110,16 +98,12 @@ def add_parameter_adapters(
     return {name: tuple(shape) for name, shape in shapes.items()}
 
 
-def carry_adapters(source: nn.Module, target: nn.Module, experts: int) -> list[str]:
+def carry_adapters(source: nn.Module, target: nn.Module, experts: int) -> None:
     """Give `target` (the module taking `source`'s place, holding `experts` of its
-    experts) the adapters `source` has, empty and as trainable; their short names
-    (`lora_A.<p>`, `lora_B.<p>`)."""
+    experts) the adapters `source` has, empty and as trainable."""
     if not isinstance(source, AdaptedParameters):
-        return []
+        return
     target.__class__ = adapted_class(type(target))
-    names = []
     for name, scaling in source.lora_scaling.items():
         rank = source.lora_A[name].shape[-2]
         target.add_parameter_adapter(name, rank, scaling, source.lora_A[name].dtype, experts)
-        names += [f"lora_A.{name}", f"lora_B.{name}"]
-    return names

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,6 @@ from meshtrain.checkpoint.consolidate.driver import (
     swap_into_place,
 )
 from meshtrain.checkpoint.consolidate.peft_layout import (
-    delta,
     is_expert_adapter,
     is_router_adapter,
     peft_tensors,
@@ -179,26 +179,9 @@ def merge_lora(
     scratch = Path(output_dir).with_name(Path(output_dir).name + ".adapters")
     adapters = _adapters(root, scratch, None)
     s = LoraSettings(**state["settings"])
-    deltas = _Deltas(
-        config["model_type"], adapters, scalings(adapters, s.r, s.lora_alpha, s.use_rslora)
-    )
+    scaling = scalings(adapters, s.r, s.lora_alpha, s.use_rslora)
+    deltas = stored_deltas(config["model_type"], adapters, scaling)
     return _write_merged(folder, deltas, Path(output_dir), dtype, max_shard_size)
-
-
-class _Deltas:
-    """What the adapters add to each stored base tensor they change (`peft_layout`)."""
-
-    def __init__(self, model_type: str, adapters: dict[str, Any], scaling: dict[str, float]):
-        self.adapters, self.scaling = adapters, scaling
-        self.where = stored_deltas(model_type, adapters, scaling)
-
-    def get(self, name: str, rows: int) -> Any:
-        """The fp32 change of stored tensor `name` (of `rows` rows), or None."""
-        if name not in self.where:
-            return None
-        a_name, expert, part = self.where[name]
-        parts = self.adapters[a_name.replace(".lora_A.", ".lora_B.")].shape[-2] // rows
-        return delta(self.adapters, a_name, expert, part, parts, self.scaling[a_name])
 
 
 def _lora_checkpoint(checkpoint: str | Path) -> tuple[Path, dict[str, Any]]:
@@ -214,7 +197,7 @@ def _lora_checkpoint(checkpoint: str | Path) -> tuple[Path, dict[str, Any]]:
 
 def _write_merged(
     base: Path,
-    deltas: _Deltas,
+    deltas: dict[str, Callable[[], Any]],
     output_dir: Path,
     dtype: str | None,
     max_shard_size: int | str,
@@ -251,9 +234,8 @@ def _write_merged(
                 by_name = {spec.name: spec for spec in group}
                 for name in w.names:
                     tensor = handles[located[name]].get_tensor(name)
-                    change = deltas.get(name, tensor.shape[0])
-                    if change is not None:
-                        tensor = tensor.float() + change
+                    if name in deltas:
+                        tensor = tensor.float() + deltas[name]()
                     w.write(name, tensor.to(getattr(torch, by_name[name].dtype_name)))
     if len(groups) > 1:
         index = {
@@ -263,7 +245,7 @@ def _write_merged(
         (partial / files.HF_WEIGHTS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
     _copy_base_files(base, partial, dtype)
     swap_into_place(partial, output_dir)
-    merged = len(deltas.where)
+    merged = len(deltas)
     return {
         "output_dir": str(output_dir),
         "base_model": str(base),

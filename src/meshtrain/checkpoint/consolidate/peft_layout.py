@@ -13,6 +13,8 @@ adapted, gate_up_proj's adapters sit under `experts.base_layer.` and down_proj's
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from meshtrain.checkpoint.expert_layout import router_stored_name, stored_expert_names
@@ -104,33 +106,33 @@ def scalings(adapters: dict[str, Any], rank: int, alpha: float, rslora: bool) ->
 
 def stored_deltas(
     model_type: str, adapters: dict[str, Any], scaling: dict[str, float]
-) -> dict[str, tuple[str, int, int]]:
-    """For each stored base tensor an adapter changes: (its adapter's A name, expert or
-    -1, part) -- the delta is part `part` of s B A (of that expert), split along its rows
-    into as many parts as the tensor was stored in. `scaling`: per A name."""
+) -> dict[str, Callable[[], Any]]:
+    """For each stored base tensor the adapters change, its change in fp32, computed when
+    called (one at a time: the merge streams the base): s B A, of one expert for the
+    experts, the rows of the part that tensor stores. `scaling`: per A name."""
     deltas = {}
     for a_name in adapters:
         module, part, parameter = _split(a_name)
         if part != "lora_A":
             continue
         base = f"{module}.{parameter}"
-        experts = adapters[a_name].shape[0] if adapters[a_name].dim() == 3 else None
-        per_expert = stored_expert_names(model_type, experts or 0, base) if experts else None
+        change = partial(_delta, adapters, a_name, scaling[a_name])
+        experts = adapters[a_name].shape[0] if adapters[a_name].dim() == 3 else 0
+        per_expert = stored_expert_names(model_type, experts, base) if experts else None
         if per_expert is None:
-            deltas[router_stored_name(model_type, base)] = (a_name, -1, 0)
+            deltas[router_stored_name(model_type, base)] = partial(change, None, 0, 1)
             continue
         for expert, parts in enumerate(per_expert):
             for index, stored in enumerate(parts):
-                deltas[stored] = (a_name, expert, index)
+                deltas[stored] = partial(change, expert, index, len(parts))
     return deltas
 
 
-def delta(
-    adapters: dict[str, Any], a_name: str, expert: int, part: int, parts: int, scaling: float
+def _delta(
+    adapters: dict[str, Any], a_name: str, scaling: float, expert: int | None, part: int, parts: int
 ) -> Any:
-    """The fp32 change of one stored tensor (see `stored_deltas`)."""
     a = adapters[a_name].float()
     b = adapters[a_name.replace(".lora_A.", ".lora_B.")].float()
-    if expert >= 0:
+    if expert is not None:
         a, b = a[expert], b[expert]
     return (scaling * (b @ a)).chunk(parts, dim=0)[part]
