@@ -56,14 +56,10 @@ def project_env(**extra: str) -> dict[str, str]:
 
 
 def kedro_run(project: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [str(KEDRO), "run", *args],
-        cwd=project,
-        env=project_env(),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    """`kedro run *args` in `project`, forked warm where it can be (tests/warm_kedro.py)."""
+    from tests import warm_kedro
+
+    return warm_kedro.run(["run", *args], project, project_env(), timeout)
 
 
 def mlflow_client(project: Path):

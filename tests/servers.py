@@ -36,7 +36,7 @@ from pathlib import Path
 import pytest
 
 from meshtrain.offline import TELEMETRY_OPT_OUT
-from tests.kedro_project import KEDRO, SMALL_RUN, make_project, project_env
+from tests.kedro_project import SMALL_RUN, make_project, project_env
 
 MLFLOW = Path(sys.executable).with_name("mlflow")
 CHROMIUM = "/usr/bin/chromium"
@@ -341,18 +341,13 @@ def mlflow_server(postgres: Postgres, root: Path) -> Iterator[MlflowServer]:
 
 def run_kedro(project: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
     """`kedro run` in `project`; MLflow credentials only those given in `env`."""
+    from tests import warm_kedro
+
     environ = project_env(**env)
     for name in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
         if name not in env:
             environ.pop(name, None)
-    return subprocess.run(
-        [str(KEDRO), "run", *args],
-        cwd=project,
-        env=environ,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    return warm_kedro.run(["run", *args], project, environ, timeout=600)
 
 
 def output(result: subprocess.CompletedProcess) -> str:

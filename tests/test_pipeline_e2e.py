@@ -26,9 +26,9 @@ from transformers import AutoModelForCausalLM
 
 from meshtrain.config import TrainingConfig
 from meshtrain.models.converters import converter_names
+from tests import warm_kedro
 from tests.conftest import worker_processes
 from tests.kedro_project import (
-    KEDRO,
     SMALL_RUN,
     kedro_run,
     make_project,
@@ -399,16 +399,15 @@ def test_a_killed_run_resumes_to_the_weights_of_an_uninterrupted_one(
     blocks = "data/02_intermediate"
     shutil.copytree(project / blocks, other / blocks, dirs_exist_ok=True)
     straight_log = tmp_path / "straight.log"
-    with straight_log.open("w") as log:
-        straight = _start_kedro(
-            other,
-            longer + ",training.run_name=straight,consolidation.output_dir=data/06_models/straight",
-            log,
-        )
+    straight = _start_kedro(
+        other,
+        longer + ",training.run_name=straight,consolidation.output_dir=data/06_models/straight",
+        straight_log,
+    )
     killed_params = (
         longer + ",training.run_name=killed,consolidation.output_dir=data/06_models/killed"
     )
-    process = _start_kedro(project, killed_params, subprocess.DEVNULL)
+    process = _start_kedro(project, killed_params, tmp_path / "killed.log")
     run_dir = project / "data/06_models/checkpoints/killed"
     deadline = time.monotonic() + 300
     while not (run_dir / "checkpoint-5" / "COMPLETE").exists():
@@ -441,16 +440,11 @@ def test_a_killed_run_resumes_to_the_weights_of_an_uninterrupted_one(
     assert all(torch.equal(got[k], expected[k]) for k in expected)
 
 
-def _start_kedro(project: Path, params: str, output) -> subprocess.Popen:
+def _start_kedro(project: Path, params: str, log: Path):
     """`kedro run --from-nodes plan_layout --params <params>` in the background, its
-    output (stdout and stderr) to `output`."""
-    return subprocess.Popen(
-        [str(KEDRO), "run", "--from-nodes", "plan_layout", "--params", params],
-        cwd=project,
-        env=project_env(),
-        stdout=output,
-        stderr=subprocess.STDOUT,
-    )
+    output (stdout and stderr) to `log`."""
+    args = ["run", "--from-nodes", "plan_layout", "--params", params]
+    return warm_kedro.start(args, project, project_env(), log, None)
 
 
 # The fine-tune of the default run's model on the builtin instructions (conf/sft), small.

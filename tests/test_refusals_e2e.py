@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import re
-import subprocess
 from pathlib import Path
 
 import datasets
@@ -20,7 +19,8 @@ import pytest
 
 from meshtrain.data.tokenizer import train_tokenizer
 from meshtrain.planner.host import GIB, Host
-from tests.kedro_project import KEDRO, make_project, project_env
+from tests import warm_kedro
+from tests.kedro_project import make_project, project_env
 from tests.test_bad_inputs import MAX_LINES, snapshot
 
 REFUSED = "(meshtrain refused the run"
@@ -89,13 +89,12 @@ def test_each_class_of_mistake_is_refused_before_any_work(tmp_path: Path) -> Non
         root = make_project(tmp_path / name)
         _earlier_run(root)
         before = snapshot(root / "data")
-        process = subprocess.Popen(
-            [str(KEDRO), "run", "--params", params],
-            cwd=root,
-            env=project_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
+        process = warm_kedro.start(
+            ["run", "--params", params],
+            root,
+            project_env(),
+            tmp_path / f"{name}.out",
+            tmp_path / f"{name}.err",
         )
         runs[name] = (root, before, process)
     for name, (root, before, process) in runs.items():

@@ -27,7 +27,8 @@ from meshtrain.tracking.sweep import (
     to_params_arg,
 )
 from meshtrain.tracking.sweep_table import comparison_table
-from tests.kedro_project import KEDRO, SMALL_RUN, mlflow_client, project_env
+from tests import warm_kedro
+from tests.kedro_project import SMALL_RUN, mlflow_client, project_env
 
 # ---------------------------------------------------------------- layout shorthands
 
@@ -309,12 +310,10 @@ def shared_sweep(tmp_path_factory: pytest.TempPathFactory) -> Sweep:
             ["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "c"],
         ):
             subprocess.run(command, cwd=project, check=True, capture_output=True)
-        result = subprocess.run(
-            [str(KEDRO), "sweep", "--layouts", LAYOUTS, "--params", SWEEP_PARAMS],
-            cwd=project,
-            env=project_env(),
-            capture_output=True,
-            text=True,
+        result = warm_kedro.run(
+            ["sweep", "--layouts", LAYOUTS, "--params", SWEEP_PARAMS],
+            project,
+            project_env(),
             timeout=900,
         )
         found = re.search(r"^sweep (sweep-\S+): 3 layouts, global batch 8$", result.stdout, re.M)
@@ -419,14 +418,7 @@ def test_sweep_refuses_a_bad_layout_string_before_running_anything(tmp_path: Pat
     from tests.kedro_project import make_project
 
     project = make_project(tmp_path / "project")
-    result = subprocess.run(
-        [str(KEDRO), "sweep", "--layouts", "dp2 tq2"],
-        cwd=project,
-        env=project_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = warm_kedro.run(["sweep", "--layouts", "dp2 tq2"], project, project_env(), 300)
     assert result.returncode == 2, result.stdout + result.stderr
     assert "token 'tq2' is not understood" in result.stderr
     assert not (project / "mlflow.db").exists()
