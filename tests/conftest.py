@@ -12,6 +12,19 @@ import datasets  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+
+def pytest_configure(config: pytest.Config) -> None:
+    """pytest writes the running test's name into PYTEST_CURRENT_TEST, so the environment
+    of this process changes with every test, and the warm-rank server (`launch.warm`),
+    which restarts when its launcher's environment changed, would start again (about 5 s
+    of imports) for every test that runs a group. No import reads that variable: pytest
+    leaves it unset here."""
+    import _pytest.runner  # noqa: PLC0415
+
+    assert hasattr(_pytest.runner, "_update_current_test_var"), "pytest moved it"
+    _pytest.runner._update_current_test_var = lambda item, when: None
+
+
 TINY_MODEL = {
     "hidden_size": 64,
     "num_hidden_layers": 2,

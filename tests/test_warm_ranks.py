@@ -59,10 +59,12 @@ def test_a_warm_rank_is_forked_warm_and_starts_as_a_spawned_one(
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv(PROBE, "first")
     monkeypatch.delenv(LATE, raising=False)
+    monkeypatch.delenv("TORCHELASTIC_SIGNALS_TO_HANDLE", raising=False)  # each launch sets it
     warm.prestart(True)  # as a Kedro run does once its quick checks pass
     prestarted = warm.forkserver._forkserver._forkserver_pid
     monkeypatch.setenv(LATE, "sqlite:///late.db")  # a late variable: the server stays
     first = _launch(tmp_path, "first")
+    again = _launch(tmp_path, "again")  # a second launch of one launcher: the same server
     monkeypatch.delenv(LATE)
     monkeypatch.setenv(PROBE, "second")  # the server started with "first": it is replaced
     second = _launch(tmp_path, "second")
@@ -75,7 +77,7 @@ def test_a_warm_rank_is_forked_warm_and_starts_as_a_spawned_one(
             assert seen["cwd"] == str(tmp_path)
             assert seen["blocked"] == []
             assert seen["handlers"] == spawned[rank]["handlers"]
-        assert first[rank]["parent"] == prestarted  # the launch found it running
+        assert first[rank]["parent"] == again[rank]["parent"] == prestarted
         assert first[rank]["late"] == "sqlite:///late.db" and second[rank]["late"] is None
         assert not spawned[rank]["preloaded"] and spawned[rank]["parent"] == os.getpid()
     assert spawned[0]["handlers"]["SIGUSR1"] == signal.SIG_DFL

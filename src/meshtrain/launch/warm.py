@@ -54,8 +54,10 @@ PRELOAD = ["meshtrain.launch.warm_server"]
 # The signals that stop a job (torch elastic's and SLURM's), which the server never acts on.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
 
-# Variables (by prefix) a change in which keeps the server: `is_late`.
-LATE_VARIABLES = ("MLFLOW_", "TORCHINDUCTOR_CACHE_DIR")
+# Variables (by prefix) a change in which keeps the server: `is_late`. torch elastic
+# writes TORCHELASTIC_SIGNALS_TO_HANDLE into the launcher's environment at every launch,
+# so without it a launcher's second launch would start a new server.
+LATE_VARIABLES = ("MLFLOW_", "TORCHINDUCTOR_CACHE_DIR", "TORCHELASTIC_SIGNALS_TO_HANDLE")
 
 # In the launcher: the environment the running server started with.
 _started_with: dict[str, str] | None = None
@@ -104,7 +106,8 @@ def _changed_names(before: dict[str, str]) -> set[str]:
 
 def is_late(name: str) -> bool:
     """A variable the launcher's own run sets once the server may have started (its MLflow
-    run's, torch's compile cache), which nothing the server imports reads at import."""
+    run's, torch's compile cache, torch elastic's signal list), which nothing the server
+    imports reads at import."""
     return name.startswith(LATE_VARIABLES)
 
 
