@@ -182,7 +182,7 @@ def _ensure_server(env: dict[str, str]) -> bool:
                 [sys.executable, __file__, _address],
                 cwd=folder,
                 env=_server_env,
-                stdin=subprocess.DEVNULL,
+                stdin=subprocess.PIPE,  # its end of file: this process is gone
                 stdout=subprocess.DEVNULL,
                 start_new_session=True,  # a test's signal to its own group never reaches it
             )
@@ -254,6 +254,9 @@ def _serve(address: str) -> None:
     listener.listen(64)
     os.rename(address + ".binding", address)  # the path appears once it accepts
     while True:
+        readable = select.select([listener, sys.stdin], [], [])[0]
+        if sys.stdin in readable:  # the test process is gone (killed): so is the server
+            os._exit(0)
         connection, _ = listener.accept()
         request = json.loads(connection.makefile("r").readline())
         sys.stdout.flush()
