@@ -11,9 +11,10 @@ uncaught exceptions through `sys.excepthook` (the project's refusal printer) and
 `atexit` run before it exits. The server itself never bootstraps a project or runs a
 node, so each run loads its project's settings, hooks and pipelines itself.
 
-Not forked (a cold process instead): a run whose environment differs from the server's
-beyond the variables no import reads (`LATE`), and every run while
-`MESHTRAIN_TESTS_COLD_KEDRO=1` (the whole suite can run cold). The tests of start-up
+A run whose environment differs from the server's beyond the variables no import reads
+(`LATE`) gets a new server started with its environment (with a warning naming the
+variables). Every run is a cold process while `MESHTRAIN_TESTS_COLD_KEDRO=1` (the whole
+suite can run cold). The tests of start-up
 itself (imports, refusal times, signals to the launcher's process group) start their
 own processes.
 
@@ -36,6 +37,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 from pathlib import Path
 
 KEDRO = Path(sys.executable).with_name("kedro")
@@ -161,37 +163,58 @@ def _read(out: Path, err: Path | None) -> tuple[str, str]:
     return out.read_text(errors="replace"), err.read_text(errors="replace") if err else ""
 
 
-def _environment_matches(env: dict[str, str]) -> bool:
+def _changed(env: dict[str, str]) -> set[str]:
+    """The variables, beyond `LATE`, in which `env` differs from the server's."""
     assert _server_env is not None
     differ = {k for k in env.keys() | _server_env.keys() if env.get(k) != _server_env.get(k)}
-    return all(k.startswith(LATE) for k in differ)
+    return {k for k in differ if not k.startswith(LATE)}
 
 
 def _ensure_server(env: dict[str, str]) -> bool:
-    """Start the server with `env` (the first run's, the tests' project environment) once
-    per test process; False where this run cannot be forked from it."""
-    global _server, _server_env, _address
+    """Start the server with `env` (a run's environment beyond `LATE`) once per test
+    process, and again for a run whose environment differs from it beyond `LATE` (an
+    import reads it); False where no run is forked (`COLD`, no `os.fork`)."""
     if os.environ.get(COLD) == "1" or not hasattr(os, "fork"):
         return False
     with _lock:
-        if _server is None:
-            folder = tempfile.mkdtemp(prefix="warm-kedro-")
-            _address = os.path.join(folder, "socket")
-            _server_env = {k: v for k, v in env.items() if not k.startswith(LATE)}
-            _server = subprocess.Popen(
-                [sys.executable, __file__, _address],
-                cwd=folder,
-                env=_server_env,
-                stdin=subprocess.PIPE,  # its end of file: this process is gone
-                stdout=subprocess.DEVNULL,
-                start_new_session=True,  # a test's signal to its own group never reaches it
+        if _server is not None and _server.poll() is not None:
+            warnings.warn(
+                f"the warm kedro server exited ({_server.returncode}): restarting it", stacklevel=2
             )
-            atexit.register(_stop_server)
-            while not os.path.exists(_address):  # it listens once its imports are done
-                if _server.poll() is not None:
-                    raise RuntimeError(f"the warm kedro server exited with {_server.returncode}")
-                time.sleep(0.05)
-        return _server.poll() is None and _environment_matches(env)
+        elif _server is not None:
+            changed = _changed(env)
+            if not changed:
+                return True
+            warnings.warn(
+                f"the warm kedro server restarts: a run's environment differs in {sorted(changed)}",
+                stacklevel=2,
+            )
+            _server.kill()  # the server alone: the runs in flight and their supervisors stay
+            _server.wait()
+            _server.stdin.close()
+        _start_server({k: v for k, v in env.items() if not k.startswith(LATE)})
+        return True
+
+
+def _start_server(env: dict[str, str]) -> None:
+    global _server, _server_env, _address
+    folder = tempfile.mkdtemp(prefix="warm-kedro-")
+    _address = os.path.join(folder, "socket")
+    _server_env = env
+    _server = subprocess.Popen(
+        [sys.executable, __file__, _address],
+        cwd=folder,
+        env=env,
+        stdin=subprocess.PIPE,  # its end of file: this process is gone
+        stdout=subprocess.DEVNULL,
+        start_new_session=True,  # a test's signal to its own group never reaches it
+    )
+    atexit.unregister(_stop_server)
+    atexit.register(_stop_server)
+    while not os.path.exists(_address):  # it listens once its imports are done
+        if _server.poll() is not None:
+            raise RuntimeError(f"the warm kedro server exited with {_server.returncode}")
+        time.sleep(0.05)
 
 
 def _stop_server() -> None:
@@ -258,20 +281,25 @@ def _serve(address: str) -> None:
         if sys.stdin in readable:  # the test process is gone (killed): so is the server
             os._exit(0)
         connection, _ = listener.accept()
-        request = json.loads(connection.makefile("r").readline())
+        try:
+            request = json.loads(connection.makefile("r").readline())
+        except (OSError, ValueError):  # a client gone before its request: serve the next
+            connection.close()
+            continue
         sys.stdout.flush()
         sys.stderr.flush()
         if os.fork() == 0:
             listener.close()
             _supervise(connection, request)  # never returns
         connection.close()
-        while True:  # reap the supervisors that have ended
-            try:
-                pid, _ = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                break
-            if pid == 0:
-                break
+        _reap()
+
+
+def _reap() -> None:
+    """Reap the supervisors that have ended."""
+    with contextlib.suppress(ChildProcessError):
+        while os.waitpid(-1, os.WNOHANG)[0]:
+            pass
 
 
 def _supervise(connection: socket.socket, request: dict) -> None:
