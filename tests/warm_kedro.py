@@ -14,9 +14,8 @@ node, so each run loads its project's settings, hooks and pipelines itself.
 A run whose environment differs from the server's beyond the variables no import reads
 (`LATE`) gets a new server started with its environment (with a warning naming the
 variables). Every run is a cold process while `MESHTRAIN_TESTS_COLD_KEDRO=1` (the whole
-suite can run cold). The tests of start-up
-itself (imports, refusal times, signals to the launcher's process group) start their
-own processes.
+suite can run cold). The tests of start-up itself (imports, refusal times, signals to
+the launcher's process group) start their own processes.
 
 Each run has a supervisor (forked from the server, the run's parent) that tells the
 test the run's pid and then its exit status over the request's socket, so the server
@@ -60,9 +59,9 @@ PRELOAD = (
 )
 
 # Variables (by prefix) that no import reads: a run whose environment differs from the
-# server's in these alone is still forked (pytest sets PYTEST_CURRENT_TEST per test;
-# meshtrain sets torch's compile cache when it imports torch in the test's process).
-LATE = ("MLFLOW_", "TEAM_MLFLOW_", "PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR")
+# server's in these alone is still forked (meshtrain sets torch's compile cache when it
+# imports torch in the test's process).
+LATE = ("MLFLOW_", "TEAM_MLFLOW_", "TORCHINDUCTOR_CACHE_DIR")
 
 COLD = "MESHTRAIN_TESTS_COLD_KEDRO"
 
@@ -75,7 +74,24 @@ _lock = threading.Lock()
 # --- the test's side ---------------------------------------------------------------
 
 
-class WarmRun:
+class _FileOutput:
+    """`communicate` for a run whose stdout and stderr went to files: the run is killed
+    when it outlasts `timeout`, as `subprocess.run` does."""
+
+    _out: Path
+    _err: Path | None
+
+    def communicate(self, input=None, timeout: float | None = None) -> tuple[str, str]:  # noqa: A002
+        try:
+            self.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            self.wait()
+            raise
+        return _read(self._out, self._err)
+
+
+class WarmRun(_FileOutput):
     """A forked `kedro` process, as much of `subprocess.Popen` as the tests use."""
 
     def __init__(self, args: list[str], connection: socket.socket, out: Path, err: Path | None):
@@ -127,17 +143,8 @@ class WarmRun:
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
 
-    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
-        try:
-            self.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            self.wait()
-            raise
-        return _read(self._out, self._err)
 
-
-class ColdRun(subprocess.Popen):
+class ColdRun(_FileOutput, subprocess.Popen):
     """A fresh `kedro` process, its output to files as a `WarmRun`'s."""
 
     def __init__(
@@ -153,10 +160,6 @@ class ColdRun(subprocess.Popen):
                 stdout=stdout,
                 stderr=stderr if err else subprocess.STDOUT,
             )
-
-    def communicate(self, input=None, timeout: float | None = None) -> tuple[str, str]:  # noqa: A002
-        super().communicate(input, timeout)
-        return _read(self._out, self._err)
 
 
 def _read(out: Path, err: Path | None) -> tuple[str, str]:
@@ -254,13 +257,7 @@ def run(
     with tempfile.TemporaryDirectory(prefix="kedro-run-") as folder:
         out, err = Path(folder, "stdout"), Path(folder, "stderr")
         process = start(args, cwd, env, out, err)
-        try:
-            process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-            raise
-        stdout, stderr = _read(out, err)
+        stdout, stderr = process.communicate(timeout=timeout)
     return subprocess.CompletedProcess([str(KEDRO), *args], process.returncode, stdout, stderr)
 
 
