@@ -100,8 +100,9 @@ def peft_model(
 
 
 def peft_key(name: str) -> str:
-    """PEFT's in-memory parameter name -> its file's key (no adapter name)."""
-    return name.replace(".default.", ".")
+    """PEFT's in-memory parameter name -> its file's key (no adapter name; an embedding's
+    adapters end with it)."""
+    return name.replace(".default.", ".").removesuffix(".default")
 
 
 def peft_reference_run(
@@ -124,5 +125,8 @@ def peft_reference_run(
         loss = F.cross_entropy(logits[:, :-1].reshape(-1, TINY_VOCAB), ids[:, 1:].reshape(-1))
         reference_step(model, loss, optimizer, schedule)
         losses.append(loss.item())
-    saved = {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}
+    # Without the frozen embedding PEFT adds when one is adapted ("auto"): meshtrain never
+    # resizes it, so its adapter folder leaves the base out.
+    state = get_peft_model_state_dict(model, save_embedding_layers=False)
+    saved = {k: v.detach().clone() for k, v in state.items()}
     return losses, saved, model

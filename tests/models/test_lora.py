@@ -39,8 +39,10 @@ def test_targets_follow_peft(config):
     assert _targets(config, target_modules=r".*\.layers\.1\..*_proj") == every
     with pytest.raises(ConfigError, match="'qproj'.*Closest: q_proj"):
         _targets(config, target_modules=["qproj"])
-    with pytest.raises(ConfigError, match="embed_tokens.*not the embedding or the LM head"):
-        _targets(config, target_modules=["q_proj", "embed_tokens"])
+    # The vocabulary layers when named, as PEFT adapts them (an embedding is no Linear).
+    vocabulary = ["q_proj", "embed_tokens", "lm_head"]
+    assert _targets(config, target_modules=vocabulary) == set(vocabulary)
+    assert _targets(config, target_modules=r"model\.embed_tokens|lm_head") == set(vocabulary[1:])
 
 
 @pytest.mark.parametrize(
@@ -68,11 +70,12 @@ def test_lora_on_a_random_base_is_refused_unless_forced():
     check_pretrained_base(LoraSettings(), "some/folder")
 
 
-def test_a_lora_layer_computes_as_peft_and_starts_as_the_base(config):
+@pytest.mark.parametrize("targets", ["all-linear", ["embed_tokens", "q_proj", "lm_head"]])
+def test_a_lora_layer_computes_as_peft_and_starts_as_the_base(config, targets):
     """The converter's layers, filled with the adapters' initial values, against PEFT's
     model holding the same values: equal logits, equal to the base's at the start (B is
-    zero), and equal again once B is not."""
-    settings = LoraSettings(r=4, lora_alpha=8, target_modules="all-linear", use_rslora=True)
+    zero; an embedding's A), and equal again once it is not."""
+    settings = LoraSettings(r=4, lora_alpha=8, target_modules=targets, use_rslora=True)
     ours = build_model(config, seed=3)
     base = build_model(config, seed=3)
     converter = LoraConverter(settings, seed=3)
@@ -80,16 +83,18 @@ def test_a_lora_layer_computes_as_peft_and_starts_as_the_base(config):
     initial = AdapterInit(base=None, shapes=converter.shapes, seed=3)
     peft = get_peft_model(
         build_model(config, seed=3),
-        LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", use_rslora=True),
+        LoraConfig(r=4, lora_alpha=8, target_modules=targets, use_rslora=True),
     )
     with torch.no_grad():
         for name, parameter in ours.named_parameters():
             if parameter.requires_grad:
                 value = initial.full(name)
-                if ".lora_B." in name:
+                if not value.any():
                     value = torch.randn(value.shape) * 0.1  # as after some training
                 parameter.copy_(value)
                 peft_name = "base_model.model." + name.replace(".weight", ".default.weight")
+                if name.endswith(("lora_embedding_A", "lora_embedding_B")):
+                    peft_name += ".default"
                 peft.get_parameter(peft_name).copy_(value)
     ids = torch.arange(16).reshape(2, 8)
     assert torch.allclose(ours(input_ids=ids).logits, peft(input_ids=ids).logits, atol=1e-6)
@@ -109,6 +114,13 @@ def test_adapters_start_as_peft_draws_them_and_alike_on_every_call(config):
     assert torch.equal(a, init.full(name))
     assert not torch.equal(a, init.full(name.replace("layers.0", "layers.1")))
     assert not init.full(name.replace("lora_A", "lora_B")).any()
+    # An embedding's: A zeros, B standard normal (PEFT's `reset_lora_parameters`).
+    embedding = LoraConverter(LoraSettings(r=8, target_modules=["embed_tokens"]), seed=1)
+    embedding.convert(build_meta_model(config))
+    init = AdapterInit(base=None, shapes=embedding.shapes, seed=1)
+    assert not init.full("model.embed_tokens.lora_embedding_A").any()
+    b = init.full("model.embed_tokens.lora_embedding_B")
+    assert b.shape == (TINY_MODEL["hidden_size"], 8) and 0.8 < b.std() < 1.2
 
 
 def test_the_base_identity_names_what_changed(tmp_path: Path, config):

@@ -206,12 +206,25 @@ class VocabParallelEmbedding(RowwiseParallel):
 
 def _lookup_own_rows(embedding: nn.Embedding, ids: torch.Tensor) -> DTensor:
     weight = embedding.weight  # DTensor, Shard(0) on the tp mesh
-    local_ids = ids.to_local() if isinstance(ids, DTensor) else ids
-    rows = weight.to_local()
-    start = vocabulary_start(weight)
-    outside = (local_ids < start) | (local_ids >= start + rows.shape[0])
-    pad = embedding.padding_idx
-    own_pad = pad - start if pad is not None and start <= pad < start + rows.shape[0] else None
-    looked_up = F.embedding((local_ids - start).masked_fill(outside, 0), rows, own_pad)
-    looked_up = looked_up.masked_fill(outside.unsqueeze(-1), 0)
+    rows = OwnRows(weight, ids, embedding.padding_idx)
+    looked_up = rows.lookup(weight.to_local())
     return DTensor.from_local(looked_up, weight.device_mesh, [Partial()], run_check=False)
+
+
+class OwnRows:
+    """The ids of a lookup in a vocabulary-sharded table, as this rank's rows: ids outside
+    them look up row 0 and come out zero, and the padding id keeps its meaning (no
+    gradient) where this rank holds it."""
+
+    def __init__(self, weight: DTensor, ids: torch.Tensor, padding_idx: int | None) -> None:
+        local_ids = ids.to_local() if isinstance(ids, DTensor) else ids
+        start, count = vocabulary_start(weight), weight.to_local().shape[0]
+        self.outside = (local_ids < start) | (local_ids >= start + count)
+        self.ids = (local_ids - start).masked_fill(self.outside, 0)
+        pad = padding_idx
+        self.padding_idx = pad - start if pad is not None and start <= pad < start + count else None
+
+    def lookup(self, table: torch.Tensor) -> torch.Tensor:
+        """The rows of `table` (this rank's rows x width) the ids pick, zero for the others'."""
+        looked_up = F.embedding(self.ids, table, self.padding_idx)
+        return looked_up.masked_fill(self.outside.unsqueeze(-1), 0)

@@ -23,6 +23,8 @@ autocast or bf16 parameters), the log-sum-exp and the logits' gradient in fp32.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -56,14 +58,32 @@ class ScoringHead:
 
     Scoring inside the head's own forward keeps every module hook that guards its weight
     in force: ZeRO-1's wait for the weight's gathered update, tensor parallelism's input
-    layout (`distributed.tensor_parallel.VocabParallelLossHead`)."""
+    layout (`distributed.tensor_parallel.VocabParallelLossHead`). A head with LoRA
+    adapters (`models.lora.LoraLayer`) scores their low-rank term in the same chunks."""
 
     loss_chunk_tokens: int
 
     def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         if labels is None:
             return super().forward(hidden)  # type: ignore[misc]
-        return linear_cross_entropy_sum(hidden, self.weight, labels, self.loss_chunk_tokens)
+        adapter = None
+        if hasattr(self, "lora_A"):
+            adapter = LowRank(
+                self.lora_A.weight, self.lora_B.weight, self.scaling, self.lora_dropout
+            )
+        return linear_cross_entropy_sum(
+            hidden, self.weight, labels, self.loss_chunk_tokens, adapter=adapter
+        )
+
+
+@dataclass
+class LowRank:
+    """A LoRA adapter on the head: logits gain `(dropout(h) @ a.T) * scaling @ b.T`."""
+
+    a: torch.Tensor  # r x hidden
+    b: torch.Tensor  # vocabulary rows x r
+    scaling: float
+    dropout: nn.Module
 
 
 def score_in_chunks(lm_head: nn.Linear, chunk_tokens: int) -> None:
@@ -87,78 +107,96 @@ def head_loss(hidden: torch.Tensor, lm_head: nn.Linear, labels: torch.Tensor) ->
 
 
 def linear_cross_entropy_sum(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_tokens: int
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    chunk_tokens: int,
+    *,
+    adapter: LowRank | None = None,
 ) -> torch.Tensor:
     """`token_loss_sum(hidden @ weight.T, labels)` without the logits of more than
-    `chunk_tokens` tokens at once; ignored positions cost nothing.
+    `chunk_tokens` tokens at once; ignored positions cost nothing. With `adapter`, the
+    logits are those of the LoRA head.
 
     `weight` is the head's (vocabulary, hidden) weight, a plain tensor or a DTensor
     sharded on the vocabulary over the tp mesh; `hidden` is then a DTensor on that mesh
-    (`VocabParallelLossHead` makes the head's input one)."""
+    (`VocabParallelLossHead` makes the head's input one), the adapter's B is sharded
+    like `weight` and its A replicated."""
     group, vocab_start = None, 0
+    adapter_in = None if adapter is None else adapter.dropout(hidden)
+    a, b = (None, None) if adapter is None else (adapter.a, adapter.b)
     if isinstance(weight, DTensor):
         mesh = weight.device_mesh
         group, vocab_start = mesh.get_group(), vocabulary_start(weight)
-        # Gathered whole on every rank; its gradient is each rank's vocabulary share.
-        hidden = hidden.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()])
+        # Gathered whole on every rank; its gradient is each rank's vocabulary share, as
+        # are the gradients of what the adapter's A sees.
+        hidden = hidden.redistribute(mesh, [Replicate()])
+        adapter_in = None if adapter is None else adapter.dropout(hidden)
+        hidden = hidden.to_local(grad_placements=[Partial()])
         weight = weight.to_local()
+        if adapter is not None:
+            adapter_in = adapter_in.to_local(grad_placements=[Partial()])
+            a, b = a.to_local(grad_placements=[Partial()]), b.to_local()
     device = hidden.device.type
     compute = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+    terms = [hidden.flatten(0, 1), weight]
+    if adapter is not None:
+        low_rank = F.linear(adapter_in.to(a.dtype), a) * adapter.scaling
+        terms += [low_rank.flatten(0, 1), b]
     return _ChunkedLinearCrossEntropy.apply(
-        hidden.flatten(0, 1),
-        weight,
-        labels.flatten(),
-        chunk_tokens,
-        compute or weight.dtype,
-        vocab_start,
-        group,
+        labels.flatten(), chunk_tokens, compute or weight.dtype, vocab_start, group, *terms
     )
 
 
+_FIXED_INPUTS = 5  # _ChunkedLinearCrossEntropy's arguments before its terms
+
+
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
-    """Forward: the summed loss, and the gradients of hidden and weight as if the loss's
-    own gradient were 1. Backward: those, times the gradient that arrives."""
+    """Forward: the summed loss of the logits `sum_i x_i @ w_i.T` (the head's term, and a
+    LoRA adapter's), and the gradients of every x_i and w_i as if the loss's own
+    gradient were 1. Backward: those, times the gradient that arrives."""
 
     @staticmethod
     def forward(
         ctx: torch.autograd.function.FunctionCtx,
-        hidden: torch.Tensor,  # (tokens, hidden)
-        weight: torch.Tensor,  # (vocabulary rows of this rank, hidden)
         labels: torch.Tensor,  # (tokens,), IGNORE_INDEX where not trained
         chunk_tokens: int,
         compute: torch.dtype,
         vocab_start: int,
         group: dist.ProcessGroup | None,
+        *terms: torch.Tensor,  # x_1 (tokens, width_1), w_1 (vocabulary rows, width_1), ...
     ) -> torch.Tensor:
-        needs_hidden, needs_weight = ctx.needs_input_grad[:2]
+        needs = ctx.needs_input_grad[_FIXED_INPUTS:]
         trained = _trained_rows(labels)
         all_trained = trained.numel() == labels.numel()
-        rows = hidden if all_trained else hidden.index_select(0, trained)
         targets = labels if all_trained else labels.index_select(0, trained)
-        w = weight.to(compute)
-        grads = _HeadGradients(
-            hidden if needs_hidden else None,
-            weight if needs_weight else None,
-            trained.numel(),
-            vocab_start,
-            group,
-        )
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        with torch.autocast(hidden.device.type, enabled=False):
-            for start in range(0, rows.shape[0], chunk_tokens):
+        inputs, weights = terms[::2], terms[1::2]
+        rows = [x if all_trained else x.index_select(0, trained) for x in inputs]
+        ws = [w.to(compute) for w in weights]
+        grads = [
+            _TermGradients(
+                x if needs[2 * i] else None, w if needs[2 * i + 1] else None, len(targets)
+            )
+            for i, (x, w) in enumerate(zip(inputs, weights, strict=True))
+        ]
+        total = torch.zeros((), dtype=torch.float32, device=labels.device)
+        with torch.autocast(labels.device.type, enabled=False):
+            for start in range(0, len(targets), chunk_tokens):
                 chunk = slice(start, start + chunk_tokens)
-                total += _score_chunk(rows[chunk].to(compute), w, targets[chunk], chunk, grads)
-        ctx.grad_hidden = grads.hidden_of(trained, all_trained)
-        ctx.grad_weight = grads.weight_of(weight.dtype)
+                xs = [x[chunk].to(compute) for x in rows]
+                total += _score_chunk(xs, ws, targets[chunk], chunk, grads, vocab_start, group)
+        ctx.grads = [
+            grad
+            for term, x, w in zip(grads, inputs, weights, strict=True)
+            for grad in (term.input_of(trained, all_trained, x.shape), term.weight_of(w.dtype))
+        ]
         return total
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):  # noqa: ANN205 (autograd's signature)
-        grads = []
-        for grad in (ctx.grad_hidden, ctx.grad_weight):
-            grads.append(None if grad is None else grad.mul_(grad_loss.to(grad.dtype)))
-        ctx.grad_hidden = ctx.grad_weight = None
-        return (*grads, None, None, None, None, None)
+        grads = [None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in ctx.grads]
+        ctx.grads = None
+        return (None,) * _FIXED_INPUTS + tuple(grads)
 
 
 def _trained_rows(labels: torch.Tensor) -> torch.Tensor:
@@ -171,12 +209,23 @@ def _trained_rows(labels: torch.Tensor) -> torch.Tensor:
 
 
 def _score_chunk(
-    h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, chunk: slice, grads: _HeadGradients
+    xs: list[torch.Tensor],
+    ws: list[torch.Tensor],
+    targets: torch.Tensor,
+    chunk: slice,
+    grads: list[_TermGradients],
+    vocab_start: int,
+    group: dist.ProcessGroup | None,
 ) -> torch.Tensor:
     """One chunk's summed loss, its gradients added to `grads`. A function of its own so
     that nothing of one chunk is alive while the next one's logits are made."""
-    loss, grad_logits = _chunk_loss(h @ w.T, targets, grads.vocab_start, grads.group)
-    grads.add(chunk, grad_logits.to(h.dtype), h, w)
+    logits = xs[0] @ ws[0].T
+    for x, w in zip(xs[1:], ws[1:], strict=True):
+        logits.addmm_(x, w.T)
+    loss, grad_logits = _chunk_loss(logits, targets, vocab_start, group)
+    grad_logits = grad_logits.to(xs[0].dtype)
+    for term, x, w in zip(grads, xs, ws, strict=True):
+        term.add(chunk, grad_logits, x, w)
     return loss
 
 
@@ -205,44 +254,35 @@ def _chunk_loss(
     return loss, z
 
 
-class _HeadGradients:
-    """The gradients of the hidden states (trained rows only) and of the head's weight,
-    accumulated chunk by chunk (None for an input that needs none); where this rank's
-    vocabulary rows start, and the tp group that holds the others."""
+class _TermGradients:
+    """The gradients of one term's input (trained rows only) and weight, accumulated
+    chunk by chunk (None for one that needs none)."""
 
-    def __init__(
-        self,
-        hidden: torch.Tensor | None,
-        weight: torch.Tensor | None,
-        rows: int,
-        vocab_start: int,
-        group: dist.ProcessGroup | None,
-    ):
-        self.vocab_start, self.group = vocab_start, group
-        self.hidden = None if hidden is None else hidden.new_empty((rows, hidden.shape[1]))
+    def __init__(self, x: torch.Tensor | None, weight: torch.Tensor | None, rows: int):
+        self.input = None if x is None else x.new_empty((rows, x.shape[1]))
         # fp32 accumulation over the chunks, whatever the weight's dtype.
         self.weight = None if weight is None else torch.zeros_like(weight, dtype=torch.float32)
-        self._shape = None if hidden is None else hidden.shape
 
-    def add(self, chunk: slice, grad_logits: torch.Tensor, h: torch.Tensor, w: torch.Tensor):
-        if self.hidden is not None:
-            grad_hidden = self.hidden[chunk]
-            if grad_hidden.dtype == grad_logits.dtype:
-                torch.matmul(grad_logits, w, out=grad_hidden)
+    def add(self, chunk: slice, grad_logits: torch.Tensor, x: torch.Tensor, w: torch.Tensor):
+        if self.input is not None:
+            grad_input = self.input[chunk]
+            if grad_input.dtype == grad_logits.dtype:
+                torch.matmul(grad_logits, w, out=grad_input)
             else:
-                grad_hidden.copy_(grad_logits @ w)
+                grad_input.copy_(grad_logits @ w)
         if self.weight is not None:
             if grad_logits.dtype == torch.float32:
-                self.weight.addmm_(grad_logits.T, h)
+                self.weight.addmm_(grad_logits.T, x)
             else:
-                self.weight += grad_logits.T @ h
+                self.weight += grad_logits.T @ x
 
-    def hidden_of(self, trained: torch.Tensor, all_trained: bool) -> torch.Tensor | None:
+    def input_of(
+        self, trained: torch.Tensor, all_trained: bool, shape: torch.Size
+    ) -> torch.Tensor | None:
         """The gradient over every position (zero where not trained)."""
-        if self.hidden is None or all_trained:
-            return self.hidden
-        full = self.hidden.new_zeros(self._shape)
-        return full.index_copy_(0, trained, self.hidden)
+        if self.input is None or all_trained:
+            return self.input
+        return self.input.new_zeros(shape).index_copy_(0, trained, self.input)
 
     def weight_of(self, dtype: torch.dtype) -> torch.Tensor | None:
         return None if self.weight is None else self.weight.to(dtype)

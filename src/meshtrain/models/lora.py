@@ -8,12 +8,15 @@ names and loads as before), with two new children: `lora_A` (r x in) and `lora_B
 (out x r). The forward is PEFT's, `base(x) + lora_B(lora_A(dropout(x))) * scaling` (to
 rounding), so the adapters' names, values and arithmetic are PEFT's, and PEFT's key for
 an adapter is
-`base_model.model.` + its name here (`checkpoint.consolidate.lora`).
+`base_model.model.` + its name here (`checkpoint.consolidate.lora`). A targeted embedding
+gets PEFT's two parameters instead, `lora_embedding_A` (r x vocabulary) and
+`lora_embedding_B` (hidden x r): `base(ids) + (A.T[ids] @ B.T) * scaling`, no dropout
+(PEFT applies none there).
 
-The adapters start as PEFT's do (A Kaiming-uniform, B zeros), each drawn from a
-generator seeded by the run's seed and the adapter's name, so every layout, stage and
-shard starts from the same values. How they are split under tensor parallelism is in
-`distributed.lora_parallel`.
+The adapters start as PEFT's do (A Kaiming-uniform, B zeros; an embedding's A zeros, B
+standard normal), each drawn from a generator seeded by the run's seed and the adapter's
+name, so every layout, stage and shard starts from the same values. How they are split
+under tensor parallelism is in `distributed.lora_parallel`.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -35,15 +39,9 @@ from meshtrain.models.converters import LORA
 from meshtrain.models.llama.weights import WeightSource
 from meshtrain.models.lora_parameters import add_parameter_adapters
 from meshtrain.models.parameter_targets import parameter_adapters
-from meshtrain.models.shapes import select_lora_targets
+from meshtrain.models.shapes import is_embedding, select_lora_targets
 
 NAME = LORA  # the converter's name, as `converter_names` gives it
-ADAPTER_PARTS = ("lora_A", "lora_B")
-
-
-def is_adapter(name: str) -> bool:
-    """Whether parameter `name` belongs to a LoRA adapter."""
-    return any(f".{part}." in name for part in ADAPTER_PARTS)
 
 
 class LoraLayer:
@@ -78,10 +76,35 @@ class LoraLayer:
         return torch.addmm(rows, low_rank.flatten(0, -2).to(result.dtype), b).view_as(result)
 
 
+class LoraEmbedding:
+    """Mixed into an Embedding's own class: PEFT's embedding adapter, as two parameters of
+    the embedding itself (`lora_embedding_A`, `lora_embedding_B`, PEFT's names)."""
+
+    lora_embedding_A: nn.Parameter  # r x vocabulary
+    lora_embedding_B: nn.Parameter  # hidden x r
+    scaling: float
+
+    def add_adapters(self, r: int, scaling: float, dtype: torch.dtype) -> None:
+        weight = self.weight  # type: ignore[attr-defined]
+        vocabulary, hidden = weight.shape
+        kwargs = {"device": weight.device, "dtype": dtype}
+        self.lora_embedding_A = nn.Parameter(torch.empty(r, vocabulary, **kwargs))
+        self.lora_embedding_B = nn.Parameter(torch.empty(hidden, r, **kwargs))
+        self.scaling = scaling
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """PEFT's `base(ids) + (A.T[ids] @ B.T) * scaling` (A's column at the padding id
+        gets no gradient, as the base's row does not)."""
+        result = super().forward(ids)  # type: ignore[misc]
+        after_a = F.embedding(ids, self.lora_embedding_A.T, self.padding_idx)  # type: ignore[attr-defined]
+        return result + (after_a @ self.lora_embedding_B.T) * self.scaling
+
+
 @functools.cache
-def lora_class(base: type[nn.Linear]) -> type[nn.Linear]:
+def lora_class(base: type[nn.Module]) -> type[nn.Module]:
     """`base` with LoRA's forward (one class per base class, made once)."""
-    return type(f"Lora{base.__name__}", (LoraLayer, base), {})
+    mixin = LoraEmbedding if issubclass(base, nn.Embedding) else LoraLayer
+    return type(f"Lora{base.__name__}", (mixin, base), {})
 
 
 def linear_names(model: nn.Module) -> list[str]:
@@ -127,6 +150,11 @@ class LoraConverter:
         for name in targets:
             layer = model.get_submodule(name)
             layer.__class__ = lora_class(type(layer))
+            if is_embedding(name):
+                layer.add_adapters(s.r, s.scaling, self.adapter_dtype)
+                for part in ("lora_embedding_A", "lora_embedding_B"):
+                    self.shapes[f"{name}.{part}"] = tuple(getattr(layer, part).shape)
+                continue
             layer.add_adapters(s.r, s.lora_dropout, s.scaling, self.adapter_dtype)
             self.shapes[f"{name}.lora_A.weight"] = (s.r, layer.in_features)
             self.shapes[f"{name}.lora_B.weight"] = (layer.out_features, s.r)
@@ -139,8 +167,9 @@ class LoraConverter:
 
 @dataclass
 class AdapterInit:
-    """A weight source whose adapters start as PEFT's (A Kaiming-uniform, B zeros), each
-    drawn from (seed, name); every other name comes from `base`."""
+    """A weight source whose adapters start as PEFT's (A Kaiming-uniform, B zeros; an
+    embedding's A zeros, B standard normal), each drawn from (seed, name); every other
+    name comes from `base`."""
 
     base: WeightSource
     shapes: dict[str, tuple[int, ...]]
@@ -148,10 +177,12 @@ class AdapterInit:
 
     def full(self, name: str) -> torch.Tensor:
         shape = self.shapes[name]
-        if ".lora_B." in name:
+        if ".lora_B." in name or name.endswith(".lora_embedding_A"):
             return torch.zeros(shape)
         stream = (self.seed * 0x9E3779B1 + zlib.crc32(name.encode())) % 2**63
         generator = torch.Generator().manual_seed(stream)
+        if name.endswith(".lora_embedding_B"):
+            return torch.randn(shape, generator=generator)
         # PEFT's (and nn.Linear's) init: bound 1/sqrt(fan_in); the experts' A (E, r, in)
         # drawn as PEFT holds it, one (E r) x in matrix.
         tensor = torch.empty(math.prod(shape[:-1]), shape[-1])

@@ -14,7 +14,12 @@ import re
 from typing import Any
 
 from meshtrain.config import ConfigError, LoraSettings
-from meshtrain.models.llama.parameter_names import HEAD_NORMS, LM_HEAD, llama_family_shapes
+from meshtrain.models.llama.parameter_names import (
+    EMBEDDING_ADAPTERS,
+    HEAD_NORMS,
+    LM_HEAD,
+    llama_family_shapes,
+)
 from meshtrain.models.moe_config import sparse_layers
 from meshtrain.models.parameter_targets import parameter_adapter_shapes, resolve_targets
 
@@ -22,8 +27,10 @@ from meshtrain.models.parameter_targets import parameter_adapter_shapes, resolve
 # MODULES_MAPPING), used when `model.lora.target_modules` is null.
 DEFAULT_TARGETS = ("q_proj", "v_proj")
 ALL_LINEAR = "all-linear"
-# Not adapted here: the LM head (PEFT's all-linear leaves it out too) and the embedding.
-NOT_ADAPTABLE = ("lm_head", "embed_tokens")
+# The vocabulary layers: adapted only when named (PEFT's all-linear leaves the LM head
+# out, and an embedding is not a Linear layer).
+EMBEDDING_MODULE, HEAD_MODULE = "embed_tokens", "lm_head"
+VOCABULARY_LAYERS = (EMBEDDING_MODULE, HEAD_MODULE)
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
 
@@ -72,9 +79,10 @@ def linear_features(config: Any) -> dict[str, tuple[int, int]]:
 def select_lora_targets(
     linears: list[str], modules: list[str], settings: LoraSettings, model_type: str
 ) -> list[str]:
-    """The Linear layers `settings.target_modules` selects, with PEFT's matching rules;
-    refuses a target the model does not have (naming the closest) or cannot adapt. On a
-    mixture of experts the MLP's names go to the routers and experts instead
+    """The layers `settings.target_modules` selects, with PEFT's matching rules: Linear
+    layers, and the embedding where it is named (or matched by a regular expression);
+    refuses a target the model does not have (naming the closest). On a mixture of
+    experts the MLP's names go to the routers and experts instead
     (`models.parameter_targets`), and may leave no Linear target."""
     targets = settings.target_modules
     if any(name.endswith(".mlp.experts") for name in modules):
@@ -84,59 +92,59 @@ def select_lora_targets(
     if targets is None:
         targets = list(DEFAULT_TARGETS)
     if targets == ALL_LINEAR or targets == [ALL_LINEAR]:
-        return [n for n in linears if n.rsplit(".", 1)[-1] not in NOT_ADAPTABLE]
+        return [n for n in linears if n.rsplit(".", 1)[-1] != HEAD_MODULE]
+    layers = [*_embeddings(modules), *linears]
     if isinstance(targets, str):
-        chosen = [n for n in linears if re.fullmatch(targets, n)]
+        chosen = [n for n in layers if re.fullmatch(targets, n)]
         if not chosen:
             raise ConfigError(
                 f"`model.lora.target_modules` {targets!r} (a regular expression, as PEFT reads "
                 f"one string) matches no Linear layer; they are named like {linears[0]!r}. "
                 "List module names instead, e.g. [q_proj, v_proj], or use all-linear."
             )
-        return _adaptable(chosen)
+        return chosen
     short = sorted({n.rsplit(".", 1)[-1] for n in modules if n})
-    adaptable = sorted({n.rsplit(".", 1)[-1] for n in linears} - set(NOT_ADAPTABLE))
+    adaptable = sorted({n.rsplit(".", 1)[-1] for n in layers})
     for target in targets:
-        if target in NOT_ADAPTABLE:
-            _refuse_not_adaptable(target)
-        if not any(n == target or n.endswith("." + target) for n in linears):
+        if not any(n == target or n.endswith("." + target) for n in layers):
             close = difflib.get_close_matches(target, short, n=3)
             hint = f" Closest: {', '.join(close)}." if close else ""
             raise ConfigError(
                 f"`model.lora.target_modules` names {target!r}, which is not a Linear layer "
-                f"of this model.{hint} Its adaptable layers: "
+                f"or the embedding of this model.{hint} Its adaptable layers: "
                 f"{', '.join(adaptable)}."
             )
-    chosen = [n for n in linears if any(n == t or n.endswith("." + t) for t in targets)]
-    return _adaptable(chosen)
+    return [n for n in layers if any(n == t or n.endswith("." + t) for t in targets)]
 
 
-def _adaptable(names: list[str]) -> list[str]:
-    for name in names:
-        last = name.rsplit(".", 1)[-1]
-        if last in NOT_ADAPTABLE:
-            _refuse_not_adaptable(last)
-    return names
+def _embeddings(modules: list[str]) -> list[str]:
+    return [n for n in modules if n.rsplit(".", 1)[-1] == EMBEDDING_MODULE]
 
 
-def _refuse_not_adaptable(target: str) -> None:
-    raise ConfigError(
-        f"`model.lora.target_modules` includes {target!r}: meshtrain adapts the decoder "
-        "layers' Linear projections (q/k/v/o_proj, gate/up/down_proj), not the embedding or "
-        "the LM head, whose adapters would need their own vocabulary-parallel split and, "
-        "with tied embeddings, one adapter shared by two pipeline stages. Leave it out "
-        "(all-linear already does)."
-    )
+def is_embedding(module: str) -> bool:
+    """Whether a LoRA target is the input embedding (PEFT's `lora_embedding_A`/`_B`)."""
+    return module.rsplit(".", 1)[-1] == EMBEDDING_MODULE
+
+
+def embedding_adapter_names(module: str) -> tuple[str, str]:
+    """An embedding's adapter parameters, PEFT's names: A (r x vocabulary), B (hidden x r)."""
+    a, b = EMBEDDING_ADAPTERS
+    return f"{module}.{a}", f"{module}.{b}"
 
 
 def lora_adapter_shapes(config: Any, settings: LoraSettings) -> dict[str, tuple[int, ...]]:
     """Each adapter parameter's Hugging Face name and shape, as `LoraConverter` makes them:
-    A is r x in, B out x r, for every targeted Linear layer in module order; then the
+    A is r x in, B out x r, for every targeted Linear layer in module order (the
+    embedding's A r x vocabulary, B hidden x r, PEFT's); then the
     adapters of a mixture's routers and experts (`models.parameter_targets`)."""
     linears = linear_features(config)
     shapes: dict[str, tuple[int, ...]] = {}
     names = module_names(config)
     for name in select_lora_targets(list(linears), names, settings, config.model_type):
+        if is_embedding(name):
+            a, b = embedding_adapter_names(name)
+            shapes[a], shapes[b] = (settings.r, config.vocab_size), (config.hidden_size, settings.r)
+            continue
         in_features, out_features = linears[name]
         shapes[f"{name}.lora_A.weight"] = (settings.r, in_features)
         shapes[f"{name}.lora_B.weight"] = (out_features, settings.r)

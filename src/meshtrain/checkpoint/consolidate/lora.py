@@ -8,7 +8,11 @@ as a full model, then renamed (they are small: r x (in + out) per layer).
 
 The merged model streams the base one tensor at a time: each adapted weight becomes
 W + scaling * B @ A (computed in fp32, written in the requested dtype), every other
-tensor is copied as it is. At most one base tensor and the adapters are in memory.
+tensor is copied as it is. At most one base tensor and the adapters are in memory. A
+tied base whose embedding or head was adapted is written untied (`lm_head.weight` its
+own tensor, `tie_word_embeddings` false): the two no longer hold the same values, and
+adding both changes to the one shared tensor (what PEFT's own merge does) would apply
+the embedding's change to the head as well.
 Both folders are written beside their destination and swapped into place at the end.
 """
 
@@ -41,6 +45,7 @@ from meshtrain.checkpoint.consolidate.plan import file_names, split_into_files
 from meshtrain.checkpoint.lora_base import base_identity, check_same_base, checkpoint_lora_state
 from meshtrain.checkpoint.manifest import CheckpointError, resolve_checkpoint
 from meshtrain.config import LoraSettings
+from meshtrain.models.llama.parameter_names import EMBEDDING, LM_HEAD
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -181,7 +186,9 @@ def merge_lora(
     s = LoraSettings(**state["settings"])
     scaling = scalings(adapters, s.r, s.lora_alpha, s.use_rslora)
     deltas = stored_deltas(config["model_type"], adapters, scaling)
-    return _write_merged(folder, deltas, Path(output_dir), dtype, max_shard_size)
+    untie = bool(config.get("tie_word_embeddings")) and bool({EMBEDDING, LM_HEAD} & set(deltas))
+    copies = {LM_HEAD: EMBEDDING} if untie else {}
+    return _write_merged(folder, deltas, Path(output_dir), dtype, max_shard_size, copies)
 
 
 def _lora_checkpoint(checkpoint: str | Path) -> tuple[Path, dict[str, Any]]:
@@ -201,7 +208,10 @@ def _write_merged(
     output_dir: Path,
     dtype: str | None,
     max_shard_size: int | str,
+    copies: dict[str, str],
 ) -> dict[str, Any]:
+    """`copies`: tensors the base does not store, written from another it does (new name
+    -> stored name), whose presence unties the model."""
     import torch  # noqa: PLC0415
     from safetensors import safe_open  # noqa: PLC0415
 
@@ -217,6 +227,8 @@ def _write_merged(
     located = folder_weight_files(base)
     if located is None:
         raise CheckpointError(f"cannot merge into {base}: it holds no safetensors weights")
+    source = {name: name for name in located} | copies
+    located = {name: located[source[name]] for name in source}
     partial = output_dir.with_name(output_dir.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
@@ -224,7 +236,7 @@ def _write_merged(
         handles = {p: stack.enter_context(safe_open(str(p), "pt")) for p in set(located.values())}
         specs = []
         for name, path in located.items():
-            piece = handles[path].get_slice(name)
+            piece = handles[path].get_slice(source[name])
             out = dtype or dtype_name(piece.get_dtype())
             specs.append(TensorSpec(name, out, tuple(piece.get_shape())))
         groups = split_into_files(specs, limit, size=lambda spec: spec.nbytes)
@@ -233,7 +245,7 @@ def _write_merged(
             with SafetensorsWriter(partial / file_name, group, metadata={"format": "pt"}) as w:
                 by_name = {spec.name: spec for spec in group}
                 for name in w.names:
-                    tensor = handles[located[name]].get_tensor(name)
+                    tensor = handles[located[name]].get_tensor(source[name])
                     if name in deltas:
                         tensor = tensor.float() + deltas[name]()
                     w.write(name, tensor.to(getattr(torch, by_name[name].dtype_name)))
@@ -243,7 +255,7 @@ def _write_merged(
             "weight_map": {s.name: f for f, g in zip(names, groups, strict=True) for s in g},
         }
         (partial / files.HF_WEIGHTS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
-    _copy_base_files(base, partial, dtype)
+    _copy_base_files(base, partial, dtype, untied=bool(copies))
     swap_into_place(partial, output_dir)
     merged = len(deltas)
     return {
@@ -255,8 +267,9 @@ def _write_merged(
     }
 
 
-def _copy_base_files(base: Path, dest: Path, dtype: str | None) -> None:
-    """The base's config (its dtype updated), generation config and tokenizer files."""
+def _copy_base_files(base: Path, dest: Path, dtype: str | None, *, untied: bool) -> None:
+    """The base's config (its dtype updated, untied where `untied`), generation config and
+    tokenizer files."""
     for path in base.iterdir():
         if (
             path.is_file()
@@ -264,8 +277,12 @@ def _copy_base_files(base: Path, dest: Path, dtype: str | None) -> None:
             and path.name != (files.HF_WEIGHTS_INDEX)
         ):
             shutil.copy2(path, dest / path.name)
+    if dtype is None and not untied:
+        return
+    config = json.loads((dest / files.MODEL_CONFIG).read_text())
     if dtype is not None:
-        config = json.loads((dest / files.MODEL_CONFIG).read_text())
         config["dtype"] = dtype
         config.pop("torch_dtype", None)
-        (dest / files.MODEL_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    if untied:
+        config["tie_word_embeddings"] = False
+    (dest / files.MODEL_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

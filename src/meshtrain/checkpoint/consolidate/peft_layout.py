@@ -1,7 +1,8 @@
 """meshtrain's adapters as PEFT names and lays them out, and as deltas of the stored
 base tensors (the merged model).
 
-A Linear layer's or a router's adapters are PEFT's already (`<module>.lora_A.weight`).
+A Linear layer's, an embedding's or a router's adapters are PEFT's already
+(`<module>.lora_A.weight`, `<embedding>.lora_embedding_A`).
 The experts' are held expert first, A (E, r, in) and B (E, out, r)
 (`models.parameter_targets`); PEFT's `ParamWrapper` keeps A as one (E r) x in matrix
 and B as out x (r E), B's columns running over the experts fastest, so its split over
@@ -20,6 +21,7 @@ from typing import Any
 from meshtrain.checkpoint.expert_layout import router_stored_name, stored_expert_names
 
 PEFT_PREFIX = "base_model.model."
+EMBEDDING_A, EMBEDDING_B = ".lora_embedding_A", ".lora_embedding_B"
 # The experts module's parameters in registration order (both architectures).
 _EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
 
@@ -98,7 +100,7 @@ def scalings(adapters: dict[str, Any], rank: int, alpha: float, rslora: bool) ->
     fused adapters' does."""
     out = {}
     for name, tensor in adapters.items():
-        if ".lora_A." in name:
+        if ".lora_A." in name or name.endswith(EMBEDDING_A):
             r = int(tensor.shape[-2])
             out[name] = alpha * r / rank / (r**0.5 if rslora else r)
     return out
@@ -112,6 +114,10 @@ def stored_deltas(
     experts, the rows of the part that tensor stores. `scaling`: per A name."""
     deltas = {}
     for a_name in adapters:
+        if a_name.endswith(EMBEDDING_A):
+            base = a_name.removesuffix(EMBEDDING_A) + ".weight"
+            deltas[base] = partial(_embedding_delta, adapters, a_name, scaling[a_name])
+            continue
         module, part, parameter = _split(a_name)
         if part != "lora_A":
             continue
@@ -136,3 +142,10 @@ def _delta(
     if expert is not None:
         a, b = a[expert], b[expert]
     return (scaling * (b @ a)).chunk(parts, dim=0)[part]
+
+
+def _embedding_delta(adapters: dict[str, Any], a_name: str, scaling: float) -> Any:
+    """An embedding's change, vocabulary x hidden: s (B A).T (PEFT's `get_delta_weight`)."""
+    a = adapters[a_name].float()
+    b = adapters[a_name.removesuffix(EMBEDDING_A) + EMBEDDING_B].float()
+    return scaling * (b @ a).T

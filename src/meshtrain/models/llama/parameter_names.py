@@ -30,6 +30,8 @@ KV_PROJECTIONS = ("self_attn.k_proj", "self_attn.v_proj")
 # The input embedding and the LM head: one tensor when the config ties them.
 EMBEDDING = "model.embed_tokens.weight"
 LM_HEAD = "lm_head.weight"
+# A LoRA embedding's adapters (PEFT's names): A is r x vocabulary, B hidden x r.
+EMBEDDING_ADAPTERS = ("lora_embedding_A", "lora_embedding_B")
 # The architectures with an RMSNorm over each query and key head.
 HEAD_NORMS = ("qwen3", "qwen3_moe")
 
@@ -53,10 +55,14 @@ def tensor_parallel_dim(name: str) -> int | None:
     base, _, adapter = module.rpartition(".")
     if adapter in ("lora_A", "lora_B"):
         # A LoRA adapter is split the way its base layer is: B on the outputs under a
-        # column-parallel base, A on the inputs under a row-parallel one; the other whole.
-        if _module_is(base, COLUMN_PARALLEL):
+        # column-parallel base (the LM head's: its vocabulary), A on the inputs under a
+        # row-parallel one; the other whole.
+        if _module_is(base, (*COLUMN_PARALLEL, "lm_head")):
             return 0 if adapter == "lora_B" else None
         return 1 if adapter == "lora_A" and _module_is(base, ROW_PARALLEL) else None
+    if kind in EMBEDDING_ADAPTERS:
+        # The embedding's A (r x vocabulary) is split on the vocabulary like its base.
+        return 1 if kind == EMBEDDING_ADAPTERS[0] else None
     if _module_is(module, COLUMN_PARALLEL):
         return 0
     if kind != "weight":

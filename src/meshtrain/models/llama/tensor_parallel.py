@@ -32,7 +32,12 @@ from torch.distributed.tensor.parallel import (
 )
 
 from meshtrain.distributed.kv_heads import repeat_kv_heads
-from meshtrain.distributed.lora_parallel import LoraColwiseParallel, LoraRowwiseParallel
+from meshtrain.distributed.lora_parallel import (
+    LoraColwiseParallel,
+    LoraRowwiseParallel,
+    LoraVocabParallelEmbedding,
+    LoraVocabParallelLossHead,
+)
 from meshtrain.distributed.tensor_parallel import (
     ParameterSharding,
     VocabParallelEmbedding,
@@ -41,7 +46,7 @@ from meshtrain.distributed.tensor_parallel import (
 )
 from meshtrain.models.head_loss import ScoringHead
 from meshtrain.models.llama.parameter_names import COLUMN_PARALLEL, ROW_PARALLEL
-from meshtrain.models.lora import LoraLayer
+from meshtrain.models.lora import LoraEmbedding, LoraLayer
 
 
 def decoder_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -61,14 +66,24 @@ def tensor_parallel_plan(model: nn.Module, *, sequence_parallel: bool) -> dict[s
     sp = sequence_parallel
     residual = Shard(1) if sp else Replicate()
     plan: dict[str, ParallelStyle] = {}
-    if hasattr(model.model, "embed_tokens"):
-        plan["model.embed_tokens"] = VocabParallelEmbedding(
+    embedding = getattr(model.model, "embed_tokens", None)
+    if embedding is not None:
+        style = (
+            LoraVocabParallelEmbedding
+            if isinstance(embedding, LoraEmbedding)
+            else VocabParallelEmbedding
+        )
+        plan["model.embed_tokens"] = style(
             input_layouts=Replicate(), output_layouts=residual, use_local_output=not sp
         )
-    if isinstance(getattr(model, "lm_head", None), ScoringHead):
-        plan["lm_head"] = VocabParallelLossHead(input_layouts=residual)
-    elif hasattr(model, "lm_head"):
-        plan["lm_head"] = ColwiseParallel(
+    head = getattr(model, "lm_head", None)
+    lora_head = isinstance(head, LoraLayer)
+    if isinstance(head, ScoringHead):
+        style = LoraVocabParallelLossHead if lora_head else VocabParallelLossHead
+        plan["lm_head"] = style(input_layouts=residual)
+    elif head is not None:
+        style = LoraColwiseParallel if lora_head else ColwiseParallel
+        plan["lm_head"] = style(
             input_layouts=residual, output_layouts=Shard(-1), use_local_output=False
         )
     if sp and hasattr(model.model, "norm"):
