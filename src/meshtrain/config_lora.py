@@ -29,6 +29,9 @@ class LoraSettings:
     # 3-D experts (gate_up_proj, down_proj); see `models.parameter_targets`.
     target_parameters: list[str] | None = None
     use_rslora: bool = False  # scale by alpha / sqrt(r) instead of alpha / r
+    # PEFT's meaning: modules trained whole beside the adapters (a name matches a module
+    # whose dotted name is it or ends with "." + it), e.g. [lm_head] for new chat tokens.
+    modules_to_save: list[str] | None = None
     # LoRA on a randomly initialised model trains a low-rank update of noise: refused
     # unless this is set (e.g. to test a layout without a pretrained folder).
     allow_random_base: bool = False
@@ -58,7 +61,6 @@ class LoraSettings:
 # PEFT LoraConfig fields meshtrain does not implement: refused by name, not as typos.
 _PEFT_UNSUPPORTED = (
     "use_dora",
-    "modules_to_save",
     "layers_to_transform",
     "layers_pattern",
     "rank_pattern",
@@ -86,14 +88,22 @@ def peft_only_defaults(values: dict[str, Any]) -> dict[str, Any]:
             f"`model.lora.bias` is {values['bias']!r}; meshtrain trains no biases of the "
             "base: use none (PEFT's default)."
         )
-    values.pop("task_type", None)
-    values.pop("bias", None)
+    if values.get("ensure_weight_tying"):
+        raise ConfigError(
+            "`model.lora.ensure_weight_tying` is true: PEFT then makes the embedding's and "
+            "the LM head's adapters one storage held by two trainable parameters, which "
+            "AdamW steps twice (twice the learning rate). meshtrain follows PEFT's default "
+            "instead: the head shares the frozen base weight, each layer named in "
+            "target_modules gets its own adapter. Remove it (or set it to false)."
+        )
+    for name in ("task_type", "bias", "ensure_weight_tying"):
+        values.pop(name, None)
     for name in _PEFT_UNSUPPORTED:
         if name in values:
             raise ConfigError(
                 f"`model.lora.{name}`: PEFT's `{name}` is not implemented by meshtrain's LoRA "
-                "(r, lora_alpha, lora_dropout, target_modules, target_parameters and use_rslora "
-                "are). Remove it."
+                "(r, lora_alpha, lora_dropout, target_modules, target_parameters, "
+                "modules_to_save and use_rslora are). Remove it."
             )
     return values
 
@@ -118,6 +128,11 @@ def check_lora(settings: LoraSettings) -> None:
         raise ConfigError(
             "`model.lora.target_parameters` is empty; name a mixture of experts' parameters "
             "(e.g. [gate_up_proj, down_proj]) or leave it out."
+        )
+    if settings.modules_to_save is not None and not settings.modules_to_save:
+        raise ConfigError(
+            "`model.lora.modules_to_save` is empty; name the modules to train whole (e.g. "
+            "[lm_head]) or leave it out."
         )
     if isinstance(settings.target_modules, list) and not settings.target_modules:
         if settings.target_parameters:

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
 
-from meshtrain.checkpoint.consolidate.peft_layout import peft_tensors
+from meshtrain.checkpoint.consolidate.peft_layout import is_adapter, peft_tensors
 from meshtrain.config import LoraSettings
 from meshtrain.data.blocks import BlockStore, arrow_files
 from meshtrain.data.sampler import GlobalBatchSampler
@@ -90,8 +90,11 @@ def peft_model(
     shapes = lora_adapter_shapes(base.config, LoraSettings(**settings))
     model = get_peft_model(base, LoraConfig(**settings))
     initial = AdapterInit(base=None, shapes=shapes, seed=TRAINING["seed"])
-    values = peft_tensors({name: initial.full(name) for name in shapes})
-    trained = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    values = peft_tensors({name: initial.full(name) for name in shapes if is_adapter(name)})
+    # The modules trained whole start as the base, in PEFT as in meshtrain.
+    trained = {
+        n: p for n, p in model.named_parameters() if p.requires_grad and "modules_to_save" not in n
+    }
     assert {peft_key(name) for name in trained} == values.keys()
     with torch.no_grad():
         for name, parameter in trained.items():

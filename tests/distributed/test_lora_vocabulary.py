@@ -3,9 +3,10 @@ equals PEFT in one process on every layout that splits them: the embedding's ada
 split on the vocabulary under tp + SP, the head's scored by the chunked loss, both
 across two pipeline stages of a tied base, and under ZeRO-1 and sharded dp. Same base,
 same initial adapters, fp32, 12 steps: losses per step to 1e-5 relative, the adapters
-after (from the PEFT folder consolidation writes). The folder of the tied run loads with
-`PeftModel.from_pretrained`, and its merged model, written untied, with plain
-transformers, both with the trained model's logits."""
+after (from the PEFT folder consolidation writes). PEFT's `modules_to_save` (the LM head
+trained whole) likewise at tp 2. The folders of the tied run and of the trained head
+load with `PeftModel.from_pretrained`, and their merged models (the tied one written
+untied) with plain transformers, all with the trained model's logits."""
 
 from __future__ import annotations
 
@@ -46,6 +47,12 @@ LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_
 EMBEDDING = {"r": 4, "lora_alpha": 8, "target_modules": ["embed_tokens", *LINEAR]}
 VOCABULARY = {**EMBEDDING, "target_modules": ["embed_tokens", *LINEAR, "lm_head"]}
 HEAD = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "lm_head"]}
+SAVED_HEAD = {
+    "r": 4,
+    "lora_alpha": 8,
+    "target_modules": ["q_proj", "v_proj"],
+    "modules_to_save": ["lm_head"],
+}
 TP2_SP = {"tensor_parallel_size": 2, "sequence_parallel": True}
 BATCH_8 = {"per_device_train_batch_size": 8}
 SHARDED = (
@@ -61,6 +68,7 @@ CASES = {
     "vocabulary-pp2": (TIED_GQA, VOCABULARY, PIPELINE, BATCH_8),
     "head-tp2-sp-chunked": (GQA, HEAD, TP2_SP, {**BATCH_8, "loss_chunk_tokens": 16}),
     "embedding-untied-tp2-sp": (GQA, EMBEDDING, TP2_SP, BATCH_8),
+    "saved-head-tp2-sp": (GQA, SAVED_HEAD, TP2_SP, BATCH_8),
 }
 # Where fp32 itself cannot hold the adapters to 1e-5 (measured in the test), each run is
 # held to an fp64 oracle instead, within twice PEFT's own fp32 distance from it.
@@ -116,24 +124,26 @@ def test_lora_on_the_embedding_and_the_head_matches_peft(tiny_blocks, tmp_path: 
         got = relative_distance(load_file(folder / ADAPTER_WEIGHTS), exact)
         assert got <= 2 * floor, f"{name}: {got:.2e} from fp64, PEFT in fp32 {floor:.2e}"
 
-    # The tied run: PEFT's loader on the tied base, and the merged model, untied.
-    _, _, trained = oracles[json.dumps([TIED_GQA, VOCABULARY], sort_keys=True)]
+    # PEFT's loader and the merged model, against the trained oracle: the tied run's
+    # (merged untied), and the trained head's (PEFT's ModulesToSaveWrapper loads it).
     ids = torch.arange(24).reshape(2, 12) % TINY_VOCAB
-    want = logits(trained, ids)
-    consolidate_lora(
-        summaries["vocabulary-pp2"]["final_checkpoint"],
-        tmp_path / "adapter",
-        merged_dir=tmp_path / "merged",
-    )
-    loaded = PeftModel.from_pretrained(
-        AutoModelForCausalLM.from_pretrained(bases["tied"]), tmp_path / "adapter"
-    )
-    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
-    assert not merged.config.tie_word_embeddings
-    assert merged.lm_head.weight.data_ptr() != merged.model.embed_tokens.weight.data_ptr()
-    for label, model in (("PeftModel.from_pretrained", loaded), ("merged", merged)):
-        got = logits(model, ids)
-        assert (got - want).abs().max() <= 1e-5 * want.abs().max(), label
+    for name, base in (("vocabulary-pp2", bases["tied"]), ("saved-head-tp2-sp", bases["untied"])):
+        fields, lora = CASES[name][:2]
+        want = logits(oracles[json.dumps([fields, lora], sort_keys=True)][2], ids)
+        consolidate_lora(
+            summaries[name]["final_checkpoint"],
+            tmp_path / f"{name}-peft",
+            merged_dir=tmp_path / f"{name}-merged",
+        )
+        loaded = PeftModel.from_pretrained(
+            AutoModelForCausalLM.from_pretrained(base), tmp_path / f"{name}-peft"
+        )
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / f"{name}-merged")
+        assert not merged.config.tie_word_embeddings, name
+        assert merged.lm_head.weight.data_ptr() != merged.model.embed_tokens.weight.data_ptr()
+        for label, model in (("PeftModel.from_pretrained", loaded), ("merged", merged)):
+            got = logits(model, ids)
+            assert (got - want).abs().max() <= 1e-5 * want.abs().max(), f"{name} {label}"
 
 
 def fp64_base(fields: dict) -> torch.nn.Module:

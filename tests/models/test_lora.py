@@ -17,6 +17,7 @@ from meshtrain.config import ConfigError, LoraSettings, RunConfig
 from meshtrain.models import build_model, build_model_config
 from meshtrain.models.builder import build_meta_model
 from meshtrain.models.lora import AdapterInit, LoraConverter, check_pretrained_base, target_names
+from meshtrain.models.shapes import lora_adapter_shapes
 from meshtrain.planner import plan_run
 from tests.conftest import TINY_MODEL, TINY_VOCAB
 
@@ -56,11 +57,32 @@ def test_targets_follow_peft(config):
         ({"lora_aplha": 8}, "did you mean `model.lora.lora_alpha`"),
         ({"use_dora": True}, "PEFT's `use_dora`"),
         ({"bias": "all"}, "model.lora.bias"),
+        ({"modules_to_save": []}, "model.lora.modules_to_save"),
+        ({"ensure_weight_tying": True}, "AdamW steps twice"),
     ],
 )
 def test_bad_settings_are_refused_naming_the_parameter(values, message):
     with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
         RunConfig.from_params(model={"lora": values})
+
+
+def test_modules_to_save_are_the_named_modules_parameters_and_refused_where_they_cannot_be(
+    config,
+):
+    def saved(model_config, **settings) -> dict:
+        return lora_adapter_shapes(model_config, LoraSettings(r=4, **settings))
+
+    trained = saved(config, target_modules=["q_proj"], modules_to_save=["lm_head", "norm"])
+    assert {n for n in trained if ".lora_" not in n} == {"lm_head.weight", "model.norm.weight"}
+    with pytest.raises(ConfigError, match="'lm_haed'.*Closest: lm_head"):
+        saved(config, modules_to_save=["lm_haed"])
+    with pytest.raises(ConfigError, match="target_modules adapts too"):
+        saved(config, target_modules=["q_proj", "lm_head"], modules_to_save=["lm_head"])
+    tied = build_model_config(
+        "llama", {**TINY_MODEL, "tie_word_embeddings": True}, vocab_size=TINY_VOCAB
+    )
+    with pytest.raises(ConfigError, match="ties its embedding and LM head"):
+        saved(tied, modules_to_save=["embed_tokens"])
 
 
 def test_lora_on_a_random_base_is_refused_unless_forced():

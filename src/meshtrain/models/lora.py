@@ -39,7 +39,7 @@ from meshtrain.models.converters import LORA
 from meshtrain.models.llama.weights import WeightSource
 from meshtrain.models.lora_parameters import add_parameter_adapters
 from meshtrain.models.parameter_targets import parameter_adapters
-from meshtrain.models.shapes import is_embedding, select_lora_targets
+from meshtrain.models.shapes import is_embedding, saved_module_shapes, select_lora_targets
 
 NAME = LORA  # the converter's name, as `converter_names` gives it
 
@@ -121,7 +121,9 @@ def target_names(model: nn.Module, settings: LoraSettings) -> list[str]:
 
 @dataclass
 class LoraConverter:
-    """Freezes the base and adds LoRA adapters to the targeted Linear layers, in place.
+    """Freezes the base and adds LoRA adapters to the targeted Linear layers, in place;
+    the modules of `modules_to_save` stay trainable (PEFT's trained copies: the base
+    parameter itself is trained, under its own name, as nothing needs the original).
 
     `base_dtype`: what the frozen base is held in (None: as built); `adapter_dtype`: the
     adapters' parameters (fp32, or bf16 where ZeRO keeps fp32 masters of them)."""
@@ -142,10 +144,15 @@ class LoraConverter:
         targets = target_names(model, self.settings)
         names = [name for name, _ in model.named_parameters()]
         adapted = parameter_adapters(model.config.model_type, names, self.settings)
+        saved = saved_module_shapes(model.config, self.settings, targets)
         for parameter in model.parameters():
             parameter.requires_grad_(False)
         if self.base_dtype is not None:
             model.to(self.base_dtype)
+        for name in saved:  # trained whole, in the adapters' dtype; their values the base's
+            parameter = model.get_parameter(name)
+            parameter.data = parameter.data.to(self.adapter_dtype)
+            parameter.requires_grad_(True)
         s = self.settings
         for name in targets:
             layer = model.get_submodule(name)

@@ -132,15 +132,53 @@ def embedding_adapter_names(module: str) -> tuple[str, str]:
     return f"{module}.{a}", f"{module}.{b}"
 
 
+def saved_module_shapes(
+    config: Any, settings: LoraSettings, targets: list[str]
+) -> dict[str, tuple[int, ...]]:
+    """The parameters `settings.modules_to_save` trains whole (PEFT's matching rules), with
+    their shapes; refuses a name no module has, a module that is also a LoRA target in
+    `targets`, and a vocabulary layer of a tied model (its trained copy would need the
+    tie undone in every stage and checkpoint: adapt it with target_modules instead)."""
+    shapes = parameter_shapes(config)
+    modules = module_names(config)
+    tied = getattr(config, "tie_word_embeddings", False)
+    saved: dict[str, tuple[int, ...]] = {}
+    for wanted in settings.modules_to_save or []:
+        chosen = [m for m in modules if m == wanted or m.endswith("." + wanted)]
+        where = f"`model.lora.modules_to_save` names {wanted!r}"
+        if not chosen:
+            close = difflib.get_close_matches(
+                wanted, sorted({m.rsplit(".", 1)[-1] for m in modules})
+            )
+            hint = f" Closest: {', '.join(close)}." if close else ""
+            raise ConfigError(f"{where}, which is not a module of this model.{hint}")
+        for module in chosen:
+            if module in targets:
+                raise ConfigError(
+                    f"{where}, which target_modules adapts too: a module is trained whole "
+                    "or through an adapter, not both. Leave it out of one of them."
+                )
+            if tied and module.rsplit(".", 1)[-1] in VOCABULARY_LAYERS:
+                raise ConfigError(
+                    f"{where}: this model ties its embedding and LM head, and a trained copy "
+                    "of one would untie them. Adapt it with LoRA instead (target_modules: "
+                    f"[..., {module.rsplit('.', 1)[-1]}]), or start from an untied model."
+                )
+            saved |= {n: shape for n, shape in shapes.items() if n.startswith(module + ".")}
+    return saved
+
+
 def lora_adapter_shapes(config: Any, settings: LoraSettings) -> dict[str, tuple[int, ...]]:
-    """Each adapter parameter's Hugging Face name and shape, as `LoraConverter` makes them:
+    """Each trained parameter's Hugging Face name and shape, as `LoraConverter` makes them
+    (then the modules trained whole, `saved_module_shapes`). The adapters:
     A is r x in, B out x r, for every targeted Linear layer in module order (the
     embedding's A r x vocabulary, B hidden x r, PEFT's); then the
     adapters of a mixture's routers and experts (`models.parameter_targets`)."""
     linears = linear_features(config)
     shapes: dict[str, tuple[int, ...]] = {}
     names = module_names(config)
-    for name in select_lora_targets(list(linears), names, settings, config.model_type):
+    targets = select_lora_targets(list(linears), names, settings, config.model_type)
+    for name in targets:
         if is_embedding(name):
             a, b = embedding_adapter_names(name)
             shapes[a], shapes[b] = (settings.r, config.vocab_size), (config.hidden_size, settings.r)
@@ -151,4 +189,4 @@ def lora_adapter_shapes(config: Any, settings: LoraSettings) -> dict[str, tuple[
     adapted = parameter_adapter_shapes(config, parameter_shapes(config), settings)
     place = {name: i for i, name in enumerate(names)}  # in the model's module order
     by_module = sorted(adapted.items(), key=lambda item: place[item[0].split(".lora_")[0]])
-    return {**shapes, **dict(by_module)}
+    return {**shapes, **dict(by_module), **saved_module_shapes(config, settings, targets)}

@@ -22,6 +22,7 @@ import json
 import shutil
 from collections.abc import Callable
 from contextlib import ExitStack
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,7 @@ from meshtrain.checkpoint.consolidate.driver import (
     swap_into_place,
 )
 from meshtrain.checkpoint.consolidate.peft_layout import (
+    is_adapter,
     is_expert_adapter,
     is_router_adapter,
     peft_tensors,
@@ -54,7 +56,11 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 def adapter_targets(adapter_names: list[str]) -> list[str]:
     """The Linear layers' names (PEFT's `target_modules`) the adapters sit on, shortest
     form (a mixture's routers and experts are `target_parameters`)."""
-    linear = [n for n in adapter_names if not (is_expert_adapter(n) or is_router_adapter(n))]
+    linear = [
+        n
+        for n in adapter_names
+        if is_adapter(n) and not (is_expert_adapter(n) or is_router_adapter(n))
+    ]
     return sorted({n.split(".lora_")[0].rsplit(".", 1)[-1] for n in linear})
 
 
@@ -72,6 +78,7 @@ def peft_config(settings: LoraSettings, adapters: dict[str, Any], base: str | No
         rank_pattern=rank_pattern,
         alpha_pattern={k: settings.lora_alpha * r / settings.r for k, r in rank_pattern.items()},
         use_rslora=settings.use_rslora,
+        modules_to_save=settings.modules_to_save,
         task_type="CAUSAL_LM",
         base_model_name_or_path=base,
     )
@@ -185,10 +192,21 @@ def merge_lora(
     adapters = _adapters(root, scratch, None)
     s = LoraSettings(**state["settings"])
     scaling = scalings(adapters, s.r, s.lora_alpha, s.use_rslora)
-    deltas = stored_deltas(config["model_type"], adapters, scaling)
-    untie = bool(config.get("tie_word_embeddings")) and bool({EMBEDDING, LM_HEAD} & set(deltas))
+    changes = stored_deltas(config["model_type"], adapters, scaling)
+    merged = {name: partial(_plus, change) for name, change in changes.items()}
+    # The modules trained whole (modules_to_save) replace their base tensors.
+    merged |= {n: partial(_instead, t) for n, t in adapters.items() if not is_adapter(n)}
+    untie = bool(config.get("tie_word_embeddings")) and bool({EMBEDDING, LM_HEAD} & set(merged))
     copies = {LM_HEAD: EMBEDDING} if untie else {}
-    return _write_merged(folder, deltas, Path(output_dir), dtype, max_shard_size, copies)
+    return _write_merged(folder, merged, Path(output_dir), dtype, max_shard_size, copies)
+
+
+def _plus(change: Callable[[], Any], base: Any) -> Any:
+    return base + change()
+
+
+def _instead(trained: Any, _base: Any) -> Any:
+    return trained.float()
 
 
 def _lora_checkpoint(checkpoint: str | Path) -> tuple[Path, dict[str, Any]]:
@@ -204,7 +222,7 @@ def _lora_checkpoint(checkpoint: str | Path) -> tuple[Path, dict[str, Any]]:
 
 def _write_merged(
     base: Path,
-    deltas: dict[str, Callable[[], Any]],
+    merged: dict[str, Callable[[Any], Any]],
     output_dir: Path,
     dtype: str | None,
     max_shard_size: int | str,
@@ -246,8 +264,8 @@ def _write_merged(
                 by_name = {spec.name: spec for spec in group}
                 for name in w.names:
                     tensor = handles[located[name]].get_tensor(source[name])
-                    if name in deltas:
-                        tensor = tensor.float() + deltas[name]()
+                    if name in merged:
+                        tensor = merged[name](tensor.float())
                     w.write(name, tensor.to(getattr(torch, by_name[name].dtype_name)))
     if len(groups) > 1:
         index = {
@@ -257,11 +275,10 @@ def _write_merged(
         (partial / files.HF_WEIGHTS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
     _copy_base_files(base, partial, dtype, untied=bool(copies))
     swap_into_place(partial, output_dir)
-    merged = len(deltas)
     return {
         "output_dir": str(output_dir),
         "base_model": str(base),
-        "merged_layers": merged,
+        "merged_layers": len(merged),
         "files": names,
         "total_size": sum(s.nbytes for s in specs),
     }

@@ -33,6 +33,12 @@ def _split(name: str) -> tuple[str, str, str]:
     return module, part, parameter
 
 
+def is_adapter(name: str) -> bool:
+    """Whether a trained tensor is an adapter's (else a module trained whole,
+    `modules_to_save`, under its base name)."""
+    return ".lora_" in name
+
+
 def is_expert_adapter(name: str) -> bool:
     return _split(name)[2] in _EXPERT_PARAMETERS
 
