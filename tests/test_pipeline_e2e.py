@@ -532,3 +532,76 @@ def test_lora_fine_tunes_the_default_model_into_an_adapter_folder_and_a_merged_m
     with torch.no_grad():
         want, got = peft(input_ids=ids).logits, merged(input_ids=ids).logits
     assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+
+
+def small_qwen3(project: Path) -> Path:
+    """A small Qwen3 (tied embeddings, as Qwen3 up to 4B ties them) with the default run's
+    tokenizer and chat template beside it, as a pretrained folder brings its own."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: PLC0415
+
+    tokenizer = project / "data/06_models/consolidated"
+    vocab = json.loads((tokenizer / "config.json").read_text())["vocab_size"]
+    config = Qwen3Config(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    folder = project / "data/06_models/small-qwen3"
+    Qwen3ForCausalLM(config).save_pretrained(folder)
+    for path in [*tokenizer.glob("*token*"), tokenizer / "chat_template.jinja"]:
+        shutil.copy2(path, folder / path.name)
+    return folder
+
+
+# conf/qwen3_lora as it is, but at tp 2 on this machine's CPU, on the small Qwen3, short.
+QWEN3_HERE = [
+    "launch.nproc_per_node=2",
+    "launch.backend=auto",
+    "parallel.tensor_parallel_size=2",
+    "planner.device=cpu",
+    "data.block_size=512",
+    "training.max_steps=4",
+    "training.checkpoint_every=4",
+    "training.eval_every=4",
+    "training.eval_batches=2",
+    "training.log_every=1",
+]
+
+
+@pytest.mark.slow
+def test_the_qwen3_lora_environment_runs_at_tp2_on_a_small_qwen3(project: Path, default_run):
+    """`kedro run --env qwen3_lora` (optimum-neuron's Qwen3 example: LoRA r 64 on the
+    embedding and every projection, dropout 0.05, packed chat blocks, bf16 with fp32
+    masters, ZeRO-1, tp with SP) at tp 2 on a small Qwen3 folder: the embedding's adapter
+    trains split on the vocabulary, the adapter folder loads with PEFT on its base and
+    the merged model, untied, gives the same logits."""
+    base = small_qwen3(project)
+    params = [f"model.init_from={base}", *QWEN3_HERE, *SFT_RUN.split(",")[:2]]
+    params += ["evaluation.max_batches=4", "evaluation.max_new_tokens=8"]
+    result = kedro_run(project, "--env", "qwen3_lora", "--params", ",".join(params))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    plan = json.loads((project / "data/05_model_input/qwen3_lora_plan.json").read_text())
+    assert plan["model_config"]["model_type"] == "qwen3"
+    assert plan["layout"]["tensor_parallel_size"] == 2 and plan["layout"]["zero_1"] is False
+    metrics = json.loads((project / "data/08_reporting/qwen3_lora_metrics.json").read_text())
+    assert metrics["layout"].endswith("-lora64")
+    adapter = project / "data/06_models/qwen3_lora"
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["lora_dropout"]) == (64, 128, 0.05)
+    assert "embed_tokens" in config["target_modules"]
+    saved = load_file(adapter / "adapter_model.safetensors")
+    assert saved["base_model.model.model.embed_tokens.lora_embedding_A"].any()  # trained
+    ids = torch.tensor([[5, 17, 42, 99, 3, 250, 11, 8]])
+    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapter)
+    merged = AutoModelForCausalLM.from_pretrained(project / "data/06_models/qwen3_lora_merged")
+    assert not merged.config.tie_word_embeddings
+    with torch.no_grad():
+        want, got = peft(input_ids=ids).logits, merged(input_ids=ids).logits
+    assert (got - want).abs().max() <= 1e-4 * want.abs().max()

@@ -192,6 +192,12 @@ def _plan_arguments(plan: Any) -> None:
         "(default: %(default)s; on a mixture of experts PEFT's reading, with the routers "
         "and experts)",
     )
+    plan.add_argument(
+        "--lora-dropout",
+        type=float,
+        default=0.0,
+        help="with --lora-r: model.lora.lora_dropout (default: %(default)s)",
+    )
     plan.add_argument("--memory-margin", type=float, default=0.1)
     plan.add_argument("--json", action="store_true", help="print plan.json's content instead")
 

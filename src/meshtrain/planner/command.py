@@ -93,14 +93,21 @@ def plan_from_args(args: argparse.Namespace) -> tuple[RunConfig, Plan] | str:
 
 
 def _lora(args: argparse.Namespace) -> dict:
-    """`model.lora` of `--lora-r` and `--lora-targets` (none without --lora-r). A plan
+    """`model.lora` of `--lora-r`, `--lora-targets` and `--lora-dropout` (none without
+    --lora-r). A plan
     reads no weights, so the base is no folder."""
     r = getattr(args, "lora_r", None)
     if r is None:
         return {}
     targets = args.lora_targets
     modules = targets if targets == "all-linear" else targets.split(",")
-    lora = {"r": r, "lora_alpha": 2 * r, "target_modules": modules, "allow_random_base": True}
+    lora = {
+        "r": r,
+        "lora_alpha": 2 * r,
+        "lora_dropout": getattr(args, "lora_dropout", 0.0),
+        "target_modules": modules,
+        "allow_random_base": True,
+    }
     return {"lora": lora}
 
 

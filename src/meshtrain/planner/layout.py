@@ -28,7 +28,11 @@ from meshtrain.planner.checks import (
 from meshtrain.planner.cost import estimate_step_time
 from meshtrain.planner.devices import DeviceProfile
 from meshtrain.planner.flops import model_flops_per_token
-from meshtrain.planner.lora_memory import lora_activation_terms, merged_weight_bytes
+from meshtrain.planner.lora_memory import (
+    lora_activation_terms,
+    merged_weight_bytes,
+    vocabulary_adapter_bytes,
+)
 from meshtrain.planner.memory import estimate_memory
 from meshtrain.planner.parameters import gather_units
 from meshtrain.planner.shapes import BYTES_BF16, BYTES_FP32, ModelShape, StepShape
@@ -172,6 +176,14 @@ def _step_shape(run: RunConfig, c: Candidate, layout: Layout, context: PlanConte
         value_bytes=step.parameter_bytes,
         mask_bytes=step.parameter_bytes if context.device.name == "cpu" else 1,
     )
+    vocabulary = vocabulary_adapter_bytes(
+        context.adapter_shapes,
+        ModelShape.from_config(context.model_config),
+        chunked_loss=layout.loss_chunk_tokens > 0,
+        dropout=lora.lora_dropout > 0,
+        value_bytes=step.parameter_bytes,
+        mask_bytes=step.parameter_bytes if context.device.name == "cpu" else 1,
+    )
     merged = merged_weight_bytes(
         context.adapter_shapes,
         context.model_config.num_hidden_layers,
@@ -184,6 +196,7 @@ def _step_shape(run: RunConfig, c: Candidate, layout: Layout, context: PlanConte
         adapter_bytes_per_token=adapter_bytes,
         unsaved_elements=unsaved,
         merged_weight_bytes=merged,
+        vocabulary_adapter_bytes=vocabulary,
     )
 
 

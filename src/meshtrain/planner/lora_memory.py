@@ -1,6 +1,7 @@
 """What a LoRA run's adapters add to, and take from, a decoder layer's saved activations
 (`StepShape.adapter_bytes_per_token`, `.unsaved_elements` and `.merged_weight_bytes`,
-which `planner.memory` counts)."""
+which `planner.memory` counts), and what the embedding's and the head's adapters keep
+on the first and last stage (`.vocabulary_adapter_bytes`)."""
 
 from __future__ import annotations
 
@@ -69,3 +70,33 @@ def merged_weight_bytes(
         out = adapter_shapes[name.replace(".lora_A.", ".lora_B.")][1]
         elements += experts // ep * out * width
     return elements * value_bytes / max(1, layers)
+
+
+def vocabulary_adapter_bytes(
+    adapter_shapes: dict[str, tuple[int, ...]],
+    m: ModelShape,
+    *,
+    chunked_loss: bool,
+    dropout: bool,
+    value_bytes: int,
+    mask_bytes: int,
+) -> tuple[float, float]:
+    """(first stage, last stage) bytes per token the vocabulary layers' adapters keep.
+
+    The embedding's keeps its rank-r lookup for B's gradient (every rank looks up every
+    token: the ids are whole under tp). The head's keeps its rank-r intermediate, and
+    its input for A's gradient (whole, gathered under tp): the frozen head's own matmul
+    keeps that input already without a chunked loss, not with one (which keeps
+    gradients instead); with dropout, its dropped copy and the mask (PEFT drops a head's
+    adapter input, not an embedding's)."""
+    first = last = 0.0
+    for name, shape in adapter_shapes.items():
+        if name.endswith(".embed_tokens.lora_embedding_A"):
+            first += shape[0] * value_bytes
+        elif name == "lm_head.lora_A.weight":
+            last += shape[0] * value_bytes
+            if dropout:
+                last += m.hidden * (value_bytes + mask_bytes)
+            elif chunked_loss:
+                last += m.hidden * value_bytes
+    return first, last

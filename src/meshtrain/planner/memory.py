@@ -182,8 +182,9 @@ def _activations_on_rank(
     recomputes_merged = step.activation_checkpointing != "none"  # not a matmul: recomputed
     if not recomputes_merged:
         layer_bytes += step.merged_weight_bytes  # LoRA's merged expert weights, kept
-    if step.activation_checkpointing != "full":
-        layer_bytes += tokens * step.adapter_bytes_per_token
+    # LoRA's adapters keep their own (their dropped inputs, rank-r intermediates): saved
+    # with every layer, or only by the layer being recomputed under full checkpointing.
+    layer_bytes += tokens * step.adapter_bytes_per_token
     holds_first = 0 in stages
     holds_last = len(step.stage_layers) - 1 in stages
     layers = sum(step.stage_layers[s] for s in stages)
@@ -205,8 +206,9 @@ def _activations_on_rank(
     for extra in (v for t in terms for v in t.microbatch.values()):
         shared += extra
     per_microbatch += shared
+    first_adapter, last_adapter = step.vocabulary_adapter_bytes
     if holds_first:
-        per_microbatch += tokens * (INT64 + h / shard * stream / chunks)
+        per_microbatch += tokens * (INT64 + (h / shard * stream + first_adapter) / chunks)
     if step.pp > 1:
         # The stage output kept by the schedule until its backward (a copy of the residual).
         per_microbatch += tokens * h / shard * stream
@@ -214,7 +216,7 @@ def _activations_on_rank(
         # Final norm: its input and normed input (sharded under SP), and its output whole
         # where the LM head's matmul keeps it.
         norm_bytes = 2 * kept_bytes * h / shard + (stream * h if head_keeps_its_input(step) else 0)
-        per_microbatch += tokens * norm_bytes / chunks
+        per_microbatch += tokens * (norm_bytes + last_adapter) / chunks
     activations = int(per_microbatch * in_flight_microbatches(step, rank))
     if step.bf16 and not step.master_weights and step.activation_checkpointing == "none":
         # autocast's bf16 copy of each matmul weight, cached and kept by the backward

@@ -37,6 +37,9 @@ def tensor_parallel_numel(name: str, numel: int, tp: int, kv_replication: int) -
     return numel
 
 
+_EMBEDDING_MODULE = EMBEDDING.rpartition(".")[0]
+
+
 def stage_parameter_counts(
     shapes: dict[str, tuple[int, ...]],
     stage_layers: tuple[int, ...],
@@ -55,9 +58,9 @@ def stage_parameter_counts(
         if ".layers." in name:
             layer = int(name.split(".layers.")[1].split(".")[0])
             stage = max(i for i, start in enumerate(first_layer) if start <= layer)
-        elif name == EMBEDDING:
+        elif name.rpartition(".")[0] == _EMBEDDING_MODULE:  # its weight, or its adapters
             stage = 0
-            if tied_embeddings and len(stage_layers) > 1:
+            if name == EMBEDDING and tied_embeddings and len(stage_layers) > 1:
                 counts[-1] += numel
         else:  # final norm, lm_head
             stage = len(stage_layers) - 1

@@ -205,6 +205,8 @@ class StepShape:
     unsaved_elements: float = 0.0
     # A LoRA run's merged expert weights per decoder layer (`planner.lora_memory`).
     merged_weight_bytes: float = 0.0
+    # Bytes per token the embedding's and the head's adapters keep (first, last stage).
+    vocabulary_adapter_bytes: tuple[float, float] = (0.0, 0.0)
     # The loss over chunks of this many tokens (0: over the whole logits; planner/loss_memory).
     loss_chunk_tokens: int = 0
     # Context parallelism: each row's tokens split over `cp` ranks holding the same
