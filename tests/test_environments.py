@@ -30,7 +30,7 @@ def _parameters(env: str) -> dict:
     return loader["parameters"]
 
 
-@pytest.mark.parametrize("env", ["gpu", "trn1", "team", "sft", "moe"])
+@pytest.mark.parametrize("env", ["gpu", "trn1", "team", "sft", "moe", "qwen3_lora"])
 def test_environment_parameters_parse_and_keep_the_base_values(env: str) -> None:
     params = _parameters(env)
     run = RunConfig.from_params(**{group: params.get(group) for group in GROUPS})
@@ -56,6 +56,12 @@ def test_environment_parameters_parse_and_keep_the_base_values(env: str) -> None
         assert run.model.config["hidden_size"] == base["model"]["config"]["hidden_size"]
         assert (run.model.config["num_experts"], run.model.config["num_experts_per_tok"]) == (8, 2)
         assert run.model.config["output_router_logits"] is True
+    if env == "qwen3_lora":  # optimum-neuron's example, its LoraConfig as written
+        lora = run.model.lora
+        assert (lora.r, lora.lora_alpha, lora.lora_dropout) == (64, 128, 0.05)
+        assert lora.target_modules[0] == "embed_tokens" and len(lora.target_modules) == 8
+        assert (run.parallel.tensor_parallel_size, run.launch.nproc_per_node) == (8, 32)
+        assert (run.data.block_size, run.training.mixed_precision) == (4096, "bf16_master")
     if env == "trn1":
         assert run.launch.backend == "neuron"
         assert (run.parallel.tensor_parallel_size, run.parallel.pipeline_parallel_size) == (4, 2)

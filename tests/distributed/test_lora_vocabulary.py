@@ -3,13 +3,15 @@ equals PEFT in one process on every layout that splits them: the embedding's ada
 split on the vocabulary under tp + SP, the head's scored by the chunked loss, both
 across two pipeline stages of a tied base, and under ZeRO-1 and sharded dp. Same base,
 same initial adapters, fp32, 12 steps: losses per step to 1e-5 relative, the adapters
-after (from the PEFT folder consolidation writes). PEFT's `modules_to_save` (the LM head
+after (from the PEFT folder consolidation writes); tp 2's checkpoint resumes onto ZeRO-1
+and onto pp 2 to PEFT's losses. PEFT's `modules_to_save` (the LM head
 trained whole) likewise at tp 2. The folders of the tied run and of the trained head
 load with `PeftModel.from_pretrained`, and their merged models (the tied one written
 untied) with plain transformers, all with the trained model's logits."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -28,13 +30,14 @@ from meshtrain.models import build_model, build_model_config
 from tests.conftest import TINY_VOCAB
 from tests.distributed.lora import (
     GQA,
+    SAVE_AT,
     STEPS,
     assert_matches_peft,
     lora_spec,
     peft_reference_run,
     save_base,
 )
-from tests.distributed.reference import TRAINING, run_group
+from tests.distributed.reference import TRAINING, assert_memory_model_holds, run_group
 from tests.distributed.test_lora import (
     PIPELINE,
     TIED_GQA,
@@ -105,7 +108,24 @@ def test_lora_on_the_embedding_and_the_head_matches_peft(tiny_blocks, tmp_path: 
         )
         for name, (fields, lora, parallel, training) in CASES.items()
     ]
-    summaries = dict(zip(CASES, run_group(specs, 2, tmp_path, "t-lora-vocab"), strict=True))
+    # Resumed at step 6 from tp 2's checkpoint onto ZeRO-1 and onto pp 2: the embedding's
+    # vocabulary-split A and its moments re-cut for another layout.
+    for layout in ("vocabulary-dp2-zero1", "vocabulary-pp2"):
+        fields, lora, parallel, training = CASES[layout]
+        resumed = lora_spec(
+            tiny_blocks,
+            tmp_path,
+            f"{layout}-resumed",
+            parallel,
+            training,
+            bases["tied"],
+            lora=lora,
+            fields=fields,
+        )
+        saved = tmp_path / "vocabulary-tp2-sp" / f"checkpoint-{SAVE_AT}"
+        specs.append(dataclasses.replace(resumed, resume_from=str(saved)))
+    ran = run_group(specs, 2, tmp_path, "t-lora-vocab")
+    summaries = dict(zip(CASES, ran, strict=False))
     oracles = {}
     for name, (fields, lora, _, _) in CASES.items():
         key = json.dumps([fields, lora], sort_keys=True)
@@ -113,6 +133,8 @@ def test_lora_on_the_embedding_and_the_head_matches_peft(tiny_blocks, tmp_path: 
             oracles[key] = peft_reference_run(tiny_blocks, fields, lora, STEPS)
         losses, adapters, _ = oracles[key]
         assert_matches_peft(name, summaries[name], losses)
+        if "sdp" not in name:  # FSDP2's buffers at this toy size: see test_lora
+            assert_memory_model_holds(name, summaries[name])
         folder = tmp_path / f"{name}-adapter"
         write_adapter_folder(summaries[name]["final_checkpoint"], folder)
         if name not in ILL_CONDITIONED:
@@ -123,6 +145,10 @@ def test_lora_on_the_embedding_and_the_head_matches_peft(tiny_blocks, tmp_path: 
         assert floor > 1e-5, f"{name} is well conditioned: hold it to PEFT in fp32"
         got = relative_distance(load_file(folder / ADAPTER_WEIGHTS), exact)
         assert got <= 2 * floor, f"{name}: {got:.2e} from fp64, PEFT in fp32 {floor:.2e}"
+
+    tied_losses = oracles[json.dumps([TIED_GQA, VOCABULARY], sort_keys=True)][0]
+    for summary in ran[len(CASES) :]:
+        assert_matches_peft("resumed", summary, tied_losses, first_step=SAVE_AT)
 
     # PEFT's loader and the merged model, against the trained oracle: the tied run's
     # (merged untied), and the trained head's (PEFT's ModulesToSaveWrapper loads it).
