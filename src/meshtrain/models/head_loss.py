@@ -123,29 +123,34 @@ def linear_cross_entropy_sum(
     (`VocabParallelLossHead` makes the head's input one), the adapter's B is sharded
     like `weight` and its A replicated."""
     group, vocab_start = None, 0
-    adapter_in = None if adapter is None else adapter.dropout(hidden)
-    a, b = (None, None) if adapter is None else (adapter.a, adapter.b)
     if isinstance(weight, DTensor):
         mesh = weight.device_mesh
         group, vocab_start = mesh.get_group(), vocabulary_start(weight)
-        # Gathered whole on every rank; its gradient is each rank's vocabulary share, as
-        # are the gradients of what the adapter's A sees.
+        # Gathered whole on every rank; its gradient, and that of what the adapter's A
+        # sees, is each rank's vocabulary share (`_partial`).
         hidden = hidden.redistribute(mesh, [Replicate()])
-        adapter_in = None if adapter is None else adapter.dropout(hidden)
-        hidden = hidden.to_local(grad_placements=[Partial()])
-        weight = weight.to_local()
-        if adapter is not None:
-            adapter_in = adapter_in.to_local(grad_placements=[Partial()])
-            a, b = a.to_local(grad_placements=[Partial()]), b.to_local()
     device = hidden.device.type
     compute = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
-    terms = [hidden.flatten(0, 1), weight]
+    weight = _local(weight)
+    terms = [_partial(hidden).flatten(0, 1), weight]
     if adapter is not None:
-        low_rank = F.linear(adapter_in.to(a.dtype), a) * adapter.scaling
-        terms += [low_rank.flatten(0, 1), b]
+        a = _partial(adapter.a)
+        adapter_in = _partial(adapter.dropout(hidden)).to(a.dtype)
+        terms += [(F.linear(adapter_in, a) * adapter.scaling).flatten(0, 1), _local(adapter.b)]
     return _ChunkedLinearCrossEntropy.apply(
         labels.flatten(), chunk_tokens, compute or weight.dtype, vocab_start, group, *terms
     )
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's shard (its gradient that shard's), else the tensor."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _partial(tensor: torch.Tensor) -> torch.Tensor:
+    """A replicated DTensor's local copy whose gradient is a partial sum over the tp ranks
+    (each scores its own vocabulary rows), else the tensor."""
+    return tensor.to_local(grad_placements=[Partial()]) if isinstance(tensor, DTensor) else tensor
 
 
 _FIXED_INPUTS = 5  # _ChunkedLinearCrossEntropy's arguments before its terms
