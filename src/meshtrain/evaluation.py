@@ -25,7 +25,6 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from meshtrain.benchmarks import check_tasks, check_tasks_reachable, own_tasks, task_manager
 from meshtrain.checkpoint.consolidate.lora import adapter_base, is_adapter_folder
 from meshtrain.config import ConfigError, EvaluationConfig
 from meshtrain.data.batch import TokenBatch, next_token_labels
@@ -39,31 +38,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 _HEADROOM = 1.25
 # Chat templates' end-of-turn tokens (ChatML, Llama 3, Gemma): a response ends at one.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>")
-
-
-def check_evaluation_inputs(evaluation: EvaluationConfig) -> None:
-    """Before any node runs: the device `evaluation.device` names is on this machine, the
-    task folder exists, and lm-eval knows (and, offline, has) each task."""
-    device = evaluation.device
-    if device.startswith("cuda"):
-        index = int(device.partition(":")[2] or 0)
-        if index >= torch.cuda.device_count():
-            raise ConfigError(
-                f"`evaluation.device` is {device!r} but this machine has "
-                f"{torch.cuda.device_count()} CUDA device(s): use auto (where the model "
-                "trained) or cpu."
-            )
-    include = evaluation.lm_eval_include_path
-    if include and not Path(include).is_dir():
-        raise ConfigError(
-            f"`evaluation.lm_eval_include_path` is {include!r}, which is not a folder; give "
-            "a folder of lm-evaluation-harness task YAMLs, or null."
-        )
-    tasks = evaluation.lm_eval_tasks
-    if tasks:
-        manager = task_manager(include, defaults=not set(tasks) <= own_tasks())
-        check_tasks(tasks, manager)
-        check_tasks_reachable(tasks, manager)
 
 
 def resolve_device(device: str, backend: str | None) -> str:

@@ -19,9 +19,9 @@ from meshtrain.data.pretrained_tokenizer import (
     check_tokenizer_name,
 )
 from meshtrain.data.tokenizer import tokenizer_size
-from meshtrain.evaluation import check_evaluation_inputs
-from meshtrain.models.builder import check_model_fields, resolve_init_from
-from meshtrain.models.lora import check_lora_targets
+from meshtrain.evaluation_checks import check_evaluation_inputs
+from meshtrain.models.config_fields import check_model_fields
+from meshtrain.models.llama.pretrained import resolve_init_from
 from meshtrain.planner.host import check_host
 from meshtrain.planner.resolve import plan_before_data
 
@@ -35,6 +35,8 @@ def _check_model(parameters: RunParameters, trains: bool) -> list[str]:
     elif names_a_path(model.init_from):
         resolve_init_from(model.init_from)  # a folder with config.json and weights
     if model.lora is not None:
+        from meshtrain.models.lora import check_lora_targets  # noqa: PLC0415  (torch: LoRA only)
+
         check_lora_targets(model)
     return []
 

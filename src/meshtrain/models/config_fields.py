@@ -4,7 +4,8 @@ A field the architecture's config class does not know, a shape that cannot be a 
 (heads that do not divide the width, key/value heads that do not divide the heads), or a
 value transformers' own validation refuses is named by its dotted parameter with a value
 that works, before the data pipeline starts (`preflight`) and again where the model
-config is built (`builder.build_model_config`).
+config is built (`build_model_config`, here: the planner and the checks build configs
+without the modelling code `models.builder` imports).
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ from typing import Any
 
 from huggingface_hub.errors import StrictDataclassError
 from transformers import CONFIG_MAPPING, AutoConfig, PretrainedConfig
-from transformers.activations import ACT2FN
 
 from meshtrain.config import AUTO, ConfigError
 from meshtrain.models.config_file import check_supported
+from meshtrain.models.llama.pretrained import resolve_init_from
 
 # Fields a config class takes without naming them in its `__init__`: the RoPE keys older
 # configs carry flat (transformers 5 folds them into `rope_parameters`), and `head_dim`,
@@ -88,14 +89,23 @@ def check_model_fields(architecture: str, fields: dict[str, Any]) -> None:
             "(it keeps the RMSNorm's division away from zero)."
         )
     activation = fields.get("hidden_act")
-    if activation is not None and activation not in ACT2FN:
+    if activation is not None:
+        _check_activation(activation)
+    _check_shape(architecture, fields)
+
+
+def _check_activation(activation: Any) -> None:
+    """`model.config.hidden_act` names an activation transformers has (its table is read
+    only here: importing it costs about a second of the checks)."""
+    from transformers.activations import ACT2FN  # noqa: PLC0415
+
+    if activation not in ACT2FN:
         close = difflib.get_close_matches(str(activation), sorted(ACT2FN), n=1)
         hint = f" (did you mean {close[0]}?)" if close else ""
         raise ConfigError(
             f"`model.config.hidden_act` is {activation!r}, not an activation transformers "
             f"knows{hint}; the Llama family uses silu."
         )
-    _check_shape(architecture, fields)
 
 
 def floats_as_floats(architecture: str, fields: dict[str, Any]) -> dict[str, Any]:
@@ -181,3 +191,49 @@ def new_config(
         raise ConfigError(
             f"{where}: transformers' {CONFIG_MAPPING[architecture].__name__} refuses it: {cause}"
         ) from None
+
+
+def build_model_config(
+    architecture: str,
+    fields: dict[str, Any],
+    *,
+    vocab_size: int | None,
+    init_from: str | None = None,
+    special_token_ids: dict[str, int | None] | None = None,
+) -> PretrainedConfig:
+    """Resolve the Hugging Face config: from `init_from` if given, else from `fields`.
+
+    With `init_from` the folder's config.json is the model's: `fields` (the
+    `model.config` of a model built from scratch) do not apply. Otherwise
+    `vocab_size` (the tokenizer's length) fills the config's vocabulary, so the
+    embedding always matches the tokenizer, and `special_token_ids` (bos/eos/pad)
+    let `generate` stop where the tokenizer does.
+    """
+    if init_from:
+        config = AutoConfig.from_pretrained(resolve_init_from(init_from))
+        check_supported(config.model_type)
+        if architecture not in (AUTO, config.model_type):
+            raise ConfigError(
+                f"`model.init_from` {init_from!r} holds a {config.model_type!r} model but "
+                f"`model.architecture` is {architecture!r}; leave model.architecture=auto "
+                "(the folder's) or set it to the folder's."
+            )
+    else:
+        architecture = DEFAULT_ARCHITECTURE if architecture == AUTO else architecture
+        check_supported(architecture)
+        # Only a model built from scratch reads `fields` (with init_from they are noted and
+        # left unchecked, as before).
+        check_model_fields(architecture, fields)
+        values = {**(special_token_ids or {}), **floats_as_floats(architecture, fields)}
+        if vocab_size is not None:
+            if fields.get("vocab_size") not in (None, vocab_size):
+                raise ConfigError(
+                    f"`model.config.vocab_size` is {fields['vocab_size']} but the tokenizer has "
+                    f"{vocab_size} tokens, and the embedding always follows the tokenizer: drop "
+                    "model.config.vocab_size (data.vocab_size sizes a tokenizer trained here)."
+                )
+            values["vocab_size"] = vocab_size
+        config = new_config(architecture, fields, values)
+    # sdpa is exact in fp32 on CPU and the fast path on accelerators.
+    config._attn_implementation = "sdpa"
+    return config

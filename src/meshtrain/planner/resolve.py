@@ -6,9 +6,8 @@ import dataclasses
 from typing import Any
 
 from meshtrain.config import RunConfig
-from meshtrain.models import build_model_config
-from meshtrain.models.builder import resolve_init_from
-from meshtrain.models.llama.pretrained import check_pretrained
+from meshtrain.models.config_fields import build_model_config
+from meshtrain.models.llama.pretrained import check_pretrained, resolve_init_from
 from meshtrain.planner.plan_inputs import StalePlanError, plan_inputs_hash
 from meshtrain.planner.search import plan_run
 from meshtrain.planner.types import Plan

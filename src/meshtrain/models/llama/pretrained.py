@@ -13,6 +13,7 @@ from meshtrain.checkpoint import files
 from meshtrain.checkpoint.expert_layout import stored_shapes
 from meshtrain.checkpoint.safetensors_format import folder_weight_files, read_safetensors_header
 from meshtrain.config import Refused
+from meshtrain.config_parsing import names_a_path
 from meshtrain.models.llama.parameter_names import llama_family_shapes
 from meshtrain.models.moe_config import num_experts
 
@@ -94,3 +95,29 @@ def check_folder(folder: str | Path) -> None:
             "checkpoints."
         )
     weight_files(folder)
+
+
+def resolve_init_from(init_from: str) -> str:
+    """A local folder as it is; a hub id downloaded once (weights, config, tokenizer) into
+    the Hugging Face cache, whose folder is then used the same way."""
+    if Path(init_from).is_dir():
+        check_folder(init_from)
+        return init_from
+    if names_a_path(init_from):
+        raise PretrainedError(
+            f"`model.init_from` {init_from!r} is not a folder: pass a local folder written by "
+            "save_pretrained (config.json and *.safetensors), or a hub id such as "
+            "Qwen/Qwen2.5-0.5B."
+        )
+    from huggingface_hub import snapshot_download  # noqa: PLC0415
+
+    try:
+        return snapshot_download(
+            init_from, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model"]
+        )
+    except Exception as error:  # offline, unknown id, no access: say which and why
+        raise PretrainedError(
+            f"`model.init_from` {init_from!r} is not a local folder and could not be fetched "
+            f"from the Hugging Face hub ({type(error).__name__}: {error}). Pass a local folder "
+            "written by save_pretrained, or run where the hub is reachable (HF_HUB_OFFLINE unset)."
+        ) from None
