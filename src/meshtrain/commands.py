@@ -180,6 +180,13 @@ def _plan_arguments(plan: Any) -> None:
         help="training.loss_chunk_tokens: tokens the LM head and loss take at a time (0: the "
         "whole microbatch's logits at once; default auto)",
     )
+    _lora_arguments(plan)
+    plan.add_argument("--memory-margin", type=float, default=0.1)
+    plan.add_argument("--json", action="store_true", help="print plan.json's content instead")
+
+
+def _lora_arguments(plan: Any) -> None:
+    """`--lora-*`: plan a LoRA run (`planner.command._lora`)."""
     plan.add_argument(
         "--lora-r",
         type=int,
@@ -198,8 +205,6 @@ def _plan_arguments(plan: Any) -> None:
         default=0.0,
         help="with --lora-r: model.lora.lora_dropout (default: %(default)s)",
     )
-    plan.add_argument("--memory-margin", type=float, default=0.1)
-    plan.add_argument("--json", action="store_true", help="print plan.json's content instead")
 
 
 def main(argv: list[str] | None = None) -> int:
