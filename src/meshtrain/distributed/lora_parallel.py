@@ -69,19 +69,23 @@ _COLUMN_PLACEMENTS = {
 }
 
 
-class LoraColwiseParallel(ColwiseParallel):
+class _LoraColumnPartition:
+    """Mixed into a column-parallel style: the base and B split on the outputs (Shard(0)),
+    A replicated."""
+
+    src_data_rank: int | None
+
+    def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh):
+        _distribute_own(module, _COLUMN_PLACEMENTS.get(name, {}), device_mesh, self.src_data_rank)
+
+
+class LoraColwiseParallel(_LoraColumnPartition, ColwiseParallel):
     """Column-parallel base and B (Shard(0)); A replicated."""
 
-    def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh):
-        _distribute_own(module, _COLUMN_PLACEMENTS.get(name, {}), device_mesh, self.src_data_rank)
 
-
-class LoraVocabParallelLossHead(VocabParallelLossHead):
+class LoraVocabParallelLossHead(_LoraColumnPartition, VocabParallelLossHead):
     """A scoring LM head with adapters: the base and B split on the vocabulary, A
     replicated (`models.head_loss` scores the adapter's term chunk by chunk)."""
-
-    def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh):
-        _distribute_own(module, _COLUMN_PLACEMENTS.get(name, {}), device_mesh, self.src_data_rank)
 
 
 class LoraVocabParallelEmbedding(VocabParallelEmbedding):

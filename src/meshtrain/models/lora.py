@@ -36,10 +36,16 @@ from meshtrain.config import LoraSettings, ModelConfig, TrainingConfig
 from meshtrain.config_lora import check_pretrained_base
 from meshtrain.distributed.tensor_parallel import ParameterSharding
 from meshtrain.models.converters import LORA
+from meshtrain.models.llama.parameter_names import EMBEDDING_ADAPTERS
 from meshtrain.models.llama.weights import WeightSource
 from meshtrain.models.lora_parameters import add_parameter_adapters
 from meshtrain.models.parameter_targets import parameter_adapters
-from meshtrain.models.shapes import is_embedding, saved_module_shapes, select_lora_targets
+from meshtrain.models.shapes import (
+    embedding_adapter_names,
+    is_embedding,
+    saved_module_shapes,
+    select_lora_targets,
+)
 
 NAME = LORA  # the converter's name, as `converter_names` gives it
 
@@ -159,8 +165,9 @@ class LoraConverter:
             layer.__class__ = lora_class(type(layer))
             if is_embedding(name):
                 layer.add_adapters(s.r, s.scaling, self.adapter_dtype)
-                for part in ("lora_embedding_A", "lora_embedding_B"):
-                    self.shapes[f"{name}.{part}"] = tuple(getattr(layer, part).shape)
+                a, b = embedding_adapter_names(name)
+                self.shapes[a] = tuple(layer.lora_embedding_A.shape)
+                self.shapes[b] = tuple(layer.lora_embedding_B.shape)
                 continue
             layer.add_adapters(s.r, s.lora_dropout, s.scaling, self.adapter_dtype)
             self.shapes[f"{name}.lora_A.weight"] = (s.r, layer.in_features)
@@ -184,11 +191,12 @@ class AdapterInit:
 
     def full(self, name: str) -> torch.Tensor:
         shape = self.shapes[name]
-        if ".lora_B." in name or name.endswith(".lora_embedding_A"):
+        embedding_a, embedding_b = EMBEDDING_ADAPTERS
+        if ".lora_B." in name or name.endswith(embedding_a):
             return torch.zeros(shape)
         stream = (self.seed * 0x9E3779B1 + zlib.crc32(name.encode())) % 2**63
         generator = torch.Generator().manual_seed(stream)
-        if name.endswith(".lora_embedding_B"):
+        if name.endswith(embedding_b):
             return torch.randn(shape, generator=generator)
         # PEFT's (and nn.Linear's) init: bound 1/sqrt(fan_in); the experts' A (E, r, in)
         # drawn as PEFT holds it, one (E r) x in matrix.

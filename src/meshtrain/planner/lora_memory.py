@@ -5,6 +5,7 @@ on the first and last stage (`.vocabulary_adapter_bytes`)."""
 
 from __future__ import annotations
 
+from meshtrain.models.llama.parameter_names import EMBEDDING_ADAPTERS
 from meshtrain.planner.shapes import ModelShape
 
 
@@ -91,7 +92,7 @@ def vocabulary_adapter_bytes(
     adapter input, not an embedding's)."""
     first = last = 0.0
     for name, shape in adapter_shapes.items():
-        if name.endswith(".embed_tokens.lora_embedding_A"):
+        if name.endswith(f".embed_tokens.{EMBEDDING_ADAPTERS[0]}"):
             first += shape[0] * value_bytes
         elif name == "lm_head.lora_A.weight":
             last += shape[0] * value_bytes

@@ -19,9 +19,10 @@ from functools import partial
 from typing import Any
 
 from meshtrain.checkpoint.expert_layout import router_stored_name, stored_expert_names
+from meshtrain.models.llama.parameter_names import EMBEDDING_ADAPTERS
 
 PEFT_PREFIX = "base_model.model."
-EMBEDDING_A, EMBEDDING_B = ".lora_embedding_A", ".lora_embedding_B"
+EMBEDDING_A, EMBEDDING_B = (f".{part}" for part in EMBEDDING_ADAPTERS)
 # The experts module's parameters in registration order (both architectures).
 _EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
 
