@@ -6,6 +6,7 @@ The expected numbers are counted from the configs by hand, not by the planner's 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -15,11 +16,15 @@ import pytest
 from transformers import PretrainedConfig
 
 from meshtrain.commands import main
-from meshtrain.config import RunConfig
+from meshtrain.config import LoraSettings, RunConfig
 from meshtrain.models import build_model_config
+from meshtrain.models.shapes import lora_adapter_shapes, parameter_shapes
 from meshtrain.planner import LayoutError, Plan, Refusal, plan_run
+from meshtrain.planner.axes import local_share
 from meshtrain.planner.devices import BUILTIN_PROFILES
 from meshtrain.planner.options import search_space
+from meshtrain.planner.parameters import ParameterShapes, stage_parameter_counts
+from meshtrain.planner.shapes import FP32, ModelShape
 from tests.planner.test_layout import SHAPE as LLAMA_SHAPE
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "model_configs"
@@ -370,3 +375,52 @@ def test_the_assumed_imbalance_is_a_setting() -> None:
     times = {k: p.time_estimate["ep_all_to_all_s"] for k, p in runs.items()}
     assert times[1.0] < times[1.25] < times[2.0]
     assert runs[2.0].time_estimate["ep_imbalance"] == 2.0
+
+
+@pytest.mark.parametrize(
+    ("tp", "ep", "stage_layers", "tied"),
+    [(1, 1, (5,), False), (2, 2, (2, 1, 2), True), (3, 4, (1, 4), False), (1, 2, (0, 3, 2), True)],
+)
+def test_stage_counts_by_role_are_the_counts_by_parameter(
+    tp: int, ep: int, stage_layers: tuple[int, ...], tied: bool
+) -> None:
+    """The planner asks each role's share once (`ParameterShapes`): the same counts per
+    stage as asking each parameter, on dense and sparse layers, tied or not, with the
+    LoRA adapters of every kind (the experts' included) beside them."""
+    config = _config(num_hidden_layers=5, tie_word_embeddings=tied)
+    lora = LoraSettings(
+        r=4,
+        target_modules=[
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+            "embed_tokens",
+            "lm_head",
+        ],
+        target_parameters=["mlp.gate.weight", "mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+    )
+    parameters = {**parameter_shapes(config), **lora_adapter_shapes(config, lora)}
+    m = ModelShape.from_config(config)
+    layout = dataclasses.replace(_plan(config).layout, expert_parallel_size=ep)
+    step = dataclasses.replace(
+        FP32, tp=tp, pp=len(stage_layers), stage_layers=stage_layers, layout=layout
+    )
+    share = local_share(m, step)
+    by_parameter = [0] * len(stage_layers)
+    for name, shape in parameters.items():
+        layer = int(name.split(".layers.")[1].split(".")[0]) if ".layers." in name else None
+        stage = 0 if "embed_tokens" in name else len(stage_layers) - 1
+        if layer is not None:
+            stage = max(s for s in range(len(stage_layers)) if sum(stage_layers[:s]) <= layer)
+        by_parameter[stage] += share(name, shape)
+        if name == "model.embed_tokens.weight" and tied and len(stage_layers) > 1:
+            by_parameter[-1] += share(name, shape)
+    grouped = ParameterShapes(parameters)
+    assert len(grouped.groups) < len(parameters) / 3
+    assert stage_parameter_counts(grouped, stage_layers, share=share, tied_embeddings=tied) == (
+        by_parameter
+    )

@@ -8,7 +8,6 @@ any refusal is raised, so one run of the planner reports every problem.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 
 from meshtrain.config import Layout, RunConfig
@@ -34,7 +33,7 @@ from meshtrain.planner.lora_memory import (
     vocabulary_adapter_bytes,
 )
 from meshtrain.planner.memory import estimate_memory
-from meshtrain.planner.parameters import gather_units
+from meshtrain.planner.parameters import ParameterShapes, gather_units
 from meshtrain.planner.shapes import BYTES_BF16, BYTES_FP32, ModelShape, StepShape
 from meshtrain.planner.types import LayoutError, Plan, Refusal
 
@@ -46,9 +45,9 @@ class PlanContext:
     the run is added here rather than threaded through each function as a keyword."""
 
     model_config: ArchitectureConfig
-    shapes: dict[str, tuple[int, ...]]  # every parameter's shape (`llama_family_shapes`)
+    shapes: ParameterShapes  # every parameter's shape (`llama_family_shapes`)
     # A LoRA run's adapters (their Hugging Face shapes; empty: full fine-tuning).
-    adapter_shapes: dict[str, tuple[int, ...]]
+    adapter_shapes: ParameterShapes
     num_train_blocks: int
     num_validation_blocks: int
     tokenizer_size: int | None
@@ -85,7 +84,7 @@ def plan_one_layout(run: RunConfig, candidate: Candidate, context: PlanContext) 
         overlap_grad_reduce=train.overlap_grad_reduce,
         overlap_param_gather=train.gathers_under_forward,
         bucket_bytes=train.grad_bucket_mb * 2**20,
-        units=gather_units({**shapes, **adapters}, shape, step, local_share(shape, step))
+        units=gather_units(shapes, shape, step, local_share(shape, step), adapters)
         if step.sharded > 1
         else None,
     )
@@ -101,8 +100,8 @@ def plan_one_layout(run: RunConfig, candidate: Candidate, context: PlanContext) 
         backend=backend,
         global_batch_size=global_batch,
         tokens_per_step=global_batch * block_size,
-        num_parameters=sum(math.prod(s) for s in shapes.values()),
-        num_trainable_parameters=sum(math.prod(s) for s in (adapters or shapes).values()),
+        num_parameters=shapes.numel,
+        num_trainable_parameters=(adapters or shapes).numel,
         memory_estimate_per_rank=memory.to_dict(),
         model_config=model_config.to_dict(),
         num_train_blocks=context.num_train_blocks,

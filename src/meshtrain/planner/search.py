@@ -34,6 +34,7 @@ from meshtrain.planner.options import (
     variant_name,
     with_parallel,
 )
+from meshtrain.planner.parameters import ParameterShapes
 from meshtrain.planner.ranking import TIE, speed
 from meshtrain.planner.types import LayoutError, Plan, Refusal
 
@@ -71,8 +72,8 @@ def plan_run(
     backend, backend_refusals = resolve_backend(run.launch, cuda, cuda_devices)
     context = PlanContext(
         model_config=model_config,
-        shapes=parameter_shapes(model_config),
-        adapter_shapes=adapter_shapes(run, model_config),
+        shapes=ParameterShapes(parameter_shapes(model_config)),
+        adapter_shapes=ParameterShapes(adapter_shapes(run, model_config)),
         num_train_blocks=num_train_blocks,
         num_validation_blocks=num_validation_blocks,
         tokenizer_size=tokenizer_size,

@@ -21,6 +21,8 @@ dispatch buffers, the all-to-all time and its lines in the explanation.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from meshtrain.config import AUTO, Layout, ParallelConfig, RunConfig
 from meshtrain.models.config_file import ArchitectureConfig, ConfigFile
 from meshtrain.models.moe_config import DOWN, GATE_UP, num_experts
@@ -30,7 +32,7 @@ from meshtrain.planner.candidate import Candidate
 from meshtrain.planner.collectives import all_to_all, link
 from meshtrain.planner.devices import GIB, DeviceProfile
 from meshtrain.planner.flops import attention_excess, training_flops_per_token
-from meshtrain.planner.parameters import Share, stage_parameter_counts
+from meshtrain.planner.parameters import Share, group_parameters, stage_parameter_counts
 from meshtrain.planner.ranking import model_states, peak, speed, versus
 from meshtrain.planner.shapes import (
     BYTES_BF16,
@@ -66,13 +68,13 @@ def expert_degrees(experts: int, ranks: int) -> list[int]:
 
 
 def expert_stage_counts(
-    shapes: dict[str, tuple[int, ...]], step: StepShape, share: Share
+    shapes: Mapping[str, tuple[int, ...]], step: StepShape, share: Share
 ) -> list[int]:
     """Each pipeline stage's local expert elements where ep > 1 keeps them in a flat buffer
     of their own (zeros at ep 1: one buffer holds everything, as before ep)."""
     if expert_degree(step.layout) == 1:
         return [0] * len(step.stage_layers)
-    experts = {name: shape for name, shape in shapes.items() if is_expert_weight(name)}
+    experts = tuple(group for group in group_parameters(shapes) if is_expert_weight(group.name))
     return stage_parameter_counts(experts, step.stage_layers, share=share)
 
 
