@@ -24,10 +24,11 @@ class RunChecksHook:
         from kedro.framework.project import pipelines as registered  # noqa: PLC0415
 
         params = catalog["parameters"].load() if "parameters" in catalog else {}
-        for warning in check_parameters(params or {}, pipeline):
+        params = params or {}
+        warnings = check_parameters(params, pipeline, on_parsed=lambda: warm_up(params, pipeline))
+        for warning in warnings:
             logger.warning(warning)
         check_inputs_exist(pipeline, catalog, registered, run_params)
-        warm_up(params or {}, pipeline)
         logger.info(
             "meshtrain checked the parameters before the first node; what needs the data "
             "(block size against the corpus, batch against the blocks) is checked by the "

@@ -9,6 +9,9 @@ import signal
 
 import meshtrain.launch.worker  # noqa: F401  (torch, transformers, the trainer: imported once)
 from meshtrain.launch.warm import STOP_SIGNALS
+from meshtrain.tracking.rank_metrics import import_client
 
 for _number in STOP_SIGNALS:
     signal.signal(_number, signal.SIG_IGN)
+
+import_client()  # rank 0's MLflow client: imported here, not while rank 0 builds its model

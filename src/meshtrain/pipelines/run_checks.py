@@ -7,7 +7,7 @@ project hook (`hooks.RunChecksHook`) asks, with the pipeline and catalog Kedro b
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -20,10 +20,12 @@ class MissingInputError(Refused):
     on a fresh clone): the message names the dataset, its file and the pipeline to run."""
 
 
-def check_parameters(params: Mapping[str, Any], pipeline: Any) -> list[str]:
+def check_parameters(
+    params: Mapping[str, Any], pipeline: Any, on_parsed: Callable[[], None] | None = None
+) -> list[str]:
     """Check every parameter group `pipeline`'s nodes read, as the nodes will, before any
-    node runs: each group's own checks, then this machine's and its files'
-    (`meshtrain.preflight`); returns the warnings to show."""
+    node runs: each group's own checks, then (`on_parsed` called between) this machine's
+    and its files' (`meshtrain.preflight`); returns the warnings to show."""
     used = {
         name.removeprefix("params:").split(".")[0]
         for name in pipeline.inputs()
@@ -31,6 +33,8 @@ def check_parameters(params: Mapping[str, Any], pipeline: Any) -> list[str]:
     }
     trains = any(TRAINS in node.tags for node in pipeline.nodes)
     parameters = RunParameters(params).parse(used)
+    if on_parsed is not None:
+        on_parsed()
     # (imported here, once the groups parse: the machine checks load torch and
     # transformers, which a refused typo should not wait for)
     from meshtrain.preflight import preflight  # noqa: PLC0415
@@ -39,10 +43,12 @@ def check_parameters(params: Mapping[str, Any], pipeline: Any) -> list[str]:
 
 
 def warm_up(params: Mapping[str, Any], pipeline: Any) -> None:
-    """Once every check passed, start the warm-rank server (`launch.warm`) of a run that
-    trains here: its imports (about 6 s of one core) then run beside the MLflow run's
-    start and the nodes before training, instead of after them. (Not before the checks: a
-    refused run would pay for a server it never uses.)"""
+    """Once the parameters parse, start the warm-rank server (`launch.warm`) of a run that
+    trains here: its imports (about 6 s of one core) then run on another core beside the
+    machine checks, the MLflow run's start and the nodes before training, instead of
+    after them. (Not before the parse: a typo is refused without starting it. A run the
+    machine checks refuse has started one for nothing, on a core the checks do not use;
+    it ends with the run.)"""
     if any(TRAINS in node.tags for node in pipeline.nodes):
         from meshtrain.launch.warm import prestart  # noqa: PLC0415
 

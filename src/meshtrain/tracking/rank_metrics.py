@@ -4,7 +4,10 @@ The process that owns the MLflow run (the Kedro session) passes a
 `TrackingTarget` to the workers. This module is what every worker imports, so
 it imports MLflow only when a logger is given a target: the other ranks (and
 rank 0 outside a run) never pay MLflow's import, about 2.5 s of CPU a process,
-which on a node of many ranks is start-up every rank waits through.
+which on a node of many ranks is start-up every rank waits through. A warm-rank
+server imports it once for all of them (`import_client`), on a core the launcher's own
+start leaves idle, so that rank 0 does not import it while its model builds beside the
+other ranks (it was most of the wait for the first step at 4 ranks on 2 cores).
 """
 
 from __future__ import annotations
@@ -27,13 +30,21 @@ class TrackingTarget:
     run_id: str
 
 
-def _client(tracking_uri: str) -> MlflowClient:
+def import_client() -> type[MlflowClient]:
+    """MLflow's client class, with the stores a run's URI names (a database's, or a
+    tracking server's REST one), imported."""
     from meshtrain.offline import disable_telemetry
 
     disable_telemetry()  # before mlflow is imported
+    import mlflow.store.tracking.rest_store  # noqa: F401
+    import mlflow.store.tracking.sqlalchemy_store  # noqa: F401
     from mlflow.tracking import MlflowClient
 
-    return MlflowClient(tracking_uri=tracking_uri)
+    return MlflowClient
+
+
+def _client(tracking_uri: str) -> MlflowClient:
+    return import_client()(tracking_uri=tracking_uri)
 
 
 class MetricsLogger:
