@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import datasets
+import pyarrow as pa
 import pytest
 import torch
 
-from meshtrain.data.blocks import BlockStore, arrow_files
+from meshtrain.data.blocks import BlockStore, _as_matrix, arrow_files
 
 
 @pytest.fixture
@@ -48,3 +52,38 @@ def test_ragged_blocks_are_refused(tmp_path) -> None:
     datasets.Dataset.from_dict({"input_ids": [[1, 2], [3]]}).save_to_disk(str(tmp_path / "r"))
     with pytest.raises(ValueError, match="different lengths"):
         BlockStore(arrow_files(datasets.load_from_disk(str(tmp_path / "r"))))
+
+
+def test_integer_columns_are_viewed_without_pandas_or_pyarrow_compute(tmp_path) -> None:
+    """A rank reads its blocks without importing pandas or pyarrow.compute (pyarrow's
+    `to_numpy` does on its first call: most of a second of every rank's start-up),
+    each chunk a view of the memory-mapped file, int8 masks and int64 ids included."""
+    rows = {"input_ids": [[i, i + 1] for i in range(5)], "loss_mask": [[1, 0]] * 5}
+    features = datasets.Features(
+        {
+            "input_ids": datasets.List(datasets.Value("int64"), length=2),
+            "loss_mask": datasets.List(datasets.Value("int8"), length=2),
+        }
+    )
+    datasets.Dataset.from_dict(rows, features=features).save_to_disk(str(tmp_path / "v"))
+    files = arrow_files(datasets.load_from_disk(str(tmp_path / "v")))
+    script = (
+        "import sys; from meshtrain.data.blocks import BlockStore; "
+        f"store = BlockStore({files!r}); "
+        "assert store.batch([0, 3]).tolist() == [[0, 1], [3, 4]]; "
+        "assert store._chunks['loss_mask'][0].dtype.name == 'int8'; "
+        "assert not store._chunks['input_ids'][0].flags.writeable; "
+        "print(sorted(m for m in ('pandas', 'pyarrow.compute') if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]"
+
+
+def test_a_sliced_chunk_is_read_from_its_offset() -> None:
+    ids = pa.FixedSizeListArray.from_arrays(pa.array(range(12), pa.int32()), 3).slice(1, 2)
+    assert _as_matrix(ids).tolist() == [[3, 4, 5], [6, 7, 8]]
+    plain = pa.array([[0, 1], [2, 3], [4, 5], [6, 7]], pa.list_(pa.int64())).slice(2)
+    assert _as_matrix(plain).tolist() == [[4, 5], [6, 7]]
+    with pytest.raises(ValueError, match="integers, not double"):
+        _as_matrix(pa.FixedSizeListArray.from_arrays(pa.array([0.5, 1.5]), 2))

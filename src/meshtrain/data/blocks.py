@@ -6,7 +6,9 @@ and each Arrow chunk of the fixed-length `input_ids` column is viewed as a
 OS cache, nothing is loaded up front whatever the corpus size, and a batch is
 one fancy-index per chunk (microseconds, where `Dataset.__getitem__` takes a
 millisecond). The files are read with pyarrow alone: `datasets` (and the pandas
-it brings) would add most of a second to every rank's start-up.
+it brings) would add most of a second to every rank's start-up; so would pyarrow's own
+`to_numpy`, which imports pandas and pyarrow.compute on its first call, so the integer
+columns are viewed through their Arrow buffers (`_numpy_view`).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ class BlockStore:
                     continue
                 chunks = self._chunks.setdefault(name, [])
                 for chunk in table.column(name).chunks:
-                    chunks.append(_as_matrix(chunk) if name != "num_tokens" else chunk.to_numpy())
+                    chunks.append(_as_matrix(chunk) if name != "num_tokens" else _numpy_view(chunk))
         ids = self._chunks.get("input_ids", [])
         self._starts = np.cumsum([0] + [len(c) for c in ids]).tolist()
         self.packed = all(name in self._chunks for name in PACKED_COLUMNS)
@@ -103,15 +105,48 @@ def _as_matrix(chunk: pa.Array) -> np.ndarray:
         raise ValueError("input_ids holds missing blocks")
     if pa.types.is_fixed_size_list(chunk.type):
         width = chunk.type.list_size
+        start = chunk.offset * width  # `values` ignores the chunk's own offset
     elif pa.types.is_list(chunk.type) or pa.types.is_large_list(chunk.type):
-        lengths = np.diff(chunk.offsets.to_numpy())
+        offsets = _numpy_view(chunk.offsets)  # the chunk's, its offset applied
+        lengths = np.diff(offsets)
         if len(lengths) and (lengths != lengths[0]).any():
             raise ValueError("input_ids blocks have different lengths; pack them first")
         width = int(lengths[0]) if len(lengths) else 0
+        start = int(offsets[0])
     else:
         raise ValueError(f"input_ids must be lists of token ids, not {chunk.type}")
-    values = chunk.flatten().to_numpy(zero_copy_only=True)  # respects the chunk's offset
+    # (not `chunk.flatten()`, which imports pyarrow.compute)
+    values = _numpy_view(chunk.values.slice(start, len(chunk) * width))
     return values.reshape(len(chunk), width)
+
+
+# The integer types of token ids, positions, masks and counts, and their numpy dtypes.
+_INTEGERS = {
+    arrow: np.dtype(name)
+    for arrow, name in (
+        (pa.int8(), "int8"),
+        (pa.int16(), "int16"),
+        (pa.int32(), "int32"),
+        (pa.int64(), "int64"),
+        (pa.uint8(), "uint8"),
+        (pa.uint16(), "uint16"),
+        (pa.uint32(), "uint32"),
+        (pa.uint64(), "uint64"),
+    )
+}
+
+
+def _numpy_view(values: pa.Array) -> np.ndarray:
+    """A zero-copy, read-only numpy view of an Arrow integer array without nulls."""
+    dtype = _INTEGERS.get(values.type)
+    if dtype is None:
+        raise ValueError(f"blocks hold integers, not {values.type}")
+    if values.null_count:
+        raise ValueError("the blocks hold missing values")
+    data = values.buffers()[1]
+    return np.frombuffer(
+        data, dtype=dtype, count=len(values), offset=values.offset * dtype.itemsize
+    )
 
 
 def arrow_files(dataset: datasets.Dataset) -> list[str]:
