@@ -10,13 +10,19 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
+from kedro.config import OmegaConfigLoader
+from kedro.io import MemoryDataset
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from meshtrain.config import LaunchConfig
+from meshtrain import preflight, settings
+from meshtrain.config import LaunchConfig, Refused
+from meshtrain.hooks import RunChecksHook, run_checks
 from meshtrain.launch import warm
 from meshtrain.launch.elastic import run_workers
+from meshtrain.pipeline_registry import register_pipelines
 from tests.conftest import child_processes, is_alive, worker_processes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -141,3 +147,33 @@ def test_a_launcher_that_stops_before_its_launch_leaves_no_server():
     )
     server = int(done.stdout.split()[-1])
     assert not is_alive(server)
+
+
+def test_a_training_run_starts_its_warm_rank_server_once_the_parameters_parse(monkeypatch):
+    """The server's imports run beside the machine checks (`preflight`), not after them;
+    a typo is refused before it starts, and a run that does not train never starts it."""
+    events: list = []
+    monkeypatch.setattr(warm, "prestart", lambda enabled: events.append(f"prestart {enabled}"))
+    monkeypatch.setattr(
+        preflight, "preflight", lambda *args, **kw: events.append("preflight") or []
+    )
+    monkeypatch.setattr(run_checks, "check_inputs_exist", lambda *args: events.append("inputs"))
+    loader = OmegaConfigLoader(str(ROOT / "conf"), **settings.CONFIG_LOADER_ARGS)
+    params = loader["parameters"]
+    pipelines = register_pipelines()
+    hook = RunChecksHook()
+
+    def before(pipeline: str, **launch: Any) -> None:
+        values = {**params, "launch": {**params["launch"], **launch}}
+        hook.before_pipeline_run({}, pipelines[pipeline], {"parameters": MemoryDataset(values)})
+
+    before("training")
+    assert events == ["prestart True", "preflight", "inputs"]
+    events.clear()
+    before("training", warm_ranks=False)
+    assert events == ["prestart False", "preflight", "inputs"]
+    events.clear()
+    with pytest.raises(Refused, match="launch.nproc_per_node"):
+        before("training", nproc_per_node=0)
+    before("consolidation")
+    assert events == ["preflight", "inputs"]

@@ -3,7 +3,7 @@ and the engine once, instead of each spawned fresh and importing them again (abo
 of CPU per rank: 4 ranks on 2 cores waited about 10 s before training).
 
 The server is Python's forkserver (`multiprocessing.forkserver`), started by the
-launcher (a Kedro run starts it once its checks pass, `prestart`, so its imports
+launcher (a Kedro run starts it once its parameters parse, `prestart`, so its imports
 overlap the run's own start), preloading `meshtrain.launch.worker`; torch elastic starts
 and supervises the ranks through it (`start_method="forkserver"`) as it does spawned
 ones: restarts, stop signals forwarded, failures collected. What makes a forked rank
@@ -177,7 +177,7 @@ def _die_with(launcher_pid: int) -> None:
 
 
 def prestart(enabled: bool) -> None:
-    """Start the server ahead of the launch (a Kedro run does once its checks pass),
+    """Start the server ahead of the launch (a Kedro run does once its parameters parse),
     so its imports overlap the launcher's own work; the launch then finds it running."""
     if enabled and supported():
         ensure_server()
