@@ -30,21 +30,24 @@ class TrackingTarget:
     run_id: str
 
 
-def import_client() -> type[MlflowClient]:
-    """MLflow's client class, with the stores a run's URI names (a database's, or a
-    tracking server's REST one), imported."""
+def _client(tracking_uri: str) -> MlflowClient:
+    from meshtrain.offline import disable_telemetry
+
+    disable_telemetry()  # before mlflow is imported
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=tracking_uri)
+
+
+def import_client() -> None:
+    """For a warm-rank server: MLflow's client and the stores a run's URI may name (a
+    database's, a tracking server's REST one), which the client imports when made."""
     from meshtrain.offline import disable_telemetry
 
     disable_telemetry()  # before mlflow is imported
     import mlflow.store.tracking.rest_store  # noqa: F401
     import mlflow.store.tracking.sqlalchemy_store  # noqa: F401
-    from mlflow.tracking import MlflowClient
-
-    return MlflowClient
-
-
-def _client(tracking_uri: str) -> MlflowClient:
-    return import_client()(tracking_uri=tracking_uri)
+    import mlflow.tracking  # noqa: F401
 
 
 class MetricsLogger:
