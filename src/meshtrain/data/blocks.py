@@ -120,27 +120,11 @@ def _as_matrix(chunk: pa.Array) -> np.ndarray:
     return values.reshape(len(chunk), width)
 
 
-# The integer types of token ids, positions, masks and counts, and their numpy dtypes.
-_INTEGERS = {
-    arrow: np.dtype(name)
-    for arrow, name in (
-        (pa.int8(), "int8"),
-        (pa.int16(), "int16"),
-        (pa.int32(), "int32"),
-        (pa.int64(), "int64"),
-        (pa.uint8(), "uint8"),
-        (pa.uint16(), "uint16"),
-        (pa.uint32(), "uint32"),
-        (pa.uint64(), "uint64"),
-    )
-}
-
-
 def _numpy_view(values: pa.Array) -> np.ndarray:
     """A zero-copy, read-only numpy view of an Arrow integer array without nulls."""
-    dtype = _INTEGERS.get(values.type)
-    if dtype is None:
+    if not pa.types.is_integer(values.type):
         raise ValueError(f"blocks hold integers, not {values.type}")
+    dtype = np.dtype(str(values.type))  # Arrow's integer names are numpy's
     if values.null_count:
         raise ValueError("the blocks hold missing values")
     data = values.buffers()[1]

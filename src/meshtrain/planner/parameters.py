@@ -97,7 +97,7 @@ _EMBEDDING_MODULE = EMBEDDING.rpartition(".")[0]
 
 
 def stage_parameter_counts(
-    shapes: Mapping[str, tuple[int, ...]] | tuple[ParameterGroup, ...],
+    groups: tuple[ParameterGroup, ...],
     stage_layers: tuple[int, ...],
     *,
     share: Share,
@@ -109,7 +109,6 @@ def stage_parameter_counts(
     as its LM head (the shapes list the tied weight once)."""
     first_layer = list(itertools.accumulate(stage_layers, initial=0))[:-1]
     counts = [0] * len(stage_layers)
-    groups = shapes if isinstance(shapes, tuple) else group_parameters(shapes)
     for group in groups:
         numel = share(group.name, group.shape)
         if group.layers:
@@ -138,7 +137,7 @@ def local_counts(
 ) -> tuple[list[int], int]:
     """Each stage's local parameter count, and one decoder layer's (`share`: the axes')."""
     counts = stage_parameter_counts(
-        shapes, step.stage_layers, share=share, tied_embeddings=m.tied_embeddings
+        group_parameters(shapes), step.stage_layers, share=share, tied_embeddings=m.tied_embeddings
     )
     return counts, layer_parameter_count(shapes, share=share)
 
