@@ -98,11 +98,13 @@ def packed_blocks(tmp_path_factory) -> datasets.DatasetDict:
 
 def worker_processes(launcher: int) -> list[int]:
     """The ranks `launcher` runs: its spawned children, or the children of its warm-rank
-    server (`launch.warm`, a forkserver: the ranks' parent). multiprocessing's resource
-    tracker and the server itself are no workers."""
+    server (`launch.warm`, a forkserver: the ranks' parent; a new interpreter, or a fork
+    of the launcher with its command line). multiprocessing's resource tracker and the
+    server itself are no workers."""
+    own = Path(f"/proc/{launcher}/cmdline").read_bytes().replace(b"\0", b" ").decode()
     workers = []
     for pid, cmdline in child_processes(launcher):
-        if "multiprocessing.forkserver" in cmdline:
+        if "multiprocessing.forkserver" in cmdline or cmdline == own:
             workers += [child for child, _ in child_processes(pid)]
         elif "spawn_main" in cmdline and "resource_tracker" not in cmdline:
             workers.append(pid)

@@ -4,6 +4,8 @@ environment and working directory at this launch, and no life after its launcher
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import signal
 import subprocess
@@ -44,6 +46,7 @@ def report() -> dict:
         "late": os.environ.get(LATE),
         "rank": os.environ["RANK"],
         "cwd": os.getcwd(),
+        "root_logger": [logging.getLevelName(logging.root.level), len(logging.root.handlers)],
     }
 
 
@@ -177,3 +180,66 @@ def test_a_training_run_starts_its_warm_rank_server_once_the_parameters_parse(mo
         before("training", nproc_per_node=0)
     before("consolidation")
     assert events == ["preflight", "inputs"]
+
+
+# A launcher that already is what a warm-rank server would be: it holds the engine, then
+# configures logging as Kedro does, forks its server, and launches twice.
+FORKING_LAUNCHER = """
+import json, logging, sys, threading
+from pathlib import Path
+import meshtrain.launch.worker, meshtrain.tracking.rank_metrics as metrics
+from meshtrain.config import LaunchConfig
+from meshtrain.launch import warm
+from meshtrain.launch.elastic import run_workers
+from tests.test_warm_ranks import report
+metrics.import_client()
+logging.basicConfig(level=logging.INFO)
+assert warm.forkable()
+warm.fork_server()
+server = warm.forkserver._forkserver._forkserver_pid
+out = Path(sys.argv[1])
+seen = [run_workers(report, (), LaunchConfig(nproc_per_node=2), log_dir=out / name, run_id=name)
+        for name in ("first", "again")]
+try:
+    warm.fork_server()
+    again = "forked twice"
+except RuntimeError as error:
+    again = str(error)
+threading.Thread(target=threading.Event().wait, daemon=True).start()
+warm._end_server()
+try:
+    warm.fork_server()
+    threaded = "forked beside a thread"
+except RuntimeError as error:
+    threaded = str(error)
+found = {"server": server, "seen": seen, "again": again, "threaded": threaded}
+print(json.dumps(found, default=repr))
+"""
+
+
+@pytest.mark.slow
+def test_a_launcher_holding_the_engine_forks_its_server_and_its_ranks_start_as_spawned_ones(
+    tmp_path: Path,
+):
+    """`warm.fork_server`: the server is a fork of the launcher (its command line, its
+    child), serves both launches, and its ranks are what the ranks of a new server are:
+    a fresh signal mask and dispositions, and the root logger of a new interpreter, not
+    the launcher's; it refuses a second server and a launcher running another thread."""
+    done = subprocess.run(
+        [sys.executable, "-c", FORKING_LAUNCHER, str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout.splitlines()[-1])
+    for seen in found["seen"]:
+        for rank in ("0", "1"):
+            assert seen[rank]["preloaded"] and seen[rank]["parent"] == found["server"]
+            assert seen[rank]["blocked"] == [] and seen[rank]["root_logger"] == ["WARNING", 0]
+            assert seen[rank]["handlers"]["SIGUSR1"] == signal.SIG_DFL
+            assert seen[rank]["handlers"]["SIGINT"] == repr(signal.default_int_handler)
+            assert seen[rank]["cwd"] == str(ROOT)
+    assert "one Python thread and no server" in found["again"] == found["threaded"]
+    assert not is_alive(found["server"])

@@ -47,21 +47,33 @@ PRELOAD = (
     "kedro.framework.cli.cli",
     "kedro.framework.session",
     "mlflow",
+    "mlflow.store.tracking.sqlalchemy_store",  # a run's own database
+    "IPython",  # MLflow looks for a notebook when it starts a run
     "torch",
     "torch.distributed.launcher.api",
     "transformers",
+    "transformers.models.llama.modeling_llama",
     "datasets",
+    "peft",
     "meshtrain.preflight",
     "meshtrain.preflight_builds",
+    "meshtrain.data.prepare",
+    "meshtrain.dryrun.command",  # the planning node's dry run
     "meshtrain.evaluation",
-    "meshtrain.launch.elastic",
     "meshtrain.hooks",
+    "meshtrain.launch.job",
+    "meshtrain.tracking.plots",
+    # What a warm-rank server imports (`meshtrain.launch.warm_server`, which only a
+    # server imports: it ignores the stop signals), so each run forks its own for nothing.
+    "meshtrain.launch.worker",
+    "mlflow.store.tracking.rest_store",
 )
 
 # Variables (by prefix) that no import reads: a run whose environment differs from the
 # server's in these alone is still forked (meshtrain sets torch's compile cache when it
-# imports torch in the test's process).
-LATE = ("MLFLOW_", "TEAM_MLFLOW_", "TORCHINDUCTOR_CACHE_DIR")
+# imports torch in the test's process; threadpoolctl sets the flag Intel's OpenMP runtime
+# reads when it loads, which torch's GNU one here never does).
+LATE = ("MLFLOW_", "TEAM_MLFLOW_", "TORCHINDUCTOR_CACHE_DIR", "KMP_DUPLICATE_LIB_OK")
 
 COLD = "MESHTRAIN_TESTS_COLD_KEDRO"
 
@@ -336,12 +348,24 @@ def _run(request: dict) -> None:
         random.seed()
         sys.argv = list(request["argv"])
         sys.path[0] = os.path.dirname(sys.argv[0])
+        _fork_warm_rank_server()
         code = _main()
     finally:
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):  # a closed stream: nothing to flush
                 stream.flush()
         os._exit(code)
+
+
+def _fork_warm_rank_server() -> None:
+    """The run's warm-rank server, a fork of the run before Kedro starts: as a server
+    started by the run would be once its imports are done (PRELOAD holds them), a child
+    of the run in its session, for no imports. A run whose environment changes before
+    its launch replaces it as any launcher does (`launch.warm`)."""
+    from meshtrain.launch import warm
+
+    if warm.forkable():
+        warm.fork_server()
 
 
 def _main() -> int:

@@ -27,6 +27,12 @@ behave as a spawned one:
   (`is_late`): those the launcher's own MLflow run and torch set after a prestarted
   server started, which no import reads; each rank takes their launch-time values.
 
+The server is a new interpreter that imports the engine (about 10 s of CPU). A launcher
+that already is what the server would be (it holds the engine, runs one Python thread
+and has configured nothing its ranks must not inherit: the end-to-end tests' `kedro`
+processes, forked from a process that imported it all) can start it as a fork of
+itself instead (`fork_server`), for next to nothing.
+
 Off with `launch.warm_ranks=false`, and off where this cannot be made safe: outside
 Linux (no pidfd), or where this Python's forkserver lacks what is used here.
 """
@@ -40,9 +46,12 @@ import multiprocessing.forkserver as forkserver
 import os
 import select
 import signal
+import socket
 import sys
 import threading
+import traceback
 from collections.abc import Callable
+from multiprocessing import connection, resource_tracker
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -56,8 +65,16 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, si
 
 # Variables (by prefix) a change in which keeps the server: `is_late`. torch elastic
 # writes TORCHELASTIC_SIGNALS_TO_HANDLE into the launcher's environment at every launch,
-# so without it a launcher's second launch would start a new server.
-LATE_VARIABLES = ("MLFLOW_", "TORCHINDUCTOR_CACHE_DIR", "TORCHELASTIC_SIGNALS_TO_HANDLE")
+# so without it a launcher's second launch would start a new server. Kedro adds the
+# project's source folder to PYTHONPATH when it bootstraps a project; an interpreter
+# reads it when it starts, and a rank's `sys.path` is the launcher's (multiprocessing
+# passes it).
+LATE_VARIABLES = (
+    "MLFLOW_",
+    "TORCHINDUCTOR_CACHE_DIR",
+    "TORCHELASTIC_SIGNALS_TO_HANDLE",
+    "PYTHONPATH",
+)
 
 # In the launcher: the environment the running server started with.
 _started_with: dict[str, str] | None = None
@@ -95,9 +112,82 @@ def ensure_server() -> None:
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         if _started_with is None:
-            _started_with = dict(os.environ)
-            atexit.unregister(_stop_server)  # registered once, however often restarted
-            atexit.register(_stop_server)
+            _note_started()
+
+
+def _note_started() -> None:
+    """Remember the environment the server started with; stop it at this launcher's exit."""
+    global _started_with
+    _started_with = dict(os.environ)
+    atexit.unregister(_stop_server)  # registered once, however often restarted
+    atexit.register(_stop_server)
+
+
+def fork_server() -> None:
+    """Start the server as a fork of this launcher (`forkable`), as
+    `multiprocessing.forkserver` starts a new one: a listening socket private to this
+    user, and the "alive" pipe whose end of file (this launcher gone) ends the server."""
+    with _lock:
+        if not forkable():
+            raise RuntimeError(
+                "the warm-rank server is forked only from a launcher running one Python "
+                "thread and no server, on a Python whose forkserver needs no key"
+            )
+        resource_tracker.ensure_running()  # first: the server and its ranks share it
+        forkserver.set_forkserver_preload(PRELOAD)
+        address = connection.arbitrary_address("AF_UNIX")
+        with socket.socket(socket.AF_UNIX) as listener:
+            listener.bind(address)
+            os.chmod(address, 0o600)
+            listener.listen()
+            alive_r, alive_w = os.pipe()
+            for stream in (sys.stdout, sys.stderr):  # or the server would write it again
+                stream.flush()
+            blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+            pid = os.fork()
+            if pid == 0:
+                os.close(alive_w)
+                _serve_forked(listener.fileno(), alive_r)  # never returns
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+            os.close(alive_r)
+        server = forkserver._forkserver
+        server._forkserver_address, server._forkserver_alive_fd = address, alive_w
+        server._forkserver_pid = pid
+        _note_started()
+
+
+def forkable() -> bool:
+    """Whether this launcher can fork its server: it must be what a new server would be
+    once its imports are done. It runs one Python thread (a fork copies the calling
+    thread alone, with any lock another one held; the native threads of the engine's
+    libraries, Arrow's and jemalloc's, run in a new server too and survive a fork), no
+    server yet, and this Python's forkserver takes no key (3.14's does). What it must
+    also be is its caller's to know: holding the engine (or the server imports it),
+    having configured nothing a rank must not inherit but the root logger (reset)."""
+    return (
+        supported()
+        and threading.active_count() == 1
+        and forkserver._forkserver._forkserver_pid is None
+        and not hasattr(forkserver._forkserver, "_forkserver_authkey")
+    )
+
+
+def _serve_forked(listener: int, alive_r: int) -> None:
+    """In the forked server: serve until the launcher is gone, then exit without running
+    the launcher's exit handlers (they would stop this server, as the launcher's)."""
+    code = 1
+    try:
+        # The root logger as a new interpreter has it (the launcher's, Kedro's, would
+        # print its ranks' INFO records); the libraries' own loggers are as imported.
+        logging.root.handlers.clear()
+        logging.root.setLevel(logging.WARNING)
+        forkserver.main(listener, alive_r, PRELOAD)
+    except SystemExit:  # the launcher is gone
+        code = 0
+    except BaseException:  # noqa: BLE001 - as an interpreter would: print it, exit 1
+        traceback.print_exc()
+    finally:
+        os._exit(code)
 
 
 def _changed_names(before: dict[str, str]) -> set[str]:
@@ -106,8 +196,8 @@ def _changed_names(before: dict[str, str]) -> set[str]:
 
 def is_late(name: str) -> bool:
     """A variable the launcher's own run sets once the server may have started (its MLflow
-    run's, torch's compile cache, torch elastic's signal list), which nothing the server
-    imports reads at import."""
+    run's, torch's compile cache, torch elastic's signal list, Kedro's PYTHONPATH), which
+    nothing the server imports reads at import."""
     return name.startswith(LATE_VARIABLES)
 
 
