@@ -31,9 +31,10 @@ SHAPE_27M = {
 VOCAB, BLOCK = 4096, 256
 WORLD2 = {
     "dp2-zero1": ({"data_parallel_size": 2, "zero_1": True}, {}),
-    # One sequence per rank, not four: this CPU's bf16 matmuls run 6x slower than its
-    # fp32 ones (at two sequences this layout was a third of the test's time). Under full
-    # recomputation the model states and the bf16 copies are most of the peak.
+    # One sequence of half a block per rank, not four whole ones: this CPU's bf16 matmuls
+    # run 9x slower than its fp32 ones (AVX2, no bf16 units; at one whole sequence this
+    # layout was 80 of the test's 180 CPU-s). Under full recomputation the model states
+    # and the bf16 copies are most of the peak.
     "dp2-bf16-ckpt": (
         {"data_parallel_size": 2, "activation_checkpointing": "full"},
         {"mixed_precision": "bf16", "per_device_train_batch_size": 1},
@@ -42,6 +43,7 @@ WORLD2 = {
     "pp2-1f1b": ({"pipeline_parallel_size": 2, "pipeline_schedule": "1f1b"}, {}),
     "sdp2": ({"data_parallel_size": 2, "sharded_data_parallel_degree": 2}, {}),
 }
+SHORT_BLOCKS = {"dp2-bf16-ckpt"}
 
 
 def _batch(parallel: dict, training: dict) -> int:
@@ -50,19 +52,24 @@ def _batch(parallel: dict, training: dict) -> int:
 
 
 @pytest.fixture(scope="module")
-def blocks_27m(tmp_path_factory) -> datasets.DatasetDict:
-    """Random token blocks of the 27M shape's vocabulary, saved and memory-mapped back."""
+def blocks_27m(tmp_path_factory) -> dict[int, datasets.DatasetDict]:
+    """Random token blocks of the 27M shape's vocabulary, saved and memory-mapped back: by
+    block size, whole blocks and the same tokens as blocks of half the size."""
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, VOCAB, (40, BLOCK), generator=generator, dtype=torch.int32)
-    blocks = datasets.DatasetDict(
-        {
-            "train": datasets.Dataset.from_dict({"input_ids": ids[:32].tolist()}),
-            "validation": datasets.Dataset.from_dict({"input_ids": ids[32:].tolist()}),
-        }
-    )
-    path = tmp_path_factory.mktemp("blocks27m") / "packed"
-    blocks.save_to_disk(str(path))
-    return datasets.load_from_disk(str(path))
+    by_size = {}
+    for size in (BLOCK, BLOCK // 2):
+        rows = ids.reshape(-1, size)
+        blocks = datasets.DatasetDict(
+            {
+                "train": datasets.Dataset.from_dict({"input_ids": rows[:-8].tolist()}),
+                "validation": datasets.Dataset.from_dict({"input_ids": rows[-8:].tolist()}),
+            }
+        )
+        path = tmp_path_factory.mktemp("blocks27m") / f"packed{size}"
+        blocks.save_to_disk(str(path))
+        by_size[size] = datasets.load_from_disk(str(path))
+    return by_size
 
 
 @pytest.mark.slow
@@ -70,7 +77,7 @@ def blocks_27m(tmp_path_factory) -> datasets.DatasetDict:
 def test_dry_runs_hold_what_the_real_ranks_held(blocks_27m, tmp_path: Path):
     specs = [
         make_spec(
-            blocks_27m,
+            blocks_27m[block],
             tmp_path,
             name,
             world=2,
@@ -78,16 +85,17 @@ def test_dry_runs_hold_what_the_real_ranks_held(blocks_27m, tmp_path: Path):
             training={
                 "per_device_train_batch_size": _batch(parallel, training),
                 "max_steps": 2,  # the probe measures the second step, the first with moments
-                "eval_batches": 1,
+                "eval_batches": 0,  # the probe measures a training step: no validation
                 **training,
             },
             architecture="llama",
             fields=SHAPE_27M,
-            block_size=BLOCK,
+            block_size=block,
             vocab_size=VOCAB,
             global_batch=_batch(parallel, training) * parallel.get("data_parallel_size", 1),
         )
         for name, (parallel, training) in WORLD2.items()
+        for block in [BLOCK // 2 if name in SHORT_BLOCKS else BLOCK]
     ]
     results = run_group(specs, 2, tmp_path, "t-dry")
     failures = []
