@@ -77,9 +77,12 @@ def _multinode_run(
 
 def run_node(arguments: str) -> None:
     """One node's launcher (run in a child process): plan, then `run_training`; write the
-    summary it returns to `out` as JSON."""
-    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    summary it returns to `out` as JSON. Its warm-rank server is a fork of it, made once
+    it holds what a server imports (`launch.warm.fork_server`), before anything else."""
     args = json.loads(arguments)
+    if args["launch"].get("warm_ranks", True):
+        _fork_warm_rank_server()
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     blocks = datasets.load_from_disk(args["blocks"])
     run, plan = _multinode_run(
         blocks,
@@ -97,6 +100,16 @@ def run_node(arguments: str) -> None:
         tokenizer=None,
     )
     Path(args["out"]).write_text(json.dumps(summary))
+
+
+def _fork_warm_rank_server() -> None:
+    import meshtrain.launch.worker  # noqa: F401, PLC0415 (what the server imports)
+    from meshtrain.launch import warm  # noqa: PLC0415
+    from meshtrain.tracking.rank_metrics import import_client  # noqa: PLC0415
+
+    import_client()
+    if warm.forkable():
+        warm.fork_server()
 
 
 def start_node(

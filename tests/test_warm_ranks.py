@@ -24,6 +24,7 @@ from meshtrain.config import LaunchConfig, Refused
 from meshtrain.hooks import RunChecksHook, run_checks
 from meshtrain.launch import warm
 from meshtrain.launch.elastic import run_workers
+from meshtrain.launch.network import IFNAME_VARIABLES
 from meshtrain.pipeline_registry import register_pipelines
 from tests.conftest import child_processes, is_alive, worker_processes
 
@@ -191,6 +192,7 @@ import meshtrain.launch.worker, meshtrain.tracking.rank_metrics as metrics
 from meshtrain.config import LaunchConfig
 from meshtrain.launch import warm
 from meshtrain.launch.elastic import run_workers
+from meshtrain.launch.network import IFNAME_VARIABLES
 from tests.test_warm_ranks import report
 metrics.import_client()
 logging.basicConfig(level=logging.INFO)
@@ -243,3 +245,12 @@ def test_a_launcher_holding_the_engine_forks_its_server_and_its_ranks_start_as_s
             assert seen[rank]["cwd"] == str(ROOT)
     assert "one Python thread and no server" in found["again"] == found["threaded"]
     assert not is_alive(found["server"])
+
+
+def test_what_a_launch_sets_in_the_launcher_keeps_its_server():
+    """The variables a launcher sets between its server's start and its launch (the
+    network interface of a launch over several nodes, Kedro's PYTHONPATH) are read by no
+    import: a change in them keeps the server (a multi-node run restarted it)."""
+    for name in (*IFNAME_VARIABLES, "PYTHONPATH", "TORCHELASTIC_SIGNALS_TO_HANDLE"):
+        assert warm.is_late(name), name
+    assert not warm.is_late("HF_HUB_OFFLINE") and not warm.is_late("OMP_NUM_THREADS")

@@ -65,7 +65,9 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, si
 
 # Variables (by prefix) a change in which keeps the server: `is_late`. torch elastic
 # writes TORCHELASTIC_SIGNALS_TO_HANDLE into the launcher's environment at every launch,
-# so without it a launcher's second launch would start a new server. Kedro adds the
+# so without it a launcher's second launch would start a new server. A launcher of
+# several nodes names its network interface to the ranks at the launch
+# (`network.IFNAME_VARIABLES`, read when a rank joins its process group). Kedro adds the
 # project's source folder to PYTHONPATH when it bootstraps a project; an interpreter
 # reads it when it starts, and a rank's `sys.path` is the launcher's (multiprocessing
 # passes it).
@@ -73,6 +75,8 @@ LATE_VARIABLES = (
     "MLFLOW_",
     "TORCHINDUCTOR_CACHE_DIR",
     "TORCHELASTIC_SIGNALS_TO_HANDLE",
+    "GLOO_SOCKET_IFNAME",
+    "NCCL_SOCKET_IFNAME",
     "PYTHONPATH",
 )
 
@@ -196,8 +200,9 @@ def _changed_names(before: dict[str, str]) -> set[str]:
 
 def is_late(name: str) -> bool:
     """A variable the launcher's own run sets once the server may have started (its MLflow
-    run's, torch's compile cache, torch elastic's signal list, Kedro's PYTHONPATH), which
-    nothing the server imports reads at import."""
+    run's, torch's compile cache, torch elastic's signal list, the network interface of a
+    launch over several nodes, Kedro's PYTHONPATH), which nothing the server imports
+    reads at import."""
     return name.startswith(LATE_VARIABLES)
 
 
