@@ -73,9 +73,18 @@ PRELOAD = (
 # server's in these alone is still forked (meshtrain sets torch's compile cache when it
 # imports torch in the test's process; threadpoolctl sets the flag Intel's OpenMP runtime
 # reads when it loads, which torch's GNU one here never does).
-LATE = ("MLFLOW_", "TEAM_MLFLOW_", "TORCHINDUCTOR_CACHE_DIR", "KMP_DUPLICATE_LIB_OK")
+LATE = (
+    "MLFLOW_",
+    "TEAM_MLFLOW_",
+    "TORCHINDUCTOR_CACHE_DIR",
+    "KMP_DUPLICATE_LIB_OK",
+    "MESHTRAIN_TESTS_NEW_RANK_SERVER",
+)
 
 COLD = "MESHTRAIN_TESTS_COLD_KEDRO"
+# A forked run's warm-rank server is a new interpreter, as a cold run's, while this is
+# "1" (bench/kedro_runs.py compares the two).
+NEW_RANK_SERVER = "MESHTRAIN_TESTS_NEW_RANK_SERVER"
 
 _server: subprocess.Popen | None = None
 _server_env: dict[str, str] | None = None
@@ -364,7 +373,7 @@ def _fork_warm_rank_server() -> None:
     its launch replaces it as any launcher does (`launch.warm`)."""
     from meshtrain.launch import warm
 
-    if warm.forkable():
+    if os.environ.get(NEW_RANK_SERVER) != "1" and warm.forkable():
         warm.fork_server()
 
 
