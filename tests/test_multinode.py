@@ -103,11 +103,8 @@ def run_node(arguments: str) -> None:
 
 
 def _fork_warm_rank_server() -> None:
-    import meshtrain.launch.worker  # noqa: F401, PLC0415 (what the server imports)
     from meshtrain.launch import warm  # noqa: PLC0415
-    from meshtrain.tracking.rank_metrics import import_client  # noqa: PLC0415
 
-    import_client()
     if warm.forkable():
         warm.fork_server()
 

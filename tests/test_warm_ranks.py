@@ -188,13 +188,11 @@ def test_a_training_run_starts_its_warm_rank_server_once_the_parameters_parse(mo
 FORKING_LAUNCHER = """
 import json, logging, sys, threading
 from pathlib import Path
-import meshtrain.launch.worker, meshtrain.tracking.rank_metrics as metrics
 from meshtrain.config import LaunchConfig
 from meshtrain.launch import warm
 from meshtrain.launch.elastic import run_workers
-from meshtrain.launch.network import IFNAME_VARIABLES
 from tests.test_warm_ranks import report
-metrics.import_client()
+warm.import_engine()
 logging.basicConfig(level=logging.INFO)
 assert warm.forkable()
 warm.fork_server()

@@ -63,10 +63,6 @@ PRELOAD = (
     "meshtrain.hooks",
     "meshtrain.launch.job",
     "meshtrain.tracking.plots",
-    # What a warm-rank server imports (`meshtrain.launch.warm_server`, which only a
-    # server imports: it ignores the stop signals), so each run forks its own for nothing.
-    "meshtrain.launch.worker",
-    "mlflow.store.tracking.rest_store",
 )
 
 # Variables (by prefix) that no import reads: a run whose environment differs from the
@@ -288,8 +284,11 @@ def run(
 def _serve(address: str) -> None:
     import importlib
 
+    from meshtrain.launch import warm
+
     for module in PRELOAD:
         importlib.import_module(module)
+    warm.import_engine()  # what a warm-rank server imports: each run forks its own for nothing
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(address + ".binding")
     listener.listen(64)

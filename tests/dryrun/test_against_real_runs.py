@@ -46,6 +46,10 @@ WORLD2 = {
 SHORT_BLOCKS = {"dp2-bf16-ckpt"}
 
 
+def _block(name: str) -> int:
+    return BLOCK // 2 if name in SHORT_BLOCKS else BLOCK
+
+
 def _batch(parallel: dict, training: dict) -> int:
     """Sequences per rank: a global batch of 8, unless the layout says otherwise."""
     return training.get("per_device_train_batch_size", 8 // parallel.get("data_parallel_size", 1))
@@ -77,7 +81,7 @@ def blocks_27m(tmp_path_factory) -> dict[int, datasets.DatasetDict]:
 def test_dry_runs_hold_what_the_real_ranks_held(blocks_27m, tmp_path: Path):
     specs = [
         make_spec(
-            blocks_27m[block],
+            blocks_27m[_block(name)],
             tmp_path,
             name,
             world=2,
@@ -90,12 +94,11 @@ def test_dry_runs_hold_what_the_real_ranks_held(blocks_27m, tmp_path: Path):
             },
             architecture="llama",
             fields=SHAPE_27M,
-            block_size=block,
+            block_size=_block(name),
             vocab_size=VOCAB,
             global_batch=_batch(parallel, training) * parallel.get("data_parallel_size", 1),
         )
         for name, (parallel, training) in WORLD2.items()
-        for block in [BLOCK // 2 if name in SHORT_BLOCKS else BLOCK]
     ]
     results = run_group(specs, 2, tmp_path, "t-dry")
     failures = []

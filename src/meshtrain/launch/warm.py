@@ -127,16 +127,28 @@ def _note_started() -> None:
     atexit.register(_stop_server)
 
 
+def import_engine() -> None:
+    """What the server imports before it serves (`warm_server`, less its signal
+    dispositions): torch, transformers, the trainer, and rank 0's MLflow client, which
+    is imported here, not while rank 0 builds its model."""
+    import meshtrain.launch.worker  # noqa: F401, PLC0415
+    from meshtrain.tracking.rank_metrics import import_client  # noqa: PLC0415
+
+    import_client()
+
+
 def fork_server() -> None:
-    """Start the server as a fork of this launcher (`forkable`), as
-    `multiprocessing.forkserver` starts a new one: a listening socket private to this
-    user, and the "alive" pipe whose end of file (this launcher gone) ends the server."""
+    """Start the server as a fork of this launcher (`forkable`), which imports the engine
+    first (`import_engine`: nothing where it holds it), as `multiprocessing.forkserver`
+    starts a new one: a listening socket private to this user, and the "alive" pipe
+    whose end of file (this launcher gone) ends the server."""
     with _lock:
         if not forkable():
             raise RuntimeError(
                 "the warm-rank server is forked only from a launcher running one Python "
                 "thread and no server, on a Python whose forkserver needs no key"
             )
+        import_engine()
         resource_tracker.ensure_running()  # first: the server and its ranks share it
         forkserver.set_forkserver_preload(PRELOAD)
         address = connection.arbitrary_address("AF_UNIX")
@@ -166,8 +178,8 @@ def forkable() -> bool:
     thread alone, with any lock another one held; the native threads of the engine's
     libraries, Arrow's and jemalloc's, run in a new server too and survive a fork), no
     server yet, and this Python's forkserver takes no key (3.14's does). What it must
-    also be is its caller's to know: holding the engine (or the server imports it),
-    having configured nothing a rank must not inherit but the root logger (reset)."""
+    also be is its caller's to know: having configured nothing a rank must not inherit
+    but the root logger (reset in the server)."""
     return (
         supported()
         and threading.active_count() == 1
