@@ -320,6 +320,7 @@ def test_config_imports_nothing_from_the_layers_above_it() -> None:
         "meshtrain.config",
         "meshtrain.config_parsing",
         "meshtrain.config_ranges",
+        "meshtrain.config_dpo",
         "meshtrain.config_lora",
         "meshtrain.config_data",
         "meshtrain.config_launch",

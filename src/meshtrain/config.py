@@ -25,6 +25,7 @@ from meshtrain.config_data import (
     DataConfig,
     check_data,
 )
+from meshtrain.config_dpo import DpoSettings
 from meshtrain.config_launch import DEFAULT_RDZV_PORT, LaunchConfig, check_launch, split_endpoint
 from meshtrain.config_lora import LoraSettings
 from meshtrain.config_parsing import ConfigError, Refused, check_ranges, parse
@@ -243,6 +244,10 @@ class TrainingConfig:
     loss_chunk_tokens: int | Literal["auto"] = AUTO
     max_steps: int = 200
     seed: int = 42
+    # lm: next-token cross-entropy (pretraining, fine-tuning); dpo: direct preference
+    # optimization on preference pairs (`training.dpo`, `models/preference_loss.py`).
+    objective: Literal["lm", "dpo"] = "lm"
+    dpo: DpoSettings = field(default_factory=DpoSettings)
     # no: fp32 throughout. bf16: autocast over fp32 parameters (matmuls in bf16).
     # bf16_master: bf16 parameters and activations; fp32 gradients, and an fp32 master
     # copy of the weights with AdamW's moments in the optimizer (sharded under ZeRO-1).
@@ -268,6 +273,7 @@ class TrainingConfig:
     def check(self) -> None:
         """Refuse the values whose kinds are right but which cannot mean anything."""
         check_ranges(self, TRAINING_RANGES)
+        self.dpo.check()
         if self.grad_reduce_dtype == "bf16" and self.mixed_precision != "bf16_master":
             raise ConfigError(
                 f"`training.grad_reduce_dtype=bf16` needs `training.mixed_precision=bf16_master` "

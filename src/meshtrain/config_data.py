@@ -28,6 +28,7 @@ LOSS_ON_BY_FORMAT = {
     "text": "all",
     "prompt_completion": "completion",
     "conversational": "assistant",
+    "preference": "completion",
 }
 
 
@@ -37,10 +38,17 @@ class DataConfig:
 
     # builtin / text_files / hub: a text corpus. files: JSON, JSONL, Parquet or CSV files
     # (`data_files`); catalog: the Kedro dataset `raw_examples`; builtin_instructions:
-    # question/answer conversations made offline from Python's documentation.
-    source: Literal["builtin", "text_files", "hub", "files", "catalog", "builtin_instructions"] = (
-        "builtin"
-    )
+    # question/answer conversations made offline from Python's documentation;
+    # builtin_preferences: preference pairs made from them (`data/preference.py`).
+    source: Literal[
+        "builtin",
+        "text_files",
+        "hub",
+        "files",
+        "catalog",
+        "builtin_instructions",
+        "builtin_preferences",
+    ] = "builtin"
     text_files: list[str] | None = None
     data_files: list[str] | None = None
     hub_dataset: str | None = None
@@ -49,8 +57,9 @@ class DataConfig:
     text_column: str = "text"
     # The dataset's own column names for TRL's, e.g. {messages: conversations}.
     columns: dict[str, str] | None = None
-    # TRL's formats; auto: from the columns (messages, prompt + completion, text).
-    format: Literal["auto", "text", "prompt_completion", "conversational"] = "auto"
+    # TRL's formats; auto: from the columns (chosen + rejected, messages, prompt +
+    # completion, text). preference: DPO's pairs, with or without a prompt column.
+    format: Literal["auto", "text", "prompt_completion", "conversational", "preference"] = "auto"
     # Which tokens carry the loss; auto: completion for prompt/completion data, assistant
     # for conversations, all for text.
     loss_on: Literal["auto", "all", "completion", "assistant"] = "auto"
@@ -86,6 +95,8 @@ class DataConfig:
             return "text"
         if self.source == "builtin_instructions":
             return "conversational"
+        if self.source == "builtin_preferences":
+            return "preference"
         return None if self.format == "auto" else self.format
 
     def check(self) -> None:
@@ -135,6 +146,8 @@ def _described(data: DataConfig) -> str:
         return f"`data.source={data.source}` is plain text (data.format text: no turns, no prompts)"
     if data.source == "builtin_instructions":
         return "`data.source=builtin_instructions` is conversations"
+    if data.source == "builtin_preferences":
+        return "`data.source=builtin_preferences` is preference pairs"
     return f"`data.format={data.format}` says the data is {data.format.replace('_', '/')}"
 
 

@@ -37,7 +37,8 @@ from meshtrain.components.metrics import (
     progress_line,
     rss_mb,
 )
-from meshtrain.components.rank_build import build_rank
+from meshtrain.components.rank_build import build_rank, build_reference_model
+from meshtrain.components.reference_pass import reference_table
 from meshtrain.components.step_guard import (
     StopRequested,
     StopSignals,
@@ -46,12 +47,14 @@ from meshtrain.components.step_guard import (
 )
 from meshtrain.components.step_probes import MemoryProbe, PipelineTimeline, persistent_tensors
 from meshtrain.components.train_step import optimizer_step
-from meshtrain.components.validation import evaluate_loss
+from meshtrain.components.validation import evaluate_means
 from meshtrain.config import RunConfig
+from meshtrain.data.batch import TokenBatch
 from meshtrain.data.blocks import BlockStore
 from meshtrain.data.sampler import GlobalBatchSampler
 from meshtrain.distributed.parallel_dims import ParallelDims
 from meshtrain.distributed.tensor_parallel import local_tensor
+from meshtrain.models.preference_loss import METRICS
 from meshtrain.planner import Plan
 from meshtrain.tracking.rank_metrics import MetricsLogger, TrackingTarget
 
@@ -115,6 +118,7 @@ class Trainer:
         self.validation_blocks = (
             BlockStore(spec.validation_files) if spec.validation_files else None
         )
+        self.reference_logps, self.validation_reference = self._precompute_reference()
         self.sampler = GlobalBatchSampler(
             len(self.train_blocks), self.plan.global_batch_size, self.cfg.seed
         )
@@ -128,12 +132,31 @@ class Trainer:
         # high-water mark: what the machine feels, not a count of tensors).
         self.startup_peak_rss_mb = rss_mb()[1]
         self.losses: list[tuple[int, float]] = []
+        # DPO's rewards and log-probabilities per logged step (TRL's names).
+        self.preference_metrics: list[tuple[int, dict[str, float]]] = []
         # When training started (progress lines count from it); `train` restarts it after
         # the first validation, a caller driving `train_step` itself keeps this one.
         self.train_start = time.perf_counter()
         self.throughput = Throughput()
         self.last_checkpoint: Path | None = None
         self.stop = StopSignals()
+
+    def _precompute_reference(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """DPO's precomputed reference log-probabilities of the training and validation
+        blocks (None, None for any other reference): the starting weights, built for this
+        pass and freed before training."""
+        preference = self.pm.preference
+        if preference is None or preference.reference != "precompute":
+            return None, None
+        reference = build_reference_model(self.run, self.plan, self.dims, self.device)
+        tables = [
+            reference_table(reference, blocks, self.per_device, self.device)
+            if blocks is not None
+            else None
+            for blocks in (self.train_blocks, self.validation_blocks)
+        ]
+        del reference
+        return tables[0], tables[1]
 
     def _checkpointer(self, optimizer_state: OptimizerState) -> Checkpointer:
         """The owner of this run's checkpoints, with what each of them holds."""
@@ -274,10 +297,10 @@ class Trainer:
             step, self.dims.dp_rank, self.dims.dp, self.per_device
         )
         # Every rank reads the whole global batch's counts (cheap, memory-mapped), so the
-        # loss's denominator needs no collective.
+        # loss's denominator (trained tokens, or pairs under DPO) needs no collective.
         everyone = self.sampler.global_indices(step)
-        trained_tokens = max(self.train_blocks.trained_tokens(everyone), 1)
-        batches = (self.train_blocks.tokens(indices).to(self.device) for indices in microbatches)
+        trained_tokens = max(self.pm.units(self.train_blocks.tokens(everyone)), 1)
+        batches = (self._batch(indices) for indices in microbatches)
         result = optimizer_step(
             self.parts,
             step,
@@ -292,6 +315,12 @@ class Trainer:
         return StepOutcome(
             result.loss_sum, result.grad_norm, started, real_tokens, result.stop_signal
         )
+
+    def _batch(self, indices: list[int]) -> TokenBatch:
+        """The training blocks at `indices` on the device, with their precomputed
+        reference log-probabilities where DPO uses them."""
+        batch = self.train_blocks.tokens(indices)
+        return batch.with_reference(self.reference_logps, indices).to(self.device)
 
     @contextlib.contextmanager
     def _probes(self, step: int) -> Iterator[None]:
@@ -310,11 +339,13 @@ class Trainer:
         if self.dims.pp > 1:
             dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM, group=self.dims.pp_group)
         dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM, group=self.dims.dp_cp_group)
-        loss = loss_sum.item()
+        loss, *more = loss_sum.reshape(-1).tolist()  # DPO: the loss, then its metrics
         elapsed = time.perf_counter() - outcome.started
         # Real tokens: a fine-tuning block's padding is not throughput.
         tokens_per_s = outcome.real_tokens / elapsed
         self.losses.append((done, loss))
+        if more:
+            self.preference_metrics.append((done, dict(zip(METRICS[1:], more, strict=True))))
         if done > self.start_step + 1 and done - 1 != self.memory_probe.step:
             self.throughput.add(outcome.real_tokens, elapsed)
         # The rate of the next step, as a scheduler stepped after the update reports it.
@@ -328,6 +359,7 @@ class Trainer:
                 "tokens_per_s": tokens_per_s,
                 "step_time_s": elapsed,
                 "epoch": self.sampler.epoch_of(done),
+                **(self.preference_metrics[-1][1] if more else {}),
                 **({"mfu": mfu} if mfu is not None else {}),
                 **memory_metrics(self.device, self.model_states_bytes),
                 **(
@@ -360,16 +392,24 @@ class Trainer:
         """Validation loss after `step` steps, logged; None without validation. Collective."""
         if self.validation_blocks is None or self.cfg.eval_batches == 0:
             return None
-        loss = evaluate_loss(
+        loss, *more = evaluate_means(
             self.pm,
             self.validation_blocks,
             self.cfg.eval_batches,
             self.device,
             self.per_device,
             self.plan.global_batch_size,
+            self.validation_reference,
         )
-        self.tracker.log({"val_loss": loss}, step=step)
-        self._report(f"step {step}: validation loss {loss:.4f}")
+        extra = {f"val_{name}": value for name, value in zip(METRICS[1:], more, strict=False)}
+        self.tracker.log({"val_loss": loss, **extra}, step=step)
+        line = f"step {step}: validation loss {loss:.4f}"
+        if extra:
+            line += (
+                f", preference accuracy {extra['val_rewards/accuracies']:.1%}, "
+                f"margin {extra['val_rewards/margins']:.4f}"
+            )
+        self._report(line)
         return loss
 
     def checkpoint(self, step: int) -> Path:
@@ -421,6 +461,7 @@ class Trainer:
             "layout_name": self.layout.name,
             "steps": self.cfg.max_steps,
             "losses": self.losses,
+            "preference_metrics": self.preference_metrics,
             "final_loss": self.losses[-1][1] if self.losses else None,
             "initial_val_loss": initial_val_loss,
             "final_val_loss": final_val_loss,

@@ -28,6 +28,7 @@ from meshtrain.models.builder import build_meta_model, config_from_dict, weight_
 from meshtrain.models.converters import ModelConverter, build_converters
 from meshtrain.models.llama.parallelize import parallelize
 from meshtrain.models.parallel_model import ParallelModel
+from meshtrain.models.preference import PreferenceObjective
 from meshtrain.models.routing import Routing
 from meshtrain.planner import Plan
 
@@ -95,6 +96,7 @@ def build_rank(
     forwards = dims.dp * batch.accumulation_steps * pm.backward_passes_per_batch
     sequence = dims.sequence_group(plan.layout.sequence_parallel)
     pm.use_routing(Routing.of(pm.modules, pm.hf_config, forwards, sequence, dims.ep_group))
+    pm.preference = preference_objective(run, plan, dims, device)
     optimizer, optimizer_state = build_optimizer(
         pm, training=training, accumulation_steps=batch.accumulation_steps
     )
@@ -107,6 +109,38 @@ def build_rank(
         batch=batch,
         lr_schedule=LearningRateSchedule(training),
     )
+
+
+def preference_objective(
+    run: RunConfig, plan: Plan, dims: ParallelDims, device: torch.device
+) -> PreferenceObjective | None:
+    """DPO's objective (None for the language-model loss), with its frozen reference
+    model where `training.dpo.reference` resolves to `model`."""
+    training = run.training
+    if training.objective != "dpo":
+        return None
+    reference = training.dpo.resolved_reference(lora=run.model.lora is not None)
+    model = build_reference_model(run, plan, dims, device) if reference == "model" else None
+    return PreferenceObjective(training.dpo, reference, model)
+
+
+def build_reference_model(
+    run: RunConfig, plan: Plan, dims: ParallelDims, device: torch.device
+) -> ParallelModel:
+    """The run's starting weights (`model.init_from`), without adapters, frozen and laid
+    out like the policy: DPO's reference."""
+    converters = build_converters(
+        run.training,
+        device.type,
+        tensor_parallel=dims.tp > 1,
+        lora=None,
+        sharded=plan.layout.sharded,
+    )
+    reference = build_rank_model(run, plan, dims, device, converters)
+    for parameter in reference.parameters.values():
+        parameter.requires_grad_(False)
+    reference.set_training(False)
+    return reference
 
 
 def rank_converters(

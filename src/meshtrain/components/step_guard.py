@@ -67,7 +67,7 @@ def agree_on_step(
     flags = torch.stack(
         [
             torch.tensor(float(stop.received), device=grad_norm.device),
-            (~torch.isfinite(loss_sum)).float().to(grad_norm.device),
+            (~torch.isfinite(loss_sum)).any().float().to(grad_norm.device),
             (~torch.isfinite(grad_norm)).float(),
         ]
     )

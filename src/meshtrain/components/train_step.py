@@ -71,7 +71,8 @@ def optimizer_step(
         phase("forward")
         loss_sum = torch.zeros((), device=rank.device)
         for batch in batches:
-            loss_sum += pm.train_batch(batch, trained_tokens)
+            # (A vector under DPO: the loss and its metrics.)
+            loss_sum = loss_sum + pm.train_batch(batch, trained_tokens)
         pm.finish_gradients()
         phase("optimizer")
         with record_function("meshtrain.reduce"):

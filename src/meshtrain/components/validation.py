@@ -7,9 +7,9 @@ import torch.distributed as dist
 
 from meshtrain.data.blocks import BlockStore
 from meshtrain.models.parallel_model import ParallelModel
+from meshtrain.models.preference_loss import METRICS
 
 
-@torch.no_grad()
 def evaluate_loss(
     pm: ParallelModel,
     blocks: BlockStore,
@@ -19,7 +19,24 @@ def evaluate_loss(
     global_batch: int,
 ) -> float:
     """Mean loss per trained token over the first `eval_batches` global batches of
-    validation (fine-tuning blocks: the tokens `data.loss_on` trains).
+    validation (`evaluate_means`' first value). Collective."""
+    return evaluate_means(pm, blocks, eval_batches, device, per_rank, global_batch)[0]
+
+
+@torch.no_grad()
+def evaluate_means(
+    pm: ParallelModel,
+    blocks: BlockStore,
+    eval_batches: int,
+    device: torch.device,
+    per_rank: int,
+    global_batch: int,
+    reference: torch.Tensor | None = None,
+) -> list[float]:
+    """Mean loss per trained token over the first `eval_batches` global batches of
+    validation (fine-tuning blocks: the tokens `data.loss_on` trains); under DPO the mean
+    over the pairs of the loss and of each metric (`preference_loss.METRICS`), with
+    `reference` the blocks' precomputed reference log-probabilities where DPO uses them.
 
     Every data-parallel rank scores a contiguous slice (its context-parallel ranks a
     share of each block's tokens) and the sums are all-reduced (over the pipeline
@@ -37,7 +54,8 @@ def evaluate_loss(
     if pm.runner is not None:
         share = share // per_rank * per_rank
         hi = lo + share if lo + share <= len(blocks) else lo
-    totals = torch.zeros(2, dtype=torch.float64, device=device)
+    width = len(METRICS) if pm.preference is not None else 1
+    sums, units = torch.zeros(width, dtype=torch.float64, device=device), 0
     starts = list(range(lo, hi, per_rank))
     padding = 0
     if pm.layout.sharded:
@@ -45,22 +63,25 @@ def evaluate_loss(
         # the busiest one; the extra ones score a batch of the first blocks, not counted.
         padding = most_batches(len(starts), dims.dp_group) - len(starts)
     for start in starts:
-        batch = blocks.tokens(list(range(start, min(hi, start + per_rank)))).to(device)
-        totals[0] += pm.eval_batch(batch).double()
+        indices = list(range(start, min(hi, start + per_rank)))
+        batch = blocks.tokens(indices).with_reference(reference, indices).to(device)
+        sums = sums + pm.eval_batch(batch).double()
         if dims.cp_rank == 0:  # the cp ranks score parts of the same blocks
-            totals[1] += batch.trained_tokens
+            units += pm.units(batch)
     if padding:
-        filler = blocks.tokens(list(range(min(per_rank, len(blocks))))).to(device)
+        first = list(range(min(per_rank, len(blocks))))
+        filler = blocks.tokens(first).with_reference(reference, first).to(device)
         for _ in range(padding):
             pm.eval_batch(filler)
     if dims.pp > 1:
         # Token counts are known on every stage; losses only on the last.
-        loss = totals[:1].clone()
-        dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=dims.pp_group)
-        totals[0] = loss[0]
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=dims.pp_group)
+    totals = torch.cat([sums, torch.tensor([float(units)], dtype=torch.float64, device=device)])
     dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=dims.dp_cp_group)
     pm.set_training(True)
-    return (totals[0] / totals[1]).item() if totals[1] > 0 else float("nan")
+    if totals[-1] == 0:
+        return [float("nan")] * len(sums)
+    return (totals[:-1] / totals[-1]).tolist()
 
 
 def most_batches(mine: int, group: dist.ProcessGroup) -> int:

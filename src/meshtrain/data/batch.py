@@ -10,6 +10,7 @@ kept inside it (`models/packed_attention.py`).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -49,6 +50,9 @@ class TokenBatch:
     labels: torch.Tensor  # (batch, sequence): next-token targets, IGNORE_INDEX elsewhere
     position_ids: torch.Tensor | None = None  # restart at 0 per example; None: one per row
     real_tokens: int | None = None  # tokens that are not padding; None: all of them
+    # DPO with training.dpo.reference=precompute: the reference's log-probability of each
+    # label (batch, sequence), computed before training.
+    reference_logps: torch.Tensor | None = None
 
     @classmethod
     def of_ids(cls, input_ids: torch.Tensor) -> TokenBatch:
@@ -63,10 +67,18 @@ class TokenBatch:
     def num_real_tokens(self) -> int:
         return self.input_ids.numel() if self.real_tokens is None else self.real_tokens
 
+    def with_reference(self, table: torch.Tensor | None, indices: list[int]) -> TokenBatch:
+        """The batch of blocks `indices` with their rows of `table`, precomputed reference
+        log-probabilities (None: the batch as it is)."""
+        if table is None:
+            return self
+        return dataclasses.replace(self, reference_logps=table[indices])
+
     def to(self, device: torch.device) -> TokenBatch:
         return TokenBatch(
             self.input_ids.to(device, non_blocking=True),
             self.labels.to(device, non_blocking=True),
             None if self.position_ids is None else self.position_ids.to(device),
             self.real_tokens,
+            None if self.reference_logps is None else self.reference_logps.to(device),
         )

@@ -104,7 +104,7 @@ def pack_examples(
     )
     blocks = best_fit_decreasing([len(row) for row in ids], block_size)
     blocks = [blocks[i] for i in np.random.default_rng(seed).permutation(len(blocks))]
-    arrays = _fill(blocks, ids, trained, block_size, pad_token_id)
+    arrays = fill_blocks(blocks, ids, trained, block_size, pad_token_id)
     report = PackingReport(
         examples=len(ids),
         blocks=len(blocks),
@@ -114,10 +114,10 @@ def pack_examples(
         dropped_long=dropped,
         truncated=truncated,
     )
-    return _as_dataset(arrays, block_size), report
+    return blocks_dataset(arrays, block_size), report
 
 
-def _fill(
+def fill_blocks(
     blocks: list[list[int]],
     ids: list[list[int]],
     trained: list[list[int]],
@@ -148,7 +148,7 @@ def _fill(
     }
 
 
-def _as_dataset(arrays: dict[str, np.ndarray], block_size: int) -> datasets.Dataset:
+def blocks_dataset(arrays: dict[str, np.ndarray], block_size: int) -> datasets.Dataset:
     """Fixed-size list columns, as `BlockStore` reads them without a copy."""
     columns = {
         name: pa.FixedSizeListArray.from_arrays(pa.array(values.reshape(-1)), block_size)

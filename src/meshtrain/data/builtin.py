@@ -191,6 +191,30 @@ def builtin_instructions(max_chars: int | None = None) -> datasets.Dataset:
     return datasets.Dataset.from_dict({"messages": rows})
 
 
+def builtin_preferences(max_chars: int | None = None) -> datasets.Dataset:
+    """Preference pairs made offline from the builtin conversations: the prompt is a
+    conversation's turns before its last answer, chosen that answer, rejected the last
+    answer of a conversation seven further on (a fluent answer to another question)."""
+    conversations, total = [], 0
+    for turns in builtin_conversations():
+        size = sum(len(turn["content"]) for turn in turns)
+        if max_chars is not None and total + size > max_chars:
+            break
+        conversations.append(turns)
+        total += size
+    if len(conversations) < 2:
+        raise ValueError(f"data.builtin_max_chars={max_chars} holds under two conversations")
+    rows: dict[str, list] = {"prompt": [], "chosen": [], "rejected": []}
+    for number, turns in enumerate(conversations):
+        other = conversations[(number + 7) % len(conversations)][-1]
+        if other["content"] == turns[-1]["content"]:
+            continue
+        rows["prompt"].append(turns[:-1])
+        rows["chosen"].append([turns[-1]])
+        rows["rejected"].append([other])
+    return datasets.Dataset.from_dict(rows)
+
+
 def builtin_conversations() -> Iterator[list[dict[str, str]]]:
     """Conversations in a fixed order: one question, or two (every fifth), or a system
     prompt first (every seventh)."""

@@ -47,7 +47,7 @@ def require_chat_template(tokenizer: Any) -> None:
         )
 
 
-def _render(tokenizer: Any, messages: list[dict], generation_prompt: bool = False) -> str:
+def render_chat(tokenizer: Any, messages: list[dict], generation_prompt: bool = False) -> str:
     try:
         return tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=generation_prompt
@@ -59,7 +59,7 @@ def _render(tokenizer: Any, messages: list[dict], generation_prompt: bool = Fals
         ) from None
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
+def common_prefix(a: list[int], b: list[int]) -> int:
     n = 0
     for x, y in zip(a, b, strict=False):
         if x != y:
@@ -71,7 +71,7 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 def assistant_spans(tokenizer: Any, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
     """The rendered conversation and the character spans of its assistant turns, each
     through the end-of-turn token the template writes after the content."""
-    whole = _render(tokenizer, messages)
+    whole = render_chat(tokenizer, messages)
     specials = [t for t in tokenizer.all_special_tokens if t] + [
         t.content for t in tokenizer.added_tokens_decoder.values() if t.special
     ]
@@ -79,8 +79,8 @@ def assistant_spans(tokenizer: Any, messages: list[dict]) -> tuple[str, list[tup
     for k, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        head = _render(tokenizer, messages[:k], generation_prompt=True)
-        upto = _render(tokenizer, messages[: k + 1])
+        head = render_chat(tokenizer, messages[:k], generation_prompt=True)
+        upto = render_chat(tokenizer, messages[: k + 1])
         if not (whole.startswith(head) and whole.startswith(upto) and len(head) <= len(upto)):
             raise ChatTemplateError(
                 "the chat template renders a conversation's first turns differently once "
@@ -108,9 +108,9 @@ def _prompt_completion(tokenizer: Any, example: dict, loss_on: str) -> tuple[lis
     prompt, completion = example["prompt"], example["completion"]
     if isinstance(prompt, list):
         head = tokenizer(
-            _render(tokenizer, prompt, generation_prompt=True), add_special_tokens=False
+            render_chat(tokenizer, prompt, generation_prompt=True), add_special_tokens=False
         )["input_ids"]
-        ids = tokenizer(_render(tokenizer, prompt + completion), add_special_tokens=False)[
+        ids = tokenizer(render_chat(tokenizer, prompt + completion), add_special_tokens=False)[
             "input_ids"
         ]
     else:
@@ -121,7 +121,7 @@ def _prompt_completion(tokenizer: Any, example: dict, loss_on: str) -> tuple[lis
         ids = tokenizer(prompt + completion)["input_ids"]
     if loss_on == "all":
         return ids, [1] * len(ids)
-    start = _common_prefix(head, ids)
+    start = common_prefix(head, ids)
     return ids, [0] * start + [1] * (len(ids) - start)
 
 

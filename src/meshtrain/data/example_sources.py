@@ -13,15 +13,16 @@ from typing import Any
 
 import datasets
 
-from meshtrain.data.builtin import builtin_instructions
+from meshtrain.data.builtin import builtin_instructions, builtin_preferences
 from meshtrain.data.corpus import CorpusError, expand_patterns, load_hub_split
 
 FORMAT_COLUMNS = {
+    "preference": ("chosen", "rejected"),
     "conversational": ("messages",),
     "prompt_completion": ("prompt", "completion"),
     "text": ("text",),
 }
-CANONICAL = ("text", "prompt", "completion", "messages")
+CANONICAL = ("text", "prompt", "completion", "messages", "chosen", "rejected")
 ROLES = ("system", "user", "assistant", "tool")
 BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 ORIGIN = "_origin"
@@ -57,6 +58,8 @@ def load_examples(
         return _canonical(_from_catalog(in_memory), columns, "raw_examples")
     if source == "builtin_instructions":
         return _canonical(builtin_instructions(builtin_max_chars), None, "builtin_instructions")
+    if source == "builtin_preferences":
+        return _canonical(builtin_preferences(builtin_max_chars), None, "builtin_preferences")
     raise ExamplesError(f"data.source={source!r} holds no fine-tuning examples")
 
 
@@ -137,9 +140,9 @@ def detect_format(column_names: list[str], requested: str = "auto") -> str:
         if all(c in column_names for c in needed):
             return fmt
     raise ExamplesError(
-        f"the examples have {_shown(column_names)}, none of TRL's formats (messages; prompt "
-        "and completion; text): map yours with data.columns, e.g. "
-        "data.columns={messages: conversations}"
+        f"the examples have {_shown(column_names)}, none of TRL's formats (chosen and "
+        "rejected, with or without prompt; messages; prompt and completion; text): map "
+        "yours with data.columns, e.g. data.columns={messages: conversations}"
     )
 
 
@@ -156,10 +159,10 @@ def check_examples(ds: datasets.Dataset, fmt: str) -> tuple[datasets.Dataset, in
             skipped += 1
             continue
         if fmt == "prompt_completion":
-            _check_part(row, "prompt", allow_empty=True)
-            _check_part(row, "completion", allow_empty=False)
+            check_part(row, "prompt", allow_empty=True)
+            check_part(row, "completion", allow_empty=False)
         if fmt == "text" and not (isinstance(row["text"], str) and row["text"].strip()):
-            raise _bad(row, "text", "is empty")
+            raise bad_row(row, "text", "is empty")
         keep.append(index)
     if not keep:
         raise ExamplesError(
@@ -171,31 +174,31 @@ def check_examples(ds: datasets.Dataset, fmt: str) -> tuple[datasets.Dataset, in
     return ds.remove_columns(ORIGIN), skipped
 
 
-def _check_part(row: dict, column: str, *, allow_empty: bool) -> None:
+def check_part(row: dict, column: str, *, allow_empty: bool) -> None:
     value = row[column]
     if isinstance(value, list):
         _check_messages(value, column, row)
     elif not isinstance(value, str):
-        raise _bad(row, column, f"is a {type(value).__name__}, not text or a list of messages")
+        raise bad_row(row, column, f"is a {type(value).__name__}, not text or a list of messages")
     elif not allow_empty and not value.strip():
-        raise _bad(row, column, "is empty: there is nothing to learn")
+        raise bad_row(row, column, "is empty: there is nothing to learn")
 
 
 def _check_messages(messages: Any, column: str, row: dict) -> bool:
     """Whether the conversation has an assistant turn; a malformed message is refused."""
     if not isinstance(messages, list) or not messages:
-        raise _bad(row, column, "is not a list of messages")
+        raise bad_row(row, column, "is not a list of messages")
     for number, message in enumerate(messages):
         where = f"{column}[{number}]"
         if not isinstance(message, dict) or "role" not in message:
-            raise _bad(row, where, "is not a {role, content} message")
+            raise bad_row(row, where, "is not a {role, content} message")
         if message["role"] not in ROLES:
-            raise _bad(row, where, f"has the role {message['role']!r}; roles are {ROLES}")
+            raise bad_row(row, where, f"has the role {message['role']!r}; roles are {ROLES}")
         content = message.get("content")
         if not isinstance(content, str) or not content.strip():
-            raise _bad(row, where, "has no content")
+            raise bad_row(row, where, "has no content")
     return any(m["role"] == "assistant" for m in messages)
 
 
-def _bad(row: dict, column: str, what: str) -> ExamplesError:
+def bad_row(row: dict, column: str, what: str) -> ExamplesError:
     return ExamplesError(f"{row[ORIGIN]}, column {column}: {what}.")

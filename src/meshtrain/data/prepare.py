@@ -18,6 +18,7 @@ from meshtrain.data.corpus import checked_corpus, load_corpus
 from meshtrain.data.example_sources import check_examples, detect_format, load_examples
 from meshtrain.data.fine_tuning import pack_fine_tuning, resolve_loss_on, resolve_packing
 from meshtrain.data.packing import tokenize_and_pack
+from meshtrain.data.preference import check_pairs, pack_preferences, with_explicit_prompts
 from meshtrain.data.pretrained_tokenizer import check_tokenizer_fits
 from meshtrain.data.tokenizer import read_tokenizer, tokenizer_source, train_tokenizer
 from meshtrain.models.builder import resolve_init_from
@@ -53,6 +54,9 @@ def load_corpus_or_examples(data: DataConfig, raw_examples: Any = None) -> datas
     fmt = detect_format(examples.column_names, data.format)
     if fmt == "text":  # a text corpus from examples' sources: documents, blank ones dropped
         return checked_corpus(examples.select_columns(["text"]), f"data.source={data.source}")
+    if fmt == "preference":
+        explicit = "prompt" in examples.column_names
+        return check_pairs(with_explicit_prompts(examples), explicit=explicit)[0]
     examples, skipped = check_examples(examples, fmt)
     if skipped:
         print(f"{skipped} conversation(s) without an assistant turn skipped (nothing to learn)")
@@ -89,6 +93,16 @@ def pack_into_blocks(
             seed=data.seed,
             num_proc=data.num_proc,
         )
+    if fmt == "preference":
+        return pack_preferences(
+            corpus,
+            tokenizer,
+            block_size=data.block_size,
+            truncation=data.truncation,
+            validation_fraction=data.validation_fraction,
+            seed=data.seed,
+            num_proc=data.num_proc,
+        )[0]
     blocks, _ = pack_fine_tuning(
         corpus,
         tokenizer,
@@ -110,7 +124,7 @@ def _as_text(corpus: datasets.Dataset) -> datasets.Dataset:
 
     def join(row: dict[str, Any]) -> dict[str, str]:
         parts = []
-        for key in ("prompt", "completion", "messages"):
+        for key in ("prompt", "completion", "messages", "chosen", "rejected"):
             value = row.get(key)
             if isinstance(value, str):
                 parts.append(value)

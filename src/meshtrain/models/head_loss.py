@@ -63,13 +63,23 @@ class ScoringHead:
 
     loss_chunk_tokens: int
 
-    def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, hidden: torch.Tensor, labels: torch.Tensor | None = None, per_token: bool = False
+    ) -> torch.Tensor:
+        """`per_token`: each label's log-probability (`models.token_logps`) instead of the
+        summed loss."""
         if labels is None:
             return super().forward(hidden)  # type: ignore[misc]
         adapter = None
-        if hasattr(self, "lora_A"):
+        if hasattr(self, "lora_A") and not getattr(self, "adapters_off", False):
             adapter = LowRank(
                 self.lora_A.weight, self.lora_B.weight, self.scaling, self.lora_dropout
+            )
+        if per_token:
+            from meshtrain.models.token_logps import linear_token_logps  # noqa: PLC0415
+
+            return linear_token_logps(
+                hidden, self.weight, labels, self.loss_chunk_tokens, adapter=adapter
             )
         return linear_cross_entropy_sum(
             hidden, self.weight, labels, self.loss_chunk_tokens, adapter=adapter
@@ -96,10 +106,15 @@ def score_in_chunks(lm_head: nn.Linear, chunk_tokens: int) -> None:
     lm_head.loss_chunk_tokens = chunk_tokens
 
 
-def head_loss(hidden: torch.Tensor, lm_head: nn.Linear, labels: torch.Tensor) -> torch.Tensor:
+def head_loss(
+    hidden: torch.Tensor, lm_head: nn.Linear, labels: torch.Tensor, per_token: bool = False
+) -> torch.Tensor:
     """Summed loss of the final hidden states (batch, sequence, hidden) through `lm_head`:
     chunk by chunk by a `ScoringHead`, else through the whole logits (which under tensor
-    parallelism needs `loss_parallel` around it: they are vocabulary-sharded DTensors)."""
+    parallelism needs `loss_parallel` around it: they are vocabulary-sharded DTensors).
+    `per_token`: each label's log-probability instead (a `ScoringHead` only)."""
+    if per_token:
+        return lm_head(hidden, labels=labels, per_token=True)
     if isinstance(lm_head, ScoringHead):
         return lm_head(hidden, labels=labels)
     loss = token_loss_sum(lm_head(hidden), labels)
@@ -131,23 +146,23 @@ def linear_cross_entropy_sum(
         hidden = hidden.redistribute(mesh, [Replicate()])
     device = hidden.device.type
     compute = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
-    weight = _local(weight)
-    terms = [_partial(hidden).flatten(0, 1), weight]
+    weight = local_shard(weight)
+    terms = [partial_copy(hidden).flatten(0, 1), weight]
     if adapter is not None:
-        a = _partial(adapter.a)
-        adapter_in = _partial(adapter.dropout(hidden)).to(a.dtype)
-        terms += [(F.linear(adapter_in, a) * adapter.scaling).flatten(0, 1), _local(adapter.b)]
+        a = partial_copy(adapter.a)
+        adapter_in = partial_copy(adapter.dropout(hidden)).to(a.dtype)
+        terms += [(F.linear(adapter_in, a) * adapter.scaling).flatten(0, 1), local_shard(adapter.b)]
     return _ChunkedLinearCrossEntropy.apply(
         labels.flatten(), chunk_tokens, compute or weight.dtype, vocab_start, group, *terms
     )
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
+def local_shard(tensor: torch.Tensor) -> torch.Tensor:
     """A DTensor's shard (its gradient that shard's), else the tensor."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def _partial(tensor: torch.Tensor) -> torch.Tensor:
+def partial_copy(tensor: torch.Tensor) -> torch.Tensor:
     """A replicated DTensor's local copy whose gradient is a partial sum over the tp ranks
     (each scores its own vocabulary rows), else the tensor."""
     return tensor.to_local(grad_placements=[Partial()]) if isinstance(tensor, DTensor) else tensor
@@ -172,7 +187,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         *terms: torch.Tensor,  # x_1 (tokens, width_1), w_1 (vocabulary rows, width_1), ...
     ) -> torch.Tensor:
         needs = ctx.needs_input_grad[_FIXED_INPUTS:]
-        trained = _trained_rows(labels)
+        trained = trained_rows(labels)
         all_trained = trained.numel() == labels.numel()
         targets = labels if all_trained else labels.index_select(0, trained)
         inputs, weights = terms[::2], terms[1::2]
@@ -204,7 +219,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         return (None,) * _FIXED_INPUTS + tuple(grads)
 
 
-def _trained_rows(labels: torch.Tensor) -> torch.Tensor:
+def trained_rows(labels: torch.Tensor) -> torch.Tensor:
     """The indices of the trained tokens. Which they are is data, which fake tensors
     (`meshtrain.dryrun`) do not have: there every token counts as trained, the most
     memory the loss can take."""

@@ -21,9 +21,11 @@ under tensor parallelism is in `distributed.lora_parallel`.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -58,6 +60,7 @@ class LoraLayer:
     lora_B: nn.Linear
     lora_dropout: nn.Module
     scaling: float
+    adapters_off = False  # a preference reference's forward: the base alone
 
     def add_adapters(self, r: int, dropout: float, scaling: float, dtype: torch.dtype) -> None:
         weight = self.weight  # type: ignore[attr-defined]
@@ -73,6 +76,8 @@ class LoraLayer:
         value to rounding, without two passes over the layer's whole output (on CPU at
         110M they cost a quarter of the frozen layer's forward and backward)."""
         result = super().forward(x)  # type: ignore[misc]
+        if self.adapters_off:
+            return result
         adapter_in = self.lora_dropout(x).to(self.lora_A.weight.dtype)
         low_rank = self.lora_A(adapter_in) * self.scaling
         if isinstance(result, DTensor):  # sharded: DTensor's rules for linear and add
@@ -89,6 +94,7 @@ class LoraEmbedding:
     lora_embedding_A: nn.Parameter  # r x vocabulary
     lora_embedding_B: nn.Parameter  # hidden x r
     scaling: float
+    adapters_off = False
 
     def add_adapters(self, r: int, scaling: float, dtype: torch.dtype) -> None:
         weight = self.weight  # type: ignore[attr-defined]
@@ -102,8 +108,26 @@ class LoraEmbedding:
         """PEFT's `base(ids) + (A.T[ids] @ B.T) * scaling` (A's column at the padding id
         gets no gradient, as the base's row does not)."""
         result = super().forward(ids)  # type: ignore[misc]
+        if self.adapters_off:
+            return result
         after_a = F.embedding(ids, self.lora_embedding_A.T, self.padding_idx)  # type: ignore[attr-defined]
         return result + (after_a @ self.lora_embedding_B.T) * self.scaling
+
+
+@contextlib.contextmanager
+def adapters_disabled(modules: list[nn.Module]) -> Iterator[None]:
+    """Every LoRA adapter of `modules` switched off (PEFT's `disable_adapter`): the frozen
+    base's forward, a preference loss's reference without a second model."""
+    layers = [
+        m for root in modules for m in root.modules() if isinstance(m, LoraLayer | LoraEmbedding)
+    ]
+    for layer in layers:
+        layer.adapters_off = True
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.adapters_off = False
 
 
 @functools.cache

@@ -11,7 +11,17 @@ from __future__ import annotations
 
 import torch
 
-from meshtrain.data.batch import example_ids
+from meshtrain.data.batch import TokenBatch, example_ids
+
+
+def attention_inputs(batch: TokenBatch) -> dict[str, torch.Tensor | None]:
+    """The positions and mask of packed examples (none for a pretraining block)."""
+    if batch.position_ids is None:
+        return {}
+    return {
+        "position_ids": batch.position_ids,
+        "attention_mask": packed_causal_mask(batch.position_ids),
+    }
 
 
 def packed_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.profiler import record_function
 from transformers import PretrainedConfig
@@ -24,23 +23,9 @@ from meshtrain.distributed.context_parallel import ContextParallel
 from meshtrain.distributed.parallel_dims import ParallelDims
 from meshtrain.distributed.pipeline_parallel import PipelineRunner, SharedWeightSync
 from meshtrain.distributed.tensor_parallel import ParameterSharding, TensorParallelGradSync
-from meshtrain.models.packed_attention import packed_causal_mask
+from meshtrain.models.packed_attention import attention_inputs
+from meshtrain.models.preference import PreferenceObjective, as_local
 from meshtrain.models.routing import Routing
-
-
-def attention_inputs(batch: TokenBatch) -> dict[str, torch.Tensor | None]:
-    """The positions and mask of packed examples (none for a pretraining block)."""
-    if batch.position_ids is None:
-        return {}
-    return {
-        "position_ids": batch.position_ids,
-        "attention_mask": packed_causal_mask(batch.position_ids),
-    }
-
-
-def as_local(value: torch.Tensor) -> torch.Tensor:
-    """A replicated DTensor's value as a plain tensor (plain tensors pass through)."""
-    return value.full_tensor() if isinstance(value, DTensor) else value
 
 
 @dataclass(kw_only=True)
@@ -63,6 +48,8 @@ class ParallelModel:
     context: ContextParallel | None = None
     # A mixture of experts' routing: its load-balancing loss and tokens per expert.
     routing: Routing | None = None
+    # training.objective=dpo: the pairs' loss and metrics instead of the tokens' loss.
+    preference: PreferenceObjective | None = None
 
     def use_routing(self, routing: Routing | None) -> None:
         """A mixture of experts' routing: the whole model's forward scores it, or each
@@ -106,7 +93,12 @@ class ParallelModel:
         self, batch: TokenBatch, trained_tokens: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The batch's share of the step's language-model loss, and what the backward
-        takes: that, plus a mixture of experts' load-balancing term where it is on."""
+        takes: that, plus a mixture of experts' load-balancing term where it is on. Under
+        DPO, the batch's share of each of the step's `preference_loss.METRICS` (the loss
+        first), the loss alone to the backward."""
+        if self.preference is not None:
+            values = self.preference.values(self, batch) / trained_tokens
+            return values, values[0]
         if self.routing is None:
             loss = self._loss_sum(batch) / trained_tokens
             return loss, loss
@@ -138,7 +130,16 @@ class ParallelModel:
         with self.loss_context(), self.autocast():
             if self.runner is not None:
                 return self.runner.eval_step(batch)
+            if self.preference is not None:
+                return self.preference.values(self, batch)
             return as_local(self._loss_sum(batch))
+
+    def units(self, batch: TokenBatch) -> int:
+        """What a step's loss is a mean over: the batch's trained tokens, or its pairs
+        under DPO."""
+        if self.preference is not None:
+            return self.preference.units(batch)
+        return batch.trained_tokens
 
     @property
     def backward_passes_per_batch(self) -> int:

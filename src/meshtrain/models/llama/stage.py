@@ -74,22 +74,24 @@ class WholeModel(nn.Module):
         labels: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
+        per_token: bool = False,
     ) -> torch.Tensor:
         """`position_ids`, `attention_mask`: those of packed examples (none: one sequence
-        per row, causal)."""
+        per row, causal). `per_token`: each label's log-probability instead of the summed
+        loss (`models.token_logps`)."""
         if self.context is not None:
             hidden = self.model.embed_tokens(input_ids)
             hidden = run_layers(
                 self.model, hidden, *decoder_inputs(hidden, position_ids, self.context)
             )
-            return head_loss(self.model.norm(hidden), self.lm_head, labels)
+            return head_loss(self.model.norm(hidden), self.lm_head, labels, per_token)
         hidden = self.model(
             input_ids=input_ids,
             position_ids=position_ids,
             attention_mask=attention_mask,
             use_cache=False,
         ).last_hidden_state
-        return head_loss(hidden, self.lm_head, labels)
+        return head_loss(hidden, self.lm_head, labels, per_token)
 
 
 class LlamaStage(nn.Module):

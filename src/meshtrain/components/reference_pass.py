@@ -1,0 +1,48 @@
+"""DPO's `precompute` reference: every block's reference log-probabilities, computed in
+one pass before training by the starting weights laid out like the policy, so training
+holds one model (TRL's `precompute_ref_log_probs`).
+
+Each data-parallel group scores a contiguous share of the blocks and the shares are
+gathered, so every rank holds the whole table (4 bytes per block token, on the host).
+The reference is the starting weights (`model.init_from`), so a resumed run makes the
+same table again rather than storing it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from meshtrain.components.validation import most_batches
+from meshtrain.data.blocks import BlockStore
+from meshtrain.models.parallel_model import ParallelModel
+from meshtrain.models.preference import token_logps
+
+
+@torch.no_grad()
+def reference_table(
+    reference: ParallelModel, blocks: BlockStore, per_rank: int, device: torch.device
+) -> torch.Tensor:
+    """The (blocks, block size) fp32 log-probability of each label under `reference`.
+    Collective over every rank."""
+    dims = reference.dims
+    count = len(blocks)
+    share = -(-count // dims.dp)
+    lo, hi = min(count, dims.dp_rank * share), min(count, (dims.dp_rank + 1) * share)
+    width = blocks.batch([0]).shape[1]
+    mine = torch.zeros(share, width, dtype=torch.float32, device=device)
+    starts = list(range(lo, hi, per_rank))
+    for start in starts:
+        indices = list(range(start, min(hi, start + per_rank)))
+        batch = blocks.tokens(indices).to(device)
+        mine[start - lo : start - lo + len(indices)] = token_logps(reference, batch)
+    if reference.layout.sharded:
+        # FSDP2 gathers each layer over the dp ranks: every rank runs the busiest's count.
+        filler = blocks.tokens(list(range(min(per_rank, count)))).to(device)
+        for _ in range(most_batches(len(starts), dims.dp_group) - len(starts)):
+            token_logps(reference, filler)
+    if dims.dp == 1:
+        return mine[:count].cpu()
+    shares = [torch.empty_like(mine) for _ in range(dims.dp)]
+    dist.all_gather(shares, mine, group=dims.dp_group)
+    return torch.cat(shares)[:count].cpu()
