@@ -56,9 +56,16 @@ class DpoSettings:
 
 
 def check_preference_run(
-    settings: DpoSettings, *, lora: bool, init_from: str | None, pp: int, cp: int
+    settings: DpoSettings,
+    *,
+    lora: bool,
+    init_from: str | None,
+    pp: int | str,
+    cp: int | str,
+    loss_chunk_tokens: int | str,
 ) -> None:
-    """What a DPO run refuses about the rest of the run, before any worker starts."""
+    """What a DPO run refuses about the rest of the run, before any worker starts
+    (`auto` layout sizes are planned at 1)."""
     if init_from is None:
         raise ConfigError(
             "`training.objective=dpo` needs `model.init_from`: preference optimization "
@@ -71,8 +78,14 @@ def check_preference_run(
             "`training.dpo.reference=base` is the model with its LoRA adapters switched off, "
             "but `model.lora` is not set: use reference=model (a frozen copy) or precompute."
         )
-    if pp > 1 or cp > 1:
-        axis = "pipeline_parallel_size" if pp > 1 else "context_parallel_size"
+    if loss_chunk_tokens == 0:
+        raise ConfigError(
+            "`training.loss_chunk_tokens=0` scores the whole logits, but DPO's log-"
+            "probabilities come from the chunked LM head: use auto (or a chunk size)."
+        )
+    big = [name for name, size in (("pipeline", pp), ("context", cp)) if size not in (1, "auto")]
+    if big:
+        axis = f"{big[0]}_parallel_size"
         raise ConfigError(
             f"`training.objective=dpo` does not run with `parallel.{axis}` > 1 yet (data "
             "parallelism, ZeRO-1, sharded data parallelism and tensor parallelism do): "

@@ -8,6 +8,7 @@ blocks of each step, and TRL is handed, step by step, the pairs those blocks hol
 
 from __future__ import annotations
 
+import contextlib
 import random
 from functools import partial
 from pathlib import Path
@@ -18,11 +19,13 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from meshtrain.components.lr_schedule import warmup_cosine
+from meshtrain.config_dpo import DpoSettings
 from meshtrain.data.blocks import BlockStore, arrow_files
-from meshtrain.data.preference import pack_preferences
+from meshtrain.data.preference import pack_preferences, tokenize_pair
 from meshtrain.data.sampler import GlobalBatchSampler
 from meshtrain.data.tokenizer import train_tokenizer
 from meshtrain.models import build_model, build_model_config
+from meshtrain.models.preference_loss import METRICS, PairSums, preference_terms
 from tests.conftest import TINY_MODEL
 from tests.distributed.reference import TRAINING
 
@@ -86,8 +89,6 @@ def save_base(folder: Path, vocab: int, fields: dict[str, Any] = FIELDS) -> Path
 def step_pairs(blocks: datasets.DatasetDict, rows: datasets.Dataset, tokenizer) -> list[list[int]]:
     """Per optimizer step, the rows (indices into `rows`) of the pairs meshtrain's blocks
     of that step hold, in block order."""
-    from meshtrain.data.preference import tokenize_pair  # noqa: PLC0415
-
     by_ids = {}
     for index, row in enumerate(rows):
         chosen, rejected, _ = tokenize_pair(row, tokenizer)
@@ -179,22 +180,30 @@ def trl_run(
 
 
 def exact_run(
-    base: Path, tokenizer, rows: datasets.Dataset, steps: list[list[int]], dpo: dict[str, Any]
+    base: Path,
+    tokenizer,
+    rows: datasets.Dataset,
+    steps: list[list[int]],
+    dpo: dict[str, Any],
+    lora: dict[str, Any] | None = None,
 ) -> tuple[list[dict[str, float]], dict[str, torch.Tensor]]:
     """DPO in float64 by a plain loop (each sequence alone, whole log-softmax, TRL's
-    formulas): what fp32 runs are measured against."""
-    from meshtrain.config_dpo import DpoSettings  # noqa: PLC0415
-    from meshtrain.data.preference import tokenize_pair  # noqa: PLC0415
-    from meshtrain.models.preference_loss import METRICS, PairSums, preference_terms  # noqa: PLC0415
+    formulas, torch AdamW): the loss and metrics per step and the trained tensors (PEFT's
+    adapter keys under `lora`, whose reference is the base with the adapters off)."""
+    from peft import get_peft_model_state_dict  # noqa: PLC0415
 
-    settings = DpoSettings(**dpo)
+    from tests.distributed.lora import peft_model  # noqa: PLC0415
+
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float64)
-    reference = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float64)
-    decay = [p for p in model.parameters() if p.ndim >= 2]
+    if lora is None:
+        reference = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float64)
+    else:
+        model = reference = peft_model(FIELDS, lora, base=model)
+    trained = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
         [
-            {"params": decay, "weight_decay": DPO_TRAINING["weight_decay"]},
-            {"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0},
+            {"params": [p for p in trained if p.ndim >= 2], "weight_decay": 0.1},
+            {"params": [p for p in trained if p.ndim < 2], "weight_decay": 0.0},
         ],
         lr=DPO_TRAINING["learning_rate"],
         betas=(0.9, 0.95),
@@ -206,32 +215,37 @@ def exact_run(
             warmup_cosine, warmup_steps=DPO_TRAINING["warmup_steps"], max_steps=STEPS, min_ratio=0.1
         ),
     )
-
-    def sums(net: torch.nn.Module, pairs: list[int]) -> PairSums:
-        values, counts = [], []
-        for i in pairs:
-            chosen, rejected, start = tokenize_pair(rows[i], tokenizer)
-            for ids in (chosen, rejected):
-                x = torch.tensor([ids])
-                logps = torch.log_softmax(net(x).logits[0, :-1], -1)
-                logps = logps.gather(-1, x[0, 1:, None]).squeeze(-1)[start - 1 :]
-                values.append(logps.sum())
-                counts.append(float(len(logps)))
-        v, n = (
-            torch.stack(values).view(-1, 2),
-            torch.tensor(counts, dtype=torch.float64).view(-1, 2),
-        )
-        return PairSums(v[:, 0], v[:, 1], n[:, 0], n[:, 1])
-
     logs = []
     for pairs in steps:
-        with torch.no_grad():
-            fixed = sums(reference, pairs)
-        terms = preference_terms(settings, sums(model, pairs), fixed) / len(pairs)
+        with torch.no_grad(), model.disable_adapter() if lora else contextlib.nullcontext():
+            fixed = _sequence_sums(reference, tokenizer, rows, pairs)
+        policy = _sequence_sums(model, tokenizer, rows, pairs)
+        terms = preference_terms(DpoSettings(**dpo), policy, fixed) / len(pairs)
         terms[0].backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), DPO_TRAINING["max_grad_norm"])
+        torch.nn.utils.clip_grad_norm_(trained, DPO_TRAINING["max_grad_norm"])
         optimizer.step()
         schedule.step()
         optimizer.zero_grad()
         logs.append(dict(zip(METRICS, terms.tolist(), strict=True)))
+    if lora is not None:
+        state = get_peft_model_state_dict(model, save_embedding_layers=False)
+        return logs, {k: v.detach().clone() for k, v in state.items()}
     return logs, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _sequence_sums(
+    net: torch.nn.Module, tokenizer, rows: datasets.Dataset, pairs: list[int]
+) -> PairSums:
+    """Each pair's completion log-probabilities, every sequence scored alone."""
+    values, counts = [], []
+    for i in pairs:
+        chosen, rejected, start = tokenize_pair(rows[i], tokenizer)
+        for ids in (chosen, rejected):
+            x = torch.tensor([ids])
+            logps = torch.log_softmax(net(input_ids=x).logits[0, :-1], -1)
+            logps = logps.gather(-1, x[0, 1:, None]).squeeze(-1)[start - 1 :]
+            values.append(logps.sum())
+            counts.append(float(len(logps)))
+    v = torch.stack(values).view(-1, 2)
+    n = torch.tensor(counts, dtype=torch.float64).view(-1, 2)
+    return PairSums(v[:, 0], v[:, 1], n[:, 0], n[:, 1])

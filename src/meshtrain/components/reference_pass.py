@@ -32,14 +32,17 @@ def reference_table(
     width = blocks.batch([0]).shape[1]
     mine = torch.zeros(share, width, dtype=torch.float32, device=device)
     starts = list(range(lo, hi, per_rank))
+    # FSDP2 gathers each layer over the dp ranks: every rank runs the busiest's count.
+    padding = 0
+    if reference.layout.sharded:
+        padding = most_batches(len(starts), dims.dp_group) - len(starts)
     for start in starts:
         indices = list(range(start, min(hi, start + per_rank)))
         batch = blocks.tokens(indices).to(device)
         mine[start - lo : start - lo + len(indices)] = token_logps(reference, batch)
-    if reference.layout.sharded:
-        # FSDP2 gathers each layer over the dp ranks: every rank runs the busiest's count.
+    if padding:
         filler = blocks.tokens(list(range(min(per_rank, count)))).to(device)
-        for _ in range(most_batches(len(starts), dims.dp_group) - len(starts)):
+        for _ in range(padding):
             token_logps(reference, filler)
     if dims.dp == 1:
         return mine[:count].cpu()

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from meshtrain.config import AUTO, RunConfig
+from meshtrain.config_dpo import check_preference_run
 from meshtrain.config_lora import check_pretrained_base
 from meshtrain.models.config_file import ArchitectureConfig
 from meshtrain.models.shapes import lora_adapter_shapes, parameter_shapes
@@ -66,6 +67,7 @@ def plan_run(
     so it wins on memory, against tp's collectives, or where it frees dp ranks the
     batch cannot use.
     """
+    run = _preference_layout(run)
     cuda, cuda_devices = _visible_gpus(cuda_available)
     device = resolve_device(run.planner.device, run.planner.device_profiles, cuda)
     budget = device.memory_bytes * (1 - run.planner.memory_margin)
@@ -156,6 +158,23 @@ def _visible_gpus(cuda_available: bool | None) -> tuple[bool, int]:
 
     cuda = torch.cuda.is_available() if cuda_available is None else cuda_available
     return cuda, torch.cuda.device_count() if cuda else 0
+
+
+def _preference_layout(run: RunConfig) -> RunConfig:
+    """A DPO run's refusals (`config_dpo.check_preference_run`), and its `auto` pipeline
+    and context sizes planned at 1 (DPO does not run under them yet)."""
+    training, parallel = run.training, run.parallel
+    if training.objective != "dpo":
+        return run
+    check_preference_run(
+        training.dpo,
+        lora=run.model.lora is not None,
+        init_from=run.model.init_from,
+        pp=parallel.pipeline_parallel_size,
+        cp=parallel.context_parallel_size,
+        loss_chunk_tokens=training.loss_chunk_tokens,
+    )
+    return with_parallel(run, pipeline_parallel_size=1, context_parallel_size=1)
 
 
 def adapter_shapes(run: RunConfig, model_config: ArchitectureConfig) -> dict[str, tuple[int, ...]]:
