@@ -242,6 +242,9 @@ def test_the_shipped_consolidation_and_evaluation_parameters_parse() -> None:
         ({"run_name": "../../../escaped"}, "training.run_name"),
         ({"run_name": "runs/a"}, "training.run_name"),
         ({"run_name": ".."}, "training.run_name"),
+        ({"dpo": {"beta": 0}}, "training.dpo.beta"),
+        ({"dpo": {"label_smoothing": 0.5, "loss_type": "robust"}}, "training.dpo.label_smoothing"),
+        ({"dpo": {"label_smoothing": 0.1}}, "training.dpo.label_smoothing"),
     ],
 )
 def test_training_values_that_mean_nothing_are_refused(values: dict, named: str) -> None:

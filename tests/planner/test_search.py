@@ -3,12 +3,14 @@ the others lost."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
 from transformers import PretrainedConfig
 
 from meshtrain.config import RunConfig
+from meshtrain.config_parsing import ConfigError
 from meshtrain.models import build_model_config
 from meshtrain.planner import LayoutError, plan_run
 from meshtrain.planner.devices import device_profile
@@ -106,3 +108,47 @@ def test_a_refusal_every_candidate_shares_is_said_once(model_config) -> None:
     message = str(info.value)
     assert message.count("max_position_embeddings=512") == 1, message
     assert "  - data.block_size=1024: " in message and "ac-none" not in message
+
+
+@pytest.mark.parametrize(
+    ("groups", "says"),
+    [
+        ({"training": {"objective": "dpo"}}, "needs `model.init_from`"),
+        (
+            {
+                "training": {"objective": "dpo", "dpo": {"reference": "base"}},
+                "model": {"init_from": "m"},
+            },
+            "`model.lora` is not set",
+        ),
+        (
+            {"training": {"objective": "dpo", "loss_chunk_tokens": 0}, "model": {"init_from": "m"}},
+            "training.loss_chunk_tokens=0",
+        ),
+        (
+            {
+                "training": {"objective": "dpo"},
+                "model": {"init_from": "m"},
+                "parallel": {"pipeline_parallel_size": 2},
+                "launch": {"nproc_per_node": 2},
+            },
+            "parallel.pipeline_parallel_size=1",
+        ),
+    ],
+)
+def test_a_dpo_run_the_engine_cannot_train_is_refused_before_planning(model_config, groups, says):
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        _plan(model_config, **groups)
+
+
+def test_a_dpo_run_plans_auto_pipeline_and_context_sizes_at_one(model_config) -> None:
+    plan = _plan(
+        model_config,
+        training={"objective": "dpo"},
+        model={"init_from": "m"},
+        parallel={**AUTO_SIZES, "context_parallel_size": "auto"},
+        launch={"nproc_per_node": 4},
+    )
+    names = [plan.layout.name, *(c["layout"] for c in plan.candidates)]
+    assert len(names) > 1
+    assert all("-pp1" in name and "-cp" not in name for name in names), names
