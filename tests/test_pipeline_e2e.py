@@ -463,15 +463,23 @@ SFT_RUN = ",".join(
 )
 
 
-@pytest.mark.slow
-def test_the_default_model_fine_tunes_on_the_builtin_instructions(project: Path, default_run):
-    """`kedro run --env sft`: the consolidated default model, with its own tokenizer and
-    chat template, trained on the assistant turns only; its files beside the default
-    run's, which stay as they were."""
+@pytest.fixture(scope="module")
+def sft_run(project: Path, default_run) -> tuple[subprocess.CompletedProcess, bytes]:
+    """`kedro run --env sft` after the default run; the default model's bytes before it."""
     pretrained = project / "data/06_models/consolidated/model.safetensors"
     before = pretrained.read_bytes()
     result = kedro_run(project, "--env", "sft", "--params", SFT_RUN)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    return result, before
+
+
+@pytest.mark.slow
+def test_the_default_model_fine_tunes_on_the_builtin_instructions(project: Path, sft_run):
+    """`kedro run --env sft`: the consolidated default model, with its own tokenizer and
+    chat template, trained on the assistant turns only; its files beside the default
+    run's, which stay as they were."""
+    result, before = sft_run
+    pretrained = project / "data/06_models/consolidated/model.safetensors"
     assert pretrained.read_bytes() == before
     metrics = json.loads((project / "data/08_reporting/sft_metrics.json").read_text())
     assert metrics["val_loss"] < metrics["initial_val_loss"]
@@ -486,6 +494,53 @@ def test_the_default_model_fine_tunes_on_the_builtin_instructions(project: Path,
     assert plan["model_config"]["model_type"] == "llama"
     output = result.stdout + result.stderr
     assert "efficiency" in output  # the packing report
+
+
+DPO_RUN = ",".join(
+    [
+        "data.builtin_max_chars=200000",
+        "data.num_proc=1",
+        "training.max_steps=16",
+        "training.checkpoint_every=16",
+        "training.eval_every=8",
+        "training.eval_batches=2",
+        "evaluation.max_batches=4",
+        "evaluation.max_new_tokens=12",
+        "evaluation.log_model=false",
+    ]
+)
+
+
+@pytest.mark.slow
+def test_the_fine_tuned_model_learns_the_builtin_preferences(project: Path, sft_run):
+    """`kedro run --env dpo` after `--env sft`, offline: pairs made from the builtin
+    conversations, the SFT model as policy and frozen reference; the preference accuracy
+    on the validation pairs rises from 0 (policy = reference) and MLflow holds TRL's
+    rewards metrics per step."""
+    chat = project / "data/06_models/chat/model.safetensors"
+    before = chat.read_bytes()
+    result = kedro_run(project, "--env", "dpo", "--params", DPO_RUN)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    assert chat.read_bytes() == before  # the reference stays as it was
+    metrics = json.loads((project / "data/08_reporting/dpo_metrics.json").read_text())
+    assert metrics["val_pairs"] > 0
+    assert metrics["val_preference_accuracy"] > 0.5, metrics
+    assert metrics["val_reward_margin"] > 0, metrics
+    client = mlflow_client(project)
+    experiment = client.get_experiment_by_name("meshtrain")
+    (tracked,) = client.search_runs(
+        [experiment.experiment_id], "params.`training.objective` = 'dpo'"
+    )
+    run_id = tracked.info.run_id
+    for metric in ("rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen"):
+        assert len(client.get_metric_history(run_id, metric)) == 16, metric
+    accuracy = client.get_metric_history(run_id, "val_rewards/accuracies")
+    assert [point.step for point in accuracy] == [0, 8, 16]
+    assert accuracy[0].value == 0 and accuracy[-1].value > 0.5
+    assert tracked.data.metrics["eval/val_preference_accuracy"] > 0.5
+    assert (project / "data/06_models/dpo/model.safetensors").is_file()
+    output = result.stdout + result.stderr
+    assert "pairs in" in output and "preference accuracy" in output
 
 
 LORA_RUN = ",".join(

@@ -91,3 +91,20 @@ def check_preference_run(
             "parallelism, ZeRO-1, sharded data parallelism and tensor parallelism do): "
             f"set parallel.{axis}=1."
         )
+
+
+def check_objective_data(objective: str, data_format: str | None) -> None:
+    """DPO trains on preference pairs, and preference pairs only with DPO (`data_format`:
+    the data's TRL format where it is known; None: not known before it is read)."""
+    if data_format is None or (objective == "dpo") == (data_format == "preference"):
+        return
+    if objective == "dpo":
+        raise ConfigError(
+            f"`training.objective=dpo` trains on preference pairs, but the data is "
+            f"{data_format.replace('_', '/')}, not pairs: use pairs (data.source="
+            "builtin_preferences, or files with chosen and rejected columns)."
+        )
+    raise ConfigError(
+        "the data is preference pairs (chosen and rejected), which `training.objective=lm` "
+        "would train as text: set training.objective=dpo, or use examples of another format."
+    )

@@ -30,6 +30,7 @@ from meshtrain.config import (
     RunParameters,
     check_launch,
 )
+from meshtrain.config_dpo import check_objective_data
 from meshtrain.launch.network import node_address
 
 # A group's checks against the machine and the files: (the parameters, whether the
@@ -91,10 +92,18 @@ def _check_consolidation_inputs(parameters: RunParameters, trains: bool) -> list
     return []
 
 
+def _check_objective_data(parameters: RunParameters, trains: bool) -> list[str]:
+    """DPO and preference pairs go together, where the data's format is known before it
+    is read (the data node refuses the others once it has read the columns)."""
+    check_objective_data(parameters.group("training").objective, parameters.data.known_format)
+    return []
+
+
 # Each group's checks against the files and the network, in the order they run: (the
 # groups whose selection asks for it, the check).
 GROUP_CHECKS: GroupChecks = (
     (frozenset({"launch"}), _check_launch_here),
     (frozenset({"training"}), _check_resume),
     (frozenset({"consolidation"}), _check_consolidation_inputs),
+    (frozenset({"training"}), _check_objective_data),
 )

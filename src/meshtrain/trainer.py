@@ -477,6 +477,21 @@ class Trainer:
             "model_states_bytes_rank0": self.model_states_bytes,
             "measured_peak_memory": self.memory_probe.result,
             "gradient_buckets": self.optimizer.bucket_summary(),
+            **self._preference_summary(),
+        }
+
+    def _preference_summary(self) -> dict[str, Any]:
+        """A DPO run's settings and reference, for its evaluation (none otherwise)."""
+        if self.cfg.objective != "dpo":
+            return {}
+        dpo = self.cfg.dpo
+        return {
+            "dpo": {
+                "beta": dpo.beta,
+                "loss_type": dpo.loss_type,
+                "label_smoothing": dpo.label_smoothing,
+                "reference_model": self.run.model.init_from,
+            }
         }
 
     def _report(self, line: str) -> None:

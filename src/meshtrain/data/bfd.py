@@ -148,12 +148,15 @@ def fill_blocks(
     }
 
 
-def blocks_dataset(arrays: dict[str, np.ndarray], block_size: int) -> datasets.Dataset:
-    """Fixed-size list columns, as `BlockStore` reads them without a copy."""
+def blocks_dataset(
+    arrays: dict[str, np.ndarray], block_size: int, description: str = ""
+) -> datasets.Dataset:
+    """Fixed-size list columns, as `BlockStore` reads them without a copy; `description`
+    says what the blocks hold where their columns do not (saved with them)."""
     columns = {
         name: pa.FixedSizeListArray.from_arrays(pa.array(values.reshape(-1)), block_size)
         for name, values in arrays.items()
         if name != "num_tokens"
     }
     columns["num_tokens"] = pa.array(arrays["num_tokens"])
-    return datasets.Dataset(pa.table(columns))
+    return datasets.Dataset(pa.table(columns), info=datasets.DatasetInfo(description=description))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import gc
 import os
+import random
 import sysconfig
 import warnings
 from collections.abc import Iterator
@@ -193,26 +194,36 @@ def builtin_instructions(max_chars: int | None = None) -> datasets.Dataset:
 
 def builtin_preferences(max_chars: int | None = None) -> datasets.Dataset:
     """Preference pairs made offline from the builtin conversations: the prompt is a
-    conversation's turns before its last answer, chosen that answer, rejected the last
-    answer of a conversation seven further on (a fluent answer to another question)."""
-    conversations, total = [], 0
-    for turns in builtin_conversations():
+    conversation's turns before its last answer, chosen that answer, rejected the same
+    answer with the words of each line shuffled (seeded by the pair's number): the same
+    words, no longer sentences, a preference a model can learn and carry to new pairs."""
+    rows: dict[str, list] = {"prompt": [], "chosen": [], "rejected": []}
+    total = 0
+    for number, turns in enumerate(builtin_conversations()):
         size = sum(len(turn["content"]) for turn in turns)
         if max_chars is not None and total + size > max_chars:
             break
-        conversations.append(turns)
         total += size
-    if len(conversations) < 2:
-        raise ValueError(f"data.builtin_max_chars={max_chars} holds under two conversations")
-    rows: dict[str, list] = {"prompt": [], "chosen": [], "rejected": []}
-    for number, turns in enumerate(conversations):
-        other = conversations[(number + 7) % len(conversations)][-1]
-        if other["content"] == turns[-1]["content"]:
+        answer = turns[-1]["content"]
+        garbled = _shuffled_words(answer, random.Random(number))
+        if garbled == answer:
             continue
         rows["prompt"].append(turns[:-1])
         rows["chosen"].append([turns[-1]])
-        rows["rejected"].append([other])
+        rows["rejected"].append([{"role": "assistant", "content": garbled}])
+    if not rows["prompt"]:
+        raise ValueError(f"data.builtin_max_chars={max_chars} holds no conversation; raise it")
     return datasets.Dataset.from_dict(rows)
+
+
+def _shuffled_words(text: str, rng: random.Random) -> str:
+    """`text` with the words of each line in a random order (the lines kept)."""
+    lines = []
+    for line in text.split("\n"):
+        words = line.split(" ")
+        rng.shuffle(words)
+        lines.append(" ".join(words))
+    return "\n".join(lines)
 
 
 def builtin_conversations() -> Iterator[list[dict[str, str]]]:

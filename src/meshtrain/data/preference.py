@@ -25,6 +25,14 @@ from meshtrain.data.example_sources import ORIGIN, ExamplesError, bad_row, check
 from meshtrain.data.packing import split_documents
 
 PREFERENCE_COLUMNS = ("chosen", "rejected")
+PREFERENCE_BLOCKS = "meshtrain preference pairs: chosen then rejected, positions restarting"
+"""The description saved with blocks of pairs (their columns are those of any packed
+blocks): what tells the planning node the data is pairs."""
+
+
+def blocks_format(split: datasets.Dataset) -> str:
+    """`preference` for blocks of pairs, else `examples` (packed or streamed)."""
+    return "preference" if split.info.description == PREFERENCE_BLOCKS else "examples"
 
 
 def with_explicit_prompts(ds: datasets.Dataset) -> datasets.Dataset:
@@ -158,7 +166,7 @@ def pack_pairs(
         dropped_long=dropped,
         truncated=truncated,
     )
-    return blocks_dataset(arrays, block_size), report
+    return blocks_dataset(arrays, block_size, PREFERENCE_BLOCKS), report
 
 
 def _fit_pairs(

@@ -47,9 +47,12 @@ class PreferenceObjective:
     def values(self, pm: ParallelModel, batch: TokenBatch) -> torch.Tensor:
         """The microbatch's summed `METRICS` (the loss first, with its graph)."""
         slots, pairs = pair_index(batch.position_ids)
-        policy = token_logps(pm, batch)
+        # The reference first: its forward's working set then comes before the policy's
+        # saved activations, not on top of them (it draws no dropout, so the order does
+        # not change the policy's masks).
         with torch.no_grad():
             reference = self.reference_logps(pm, batch)
+        policy = token_logps(pm, batch)
         return preference_terms(
             self.settings,
             pair_sums(policy, batch.labels, slots, pairs),

@@ -133,7 +133,8 @@ def _logits(xs: list[torch.Tensor], ws: list[torch.Tensor]) -> torch.Tensor:
 def _chunk_scores(
     logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, group: dist.ProcessGroup | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log-sum-exp, target logit) of each row, in fp32, over the whole vocabulary."""
+    """(log-sum-exp, target logit) of each row, in fp32, over the whole vocabulary. The
+    fp32 logits are overwritten (one chunk's logits alive at a time)."""
     z = logits.float()
     local = targets - vocab_start
     mine = (local >= 0) & (local < z.shape[1])
@@ -142,7 +143,7 @@ def _chunk_scores(
     top = z.max(dim=1).values
     if group is not None:
         dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
-    sums = (z - top.unsqueeze(1)).exp().sum(dim=1)
+    sums = z.sub_(top.unsqueeze(1)).exp_().sum(dim=1)
     if group is not None:
         dist.all_reduce(sums, group=group)
         dist.all_reduce(target, group=group)

@@ -199,6 +199,14 @@ def _step_shape(run: RunConfig, c: Candidate, layout: Layout, context: PlanConte
     )
 
 
+def preference_reference(run: RunConfig) -> str:
+    """DPO's reference as the engine resolves it; "" for the language-model loss."""
+    training = run.training
+    if training.objective != "dpo":
+        return ""
+    return training.dpo.resolved_reference(lora=run.model.lora is not None)
+
+
 def _layout_step_shape(
     run: RunConfig, c: Candidate, layout: Layout, context: PlanContext
 ) -> StepShape:
@@ -226,6 +234,7 @@ def _layout_step_shape(
         offload_effective=layout.activation_offloading and context.device.name != "cpu",
         sharded=c.sdp,
         loss_chunk_tokens=layout.loss_chunk_tokens,
+        preference_reference=preference_reference(run),
         cp=c.cp,
         packed=context.packed,
         # The engine's fused CPU backward (distributed/gathered_attention.py).

@@ -44,6 +44,8 @@ def loss_bytes(m: ModelShape, step: StepShape, tokens: int) -> tuple[int, int]:
     if step.loss_chunk_tokens == 0:
         logits = tokens * vocab * BYTES_FP32
         return logits, (1 if step.tp > 1 else 2) * logits
+    if step.preference_reference:
+        return _token_logps_bytes(m, step, tokens, vocab)
     compute = BYTES_BF16 if step.bf16 else BYTES_FP32
     weight = vocab * m.hidden
     kept = tokens * m.hidden * step.parameter_bytes  # the hidden states' gradient
@@ -59,6 +61,22 @@ def loss_bytes(m: ModelShape, step: StepShape, tokens: int) -> tuple[int, int]:
         transient += weight * BYTES_BF16  # a chunk's bf16 weight gradient, before adding
     if not step.frozen_base and step.parameter_bytes != BYTES_FP32:
         transient += weight * BYTES_FP32  # the fp32 accumulator of bf16 weights' gradient
+    if step.tp > 1:
+        transient += tokens * m.hidden * step.parameter_bytes  # the gathered hidden states
+    return kept, transient
+
+
+def _token_logps_bytes(m: ModelShape, step: StepShape, tokens: int, vocab: int) -> tuple[int, int]:
+    """DPO's head (`models.token_logps`): it keeps its input and each token's
+    log-sum-exp and log-probability until the backward, which makes each chunk's logits
+    again and then the gradients of its input and weight (in fp32, with a matmul's
+    output beside each) and a copy of the chunk's rows."""
+    kept = tokens * m.hidden * step.parameter_bytes + 2 * tokens * BYTES_FP32
+    chunk = min(step.loss_chunk_tokens, tokens)
+    transient = chunk * vocab * (BYTES_FP32 + (BYTES_BF16 if step.bf16 else 0))
+    transient += 3 * tokens * m.hidden * BYTES_FP32  # input gradient, its product, the rows
+    if not step.frozen_base:
+        transient += 2 * vocab * m.hidden * BYTES_FP32  # the weight's gradient and product
     if step.tp > 1:
         transient += tokens * m.hidden * step.parameter_bytes  # the gathered hidden states
     return kept, transient

@@ -127,6 +127,11 @@ def estimate_memory(
                 local, step, activations=activations, loss=loss, experts=mine_experts
             )
         )
+    if step.preference_reference == "model":
+        per_rank = [
+            dataclasses.replace(e, reference=_reference_bytes(counts, step, rank))
+            for rank, e in enumerate(per_rank)
+        ]
     worst = max(range(step.pp), key=lambda r: per_rank[r].total)
     mine = list(range(worst, stages, step.pp))
     chunk_layers = sum(step.stage_layers[s] for s in mine) / len(mine)
@@ -141,6 +146,13 @@ def estimate_memory(
         per_pipeline_rank=tuple(e.total for e in per_rank),
         offloaded=_offloaded(m, step, [e.activations for e in per_rank]),
     )
+
+
+def _reference_bytes(counts: list[int], step: StepShape, rank: int) -> int:
+    """DPO's frozen reference on pipeline rank `rank`: the policy's parameters, laid out
+    and sharded as the policy's, without gradients or optimizer states."""
+    local = sum(counts[s] for s in range(rank, len(counts), step.pp))
+    return local * step.parameter_bytes // max(1, step.sharded)
 
 
 def _offloaded(m: ModelShape, step: StepShape, on_device: list[int]) -> int:

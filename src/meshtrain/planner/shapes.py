@@ -114,6 +114,8 @@ class MemoryEstimate:
     expert_gradients: int = 0
     expert_optimizer_states: int = 0
     expert_dispatch: int = 0
+    # DPO with `reference=model`: the frozen copy's weights on this rank.
+    reference: int = 0
 
     @property
     def model_states(self) -> int:
@@ -123,7 +125,7 @@ class MemoryEstimate:
     def total(self) -> int:
         """The step's peak of live tensors (what the memory probe measures)."""
         states = self.model_states - (0 if self.gradients_at_peak else self.gradients)
-        return states + self.gathered + self.activations + self.loss
+        return states + self.gathered + self.activations + self.loss + self.reference
 
     @property
     def process_total(self) -> int:
@@ -209,6 +211,9 @@ class StepShape:
     vocabulary_adapter_bytes: tuple[float, float] = (0.0, 0.0)
     # The loss over chunks of this many tokens (0: over the whole logits; planner/loss_memory).
     loss_chunk_tokens: int = 0
+    # DPO (`training.objective=dpo`): its reference as resolved (model, precompute, base);
+    # "": the language-model loss.
+    preference_reference: str = ""
     # Context parallelism: each row's tokens split over `cp` ranks holding the same
     # parameters; `packed`: packed examples, whose attention masks are made per row;
     # `cp_fused_backward`: the CPU's, which gathers K/V again instead of keeping them.

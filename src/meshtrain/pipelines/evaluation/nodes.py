@@ -42,6 +42,8 @@ def evaluate(
         backend=trained.backend,
         mixed_precision=trained.mixed_precision,
     )
+    if "dpo" in training_summary:
+        metrics |= _preference(model, validation, cfg, training_summary["dpo"], trained)
     scores = run_lm_eval(
         model,
         tokenizer,
@@ -76,3 +78,27 @@ def evaluate(
     tracking.log_samples(metrics["samples"])
     tracking.set_tag("eval.sample", metrics["sample"])
     return metrics
+
+
+def _preference(
+    model: Any,
+    validation: Any,
+    cfg: EvaluationConfig,
+    dpo: dict[str, Any],
+    trained: TrainingSummary,
+) -> dict[str, Any]:
+    """A DPO run's preference accuracy and margin against its starting model."""
+    from meshtrain.config_dpo import DpoSettings  # noqa: PLC0415
+    from meshtrain.evaluation import load_model, resolve_device, resolve_dtype  # noqa: PLC0415
+    from meshtrain.evaluation_preference import (  # noqa: PLC0415
+        preference_metrics,
+        validation_batches,
+    )
+    from meshtrain.models.builder import resolve_init_from  # noqa: PLC0415
+
+    device = resolve_device(cfg.device, trained.backend)
+    dtype = resolve_dtype(cfg.dtype, trained.mixed_precision, device)
+    reference = load_model(resolve_init_from(dpo["reference_model"]), device, dtype)
+    settings = DpoSettings(**{k: dpo[k] for k in ("beta", "loss_type", "label_smoothing")})
+    batches = validation_batches(validation, cfg.batch_size, cfg.max_batches)
+    return preference_metrics(model, reference, batches, settings)

@@ -22,11 +22,14 @@ def plan_layout(
     """
     # (imported when the node runs: a run refused by its checks, which come first, never
     # loads torch, transformers or mlflow)
+    from meshtrain.config_dpo import check_objective_data  # noqa: PLC0415
+    from meshtrain.data.preference import blocks_format  # noqa: PLC0415
     from meshtrain.dryrun.command import dry_run_plan  # noqa: PLC0415
     from meshtrain.planner.resolve import plan_for_run  # noqa: PLC0415
     from meshtrain.tracking import mlflow_run as tracking  # noqa: PLC0415
 
     run = run_config(parameters)
+    check_objective_data(run.training.objective, blocks_format(packed_blocks["train"]))
     plan = plan_for_run(
         run,
         tokenizer,
