@@ -134,6 +134,14 @@ def test_a_refusal_every_candidate_shares_is_said_once(model_config) -> None:
             },
             "parallel.pipeline_parallel_size=1",
         ),
+        (
+            {
+                "training": {"objective": "dpo"},
+                "model": {"init_from": "m"},
+                "planner": {"dry_run": True},
+            },
+            "planner.dry_run=false",
+        ),
     ],
 )
 def test_a_dpo_run_the_engine_cannot_train_is_refused_before_planning(model_config, groups, says):

@@ -34,6 +34,7 @@ from meshtrain.components.rank_build import (
 )
 from meshtrain.components.train_step import optimizer_step
 from meshtrain.config import RunConfig
+from meshtrain.config_parsing import ConfigError
 from meshtrain.data.batch import TokenBatch
 from meshtrain.distributed.parallel_dims import ParallelDims
 from meshtrain.distributed.tensor_parallel import local_tensor
@@ -72,6 +73,12 @@ def dry_run_rank(run: RunConfig, plan: Plan, rank: int, device: torch.device) ->
 
 
 def _dry_run_rank(run: RunConfig, plan: Plan, rank: int, device: torch.device) -> RankMemory:
+    if run.training.objective != "lm":
+        # DPO's pairs are found in the batch's positions, data fake tensors do not hold.
+        raise ConfigError(
+            "`planner.dry_run` runs the language-model loss only; DPO runs are planned by "
+            "the memory model (docs/preference.md): set planner.dry_run=false."
+        )
     layout, began = plan.layout, time.perf_counter()
     # The weights' values change no step's memory, and fake tensors cannot read files: a
     # dry run draws them, with `model.init_from`'s config (the plan's model) kept.

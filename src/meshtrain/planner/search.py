@@ -15,6 +15,7 @@ from typing import Any
 from meshtrain.config import AUTO, RunConfig
 from meshtrain.config_dpo import check_preference_run
 from meshtrain.config_lora import check_pretrained_base
+from meshtrain.config_parsing import ConfigError
 from meshtrain.models.config_file import ArchitectureConfig
 from meshtrain.models.shapes import lora_adapter_shapes, parameter_shapes
 from meshtrain.planner.axes import AXES, TIE_BREAK
@@ -174,6 +175,11 @@ def _preference_layout(run: RunConfig) -> RunConfig:
         cp=parallel.context_parallel_size,
         loss_chunk_tokens=training.loss_chunk_tokens,
     )
+    if run.planner.dry_run:
+        raise ConfigError(
+            "`planner.dry_run=true` runs the language-model loss only; a DPO run is planned "
+            "by the memory model (docs/preference.md): set planner.dry_run=false."
+        )
     return with_parallel(run, pipeline_parallel_size=1, context_parallel_size=1)
 
 
