@@ -176,3 +176,26 @@ def test_builtin_preferences_load_offline_as_conversations():
     row = rows[0]
     assert row["chosen"][0]["role"] == row["rejected"][0]["role"] == "assistant"
     assert row["chosen"] != row["rejected"]
+
+
+def test_pairs_from_files_with_their_own_column_names(tmp_path):
+    from meshtrain.config import DataConfig  # noqa: PLC0415
+    from meshtrain.data.prepare import load_corpus_or_examples  # noqa: PLC0415
+
+    path = tmp_path / "pairs.jsonl"
+    lines = [
+        '{"question": "Q: 1+1?", "good": " 2", "bad": " 3"}',
+        '{"question": "Q: 2+2?", "good": " 4", "bad": " 4"}',
+        '{"question": "Q: 3+3?", "good": " 6", "bad": " 7"}',
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    data = DataConfig(
+        source="files",
+        data_files=[str(path)],
+        columns={"prompt": "question", "chosen": "good", "rejected": "bad"},
+    )
+    pairs = load_corpus_or_examples(data)
+    assert pairs.to_list() == [
+        {"prompt": "Q: 1+1?", "chosen": " 2", "rejected": " 3"},
+        {"prompt": "Q: 3+3?", "chosen": " 6", "rejected": " 7"},
+    ]

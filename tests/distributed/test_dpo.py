@@ -161,7 +161,23 @@ def test_dpo_equals_float64_trl_dpo_in_one_process_and_on_every_layout(pairs, tm
         name: spec(pairs, tmp_path, f"one-{name}", 1, {}, dpo, lora, (PAIRS_PER_STEP_BLOCKS, 1))
         for name, (dpo, lora) in ONE_PROCESS.items()
     }
+    # bf16 parameters with fp32 masters, precomputed references: close to fp32, not equal.
+    ones["bf16-master"] = spec(
+        pairs,
+        tmp_path,
+        "one-bf16-master",
+        1,
+        {},
+        {"reference": "precompute"},
+        None,
+        (PAIRS_PER_STEP_BLOCKS, 1),
+        mixed_precision="bf16_master",
+    )
     one = dict(zip(ones, run_group(list(ones.values()), 1, tmp_path, "dpo-one"), strict=True))
+    for (_, low), (_, full) in zip(
+        one["bf16-master"]["losses"], one["model"]["losses"], strict=True
+    ):
+        assert abs(low - full) <= 0.02 * full + 1e-3
     for name, (dpo, lora) in ONE_PROCESS.items():
         settings = {k: v for k, v in dpo.items() if k != "reference"}
         logs, weights = exact_run(
