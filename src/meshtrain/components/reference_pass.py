@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from meshtrain.components.validation import most_batches
+from meshtrain.components.validation import data_parallel_slice, most_batches
 from meshtrain.data.blocks import BlockStore
 from meshtrain.models.parallel_model import ParallelModel
 from meshtrain.models.preference import token_logps
@@ -27,8 +27,7 @@ def reference_table(
     Collective over every rank."""
     dims = reference.dims
     count = len(blocks)
-    share = -(-count // dims.dp)
-    lo, hi = min(count, dims.dp_rank * share), min(count, (dims.dp_rank + 1) * share)
+    lo, hi, share = data_parallel_slice(count, dims.dp_rank, dims.dp)
     width = blocks.batch([0]).shape[1]
     mine = torch.zeros(share, width, dtype=torch.float32, device=device)
     starts = list(range(lo, hi, per_rank))

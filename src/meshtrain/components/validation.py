@@ -10,19 +10,6 @@ from meshtrain.models.parallel_model import ParallelModel
 from meshtrain.models.preference_loss import METRICS
 
 
-def evaluate_loss(
-    pm: ParallelModel,
-    blocks: BlockStore,
-    eval_batches: int,
-    device: torch.device,
-    per_rank: int,
-    global_batch: int,
-) -> float:
-    """Mean loss per trained token over the first `eval_batches` global batches of
-    validation (`evaluate_means`' first value). Collective."""
-    return evaluate_means(pm, blocks, eval_batches, device, per_rank, global_batch)[0]
-
-
 @torch.no_grad()
 def evaluate_means(
     pm: ParallelModel,
@@ -49,8 +36,7 @@ def evaluate_means(
     pm.set_training(False)
     # `eval_batches` global batches: the same blocks whatever the layout splits them into.
     count = min(len(blocks), eval_batches * global_batch)
-    share = -(-count // dims.dp)
-    lo, hi = dims.dp_rank * share, min(count, (dims.dp_rank + 1) * share)
+    lo, hi, share = data_parallel_slice(count, dims.dp_rank, dims.dp)
     if pm.runner is not None:
         share = share // per_rank * per_rank
         hi = lo + share if lo + share <= len(blocks) else lo
@@ -82,6 +68,13 @@ def evaluate_means(
     if totals[-1] == 0:
         return [float("nan")] * len(sums)
     return (totals[:-1] / totals[-1]).tolist()
+
+
+def data_parallel_slice(count: int, dp_rank: int, dp: int) -> tuple[int, int, int]:
+    """Data-parallel rank `dp_rank`'s contiguous slice [lo, hi) of `count` blocks, and the
+    share every rank's slice is cut at (the last ones may be shorter)."""
+    share = -(-count // dp)
+    return min(count, dp_rank * share), min(count, (dp_rank + 1) * share), share
 
 
 def most_batches(mine: int, group: dist.ProcessGroup) -> int:

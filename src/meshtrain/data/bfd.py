@@ -32,6 +32,22 @@ class PackingReport:
     dropped_long: int
     truncated: int
 
+    @classmethod
+    def of(
+        cls, arrays: dict[str, np.ndarray], examples: int, *, dropped: int, truncated: int
+    ) -> PackingReport:
+        """The report of the blocks `fill_blocks` made of `examples` items."""
+        blocks, block_size = arrays["input_ids"].shape
+        return cls(
+            examples=examples,
+            blocks=blocks,
+            real_tokens=int(arrays["num_tokens"].sum()),
+            block_tokens=blocks * block_size,
+            trained_tokens=int(arrays["loss_mask"].sum()),
+            dropped_long=dropped,
+            truncated=truncated,
+        )
+
     @property
     def efficiency(self) -> float:
         return self.real_tokens / self.block_tokens if self.block_tokens else 0.0
@@ -105,15 +121,7 @@ def pack_examples(
     blocks = best_fit_decreasing([len(row) for row in ids], block_size)
     blocks = [blocks[i] for i in np.random.default_rng(seed).permutation(len(blocks))]
     arrays = fill_blocks(blocks, ids, trained, block_size, pad_token_id)
-    report = PackingReport(
-        examples=len(ids),
-        blocks=len(blocks),
-        real_tokens=int(arrays["num_tokens"].sum()),
-        block_tokens=len(blocks) * block_size,
-        trained_tokens=int(arrays["loss_mask"].sum()),
-        dropped_long=dropped,
-        truncated=truncated,
-    )
+    report = PackingReport.of(arrays, len(ids), dropped=dropped, truncated=truncated)
     return blocks_dataset(arrays, block_size), report
 
 

@@ -8,6 +8,7 @@ attention (`data/bfd.py`). What was skipped, dropped or truncated is counted and
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import datasets
@@ -59,20 +60,40 @@ def pack_fine_tuning(
     """`train` / `validation` packed blocks (input_ids, position_ids, loss_mask,
     num_tokens) and each split's packing report."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    blocks, reports = {}, {}
-    for name, split in split_documents(examples, validation_fraction, seed).items():
+
+    def pack(split: datasets.Dataset) -> tuple[datasets.Dataset, PackingReport, str]:
         tokens, untrained = tokenize_examples(
             split, tokenizer, fmt=fmt, loss_on=loss_on, num_proc=num_proc
         )
         packed, report = pack_examples(
             tokens, block_size=block_size, truncation=truncation, pad_token_id=pad, seed=seed
         )
+        return packed, report, f"{untrained} example(s) with nothing to train skipped"
+
+    return pack_each_split(examples, pack, validation_fraction, seed, block_size, "example")
+
+
+def pack_each_split(
+    examples: datasets.Dataset,
+    pack: Callable[[datasets.Dataset], tuple[datasets.Dataset, PackingReport, str]],
+    validation_fraction: float,
+    seed: int,
+    block_size: int,
+    item: str,
+) -> tuple[datasets.DatasetDict, dict[str, PackingReport]]:
+    """`pack` (blocks, report, what else it skipped) on the train and validation splits
+    of `examples`, each reported; a split left with no block is refused (`item`: what
+    the examples are, as the refusal names them)."""
+    blocks, reports = {}, {}
+    for name, split in split_documents(examples, validation_fraction, seed).items():
+        packed, report, skipped = pack(split)
         if len(packed) == 0:
             raise ConfigError(
-                f"the {name} split has no example that fits a block of data.block_size="
-                f"{block_size} ({report.dropped_long} longer, {untrained} with nothing to "
-                "train): raise data.block_size, or data.truncation=truncate"
+                f"the {name} split has no {item} that fits a block of data.block_size="
+                f"{block_size} ({report.dropped_long} longer; {skipped}): raise "
+                "data.block_size, or data.truncation=truncate"
             )
-        print(f"{name}: {report.line()}; {untrained} example(s) with nothing to train skipped")
+        line = report.line().replace("examples", f"{item}s", 1)
+        print(f"{name}: {line}" + (f"; {skipped}" if skipped else ""))
         blocks[name], reports[name] = packed, report
     return datasets.DatasetDict(blocks), reports

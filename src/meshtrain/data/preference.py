@@ -22,7 +22,7 @@ from meshtrain.config_parsing import ConfigError
 from meshtrain.data.bfd import PackingReport, best_fit_decreasing, blocks_dataset, fill_blocks
 from meshtrain.data.chat_tokens import common_prefix, render_chat, require_chat_template
 from meshtrain.data.example_sources import ORIGIN, ExamplesError, bad_row, check_part
-from meshtrain.data.packing import split_documents
+from meshtrain.data.fine_tuning import pack_each_split
 
 PREFERENCE_COLUMNS = ("chosen", "rejected")
 PREFERENCE_BLOCKS = "meshtrain preference pairs: chosen then rejected, positions restarting"
@@ -157,15 +157,7 @@ def pack_pairs(
     blocks = [blocks[i] for i in np.random.default_rng(seed).permutation(len(blocks))]
     members = [[s for p in block for s in (2 * p, 2 * p + 1)] for block in blocks]
     arrays = fill_blocks(members, sequences, trained, block_size, pad_token_id)
-    report = PackingReport(
-        examples=len(lengths),
-        blocks=len(blocks),
-        real_tokens=int(arrays["num_tokens"].sum()),
-        block_tokens=len(blocks) * block_size,
-        trained_tokens=int(arrays["loss_mask"].sum()),
-        dropped_long=dropped,
-        truncated=truncated,
-    )
+    report = PackingReport.of(arrays, len(lengths), dropped=dropped, truncated=truncated)
     return blocks_dataset(arrays, block_size, PREFERENCE_BLOCKS), report
 
 
@@ -223,18 +215,12 @@ def pack_preferences(
 ) -> tuple[datasets.DatasetDict, dict[str, PackingReport]]:
     """`train` / `validation` blocks of whole pairs and each split's packing report."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    blocks, reports = {}, {}
-    for name, split in split_documents(examples, validation_fraction, seed).items():
+
+    def pack(split: datasets.Dataset) -> tuple[datasets.Dataset, PackingReport, str]:
         tokens = tokenize_pairs(split, tokenizer, num_proc)
         packed, report = pack_pairs(
             tokens, block_size=block_size, truncation=truncation, pad_token_id=pad, seed=seed
         )
-        if len(packed) == 0:
-            raise ConfigError(
-                f"the {name} split has no pair that fits a block of data.block_size="
-                f"{block_size} ({report.dropped_long} longer): raise data.block_size, or "
-                "data.truncation=truncate"
-            )
-        print(f"{name}: {report.line().replace('examples', 'pairs', 1)}")
-        blocks[name], reports[name] = packed, report
-    return datasets.DatasetDict(blocks), reports
+        return packed, report, ""
+
+    return pack_each_split(examples, pack, validation_fraction, seed, block_size, "pair")

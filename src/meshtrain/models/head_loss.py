@@ -137,12 +137,23 @@ def linear_cross_entropy_sum(
     sharded on the vocabulary over the tp mesh; `hidden` is then a DTensor on that mesh
     (`VocabParallelLossHead` makes the head's input one), the adapter's B is sharded
     like `weight` and its A replicated."""
+    fixed, terms = head_terms(hidden, weight, adapter)
+    return _ChunkedLinearCrossEntropy.apply(labels.flatten(), chunk_tokens, *fixed, *terms)
+
+
+def head_terms(
+    hidden: torch.Tensor, weight: torch.Tensor, adapter: LowRank | None
+) -> tuple[tuple[torch.dtype, int, dist.ProcessGroup | None], list[torch.Tensor]]:
+    """What a chunked head function takes after the labels and chunk size: (the compute
+    dtype, this rank's first vocabulary row, the tp group or None), and the terms
+    `x_1, w_1, ...` whose logits `sum_i x_i @ w_i.T` it scores (the head's, and a LoRA
+    adapter's), each a local tensor."""
     group, vocab_start = None, 0
     if isinstance(weight, DTensor):
         mesh = weight.device_mesh
         group, vocab_start = mesh.get_group(), vocabulary_start(weight)
         # Gathered whole on every rank; its gradient, and that of what the adapter's A
-        # sees, is each rank's vocabulary share (`_partial`).
+        # sees, is each rank's vocabulary share (`partial_copy`).
         hidden = hidden.redistribute(mesh, [Replicate()])
     device = hidden.device.type
     compute = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
@@ -152,9 +163,7 @@ def linear_cross_entropy_sum(
         a = partial_copy(adapter.a)
         adapter_in = partial_copy(adapter.dropout(hidden)).to(a.dtype)
         terms += [(F.linear(adapter_in, a) * adapter.scaling).flatten(0, 1), local_shard(adapter.b)]
-    return _ChunkedLinearCrossEntropy.apply(
-        labels.flatten(), chunk_tokens, compute or weight.dtype, vocab_start, group, *terms
-    )
+    return (compute or weight.dtype, vocab_start, group), terms
 
 
 def local_shard(tensor: torch.Tensor) -> torch.Tensor:

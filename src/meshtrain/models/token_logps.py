@@ -16,11 +16,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch.distributed.tensor import DTensor, Replicate
 
-from meshtrain.distributed.tensor_parallel import vocabulary_start
-from meshtrain.models.head_loss import LowRank, local_shard, partial_copy, trained_rows
+from meshtrain.models.head_loss import LowRank, head_terms, trained_rows
 
 
 def linear_token_logps(
@@ -35,24 +32,9 @@ def linear_token_logps(
     `hidden @ weight.T` (plus a LoRA adapter's term), 0 where the label is ignored; no
     more than `chunk_tokens` tokens' logits at once. Weight and adapter as
     `head_loss.linear_cross_entropy_sum` takes them."""
-    group, vocab_start = None, 0
-    if isinstance(weight, DTensor):
-        mesh = weight.device_mesh
-        group, vocab_start = mesh.get_group(), vocabulary_start(weight)
-        hidden = hidden.redistribute(mesh, [Replicate()])
-    device = hidden.device.type
-    compute = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
-    local_weight = local_shard(weight)
-    shape = hidden.shape[:2]
-    terms = [partial_copy(hidden).flatten(0, 1), local_weight]
-    if adapter is not None:
-        a = partial_copy(adapter.a)
-        adapter_in = partial_copy(adapter.dropout(hidden)).to(a.dtype)
-        terms += [(F.linear(adapter_in, a) * adapter.scaling).flatten(0, 1), local_shard(adapter.b)]
-    logps = _ChunkedTokenLogProbs.apply(
-        labels.flatten(), chunk_tokens, compute or local_weight.dtype, vocab_start, group, *terms
-    )
-    return logps.view(shape)
+    fixed, terms = head_terms(hidden, weight, adapter)
+    logps = _ChunkedTokenLogProbs.apply(labels.flatten(), chunk_tokens, *fixed, *terms)
+    return logps.view(hidden.shape[:2])
 
 
 _FIXED_INPUTS = 5  # _ChunkedTokenLogProbs's arguments before its terms
