@@ -61,11 +61,10 @@ def check_preference_run(
     lora: bool,
     init_from: str | None,
     pp: int | str,
-    cp: int | str,
     loss_chunk_tokens: int | str,
 ) -> None:
-    """What a DPO run refuses about the rest of the run, before any worker starts
-    (`auto` layout sizes are planned at 1)."""
+    """What a DPO run refuses about the rest of the run, before any worker starts (an
+    `auto` pipeline size is planned at 1)."""
     if init_from is None:
         raise ConfigError(
             "`training.objective=dpo` needs `model.init_from`: preference optimization "
@@ -83,13 +82,11 @@ def check_preference_run(
             "`training.loss_chunk_tokens=0` scores the whole logits, but DPO's log-"
             "probabilities come from the chunked LM head: use auto (or a chunk size)."
         )
-    big = [name for name, size in (("pipeline", pp), ("context", cp)) if size not in (1, "auto")]
-    if big:
-        axis = f"{big[0]}_parallel_size"
+    if pp not in (1, "auto"):
         raise ConfigError(
-            f"`training.objective=dpo` does not run with `parallel.{axis}` > 1 yet (data "
-            "parallelism, ZeRO-1, sharded data parallelism and tensor parallelism do): "
-            f"set parallel.{axis}=1."
+            "`training.objective=dpo` does not run with `parallel.pipeline_parallel_size` > 1 "
+            "yet (data, sharded data, tensor and context parallelism do): set "
+            "parallel.pipeline_parallel_size=1."
         )
 
 

@@ -55,6 +55,9 @@ LAYOUTS = {
         (1, 2),
     ),
     "tp2-sp": ({"tensor_parallel_size": 2}, "model", (4, 1)),
+    # Each sequence's sums add up over the cp ranks; precomputed on the cp ranks too.
+    "cp2": ({"context_parallel_size": 2}, "model", (4, 1)),
+    "cp2-precompute": ({"context_parallel_size": 2}, "precompute", (4, 1)),
     "lora-tp2": ({"tensor_parallel_size": 2}, "lora", (4, 1)),
 }
 # One process under LoRA: predicted 0.88 of the measured peak at this toy size (hidden

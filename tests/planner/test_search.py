@@ -149,14 +149,14 @@ def test_a_dpo_run_the_engine_cannot_train_is_refused_before_planning(model_conf
         _plan(model_config, **groups)
 
 
-def test_a_dpo_run_plans_auto_pipeline_and_context_sizes_at_one(model_config) -> None:
+def test_a_dpo_run_plans_an_auto_pipeline_size_at_one(model_config) -> None:
     plan = _plan(
         model_config,
         training={"objective": "dpo"},
         model={"init_from": "m"},
-        parallel={**AUTO_SIZES, "context_parallel_size": "auto"},
+        parallel=AUTO_SIZES,
         launch={"nproc_per_node": 4},
     )
     names = [plan.layout.name, *(c["layout"] for c in plan.candidates)]
     assert len(names) > 1
-    assert all("-pp1" in name and "-cp" not in name for name in names), names
+    assert all("-pp1" in name for name in names), names

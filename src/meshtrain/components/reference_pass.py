@@ -2,10 +2,11 @@
 one pass before training by the starting weights laid out like the policy, so training
 holds one model (TRL's `precompute_ref_log_probs`).
 
-Each data-parallel group scores a contiguous share of the blocks and the shares are
-gathered, so every rank holds the whole table (4 bytes per block token, on the host).
-The reference is the starting weights (`model.init_from`), so a resumed run makes the
-same table again rather than storing it.
+Each data-parallel group scores a contiguous share of the blocks (its context-parallel
+ranks a share of each block's tokens) and the shares are gathered, so every rank holds
+the whole table (4 bytes per block token, on the host). The reference is the starting
+weights (`model.init_from`), so a resumed run makes the same table again rather than
+storing it.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ import torch
 import torch.distributed as dist
 
 from meshtrain.components.validation import data_parallel_slice, most_batches
+from meshtrain.data.batch import TokenBatch
 from meshtrain.data.blocks import BlockStore
+from meshtrain.distributed.context_parallel import gather_sequence
 from meshtrain.models.parallel_model import ParallelModel
 from meshtrain.models.preference import token_logps
 
@@ -38,13 +41,20 @@ def reference_table(
     for start in starts:
         indices = list(range(start, min(hi, start + per_rank)))
         batch = blocks.tokens(indices).to(device)
-        mine[start - lo : start - lo + len(indices)] = token_logps(reference, batch)
+        mine[start - lo : start - lo + len(indices)] = _whole_rows(reference, batch)
     if padding:
         filler = blocks.tokens(list(range(min(per_rank, count)))).to(device)
         for _ in range(padding):
-            token_logps(reference, filler)
+            _whole_rows(reference, filler)
     if dims.dp == 1:
         return mine[:count].cpu()
     shares = [torch.empty_like(mine) for _ in range(dims.dp)]
     dist.all_gather(shares, mine, group=dims.dp_group)
     return torch.cat(shares)[:count].cpu()
+
+
+def _whole_rows(reference: ParallelModel, batch: TokenBatch) -> torch.Tensor:
+    """The batch's token log-probabilities (under cp each rank scores its share of the
+    tokens, and the shares are gathered back into rows)."""
+    logps = token_logps(reference, reference.own_tokens(batch))
+    return logps if reference.context is None else gather_sequence(logps, reference.context)

@@ -47,17 +47,20 @@ class ContextParallel:
 
     def shard(self, batch: TokenBatch) -> TokenBatch:
         """This rank's tokens of every row: ids, targets (computed on the whole row, so the
-        token after a chunk's last is still its target) and positions (when packed)."""
+        token after a chunk's last is still its target), positions (when packed) and
+        precomputed reference log-probabilities (DPO's)."""
         length = batch.input_ids.shape[1]
         if length % (2 * self.size):
             raise ValueError(f"a block of {length} tokens does not split into {2 * self.size}")
         mine = self.local_indices(length, batch.input_ids.device)
         positions = batch.position_ids
+        reference = batch.reference_logps
         return TokenBatch(
             batch.input_ids[:, mine],
             batch.labels[:, mine],
             None if positions is None else positions[:, mine],
             batch.real_tokens,
+            None if reference is None else reference[:, mine],
         )
 
     def attention_inputs(

@@ -97,8 +97,9 @@ class ParallelModel:
         DPO, the batch's share of each of the step's `preference_loss.METRICS` (the loss
         first), the loss alone to the backward."""
         if self.preference is not None:
+            # Every cp rank scores the same pairs: the reported values count once.
             values = self.preference.values(self, batch) / trained_tokens
-            return values, values[0]
+            return values / self.dims.cp, values[0]
         if self.routing is None:
             loss = self._loss_sum(batch) / trained_tokens
             return loss, loss
@@ -131,7 +132,7 @@ class ParallelModel:
             if self.runner is not None:
                 return self.runner.eval_step(batch)
             if self.preference is not None:
-                return self.preference.values(self, batch)
+                return self.preference.values(self, batch) / self.dims.cp
             return as_local(self._loss_sum(batch))
 
     def units(self, batch: TokenBatch) -> int:

@@ -16,14 +16,23 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from meshtrain.config_dpo import DpoSettings
 from meshtrain.data.batch import TokenBatch
+from meshtrain.distributed.context_parallel import ContextParallel, gather_sequence
 from meshtrain.models.lora import adapters_disabled
 from meshtrain.models.packed_attention import attention_inputs
-from meshtrain.models.preference_loss import count_pairs, pair_index, pair_sums, preference_terms
+from meshtrain.models.preference_loss import (
+    PairSums,
+    count_pairs,
+    pair_index,
+    preference_terms,
+    real_pairs,
+    sequence_sums,
+)
 
 
 class ParallelModel(Protocol):
@@ -31,6 +40,7 @@ class ParallelModel(Protocol):
 
     modules: list[nn.Module]
     autocast: Callable[[], AbstractContextManager]
+    context: ContextParallel | None
 
 
 def as_local(value: torch.Tensor) -> torch.Tensor:
@@ -45,19 +55,37 @@ class PreferenceObjective:
     reference_model: ParallelModel | None = None  # reference=model's frozen copy
 
     def values(self, pm: ParallelModel, batch: TokenBatch) -> torch.Tensor:
-        """The microbatch's summed `METRICS` (the loss first, with its graph)."""
-        slots, pairs = pair_index(batch.position_ids)
+        """The microbatch's summed `METRICS` (the loss first, with its graph). Under
+        context parallelism `batch` is this rank's share of the tokens: each sequence's
+        sums add up over the cp ranks, and every cp rank scores the same pairs."""
+        slots, pairs = self._slots(pm, batch)
         # The reference first: its forward's working set then comes before the policy's
         # saved activations, not on top of them (it draws no dropout, so the order does
         # not change the policy's masks).
         with torch.no_grad():
-            reference = self.reference_logps(pm, batch)
-        policy = token_logps(pm, batch)
-        return preference_terms(
-            self.settings,
-            pair_sums(policy, batch.labels, slots, pairs),
-            pair_sums(reference, batch.labels, slots, pairs),
-        )
+            reference = self._sums(pm, self.reference_logps(pm, batch), batch, slots, pairs)
+        policy = self._sums(pm, token_logps(pm, batch), batch, slots, pairs)
+        return preference_terms(self.settings, policy, reference)
+
+    @staticmethod
+    def _slots(pm: ParallelModel, batch: TokenBatch) -> tuple[torch.Tensor, int]:
+        """Each of the batch's tokens' pair slot, found on the whole rows."""
+        if pm.context is None:
+            return pair_index(batch.position_ids)
+        whole = gather_sequence(batch.position_ids, pm.context)
+        slots, pairs = pair_index(whole)
+        mine = pm.context.local_indices(whole.shape[1], whole.device)
+        return slots[:, mine], pairs
+
+    @staticmethod
+    def _sums(
+        pm: ParallelModel, logps: torch.Tensor, batch: TokenBatch, slots: torch.Tensor, pairs: int
+    ) -> PairSums:
+        sums, counts = sequence_sums(logps, batch.labels, slots, pairs)
+        if pm.context is not None:
+            sums = SumOverGroup.apply(sums, pm.context.group)
+            dist.all_reduce(counts, group=pm.context.group)
+        return real_pairs(sums, counts)
 
     def reference_logps(self, pm: ParallelModel, batch: TokenBatch) -> torch.Tensor:
         """The reference's (batch, sequence) token log-probabilities."""
@@ -78,9 +106,25 @@ class PreferenceObjective:
 def token_logps(
     pm: ParallelModel, batch: TokenBatch, around: AbstractContextManager | None = None
 ) -> torch.Tensor:
-    """`pm`'s (batch, sequence) log-probability of each label, 0 where none."""
+    """`pm`'s (batch, sequence) log-probability of each label, 0 where none (this rank's
+    tokens under context parallelism, whose attention rebuilds the rows from positions)."""
+    inputs = attention_inputs(batch) if pm.context is None else {"position_ids": batch.position_ids}
     with around or nullcontext(), pm.autocast():
-        logps = pm.modules[0](
-            batch.input_ids, batch.labels, per_token=True, **attention_inputs(batch)
-        )
+        logps = pm.modules[0](batch.input_ids, batch.labels, per_token=True, **inputs)
     return as_local(logps)
+
+
+class SumOverGroup(torch.autograd.Function):
+    """The sum over a group's ranks, whose gradient passes through unchanged: each rank
+    then scores the same pairs, and the backward gives each its own tokens' share (the
+    data-parallel average over the ranks, scaled back by dp x cp, adds the shares)."""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # noqa: ANN001
+        total = local.clone()
+        dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205 (autograd's signature)
+        return grad, None

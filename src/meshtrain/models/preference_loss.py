@@ -53,18 +53,31 @@ def pair_index(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
     return rows * (2 * per_row) + sequence, position_ids.shape[0] * per_row
 
 
+def sequence_sums(
+    token_logps: torch.Tensor, labels: torch.Tensor, slots: torch.Tensor, pairs: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (pairs, 2) summed log-probabilities and trained tokens of each pair slot's
+    chosen and rejected sequence (of this rank's tokens, under context parallelism)."""
+    trained = (labels != IGNORE_INDEX).flatten()
+    index = slots.flatten()
+    sums = token_logps.new_zeros(2 * pairs).index_add(0, index, token_logps.flatten() * trained)
+    counts = torch.zeros(2 * pairs, device=labels.device).index_add_(0, index, trained.float())
+    return sums.view(pairs, 2), counts.view(pairs, 2)
+
+
+def real_pairs(sums: torch.Tensor, counts: torch.Tensor) -> PairSums:
+    """The slots whose chosen and rejected both have trained tokens (not a block's
+    padding), as pairs."""
+    real = (counts > 0).all(dim=1)
+    return PairSums(sums[real, 0], sums[real, 1], counts[real, 0], counts[real, 1])
+
+
 def pair_sums(
     token_logps: torch.Tensor, labels: torch.Tensor, slots: torch.Tensor, pairs: int
 ) -> PairSums:
     """Sum the (batch, sequence) log-probabilities per sequence; pairs whose chosen or
     rejected has no trained token (a block's padding) are left out."""
-    trained = (labels != IGNORE_INDEX).flatten()
-    index = slots.flatten()
-    sums = token_logps.new_zeros(2 * pairs).index_add(0, index, token_logps.flatten() * trained)
-    counts = torch.zeros(2 * pairs, device=labels.device).index_add_(0, index, trained.float())
-    sums, counts = sums.view(pairs, 2), counts.view(pairs, 2)
-    real = (counts > 0).all(dim=1)
-    return PairSums(sums[real, 0], sums[real, 1], counts[real, 0], counts[real, 1])
+    return real_pairs(*sequence_sums(token_logps, labels, slots, pairs))
 
 
 def preference_terms(settings: DpoSettings, policy: PairSums, reference: PairSums) -> torch.Tensor:

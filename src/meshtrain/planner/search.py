@@ -163,7 +163,7 @@ def _visible_gpus(cuda_available: bool | None) -> tuple[bool, int]:
 
 def _preference_layout(run: RunConfig) -> RunConfig:
     """A DPO run's refusals (`config_dpo.check_preference_run`), and its `auto` pipeline
-    and context sizes planned at 1 (DPO does not run under them yet)."""
+    size planned at 1 (DPO does not run under pipeline parallelism yet)."""
     training, parallel = run.training, run.parallel
     if training.objective != "dpo":
         return run
@@ -172,7 +172,6 @@ def _preference_layout(run: RunConfig) -> RunConfig:
         lora=run.model.lora is not None,
         init_from=run.model.init_from,
         pp=parallel.pipeline_parallel_size,
-        cp=parallel.context_parallel_size,
         loss_chunk_tokens=training.loss_chunk_tokens,
     )
     if run.planner.dry_run:
@@ -180,7 +179,7 @@ def _preference_layout(run: RunConfig) -> RunConfig:
             "`planner.dry_run=true` runs the language-model loss only; a DPO run is planned "
             "by the memory model (docs/preference.md): set planner.dry_run=false."
         )
-    return with_parallel(run, pipeline_parallel_size=1, context_parallel_size=1)
+    return with_parallel(run, pipeline_parallel_size=1)
 
 
 def adapter_shapes(run: RunConfig, model_config: ArchitectureConfig) -> dict[str, tuple[int, ...]]:
