@@ -383,6 +383,6 @@ def test_kedro_run_with_a_missing_env_names_it_and_the_ones_there(tmp_path: Path
     assert result.returncode != 0, output[-2000:]
     assert "Traceback" not in output and "╭" not in output, output[-4000:]
     assert "MissingEnvironmentError: --env nosuchenv" in result.stderr, output[-2000:]
-    assert "base, gpu, moe, qwen3_lora, sft, team, trn1" in result.stderr
+    assert "base, dpo, gpu, moe, qwen3_lora, sft, team, trn1" in result.stderr
     assert len(result.stderr.strip().splitlines()) <= MAX_LINES, result.stderr
     assert snapshot(root / "data") == before

@@ -20,6 +20,7 @@ from meshtrain.models.config_file import ArchitectureConfig
 from meshtrain.models.shapes import lora_adapter_shapes, parameter_shapes
 from meshtrain.planner.axes import AXES, TIE_BREAK
 from meshtrain.planner.axes import context as cp_axis
+from meshtrain.planner.axes import pipeline as pp_axis
 from meshtrain.planner.axes.context import (
     context_note,
     context_parallel_wanted,
@@ -171,7 +172,7 @@ def _preference_layout(run: RunConfig) -> RunConfig:
         training.dpo,
         lora=run.model.lora is not None,
         init_from=run.model.init_from,
-        pp=parallel.pipeline_parallel_size,
+        pp=getattr(parallel, pp_axis.PARAMETER),
         loss_chunk_tokens=training.loss_chunk_tokens,
     )
     if run.planner.dry_run:
@@ -179,7 +180,7 @@ def _preference_layout(run: RunConfig) -> RunConfig:
             "`planner.dry_run=true` runs the language-model loss only; a DPO run is planned "
             "by the memory model (docs/preference.md): set planner.dry_run=false."
         )
-    return with_parallel(run, pipeline_parallel_size=1)
+    return with_parallel(run, **{pp_axis.PARAMETER: 1})
 
 
 def adapter_shapes(run: RunConfig, model_config: ArchitectureConfig) -> dict[str, tuple[int, ...]]:
