@@ -62,6 +62,11 @@ class ParameterSharding:
         return torch.chunk(full, tp, dim=self.tp_dim)[tp_rank]
 
 
+def as_local(value: torch.Tensor) -> torch.Tensor:
+    """A replicated DTensor's value as a plain tensor (plain tensors pass through)."""
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
 def local_tensor(parameter: torch.Tensor) -> torch.Tensor:
     """The tensor that holds this rank's elements (a DTensor's local shard, else itself)."""
     return parameter._local_tensor if isinstance(parameter, DTensor) else parameter

@@ -22,9 +22,13 @@ from meshtrain.data.batch import TokenBatch
 from meshtrain.distributed.context_parallel import ContextParallel
 from meshtrain.distributed.parallel_dims import ParallelDims
 from meshtrain.distributed.pipeline_parallel import PipelineRunner, SharedWeightSync
-from meshtrain.distributed.tensor_parallel import ParameterSharding, TensorParallelGradSync
+from meshtrain.distributed.tensor_parallel import (
+    ParameterSharding,
+    TensorParallelGradSync,
+    as_local,
+)
 from meshtrain.models.packed_attention import attention_inputs
-from meshtrain.models.preference import PreferenceObjective, as_local
+from meshtrain.models.preference import PreferenceObjective
 from meshtrain.models.routing import Routing
 
 

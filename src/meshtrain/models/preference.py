@@ -18,11 +18,11 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from meshtrain.config_dpo import DpoSettings
 from meshtrain.data.batch import TokenBatch
 from meshtrain.distributed.context_parallel import ContextParallel, gather_sequence
+from meshtrain.distributed.tensor_parallel import as_local
 from meshtrain.models.lora import adapters_disabled
 from meshtrain.models.packed_attention import attention_inputs
 from meshtrain.models.preference_loss import (
@@ -35,26 +35,22 @@ from meshtrain.models.preference_loss import (
 )
 
 
-class ParallelModel(Protocol):
-    """What scoring tokens needs of a `parallel_model.ParallelModel`."""
+class ScoresTokens(Protocol):
+    """What scoring tokens needs of a `parallel_model.ParallelModel` (which imports this
+    module)."""
 
     modules: list[nn.Module]
     autocast: Callable[[], AbstractContextManager]
     context: ContextParallel | None
 
 
-def as_local(value: torch.Tensor) -> torch.Tensor:
-    """A replicated DTensor's value as a plain tensor (plain tensors pass through)."""
-    return value.full_tensor() if isinstance(value, DTensor) else value
-
-
 @dataclass
 class PreferenceObjective:
     settings: DpoSettings
     reference: str  # model, base or precompute (`DpoSettings.resolved_reference`)
-    reference_model: ParallelModel | None = None  # reference=model's frozen copy
+    reference_model: ScoresTokens | None = None  # reference=model's frozen copy
 
-    def values(self, pm: ParallelModel, batch: TokenBatch) -> torch.Tensor:
+    def values(self, pm: ScoresTokens, batch: TokenBatch) -> torch.Tensor:
         """The microbatch's summed `METRICS` (the loss first, with its graph). Under
         context parallelism `batch` is this rank's share of the tokens: each sequence's
         sums add up over the cp ranks, and every cp rank scores the same pairs."""
@@ -68,7 +64,7 @@ class PreferenceObjective:
         return preference_terms(self.settings, policy, reference)
 
     @staticmethod
-    def _slots(pm: ParallelModel, batch: TokenBatch) -> tuple[torch.Tensor, int]:
+    def _slots(pm: ScoresTokens, batch: TokenBatch) -> tuple[torch.Tensor, int]:
         """Each of the batch's tokens' pair slot, found on the whole rows."""
         if pm.context is None:
             return pair_index(batch.position_ids)
@@ -79,7 +75,7 @@ class PreferenceObjective:
 
     @staticmethod
     def _sums(
-        pm: ParallelModel, logps: torch.Tensor, batch: TokenBatch, slots: torch.Tensor, pairs: int
+        pm: ScoresTokens, logps: torch.Tensor, batch: TokenBatch, slots: torch.Tensor, pairs: int
     ) -> PairSums:
         sums, counts = sequence_sums(logps, batch.labels, slots, pairs)
         if pm.context is not None:
@@ -87,7 +83,7 @@ class PreferenceObjective:
             dist.all_reduce(counts, group=pm.context.group)
         return real_pairs(sums, counts)
 
-    def reference_logps(self, pm: ParallelModel, batch: TokenBatch) -> torch.Tensor:
+    def reference_logps(self, pm: ScoresTokens, batch: TokenBatch) -> torch.Tensor:
         """The reference's (batch, sequence) token log-probabilities."""
         if self.reference == "precompute":
             if batch.reference_logps is None:
@@ -104,7 +100,7 @@ class PreferenceObjective:
 
 
 def token_logps(
-    pm: ParallelModel, batch: TokenBatch, around: AbstractContextManager | None = None
+    pm: ScoresTokens, batch: TokenBatch, around: AbstractContextManager | None = None
 ) -> torch.Tensor:
     """`pm`'s (batch, sequence) log-probability of each label, 0 where none (this rank's
     tokens under context parallelism, whose attention rebuilds the rows from positions)."""
