@@ -8,18 +8,16 @@ at the same rate, trained
 
 - by meshtrain's real Trainer: pairs packed whole into 1,024-token blocks, global batch
   4 blocks, dp 2 on the 2 cores with a reference model (twice, first and last: the A/A
-  control), with precomputed references, with LoRA (reference = adapters off), and
-  (`--all`) in one process;
+  control), with precomputed references, and with LoRA (reference = adapters off);
 - by TRL's DPOTrainer with the same number of pairs a step, one process with all the
-  cores: with a reference model (its default gradient checkpointing on, and with `--all`
-  off), with
+  cores: with a reference model (its defaults: gradient checkpointing on), with
   `precompute_ref_log_probs`, and with LoRA (`peft_config`, the adapters off as the
   reference).
 
 Pairs per second over the steps after the first (meshtrain: its real tokens/s times the
 split's pairs per real token; TRL: the step's pairs over the step's seconds).
 
-    .venv/bin/python bench/dpo.py     # ~30 min on 2 cores (3 steps a side; TRL's take ~2 min)
+    .venv/bin/python bench/dpo.py     # 2026-12-07: TRL's steps took 10-17 min each here
 """
 
 from __future__ import annotations
@@ -140,11 +138,6 @@ def trl_side(tokenizer, base: Path, root: Path, steps: int, pairs: int, **option
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument(
-        "--all",
-        action="store_true",
-        help="also TRL without checkpointing, meshtrain in one process",
-    )
     parser.add_argument("--work-dir", type=Path, default=None)
     args = parser.parse_args()
     datasets.disable_progress_bars()
@@ -179,12 +172,6 @@ def main() -> None:
         )
         side("meshtrain dp2, LoRA", ours("lora", 2, reference="base", lora=LORA))
         side("TRL, LoRA", trl_side(tokenizer, base, root, steps, pairs, lora=True))
-        if args.all:
-            side(
-                "TRL, model, no checkpointing",
-                trl_side(tokenizer, base, root, steps, pairs, gradient_checkpointing=False),
-            )
-            side("meshtrain 1 process, model", ours("one", 1, reference="model"))
         trl = rates["TRL, model"]
         print(f"\n{pairs} pairs a step (meshtrain: {BATCH} blocks of {BLOCK}, on average)")
         print(f"{'side':<34}{'pairs/s':>9}{'x TRL, model':>14}")
