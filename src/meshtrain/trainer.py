@@ -299,7 +299,7 @@ class Trainer:
         # Every rank reads the whole global batch's counts (cheap, memory-mapped), so the
         # loss's denominator (trained tokens, or pairs under DPO) needs no collective.
         everyone = self.sampler.global_indices(step)
-        trained_tokens = max(self.pm.units(self.train_blocks.tokens(everyone)), 1)
+        trained_tokens = max(self._units(everyone), 1)
         batches = (self._batch(indices) for indices in microbatches)
         result = optimizer_step(
             self.parts,
@@ -315,6 +315,13 @@ class Trainer:
         return StepOutcome(
             result.loss_sum, result.grad_norm, started, real_tokens, result.stop_signal
         )
+
+    def _units(self, indices: list[int]) -> int:
+        """What the step's loss is a mean over: the blocks' trained tokens (counted without
+        reading a pretraining block), or under DPO their pairs."""
+        if self.pm.preference is None:
+            return self.train_blocks.trained_tokens(indices)
+        return self.pm.preference.units(self.train_blocks.tokens(indices))
 
     def _batch(self, indices: list[int]) -> TokenBatch:
         """The training blocks at `indices` on the device, with their precomputed
