@@ -60,11 +60,9 @@ def check_preference_run(
     *,
     lora: bool,
     init_from: str | None,
-    pp: int | str,
     loss_chunk_tokens: int | str,
 ) -> None:
-    """What a DPO run refuses about the rest of the run, before any worker starts (an
-    `auto` pipeline size is planned at 1)."""
+    """What a DPO run refuses about the rest of the run, before any worker starts."""
     if init_from is None:
         raise ConfigError(
             "`training.objective=dpo` needs `model.init_from`: preference optimization "
@@ -81,12 +79,6 @@ def check_preference_run(
         raise ConfigError(
             "`training.loss_chunk_tokens=0` scores the whole logits, but DPO's log-"
             "probabilities come from the chunked LM head: use auto (or a chunk size)."
-        )
-    if pp not in (1, "auto"):
-        raise ConfigError(
-            "`training.objective=dpo` does not run with `parallel.pipeline_parallel_size` > 1 "
-            "yet (data, sharded data, tensor and context parallelism do): set "
-            "parallel.pipeline_parallel_size=1."
         )
 
 

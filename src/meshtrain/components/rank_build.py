@@ -96,7 +96,7 @@ def build_rank(
     forwards = dims.dp * batch.accumulation_steps * pm.backward_passes_per_batch
     sequence = dims.sequence_group(plan.layout.sequence_parallel)
     pm.use_routing(Routing.of(pm.modules, pm.hf_config, forwards, sequence, dims.ep_group))
-    pm.preference = preference_objective(run, plan, dims, device)
+    pm.use_preference(preference_objective(run, plan, dims, device))
     optimizer, optimizer_state = build_optimizer(
         pm, training=training, accumulation_steps=batch.accumulation_steps
     )
@@ -128,7 +128,8 @@ def build_reference_model(
     run: RunConfig, plan: Plan, dims: ParallelDims, device: torch.device
 ) -> ParallelModel:
     """The run's starting weights (`model.init_from`), without adapters, frozen and laid
-    out like the policy: DPO's reference."""
+    out like the policy: DPO's reference (its pipeline schedule, where there is one,
+    returns per-token log-probabilities)."""
     converters = build_converters(
         run.training,
         device.type,
@@ -140,6 +141,8 @@ def build_reference_model(
     for parameter in reference.parameters.values():
         parameter.requires_grad_(False)
     reference.set_training(False)
+    if reference.runner is not None:
+        reference.runner.score_tokens()
     return reference
 
 

@@ -3,10 +3,11 @@ one pass before training by the starting weights laid out like the policy, so tr
 holds one model (TRL's `precompute_ref_log_probs`).
 
 Each data-parallel group scores a contiguous share of the blocks (its context-parallel
-ranks a share of each block's tokens) and the shares are gathered, so every rank holds
-the whole table (4 bytes per block token, on the host). The reference is the starting
-weights (`model.init_from`), so a resumed run makes the same table again rather than
-storing it.
+ranks a share of each block's tokens; under pipeline parallelism its last stage's ranks)
+and the shares are gathered, so every rank holds the whole table (4 bytes per block
+token, on the host; zeros off the last stage, which alone uses them). The reference is
+the starting weights (`model.init_from`), so a resumed run makes the same table again
+rather than storing it.
 """
 
 from __future__ import annotations
@@ -15,11 +16,9 @@ import torch
 import torch.distributed as dist
 
 from meshtrain.components.validation import data_parallel_slice, most_batches
-from meshtrain.data.batch import TokenBatch
 from meshtrain.data.blocks import BlockStore
 from meshtrain.distributed.context_parallel import gather_sequence
 from meshtrain.models.parallel_model import ParallelModel
-from meshtrain.models.preference import token_logps
 
 
 @torch.no_grad()
@@ -40,12 +39,11 @@ def reference_table(
         padding = most_batches(len(starts), dims.dp_group) - len(starts)
     for start in starts:
         indices = list(range(start, min(hi, start + per_rank)))
-        batch = blocks.tokens(indices).to(device)
-        mine[start - lo : start - lo + len(indices)] = _whole_rows(reference, batch)
-    if padding:
-        filler = blocks.tokens(list(range(min(per_rank, count)))).to(device)
-        for _ in range(padding):
-            _whole_rows(reference, filler)
+        scored = _scored_rows(reference, blocks, indices, per_rank, device)
+        mine[start - lo : start - lo + len(indices)] = scored
+    first = list(range(min(per_rank, count)))
+    for _ in range(padding):
+        _scored_rows(reference, blocks, first, per_rank, device)
     if dims.dp == 1:
         return mine[:count].cpu()
     shares = [torch.empty_like(mine) for _ in range(dims.dp)]
@@ -53,8 +51,17 @@ def reference_table(
     return torch.cat(shares)[:count].cpu()
 
 
-def _whole_rows(reference: ParallelModel, batch: TokenBatch) -> torch.Tensor:
-    """The batch's token log-probabilities (under cp each rank scores its share of the
-    tokens, and the shares are gathered back into rows)."""
-    logps = token_logps(reference, reference.own_tokens(batch))
-    return logps if reference.context is None else gather_sequence(logps, reference.context)
+def _scored_rows(
+    reference: ParallelModel, blocks: BlockStore, indices: list[int], per_rank: int, device
+) -> torch.Tensor:
+    """The token log-probabilities of blocks `indices` (under cp each rank scores its share
+    of the tokens, and the shares are gathered back into rows; off the last pipeline stage,
+    zeros). A pipeline schedule takes whole batches only: a short one is filled up with
+    copies of its first block, dropped after."""
+    whole = indices
+    if reference.runner is not None:
+        whole = indices + indices[:1] * (per_rank - len(indices))
+    logps = reference.token_logps(blocks.tokens(whole).to(device))
+    if reference.context is not None:
+        logps = gather_sequence(logps, reference.context)
+    return logps[: len(indices)]

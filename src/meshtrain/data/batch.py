@@ -50,8 +50,9 @@ class TokenBatch:
     labels: torch.Tensor  # (batch, sequence): next-token targets, IGNORE_INDEX elsewhere
     position_ids: torch.Tensor | None = None  # restart at 0 per example; None: one per row
     real_tokens: int | None = None  # tokens that are not padding; None: all of them
-    # DPO with training.dpo.reference=precompute: the reference's log-probability of each
-    # label (batch, sequence), computed before training.
+    # DPO: the reference's log-probability of each label (batch, sequence), computed before
+    # training (training.dpo.reference=precompute), or by the reference's own pass over
+    # the batch under pipeline parallelism.
     reference_logps: torch.Tensor | None = None
 
     @classmethod
@@ -73,6 +74,17 @@ class TokenBatch:
         if table is None:
             return self
         return dataclasses.replace(self, reference_logps=table[indices])
+
+    def rows(self, index: torch.Tensor) -> TokenBatch:
+        """The rows `index` of every tensor: a pipeline microbatch, to score (its count of
+        real tokens is not kept)."""
+        return TokenBatch(
+            self.input_ids[index],
+            self.labels[index],
+            None if self.position_ids is None else self.position_ids[index],
+            None,
+            None if self.reference_logps is None else self.reference_logps[index],
+        )
 
     def to(self, device: torch.device) -> TokenBatch:
         return TokenBatch(

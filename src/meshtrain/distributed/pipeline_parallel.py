@@ -10,6 +10,12 @@ A mixture of experts' stages also pass a small tally of its routing along the pi
 (`models.routing`): the last stage returns (summed loss, tally), and the loss function
 adds the load-balancing term the tally gives.
 
+Under DPO the last stage returns each label's log-probability instead, and the loss
+function scores the microbatch's pairs (`MicrobatchScorer`): the schedule's target is
+the microbatch's row numbers, which pick its labels, positions and reference
+log-probabilities out of the batch (`TokenBatch.rows`). A forward-only pass of the same
+kind gives the reference's log-probabilities first (`PipelineRunner.token_logps`).
+
 Gradient scaling: torch's `scale_grads` divides the accumulated gradients at
 the end of every `step`, which would also shrink what earlier accumulation
 steps left there; so it is off, and the loss function divides each
@@ -163,6 +169,18 @@ class TallyScorer(Protocol):
     def record(self, counts: torch.Tensor, loss: torch.Tensor | None) -> None: ...
 
 
+class MicrobatchScorer(Protocol):
+    """What scores a microbatch from the last stage's per-token log-probabilities (DPO:
+    `models.preference.PreferenceObjective`)."""
+
+    def __call__(
+        self, logps: torch.Tensor, microbatch: TokenBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the backward takes, and the values reported (both summed over the
+        microbatch)."""
+        ...
+
+
 class PipelineRunner:
     """Runs one training or evaluation batch through this rank's stages with the schedule."""
 
@@ -179,6 +197,15 @@ class PipelineRunner:
     ) -> None:
         """The last stage's module scores its microbatch itself (it is handed the labels)
         and returns the summed loss, which the schedule's loss function only scales."""
+        self._arguments = {
+            "stage_modules": stage_modules,
+            "stage_ids": stage_ids,
+            "num_stages": num_stages,
+            "mesh": mesh,
+            "device": device,
+            "schedule": schedule,
+            "num_microbatches": num_microbatches,
+        }
         group = mesh.get_group("pp")
         self.stages = [
             PipelineStage(module, stage_id, num_stages, device, group=group)
@@ -191,6 +218,11 @@ class PipelineRunner:
         self.data_parallel = 1
         self.training = True
         self.routing: TallyScorer | None = None
+        # Per-token outputs: scored by `scorer` (DPO), or kept as they are (`token_logps`).
+        self.per_token = False
+        self.scorer: MicrobatchScorer | None = None
+        self.reported_width = 1  # values reported per microbatch (a vector's length)
+        self._batch: TokenBatch | None = None  # the batch the schedule is running
         # Per microbatch scored: its language-model loss, and its routing where scored.
         self._scores: list[tuple[torch.Tensor, tuple[torch.Tensor, Any] | None]] = []
         schedule_class = SCHEDULES[schedule]
@@ -206,41 +238,79 @@ class PipelineRunner:
         for stage in self.stages:
             stage.submod.routing = routing
 
-    def _scaled_loss(self, output: Any, labels: torch.Tensor) -> torch.Tensor:
-        """The objective of one microbatch on the last stage: its summed loss scaled, plus
-        the load-balancing term of its routing tally while training."""
+    def twin(self) -> PipelineRunner:
+        """Another schedule over the same stages, for forward-only passes beside this
+        one's training steps: torch infers every stage's shapes again at each switch
+        between training and evaluation (one more microbatch's work each time)."""
+        return PipelineRunner(**self._arguments)
+
+    def score_tokens(self, scorer: MicrobatchScorer | None = None, width: int = 1) -> None:
+        """The last stage returns each label's log-probability; `scorer` turns a
+        microbatch's into its objective and `width` values to report (None: they are only
+        collected, `token_logps`)."""
+        self.per_token, self.scorer, self.reported_width = True, scorer, width
+        for stage in self.stages:
+            stage.submod.per_token = True
+
+    def _scaled_loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
+        """The objective of one microbatch on the last stage: its summed loss scaled (or
+        its pairs' under DPO: `target` holds its rows), plus the load-balancing term of
+        its routing tally while training."""
         tally = None
         if self.routing is not None:
             output, tally = output
-        loss = output * self.loss_scale
+        if self.per_token and self.scorer is None:  # `token_logps` keeps the outputs
+            return output.new_zeros(())
+        objective = reported = output
+        if self.scorer is not None:
+            objective, reported = self.scorer(output, self._batch.rows(target))
+        loss, reported = objective * self.loss_scale, reported.detach() * self.loss_scale
         if tally is None or not self.training:
-            self._scores.append((loss.detach(), None))
+            self._scores.append((reported, None))
             return loss
         term, counts, routed_loss = self.routing.score(tally)
-        self._scores.append((loss.detach(), (counts, routed_loss)))
+        self._scores.append((reported, (counts, routed_loss)))
         return loss if term is None else loss + term * self.data_parallel
 
-    def _run(self, method: Callable, batch: TokenBatch) -> list[torch.Tensor]:
+    def _run(
+        self, method: Callable, batch: TokenBatch, *, return_outputs: bool = False
+    ) -> list[torch.Tensor]:
         """The schedule over one batch; the language-model loss of each microbatch (none
-        off the last stage). Only the last `num_microbatches` scores count: in a stage's
-        first step, and the first after switching between training and evaluation, torch
-        infers the stages' shapes with one more pass, through the loss function too."""
-        self._scores = []
+        off the last stage), or what the scorer reports. Only the last `num_microbatches`
+        scores count: in a stage's first step, and the first after switching between
+        training and evaluation, torch infers the stages' shapes with one more pass,
+        through the loss function too."""
+        self._scores, self._batch = [], batch
         losses: list[torch.Tensor] = []
         args = (batch.input_ids,) if self.holds_first else ()
-        target = batch.labels if self.holds_last else None
+        target = None
+        if self.holds_last:
+            rows = torch.arange(len(batch.input_ids), device=batch.input_ids.device)
+            target = rows if self.per_token else batch.labels
         # The labels (and packed examples' positions) go to every stage as keyword inputs,
         # which are not sent along the pipeline: each rank cuts its own copy into the same
         # microbatches, and the last stage scores its microbatch with them.
         inputs = {"labels": batch.labels}
         if batch.position_ids is not None:
             inputs["position_ids"] = batch.position_ids
-        method(*args, target=target, losses=losses, return_outputs=False, **inputs)
+        outputs = method(
+            *args, target=target, losses=losses, return_outputs=return_outputs, **inputs
+        )
+        self._batch = None
+        if return_outputs:
+            return outputs
         scores = self._scores[-self.num_microbatches :] if self.holds_last else []
         for _, routed in scores:
             if routed is not None and self.routing is not None:
                 self.routing.record(*routed)
         return [loss for loss, _ in scores]
+
+    def _summed(self, scores: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+        """The microbatches' scores added up (zeros off the last stage)."""
+        if scores:
+            return torch.stack(scores).sum(dim=0)
+        width = () if self.scorer is None else (self.reported_width,)
+        return torch.zeros(width, device=like.device)
 
     def train_step(self, batch: TokenBatch, trained_tokens: int, dp: int) -> torch.Tensor:
         """Forward and backward of one batch; returns its summed loss / `trained_tokens`
@@ -251,16 +321,19 @@ class PipelineRunner:
         """
         self.loss_scale, self.data_parallel, self.training = dp / trained_tokens, dp, True
         losses = self._run(self.schedule.step, batch)
-        if not losses:
-            return torch.zeros((), device=batch.input_ids.device)
-        return torch.stack([loss.detach() for loss in losses]).sum() / dp
+        return self._summed(losses, batch.input_ids) / dp
 
     @torch.no_grad()
     def eval_step(self, batch: TokenBatch) -> torch.Tensor:
         """Summed loss over one batch's trained tokens, forward only (0 where the last
         stage is not held)."""
         self.loss_scale, self.training = 1.0, False
-        losses = self._run(self.schedule.eval, batch)
-        if not losses:
-            return torch.zeros((), device=batch.input_ids.device)
-        return torch.stack([loss.detach() for loss in losses]).sum()
+        return self._summed(self._run(self.schedule.eval, batch), batch.input_ids)
+
+    @torch.no_grad()
+    def token_logps(self, batch: TokenBatch) -> torch.Tensor:
+        """Each label's (batch, sequence) log-probability, forward only (zeros where the
+        last stage is not held). The runner must `score_tokens` without a scorer."""
+        self.training = False
+        logps = self._run(self.schedule.eval, batch, return_outputs=True)
+        return logps if self.holds_last else torch.zeros(batch.labels.shape, device=batch.labels.device)

@@ -28,7 +28,7 @@ from meshtrain.distributed.tensor_parallel import (
     as_local,
 )
 from meshtrain.models.packed_attention import attention_inputs
-from meshtrain.models.preference import PreferenceObjective
+from meshtrain.models.preference import PreferenceObjective, token_logps
 from meshtrain.models.routing import Routing
 
 
@@ -62,6 +62,13 @@ class ParallelModel:
         if routing is not None and self.runner is not None:
             self.runner.use_routing(routing)
 
+    def use_preference(self, preference: PreferenceObjective | None) -> None:
+        """DPO's objective instead of the tokens' loss (under pipeline parallelism the
+        schedules score per-token log-probabilities)."""
+        self.preference = preference
+        if preference is not None and self.runner is not None:
+            preference.use_pipeline(self)
+
     def loss_context(self) -> AbstractContextManager:
         # The unchunked cross-entropy on vocabulary-sharded logits: the full logits never
         # exist on one rank (the chunked loss combines the shards itself).
@@ -86,6 +93,7 @@ class ParallelModel:
         with self.loss_context(), self.offload():
             if self.runner is not None:
                 with self.autocast(), record_function("meshtrain.pipeline"):
+                    batch = self._pipeline_reference(batch)
                     return self.runner.train_step(batch, trained_tokens, self.dims.dp_cp)
             with record_function("meshtrain.forward"):
                 loss, objective = self._objective(batch, trained_tokens)
@@ -112,6 +120,21 @@ class ParallelModel:
         term = self.routing.finish_forward(logits)
         return loss, loss if term is None else loss + term
 
+    def _pipeline_reference(self, batch: TokenBatch) -> TokenBatch:
+        """Under DPO, the batch with its reference's log-probabilities (the pipeline's last
+        stage scores each microbatch's pairs with them)."""
+        return batch if self.preference is None else self.preference.with_reference(self, batch)
+
+    @torch.no_grad()
+    def token_logps(self, batch: TokenBatch) -> torch.Tensor:
+        """Each label's log-probability, forward only (this rank's tokens under cp; zeros
+        off the last pipeline stage): the precomputed reference's pass."""
+        batch = self.own_tokens(batch)
+        if self.runner is None:
+            return token_logps(self, batch)
+        with self.autocast():
+            return self.runner.token_logps(batch)
+
     def own_tokens(self, batch: TokenBatch) -> TokenBatch:
         """This rank's share of the batch's tokens (all of them without cp)."""
         return batch if self.context is None else self.context.shard(batch)
@@ -134,7 +157,7 @@ class ParallelModel:
         batch = self.own_tokens(batch)
         with self.loss_context(), self.autocast():
             if self.runner is not None:
-                return self.runner.eval_step(batch)
+                return self.runner.eval_step(self._pipeline_reference(batch))
             if self.preference is not None:
                 return self.preference.values(self, batch) / self.dims.cp
             return as_local(self._loss_sum(batch))

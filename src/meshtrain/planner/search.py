@@ -20,7 +20,6 @@ from meshtrain.models.config_file import ArchitectureConfig
 from meshtrain.models.shapes import lora_adapter_shapes, parameter_shapes
 from meshtrain.planner.axes import AXES, TIE_BREAK
 from meshtrain.planner.axes import context as cp_axis
-from meshtrain.planner.axes import pipeline as pp_axis
 from meshtrain.planner.axes.context import (
     context_note,
     context_parallel_wanted,
@@ -69,7 +68,7 @@ def plan_run(
     so it wins on memory, against tp's collectives, or where it frees dp ranks the
     batch cannot use.
     """
-    run = _preference_layout(run)
+    _check_preference(run)
     cuda, cuda_devices = _visible_gpus(cuda_available)
     device = resolve_device(run.planner.device, run.planner.device_profiles, cuda)
     budget = device.memory_bytes * (1 - run.planner.memory_margin)
@@ -162,17 +161,15 @@ def _visible_gpus(cuda_available: bool | None) -> tuple[bool, int]:
     return cuda, torch.cuda.device_count() if cuda else 0
 
 
-def _preference_layout(run: RunConfig) -> RunConfig:
-    """A DPO run's refusals (`config_dpo.check_preference_run`), and its `auto` pipeline
-    size planned at 1 (DPO does not run under pipeline parallelism yet)."""
-    training, parallel = run.training, run.parallel
+def _check_preference(run: RunConfig) -> None:
+    """A DPO run's refusals (`config_dpo.check_preference_run`)."""
+    training = run.training
     if training.objective != "dpo":
-        return run
+        return
     check_preference_run(
         training.dpo,
         lora=run.model.lora is not None,
         init_from=run.model.init_from,
-        pp=getattr(parallel, pp_axis.PARAMETER),
         loss_chunk_tokens=training.loss_chunk_tokens,
     )
     if run.planner.dry_run:
@@ -180,7 +177,6 @@ def _preference_layout(run: RunConfig) -> RunConfig:
             "`planner.dry_run=true` runs the language-model loss only; a DPO run is planned "
             "by the memory model (docs/preference.md): set planner.dry_run=false."
         )
-    return with_parallel(run, **{pp_axis.PARAMETER: 1})
 
 
 def adapter_shapes(run: RunConfig, model_config: ArchitectureConfig) -> dict[str, tuple[int, ...]]:

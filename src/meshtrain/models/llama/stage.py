@@ -9,6 +9,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from meshtrain.distributed.context_parallel import ContextAttention, ContextParallel
+from meshtrain.distributed.tensor_parallel import as_local
 from meshtrain.models.context_attention import use_context_parallel_attention
 from meshtrain.models.head_loss import head_loss
 from meshtrain.models.packed_attention import packed_causal_mask
@@ -102,7 +103,7 @@ class LlamaStage(nn.Module):
     positions of the whole block itself. Between stages travel plain tensors:
     with sequence parallelism, this rank's sequence shard, rewrapped as a
     DTensor on arrival. The last stage returns the summed loss of the labels
-    it is given (`models.head_loss`).
+    it is given (`models.head_loss`), or under DPO each label's log-probability.
     """
 
     def __init__(
@@ -135,6 +136,8 @@ class LlamaStage(nn.Module):
         split_context(self, context)
         # A mixture of experts' routing (`models.routing`), set by the pipeline runner.
         self.routing: Routing | None = None
+        # DPO: the last stage returns each label's log-probability, not the summed loss.
+        self.per_token = False
 
     def forward(
         self,
@@ -156,7 +159,8 @@ class LlamaStage(nn.Module):
             hidden = inputs
         hidden, tally = self._layers(hidden, tally, position_ids)
         if self.is_last:
-            output = head_loss(self.model.norm(hidden), self.lm_head, labels)
+            output = head_loss(self.model.norm(hidden), self.lm_head, labels, self.per_token)
+            output = as_local(output) if self.per_token else output
         else:
             output = hidden.to_local() if isinstance(hidden, DTensor) else hidden
         return output if tally is None else (output, tally)
