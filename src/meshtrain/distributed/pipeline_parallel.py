@@ -336,4 +336,6 @@ class PipelineRunner:
         last stage is not held). The runner must `score_tokens` without a scorer."""
         self.training = False
         logps = self._run(self.schedule.eval, batch, return_outputs=True)
-        return logps if self.holds_last else torch.zeros(batch.labels.shape, device=batch.labels.device)
+        if not self.holds_last:
+            return torch.zeros(batch.labels.shape, device=batch.labels.device)
+        return logps
