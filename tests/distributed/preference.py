@@ -118,25 +118,29 @@ def trl_run(
     out: Path,
     *,
     dpo: dict[str, Any],
-    precompute: bool = False,
-    peft_model: torch.nn.Module | None = None,
-    dtype: torch.dtype = torch.float32,
+    lora: dict[str, Any] | None = None,
 ) -> tuple[list[dict[str, float]], dict[str, torch.Tensor]]:
-    """TRL's per-step losses and rewards metrics, and the trained parameters.
+    """TRL's per-step losses and rewards metrics, and the trained tensors (PEFT's adapter
+    keys under `lora`, where TRL's reference is the base with the adapters off), in fp32.
 
-    TRL's trainer makes the data (its tokenization, collator, precomputed references),
-    the loss and the metrics (`compute_loss`) and the optimizer (`create_optimizer`);
-    this loop feeds it meshtrain's pairs of each step, clips, steps and schedules as the
-    run does. (`trainer.train()` itself scores the same first batch 5.7e-6 away from the
-    float64 log-probabilities that both this loop and meshtrain reproduce, even with a
-    float64 model: a difference of its training loop's, not of the DPO loss.)"""
+    TRL's trainer makes the data (its tokenization, collator, precomputed references
+    under `dpo["reference"] == "precompute"`), the loss and the metrics
+    (`compute_loss`) and the optimizer (`create_optimizer`); this loop feeds it
+    meshtrain's pairs of each step, clips, steps and schedules as the run does. TRL's
+    `bf16` default is turned off: on a CPU it runs the reference model under bf16
+    autocast."""
+    from peft import get_peft_model_state_dict  # noqa: PLC0415
     from trl import DPOConfig, DPOTrainer  # noqa: PLC0415
 
+    from tests.distributed.lora import peft_model  # noqa: PLC0415
+
     torch.manual_seed(0)
-    model = peft_model or AutoModelForCausalLM.from_pretrained(base, dtype=dtype)
-    reference = (
-        None if peft_model is not None else AutoModelForCausalLM.from_pretrained(base, dtype=dtype)
-    )
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    reference = None
+    if lora is None:
+        reference = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    else:
+        model = peft_model(FIELDS, lora, base=model)
     args = DPOConfig(
         output_dir=str(out),
         beta=dpo.get("beta", 0.1),
@@ -148,9 +152,10 @@ def trl_run(
         adam_beta2=0.95,
         adam_epsilon=DPO_TRAINING["adam_epsilon"],
         max_length=None,
-        precompute_ref_log_probs=precompute,
+        precompute_ref_log_probs=dpo.get("reference") == "precompute",
         report_to=[],
         use_cpu=True,
+        bf16=False,
         seed=TRAINING["seed"],
     )
     trainer = DPOTrainer(
@@ -175,8 +180,10 @@ def trl_run(
         optimizer.zero_grad()
         metrics = {name: values[-1] for name, values in trainer._metrics["train"].items()}
         logs.append({"loss": loss.item(), **metrics})
-    trained = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-    return logs, trained
+    if lora is not None:
+        state = get_peft_model_state_dict(model, save_embedding_layers=False)
+        return logs, {k: v.detach().clone() for k, v in state.items()}
+    return logs, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 def exact_run(

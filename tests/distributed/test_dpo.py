@@ -1,11 +1,9 @@
-"""DPO equals the float64 DPO of TRL's formulas in one process, and every data-, tensor-,
-context- and pipeline-parallel layout equals the one process.
+"""DPO equals TRL's `DPOTrainer` and the float64 DPO of TRL's formulas in one process,
+and every data-, tensor-, context- and pipeline-parallel layout equals the one process.
 
-String pairs are packed into blocks of whole pairs; the oracle (`preference.py`) scores
-each sequence alone in float64 with a plain loop. TRL's `DPOTrainer` is checked against
-the same oracle on the same steps: its fp32 scores carry its own rounding (its policy and
-reference forwards already differ at step 1, where both are the base), so it is held to
-that oracle within its measured distance, and meshtrain within 1e-5.
+String pairs are packed into blocks of whole pairs. TRL gets the same pairs each step
+(its own tokenization, collator, loss, metrics and optimizer, fp32); the float64 oracle
+(`preference.py`) scores each sequence alone with a plain loop.
 """
 
 from __future__ import annotations
@@ -146,11 +144,16 @@ def assert_steps_match(
 ) -> None:
     """The loss per step within `tolerance` of the larger of it and `floor`; each reward
     (beta times a difference of summed log-probabilities) within `tolerance` of beta
-    times the log-probabilities it is made from; the accuracy the same fraction."""
+    times the log-probabilities it is made from; the accuracy the same fraction, from
+    step 2 (at step 1 the policy is the reference: every reward is 0 up to rounding, and
+    the accuracy counts the sign of that rounding; TRL scores its precomputed table in
+    other batches, with other padding, so 1 of its 11 pairs comes out "right")."""
     assert len(got) == len(want), name
     for step, (a, b) in enumerate(zip(got, want, strict=True), 1):
         logps = beta * (abs(b["logps/chosen"]) + abs(b["logps/rejected"]))
         for metric in METRIC_NAMES:
+            if step == 1 and metric == "rewards/accuracies":
+                continue
             scale = max(abs(b[metric]), floor) if metric == "loss" else logps
             if metric == "rewards/accuracies":
                 scale = 0.1  # the same pairs right (the value is a float32 fraction)
@@ -212,20 +215,23 @@ def test_dpo_equals_float64_trl_dpo_in_one_process_and_on_every_layout(pairs, tm
         logs, weights = exact_run(
             pairs.base, pairs.tokenizer, pairs.rows, pairs.steps, settings, lora
         )
+        # TRL's DPOTrainer on the same pairs per step, in fp32.
+        trl, trl_weights = trl_run(
+            pairs.base,
+            pairs.tokenizer,
+            pairs.rows,
+            pairs.steps,
+            tmp_path / name,
+            dpo=dpo,
+            lora=lora,
+        )
         # IPO's loss is a square falling towards 0 (0.026 here): held to 1e-5 of 0.1.
         floor = 0.1 if dpo.get("loss_type") == "ipo" else 0.01
-        assert_steps_match(name, per_step(one[name]), logs, 1e-5, dpo.get("beta", 0.1), floor)
         got = trained_tensors(one[name], tmp_path / f"one-{name}-hf", lora is not None)
-        assert_weights_match(name, got, weights)
-        if name == "model":
-            # TRL's DPOTrainer on the same steps is the same objective, within its fp32.
-            trl, _ = trl_run(
-                pairs.base, pairs.tokenizer, pairs.rows, pairs.steps, tmp_path / "trl", dpo={}
-            )
-            # From step 2: at step 1 its policy and reference, both the base, score up to
-            # 1.5e-3 apart (its rewards 1.5e-4 from 0, its accuracy 0.73 instead of 0).
-            assert abs(trl[0]["loss"] - logs[0]["loss"]) <= 1e-4
-            assert_steps_match("trl", trl[1:], logs[1:], 2e-3)
+        for oracle, steps, tensors in (("float64", logs, weights), ("TRL", trl, trl_weights)):
+            label = f"{name} against {oracle}"
+            assert_steps_match(label, per_step(one[name]), steps, 1e-5, dpo.get("beta", 0.1), floor)
+            assert_weights_match(label, got, tensors)
     # The precomputed reference is the frozen copy's log-probabilities.
     assert per_step(one["precompute"]) == per_step(one["model"])
 
