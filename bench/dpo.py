@@ -10,14 +10,16 @@ at the same rate, trained
   4 blocks, dp 2 on the 2 cores with a reference model (twice, first and last: the A/A
   control), with precomputed references, and with LoRA (reference = adapters off);
 - by TRL's DPOTrainer with the same number of pairs a step, one process with all the
-  cores: with a reference model (its defaults: gradient checkpointing on), with
+  cores, in fp32 as meshtrain (its `bf16` default off: on a CPU that is autocast, about
+  9x slower than fp32 on this machine's AVX2): with a reference model (its other
+  defaults: padded batches, gradient checkpointing), with
   `precompute_ref_log_probs`, and with LoRA (`peft_config`, the adapters off as the
   reference).
 
 Pairs per second over the steps after the first (meshtrain: its real tokens/s times the
 split's pairs per real token; TRL: the step's pairs over the step's seconds).
 
-    .venv/bin/python bench/dpo.py     # 2026-12-07: TRL's steps took 10-17 min each here
+    .venv/bin/python bench/dpo.py     # about 25 min here (docs/preference.md)
 """
 
 from __future__ import annotations
@@ -115,6 +117,7 @@ def trl_side(tokenizer, base: Path, root: Path, steps: int, pairs: int, **option
         save_strategy="no",
         report_to=[],
         use_cpu=True,
+        bf16=False,
         max_length=BLOCK,
         dataloader_num_workers=0,
         dataset_num_proc=None,
