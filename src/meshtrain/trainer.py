@@ -39,6 +39,13 @@ from meshtrain.components.metrics import (
 )
 from meshtrain.components.rank_build import build_rank, build_reference_model
 from meshtrain.components.reference_pass import reference_table
+from meshtrain.components.reference_store import (
+    REFERENCE_FILE,
+    StoredRows,
+    load_tables,
+    save_tables,
+    table_identity,
+)
 from meshtrain.components.step_guard import (
     StopRequested,
     StopSignals,
@@ -118,6 +125,7 @@ class Trainer:
         self.validation_blocks = (
             BlockStore(spec.validation_files) if spec.validation_files else None
         )
+        self.reference_table: dict[str, Any] | None = None
         self.reference_logps, self.validation_reference = self._precompute_reference()
         self.sampler = GlobalBatchSampler(
             len(self.train_blocks), self.plan.global_batch_size, self.cfg.seed
@@ -141,22 +149,46 @@ class Trainer:
         self.last_checkpoint: Path | None = None
         self.stop = StopSignals()
 
-    def _precompute_reference(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def _precompute_reference(self) -> tuple[StoredRows | None, StoredRows | None]:
         """DPO's precomputed reference log-probabilities of the training and validation
-        blocks (None, None for any other reference): the starting weights, built for this
-        pass and freed before training."""
+        blocks (None, None for any other reference), memory-mapped from the run's folder:
+        made there once (the starting weights built for this pass and freed before
+        training), read again by a resumed run. Collective."""
         preference = self.pm.preference
         if preference is None or preference.reference != "precompute":
             return None, None
-        reference = build_reference_model(self.run, self.plan, self.dims, self.device)
-        tables = [
-            reference_table(reference, blocks, self.per_device, self.device)
-            if blocks is not None
-            else None
-            for blocks in (self.train_blocks, self.validation_blocks)
-        ]
-        del reference
-        return tables[0], tables[1]
+        splits = {"train": self.train_blocks, "validation": self.validation_blocks}
+        identity = table_identity(self.run.model.init_from, self.plan.model_config, splits)
+        path = self.run_dir / REFERENCE_FILE
+        tables = load_tables(path, identity)
+        self.reference_table = {"path": str(path), "scored": tables is None}
+        if tables is None:
+            reference = build_reference_model(self.run, self.plan, self.dims, self.device)
+            scored = {
+                split: reference_table(reference, blocks, self.per_device, self.device)
+                for split, blocks in splits.items()
+                if blocks is not None
+            }
+            del reference
+            if self._holds_whole_tables():
+                save_tables(path, scored, identity)
+            dist.barrier()
+            tables = load_tables(path, identity)
+            if tables is None:
+                raise CheckpointError(
+                    f"the reference table written to {path} cannot be read on this node: "
+                    "the run's folder (training.output_dir) must be on a filesystem every "
+                    "node shares"
+                )
+        done = "scored into" if self.reference_table["scored"] else "read from"
+        self._report(f"reference log-probabilities {done} {path}")
+        return tables.get("train"), tables.get("validation")
+
+    def _holds_whole_tables(self) -> bool:
+        """The one rank that writes the reference table: the first of the last pipeline
+        stage, where the tables are whole (gathered over dp and cp)."""
+        dims = self.dims
+        return dims.pp_rank == dims.pp - 1 and dims.dp_cp_rank == 0 and dims.tp_rank == 0
 
     def _checkpointer(self, optimizer_state: OptimizerState) -> Checkpointer:
         """The owner of this run's checkpoints, with what each of them holds."""
@@ -498,6 +530,8 @@ class Trainer:
                 "loss_type": dpo.loss_type,
                 "label_smoothing": dpo.label_smoothing,
                 "reference_model": self.run.model.init_from,
+                # reference=precompute: its file, and whether this run scored it.
+                "reference_table": self.reference_table,
             }
         }
 

@@ -232,8 +232,11 @@ def test_dpo_equals_float64_trl_dpo_in_one_process_and_on_every_layout(pairs, tm
             label = f"{name} against {oracle}"
             assert_steps_match(label, per_step(one[name]), steps, 1e-5, dpo.get("beta", 0.1), floor)
             assert_weights_match(label, got, tensors)
-    # The precomputed reference is the frozen copy's log-probabilities.
+    # The precomputed reference is the frozen copy's log-probabilities, scored into the
+    # run's folder and read back from it.
     assert per_step(one["precompute"]) == per_step(one["model"])
+    table = one["precompute"]["dpo"]["reference_table"]
+    assert table["scored"] and Path(table["path"]).is_file()
 
     layouts = [
         spec(

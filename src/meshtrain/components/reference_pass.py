@@ -4,10 +4,9 @@ holds one model (TRL's `precompute_ref_log_probs`).
 
 Each data-parallel group scores a contiguous share of the blocks (its context-parallel
 ranks a share of each block's tokens; under pipeline parallelism its last stage's ranks)
-and the shares are gathered, so every rank holds the whole table (4 bytes per block
-token, on the host; zeros off the last stage, which alone uses them). The reference is
-the starting weights (`model.init_from`), so a resumed run makes the same table again
-rather than storing it.
+and the shares are gathered, so the ranks of the last stage hold the whole table (4
+bytes per block token, on the host), which one of them stores for every rank
+(`components/reference_store.py`).
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from meshtrain.data.batch import BlockRows
 from meshtrain.data.blocks import BlockStore
 from meshtrain.models.parallel_model import ParallelModel
 from meshtrain.models.preference_loss import METRICS
@@ -18,7 +19,7 @@ def evaluate_means(
     device: torch.device,
     per_rank: int,
     global_batch: int,
-    reference: torch.Tensor | None = None,
+    reference: BlockRows | None = None,
 ) -> list[float]:
     """Mean loss per trained token over the first `eval_batches` global batches of
     validation (fine-tuning blocks: the tokens `data.loss_on` trains); under DPO the mean

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -42,6 +43,12 @@ def example_ids(position_ids: torch.Tensor) -> torch.Tensor:
     return (position_ids == 0).cumsum(dim=1)
 
 
+class BlockRows(Protocol):
+    """A table with one row per block: a tensor, or rows memory-mapped from a file."""
+
+    def __getitem__(self, indices: list[int]) -> torch.Tensor: ...
+
+
 @dataclass(frozen=True)
 class TokenBatch:
     """What one forward needs: ids, targets and, for packed examples, their positions."""
@@ -68,7 +75,7 @@ class TokenBatch:
     def num_real_tokens(self) -> int:
         return self.input_ids.numel() if self.real_tokens is None else self.real_tokens
 
-    def with_reference(self, table: torch.Tensor | None, indices: list[int]) -> TokenBatch:
+    def with_reference(self, table: BlockRows | None, indices: list[int]) -> TokenBatch:
         """The batch of blocks `indices` with their rows of `table`, precomputed reference
         log-probabilities (None: the batch as it is)."""
         if table is None:

@@ -38,6 +38,7 @@ def is_packed(split: datasets.Dataset) -> bool:
 
 class BlockStore:
     def __init__(self, files: list[str]) -> None:
+        self.files = list(files)  # the Arrow files, in order
         self._chunks: dict[str, list[np.ndarray]] = {}
         for path in files:
             # `datasets` writes Arrow IPC streams; memory-mapped, nothing is read up front.

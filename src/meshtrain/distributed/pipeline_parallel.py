@@ -272,16 +272,23 @@ class PipelineRunner:
         self._scores.append((reported, (counts, routed_loss)))
         return loss if term is None else loss + term * self.data_parallel
 
-    def _run(
-        self, method: Callable, batch: TokenBatch, *, return_outputs: bool = False
-    ) -> list[torch.Tensor]:
+    def _run(self, method: Callable, batch: TokenBatch) -> list[torch.Tensor]:
         """The schedule over one batch; the language-model loss of each microbatch (none
         off the last stage), or what the scorer reports. Only the last `num_microbatches`
         scores count: in a stage's first step, and the first after switching between
         training and evaluation, torch infers the stages' shapes with one more pass,
         through the loss function too."""
-        self._scores, self._batch = [], batch
-        losses: list[torch.Tensor] = []
+        self._scores = []
+        self._schedule(method, batch, return_outputs=False)
+        scores = self._scores[-self.num_microbatches :] if self.holds_last else []
+        for _, routed in scores:
+            if routed is not None and self.routing is not None:
+                self.routing.record(*routed)
+        return [loss for loss, _ in scores]
+
+    def _schedule(self, method: Callable, batch: TokenBatch, *, return_outputs: bool) -> Any:
+        """`method` (the schedule's `step` or `eval`) over `batch`; the last stage's outputs
+        merged where asked."""
         args = (batch.input_ids,) if self.holds_first else ()
         target = None
         if self.holds_last:
@@ -293,17 +300,11 @@ class PipelineRunner:
         inputs = {"labels": batch.labels}
         if batch.position_ids is not None:
             inputs["position_ids"] = batch.position_ids
-        outputs = method(
-            *args, target=target, losses=losses, return_outputs=return_outputs, **inputs
-        )
-        self._batch = None
-        if return_outputs:
-            return outputs
-        scores = self._scores[-self.num_microbatches :] if self.holds_last else []
-        for _, routed in scores:
-            if routed is not None and self.routing is not None:
-                self.routing.record(*routed)
-        return [loss for loss, _ in scores]
+        self._batch = batch
+        try:
+            return method(*args, target=target, losses=[], return_outputs=return_outputs, **inputs)
+        finally:
+            self._batch = None
 
     def _summed(self, scores: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
         """The microbatches' scores added up (zeros off the last stage)."""
@@ -314,8 +315,8 @@ class PipelineRunner:
 
     def train_step(self, batch: TokenBatch, trained_tokens: int, dp: int) -> torch.Tensor:
         """Forward and backward of one batch; returns its summed loss / `trained_tokens`
-        (those of the global batch), the backward running on that times `dp` (data
-        parallelism averages the gradients).
+        (those of the global batch; under DPO the scorer's values / its pairs), the
+        backward running on that times `dp` (data parallelism averages the gradients).
 
         The loss is only known on the rank holding the last stage; elsewhere 0.
         """
@@ -335,7 +336,7 @@ class PipelineRunner:
         """Each label's (batch, sequence) log-probability, forward only (zeros where the
         last stage is not held). The runner must `score_tokens` without a scorer."""
         self.training = False
-        logps = self._run(self.schedule.eval, batch, return_outputs=True)
+        logps = self._schedule(self.schedule.eval, batch, return_outputs=True)
         if not self.holds_last:
             return torch.zeros(batch.labels.shape, device=batch.labels.device)
         return logps
