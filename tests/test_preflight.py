@@ -17,7 +17,7 @@ from meshtrain.data.tokenizer import train_tokenizer
 from meshtrain.models import build_model_config
 from meshtrain.pipelines.catalog_io import HFDiskDataset, TokenizerDataset
 from meshtrain.planner import LayoutError
-from meshtrain.planner.host import GIB, Host, check_host
+from meshtrain.planner.host import GIB, Host, check_host, snapshot_bytes
 from meshtrain.planner.search import plan_run
 
 
@@ -59,6 +59,23 @@ def test_the_default_run_fits_and_more_ranks_than_cores_is_a_warning():
     assert len(warnings) == 1 and "launch.nproc_per_node=2 ranks share 1 core" in warnings[0]
     assert "docs/speed.md" in warnings[0]
     assert Host.here().cores >= 1 and Host.here().memory_bytes > 0
+
+
+def test_background_checkpoints_that_only_fit_without_their_snapshots_are_refused():
+    plan = _plan(launch={"nproc_per_node": 4}, model=DEFAULT_MODEL)
+    per_rank = plan.memory_estimate_per_rank["process_total"]
+    snapshot = snapshot_bytes(plan)
+    assert 0 < snapshot < per_rank
+    roomy = Host(int(4 * (per_rank + snapshot)) + 1, "test", cores=4)
+    assert check_host(plan, 4, roomy, snapshot=True) == []
+    tight = Host(int(4 * per_rank) + 1, "test", cores=4)
+    assert check_host(plan, 4, tight) == []  # synchronous saves hold no copy
+    with pytest.raises(LayoutError) as refused:
+        check_host(plan, 4, tight, snapshot=True)
+    message = str(refused.value)
+    assert "training.checkpoint_async" in message
+    assert "Set training.checkpoint_async=false" in message
+    assert f"4 x {snapshot / GIB:.2f} GiB" in message
 
 
 def test_on_accelerators_the_host_holds_the_offloaded_activations():

@@ -256,6 +256,11 @@ class TrainingConfig:
     # fp32 (exact accumulation) or bf16 (half the reduction bytes, as some users want).
     grad_reduce_dtype: Literal["fp32", "bf16"] = "fp32"
     checkpoint_every: int = 100
+    # Checkpoints written while training goes on: each rank snapshots its files to host
+    # memory (/dev/shm) and a background thread writes them (checkpoint/background.py);
+    # a save waits for the one before it, a stop and the last step write synchronously,
+    # and a save with no room in host memory on some rank is synchronous too.
+    checkpoint_async: bool = True
     keep_last: int = 2
     resume_from: str | None = None
     eval_every: int = 100

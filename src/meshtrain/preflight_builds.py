@@ -49,7 +49,9 @@ def _check_plan(parameters: RunParameters, trains: bool) -> list[str]:
     if size is None:  # a hub tokenizer or model: planned once downloaded
         return []
     plan = plan_before_data(run, size)
-    return check_host(plan, run.launch.nproc_per_node) if trains else []
+    if not trains:
+        return []
+    return check_host(plan, run.launch.nproc_per_node, snapshot=run.training.checkpoint_async)
 
 
 def _check_data_inputs(parameters: RunParameters, trains: bool) -> list[str]:

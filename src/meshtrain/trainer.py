@@ -47,6 +47,7 @@ from meshtrain.components.reference_store import (
     table_identity,
 )
 from meshtrain.components.step_guard import (
+    NonFiniteError,
     StopRequested,
     StopSignals,
     agree_on_step,
@@ -210,6 +211,7 @@ class Trainer:
             },
             tokenizer_dir=Path(self.spec.tokenizer_dir) if self.spec.tokenizer_dir else None,
             keep_last=self.cfg.keep_last,
+            in_background=self.cfg.checkpoint_async,
         )
 
     def _trained_share(self) -> str:
@@ -280,7 +282,14 @@ class Trainer:
         initial_val_loss = self.validate(self.start_step)
         self.train_start = time.perf_counter()
         with self.stop:  # SIGTERM / SIGUSR1 from here on: finish the step, checkpoint, stop
-            stopped = self.train_steps()
+            try:
+                stopped = self.train_steps()
+            except NonFiniteError:
+                # Every rank agreed to stop: the save in flight (of an earlier, finite
+                # step) completes first.
+                with contextlib.suppress(CheckpointError):
+                    self.checkpointer.wait()
+                raise
         train_time = time.perf_counter() - self.train_start
         if stopped:
             self.tracker.flush()
@@ -304,11 +313,12 @@ class Trainer:
         cfg = self.cfg
         for step in range(self.start_step, cfg.max_steps):
             outcome = self.train_step(step)
+            self.checkpointer.check()  # a background save's failure stops the run here
             done = step + 1
             if done % cfg.log_every == 0 or done == cfg.max_steps:
                 self.log_step(done, outcome)
             if outcome.stop_signal:
-                self.last_checkpoint = self.checkpoint(done)
+                self.last_checkpoint = self.checkpoint(done, wait=True)
                 self._report(
                     f"stopped by {signal_name(outcome.stop_signal)} after step {done}: "
                     f"checkpoint {self.last_checkpoint}"
@@ -317,7 +327,7 @@ class Trainer:
             if cfg.eval_every and done % cfg.eval_every == 0 and done != cfg.max_steps:
                 self.validate(done)
             if done % cfg.checkpoint_every == 0 or done == cfg.max_steps:
-                self.last_checkpoint = self.checkpoint(done)
+                self.last_checkpoint = self.checkpoint(done, wait=done == cfg.max_steps)
         return None
 
     def train_step(self, step: int) -> StepOutcome:
@@ -451,10 +461,11 @@ class Trainer:
         self._report(line)
         return loss
 
-    def checkpoint(self, step: int) -> Path:
-        """Save a complete checkpoint of step `step`; returns its folder. Collective."""
+    def checkpoint(self, step: int, *, wait: bool = False) -> Path:
+        """Save a checkpoint of step `step` (in the background unless `wait`, or
+        `training.checkpoint_async=false`); returns its folder. Collective."""
         self.optimizer.wait_for_parameters()
-        return self.checkpointer.save(step)
+        return self.checkpointer.save(step, wait=wait)
 
     def gather_peak_memory(self) -> dict[str, list[float]]:
         """Every rank's peak resident memory at start-up and over the run (and the CUDA

@@ -1,6 +1,8 @@
 """Resuming: bitwise exact on the same layout, and equal to one process on another layout
 (tp 2 -> 1, dp 2 -> 4 with ZeRO-1 re-partitioned, pp 2 -> 1; with tied embeddings
-pp 2 -> 1 and pp 1 -> 2), all in one 4-rank group."""
+pp 2 -> 1 and pp 1 -> 2), all in one 4-rank group. The checkpoints resumed from are
+written in the background (`training.checkpoint_async`, the default); a synchronous save
+of the same step writes the same bytes."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from meshtrain.checkpoint import consolidate_checkpoint
+from meshtrain.checkpoint.manifest import read_manifest
 from tests.conftest import TINY_MODEL
 from tests.distributed.reference import (
     STEPS,
@@ -58,6 +61,7 @@ def test_resume_same_and_other_layouts(tiny_blocks, tmp_path: Path):
     saved_tied_dp = str(tmp_path / "tied-dp4" / f"checkpoint-{SAVE_AT}")
     specs = [
         spec("dp2-tp2", DP2_TP2, BATCH),
+        spec("dp2-tp2-sync", DP2_TP2, {**BATCH, "checkpoint_async": False}),
         spec("dp2-tp2-resumed", DP2_TP2, BATCH, saved_tp),
         spec("dp4-from-tp2", DP4, BATCH_DP4, saved_tp),
         spec("dp2-pp2", DP2_PP2, BATCH),
@@ -80,6 +84,14 @@ def test_resume_same_and_other_layouts(tiny_blocks, tmp_path: Path):
     # Uninterrupted runs match one process.
     for name in ("dp2-tp2", "dp2-pp2"):
         assert_matches_reference(name, results[name], losses, weights, tmp_path / f"{name}-hf")
+
+    # A background save writes the files a synchronous one does, byte for byte.
+    in_background, synchronous = (
+        read_manifest(tmp_path / name / f"checkpoint-{SAVE_AT}")["files"]
+        for name in ("dp2-tp2", "dp2-tp2-sync")
+    )
+    assert in_background == synchronous and len(in_background) > 4
+    assert results["dp2-tp2-sync"]["losses"] == results["dp2-tp2"]["losses"]
 
     # Same layout: the resumed steps are bitwise the uninterrupted ones.
     straight, resumed = results["dp2-tp2"], results["dp2-tp2-resumed"]

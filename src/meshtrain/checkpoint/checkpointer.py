@@ -14,6 +14,7 @@ import json
 import shutil
 from collections.abc import Mapping
 from contextlib import ExitStack
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -23,6 +24,12 @@ from safetensors.torch import load_file
 from transformers import PretrainedConfig
 
 from meshtrain.checkpoint import files
+from meshtrain.checkpoint.background import (
+    BackgroundWriter,
+    remove_stale_staging,
+    staging_available,
+    staging_folder,
+)
 from meshtrain.checkpoint.load import CheckpointReader, check_compatible
 from meshtrain.checkpoint.manifest import mark_complete, read_manifest, write_json_atomic
 from meshtrain.checkpoint.safetensors_format import save_safetensors
@@ -32,6 +39,10 @@ from meshtrain.checkpoint.space import folder_bytes, named_write_errors
 if TYPE_CHECKING:
     from meshtrain.distributed.parallel_dims import ParallelDims
     from meshtrain.distributed.tensor_parallel import ParameterSharding
+
+
+# Room left in host memory besides a snapshot's 10% margin: the small JSON files.
+_STAGING_SLACK = 1 << 20
 
 
 class OptimizerState(Protocol):
@@ -74,40 +85,89 @@ class Checkpointer:
         run_state: dict[str, Any],
         tokenizer_dir: Path | None = None,
         keep_last: int = 0,
+        in_background: bool = False,
     ) -> None:
         """`parameters`: this rank's, by Hugging Face name; `tied_copies`: those stored
         under another name (a tied LM head's copy on the last pipeline stage -> the
         embedding), stored once; `run_state`: what the trainer state records besides the
-        step (layout, sample stream)."""
+        step (layout, sample stream); `in_background`: saves snapshot to host memory and
+        write while training goes on (`checkpoint.background`). Collective."""
         self.run_dir = Path(run_dir)
         self.parameters, self.sharding, self.tied_copies = parameters, sharding, tied_copies
         self.stored = {n: p for n, p in parameters.items() if n not in tied_copies}
         self.optimizer, self.dims, self.model_config = optimizer, dims, model_config
         self.run_state, self.tokenizer_dir, self.keep_last = run_state, tokenizer_dir, keep_last
+        self.writer = None
+        if in_background:
+            remove_stale_staging()
+            self.writer = BackgroundWriter()
 
-    def save(self, step: int) -> Path:
-        """Write a complete checkpoint of step `step`; its folder. Collective."""
+    def save(self, step: int, *, wait: bool = False) -> Path:
+        """Write a checkpoint of step `step`; its folder. Collective. With a background
+        writer (and room in host memory on every rank), the files are snapshotted and
+        written while training goes on, the folder complete once every rank's are
+        durable; `wait`: complete before returning (a stop, the last step)."""
+        self.wait()  # one save in flight at a time
         root = self.run_dir / files.checkpoint_name(step)
         mine = self.optimizer.checkpoint_bytes(self.stored, self.sharding, self.dims)
-        check_room(self.run_dir, root, mine, folder_bytes(self.tokenizer_dir))
+        shared = folder_bytes(self.tokenizer_dir)  # rank 0's copy besides
+        check_room(self.run_dir, root, mine, shared)
         rank = dist.get_rank()
+        staged = None
+        if self.writer is not None and not wait:
+            staged = self._staging(step, mine + (shared if rank == 0 else 0))
         if rank == 0 and root.exists():
             shutil.rmtree(root)  # a leftover from a run that died mid-save
         dist.barrier()
         trainer_state = {"step": step, **self.run_state}
+        target = root if staged is None else staged
         with named_write_errors(self.run_dir, root):
-            self.optimizer.save_state(root, self.stored, self.sharding, self.dims)
-            rng = files.rng_file(root, rank)
+            self.optimizer.save_state(target, self.stored, self.sharding, self.dims)
+            rng = files.rng_file(target, rank)
             rng.parent.mkdir(parents=True, exist_ok=True)
             save_safetensors({"cpu": torch.get_rng_state()}, rng)
             if rank == 0:
-                self._write_rank0_files(root, trainer_state)
+                self._write_rank0_files(target, trainer_state)
         entries = self._gather_manifest_entries()
+        complete = None
         if rank == 0:
-            mark_complete(root, manifest_of(root, step, trainer_state, entries))
-            prune_checkpoints(self.run_dir, self.keep_last)
+            complete = partial(self._complete, root, step, trainer_state, entries)
+        if staged is not None:
+            self.writer.start(staged, root, complete)
+            return root
+        if complete is not None:
+            complete()
         dist.barrier()
         return root
+
+    def _complete(
+        self, root: Path, step: int, trainer_state: dict[str, Any], entries: dict[str, dict]
+    ) -> None:
+        """Rank 0, once every rank's files are in `root`: the manifest and the marker,
+        then the checkpoints past `keep_last` pruned."""
+        mark_complete(root, manifest_of(root, step, trainer_state, entries))
+        prune_checkpoints(self.run_dir, self.keep_last)
+
+    def _staging(self, step: int, mine: int) -> Path | None:
+        """Where this rank snapshots checkpoint `step` in host memory; None (a synchronous
+        save) unless every rank has room for its share there. Collective."""
+        room = torch.tensor([int(staging_available() >= mine * 1.1 + _STAGING_SLACK)])
+        dist.all_reduce(room, op=dist.ReduceOp.MIN)
+        if not room.item():
+            return None
+        staged = staging_folder(dist.get_rank()) / files.checkpoint_name(step)
+        shutil.rmtree(staged, ignore_errors=True)
+        return staged
+
+    def check(self) -> None:
+        """Raise the error of a background save that failed (no waiting)."""
+        if self.writer is not None:
+            self.writer.check()
+
+    def wait(self) -> None:
+        """Wait for the background save in flight, if any (its error raised)."""
+        if self.writer is not None:
+            self.writer.wait()
 
     def _write_rank0_files(self, root: Path, trainer_state: dict[str, Any]) -> None:
         self.model_config.save_pretrained(root)

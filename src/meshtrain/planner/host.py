@@ -58,11 +58,26 @@ def host_bytes_per_rank(plan: Plan) -> int:
     return BUILTIN_PROFILES["cpu"].runtime_bytes + int(memory.get("offloaded_to_host", 0))
 
 
-def check_host(plan: Plan, ranks_here: int, host: Host | None = None) -> list[str]:
+def snapshot_bytes(plan: Plan) -> int:
+    """A background checkpoint's snapshot of one rank in host memory (a tmpfs, at most
+    what the rank stores: its parameters and optimizer states, its shares of them where
+    they are sharded; `checkpoint/background.py`)."""
+    memory = plan.memory_estimate_per_rank
+    return int(memory["parameters"]) + int(memory["optimizer_states"])
+
+
+def check_host(
+    plan: Plan, ranks_here: int, host: Host | None = None, *, snapshot: bool = False
+) -> list[str]:
     """Refuse `ranks_here` ranks of `plan` whose memory this host cannot hold, naming the
-    arithmetic and the ranks that fit; returns the warnings (more ranks than cores)."""
+    arithmetic and the ranks that fit; returns the warnings (more ranks than cores).
+    `snapshot`: checkpoints are written in the background, each rank's snapshot in host
+    memory until it is written."""
     host = host or Host.here()
     per_rank = host_bytes_per_rank(plan)
+    if snapshot:
+        _check_snapshot(plan, ranks_here, host, per_rank)
+        per_rank += snapshot_bytes(plan)
     need = per_rank * ranks_here
     if host.memory_bytes and per_rank and need > host.memory_bytes:
         fits = host.memory_bytes // per_rank
@@ -87,6 +102,24 @@ def check_host(plan: Plan, ranks_here: int, host: Host | None = None) -> list[st
             "tokens/s of one per core, within the A/A noise; docs/speed.md)."
         )
     return warnings
+
+
+def _check_snapshot(plan: Plan, ranks_here: int, host: Host, per_rank: int) -> None:
+    """Refuse background checkpoints whose snapshots are all that does not fit."""
+    snapshots = snapshot_bytes(plan) * ranks_here
+    running = per_rank * ranks_here
+    if not host.memory_bytes or running + snapshots <= host.memory_bytes:
+        return
+    if running > host.memory_bytes:
+        return  # the ranks themselves do not fit: refused on that
+    reason = (
+        f"a background checkpoint holds each rank's snapshot in host memory: {ranks_here} x "
+        f"{snapshot_bytes(plan) / GIB:.2f} GiB on top of the ranks' {running / GIB:.1f} GiB, "
+        f"but this host has {host.memory_bytes / GIB:.1f} GiB for the job "
+        f"({host.memory_source})"
+    )
+    fix = "Set training.checkpoint_async=false: a synchronous save streams from the tensors."
+    raise LayoutError([Refusal("training.checkpoint_async", True, reason, fix)])
 
 
 def _what(plan: Plan) -> str:
