@@ -13,6 +13,7 @@ the previous checkpoint stays `latest`; it is raised in the training loop by the
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import shutil
@@ -106,6 +107,8 @@ class BackgroundWriter:
             self._error, written = error, False
         finally:
             shutil.rmtree(staged, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                staged.parent.rmdir()  # this process's staging folder, when empty
         everyone = torch.tensor([int(written)])
         try:
             dist.all_reduce(everyone, op=dist.ReduceOp.MIN, group=self.group)
