@@ -20,6 +20,7 @@ from meshtrain.data.pretrained_tokenizer import (
 )
 from meshtrain.data.tokenizer import tokenizer_size
 from meshtrain.evaluation_checks import check_evaluation_inputs
+from meshtrain.launch.backends import missing_packages
 from meshtrain.models.config_fields import check_model_fields
 from meshtrain.models.llama.pretrained import resolve_init_from
 from meshtrain.planner.host import check_host
@@ -49,8 +50,8 @@ def _check_plan(parameters: RunParameters, trains: bool) -> list[str]:
     if size is None:  # a hub tokenizer or model: planned once downloaded
         return []
     plan = plan_before_data(run, size)
-    if not trains:
-        return []
+    if not trains or missing_packages(run.launch.backend):
+        return []  # (no ranks start here: the launch refuses, naming what to install)
     return check_host(plan, run.launch.nproc_per_node, snapshot=run.training.checkpoint_async)
 
 

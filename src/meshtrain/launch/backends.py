@@ -13,12 +13,19 @@ class BackendUnavailableError(Refused, RuntimeError):
     """The configured `launch.backend` cannot run on this machine; the message says why."""
 
 
+def missing_packages(backend: str) -> list[str]:
+    """The packages `backend` needs that this machine lacks."""
+    if backend != "neuron":
+        return []
+    return [name for name in NEURON_PACKAGES if importlib.util.find_spec(name) is None]
+
+
 def check_backend_available(backend: str) -> None:
     """Refuse `neuron` where the AWS Neuron packages are missing (everything before the
     launch -- data, planning for trn devices, plan.json, MLflow -- runs without them)."""
     if backend != "neuron":
         return
-    missing = [name for name in NEURON_PACKAGES if importlib.util.find_spec(name) is None]
+    missing = missing_packages(backend)
     if missing:
         raise BackendUnavailableError(
             f"launch.backend=neuron needs {', '.join(missing)} (not installed here). The AWS "
