@@ -42,8 +42,7 @@ from meshtrain.components.reference_pass import reference_table
 from meshtrain.components.reference_store import (
     REFERENCE_FILE,
     StoredRows,
-    load_tables,
-    save_tables,
+    stored_tables,
     table_identity,
 )
 from meshtrain.components.step_guard import (
@@ -161,29 +160,22 @@ class Trainer:
         splits = {"train": self.train_blocks, "validation": self.validation_blocks}
         identity = table_identity(self.run.model.init_from, self.plan.model_config, splits)
         path = self.run_dir / REFERENCE_FILE
-        tables = load_tables(path, identity)
-        self.reference_table = {"path": str(path), "scored": tables is None}
-        if tables is None:
-            reference = build_reference_model(self.run, self.plan, self.dims, self.device)
-            scored = {
-                split: reference_table(reference, blocks, self.per_device, self.device)
-                for split, blocks in splits.items()
-                if blocks is not None
-            }
-            del reference
-            if self._holds_whole_tables():
-                save_tables(path, scored, identity)
-            dist.barrier()
-            tables = load_tables(path, identity)
-            if tables is None:
-                raise CheckpointError(
-                    f"the reference table written to {path} cannot be read on this node: "
-                    "the run's folder (training.output_dir) must be on a filesystem every "
-                    "node shares"
-                )
-        done = "scored into" if self.reference_table["scored"] else "read from"
+        score = partial(self._score_reference, splits)
+        tables, scored = stored_tables(path, identity, score, writes=self._holds_whole_tables())
+        self.reference_table = {"path": str(path), "scored": scored}
+        done = "scored into" if scored else "read from"
         self._report(f"reference log-probabilities {done} {path}")
         return tables.get("train"), tables.get("validation")
+
+    def _score_reference(self, splits: dict[str, BlockStore | None]) -> dict[str, torch.Tensor]:
+        """Every block's log-probabilities under the starting weights, built for this pass
+        and freed after it. Collective."""
+        reference = build_reference_model(self.run, self.plan, self.dims, self.device)
+        return {
+            split: reference_table(reference, blocks, self.per_device, self.device)
+            for split, blocks in splits.items()
+            if blocks is not None
+        }
 
     def _holds_whole_tables(self) -> bool:
         """The one rank that writes the reference table: the first of the last pipeline

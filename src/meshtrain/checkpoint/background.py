@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from meshtrain.checkpoint.manifest import CheckpointError
+from meshtrain.checkpoint.space import free_bytes
 
 STAGING_ROOT = Path("/dev/shm")
 # The writer threads' agreement waits for the slowest rank's copy.
@@ -35,7 +36,7 @@ def staging_available(root: Path = STAGING_ROOT) -> int:
     """The bytes a snapshot can take in host memory (0: no tmpfs to stage in)."""
     if not root.is_dir() or not os.access(root, os.W_OK):
         return 0
-    return shutil.disk_usage(root).free
+    return free_bytes(root)
 
 
 def staging_folder(rank: int, root: Path = STAGING_ROOT) -> Path:
@@ -48,9 +49,11 @@ def remove_stale_staging(root: Path = STAGING_ROOT) -> None:
     """Delete the staging folders of processes that are gone (killed mid-save): they hold
     host memory until removed."""
     for folder in root.glob("meshtrain-checkpoint-*-rank*") if root.is_dir() else ():
-        pid = int(folder.name.split("-")[2])
+        pid = folder.name.split("-")[2]
+        if not pid.isdigit():
+            continue  # not a name this module gave
         try:
-            os.kill(pid, 0)
+            os.kill(int(pid), 0)
         except ProcessLookupError:
             shutil.rmtree(folder, ignore_errors=True)
         except PermissionError:

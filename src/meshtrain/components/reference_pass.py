@@ -51,7 +51,11 @@ def reference_table(
 
 
 def _scored_rows(
-    reference: ParallelModel, blocks: BlockStore, indices: list[int], per_rank: int, device
+    reference: ParallelModel,
+    blocks: BlockStore,
+    indices: list[int],
+    per_rank: int,
+    device: torch.device,
 ) -> torch.Tensor:
     """The token log-probabilities of blocks `indices` (under cp each rank scores its share
     of the tokens, and the shares are gathered back into rows; off the last pipeline stage,

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 
 from meshtrain.checkpoint.lora_base import base_identity
@@ -82,6 +83,32 @@ def load_tables(path: Path, identity: dict[str, Any]) -> dict[str, StoredRows] |
     if any(entry.code != "F32" or len(entry.shape) != 2 for entry in entries.values()):
         return None
     return {split: StoredRows(path, entry) for split, entry in entries.items()}
+
+
+def stored_tables(
+    path: Path,
+    identity: dict[str, Any],
+    score: Callable[[], dict[str, torch.Tensor]],
+    *,
+    writes: bool,
+) -> tuple[dict[str, StoredRows], bool]:
+    """The tables `path` holds for `identity`, or else those `score` makes (collective),
+    written by the one rank that `writes` and read back by every rank; and whether they
+    were scored now. Collective."""
+    tables = load_tables(path, identity)
+    if tables is not None:
+        return tables, False
+    scored = score()
+    if writes:
+        save_tables(path, scored, identity)
+    dist.barrier()
+    tables = load_tables(path, identity)
+    if tables is None:
+        raise CheckpointError(
+            f"the reference table written to {path} cannot be read on this node: the run's "
+            "folder (training.output_dir) must be on a filesystem every node shares"
+        )
+    return tables, True
 
 
 def save_tables(path: Path, tables: Mapping[str, torch.Tensor], identity: dict[str, Any]) -> None:
