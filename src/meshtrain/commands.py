@@ -13,11 +13,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from meshtrain.checkpoint import CheckpointError, consolidate_checkpoint, resolve_checkpoint
 from meshtrain.checkpoint.consolidate import check_dtype, parse_size
+from meshtrain.checkpoint.consolidate.remote_io import consolidate_anywhere
+from meshtrain.checkpoint.remote import find_checkpoint, is_url, join
 from meshtrain.config import ConsolidationConfig
 
 DEFAULT_OUTPUT = "consolidated"
@@ -38,13 +41,14 @@ def build_parser() -> argparse.ArgumentParser:
         "checkpoint",
         metavar="CHECKPOINT_DIR",
         help="a checkpoint-<step> folder, its shards/ folder, or a run folder (its latest "
-        "complete checkpoint)",
+        "complete checkpoint); or their URL on object storage (s3://, gs://: downloaded)",
     )
     consolidate.add_argument(
         "output_dir",
         metavar="OUTPUT_DIR",
         nargs="?",
-        help="where to write the Hugging Face model; it is replaced if it exists "
+        help="where to write the Hugging Face model (a folder, or a URL: uploaded once "
+        "written here); it is replaced if it exists "
         f"(default: {DEFAULT_OUTPUT}/ inside the resolved checkpoint folder, "
         f"e.g. run/checkpoint-100/{DEFAULT_OUTPUT})",
     )
@@ -229,10 +233,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: --dtype: {error}", file=sys.stderr)
             return 1
         try:
-            output_dir = args.output_dir
-            if output_dir is None:
-                output_dir = resolve_checkpoint(Path(args.checkpoint)) / DEFAULT_OUTPUT
-            summary = _consolidate(args, output_dir, max_shard_size, dtype)
+            summary = consolidate_anywhere(
+                args.checkpoint,
+                args.output_dir or _default_output(args.checkpoint),
+                partial(_consolidate, args, max_shard_size=max_shard_size, dtype=dtype),
+                parameter="checkpoint",
+            )
         except (CheckpointError, OSError) as error:
             print(f"error: {error}", file=sys.stderr)
             return 1
@@ -240,16 +246,31 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _consolidate(args: argparse.Namespace, output_dir: Any, max_shard_size: int, dtype: Any):
-    """A full model's folder, or a LoRA checkpoint's adapter folder (and merged model)."""
+def _default_output(checkpoint: str) -> str | Path:
+    """Beside the checkpoint (a bucket's checkpoint: beside it in the bucket)."""
+    if is_url(checkpoint):
+        return join(find_checkpoint(checkpoint, "checkpoint"), DEFAULT_OUTPUT)
+    return resolve_checkpoint(Path(checkpoint)) / DEFAULT_OUTPUT
+
+
+def _consolidate(
+    args: argparse.Namespace,
+    checkpoint: str | Path,
+    output_dir: str | Path,
+    *,
+    max_shard_size: int,
+    dtype: Any,
+):
+    """A full model's folder, or a LoRA checkpoint's adapter folder (and merged model), of
+    a local checkpoint."""
     from meshtrain.checkpoint.consolidate.lora import (  # noqa: PLC0415  (torch: LoRA only)
         consolidate_lora,
         is_lora_checkpoint,
     )
 
-    if is_lora_checkpoint(args.checkpoint):
+    if is_lora_checkpoint(checkpoint):
         return consolidate_lora(
-            args.checkpoint,
+            checkpoint,
             output_dir,
             merged_dir=args.merge_lora,
             base=args.base,
@@ -259,7 +280,7 @@ def _consolidate(args: argparse.Namespace, output_dir: Any, max_shard_size: int,
     if args.merge_lora:
         raise CheckpointError("--merge-lora: the checkpoint holds a full model, not LoRA adapters")
     return consolidate_checkpoint(
-        args.checkpoint,
+        checkpoint,
         output_dir,
         verify=not args.no_verify,
         max_shard_size=max_shard_size,

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from meshtrain.checkpoint.consolidate.options import check_consolidation
 from meshtrain.checkpoint.manifest import find_resume_checkpoint
+from meshtrain.checkpoint.remote import find_checkpoint, is_url
 from meshtrain.config import (
     ConsolidationConfig,
     RunParameters,
@@ -79,7 +80,9 @@ def _check_resume(parameters: RunParameters, trains: bool) -> list[str]:
     """`training.resume_from` naming a folder: a complete checkpoint (`latest` may find
     none: the run then starts at step 0)."""
     training = parameters.group("training")
-    if trains and training.resume_from not in (None, "latest"):
+    if trains and is_url(training.resume_from):
+        find_checkpoint(training.resume_from, "training.resume_from")
+    elif trains and training.resume_from not in (None, "latest"):
         find_resume_checkpoint(Path(training.output_dir), training.resume_from, training.run_name)
     return []
 

@@ -79,6 +79,9 @@ class WorkerSpec:
     tracking_uri: str | None = None
     mlflow_run_id: str | None = None
     resume_from: str | None = None  # a complete checkpoint folder
+    # Where the checkpoints go when it is object storage (a URL; `run_dir` is then a local
+    # folder for the logs and the staging).
+    remote_dir: str | None = None
 
 
 @dataclass
@@ -146,7 +149,7 @@ class Trainer:
         # the first validation, a caller driving `train_step` itself keeps this one.
         self.train_start = time.perf_counter()
         self.throughput = Throughput()
-        self.last_checkpoint: Path | None = None
+        self.last_checkpoint: Path | str | None = None
         self.stop = StopSignals()
 
     def _precompute_reference(self) -> tuple[StoredRows | None, StoredRows | None]:
@@ -204,6 +207,7 @@ class Trainer:
             tokenizer_dir=Path(self.spec.tokenizer_dir) if self.spec.tokenizer_dir else None,
             keep_last=self.cfg.keep_last,
             in_background=self.cfg.checkpoint_async,
+            remote_dir=self.spec.remote_dir,
         )
 
     def _trained_share(self) -> str:
@@ -453,7 +457,7 @@ class Trainer:
         self._report(line)
         return loss
 
-    def checkpoint(self, step: int, *, wait: bool = False) -> Path:
+    def checkpoint(self, step: int, *, wait: bool = False) -> Path | str:
         """Save a checkpoint of step `step` (in the background unless `wait`, or
         `training.checkpoint_async=false`); returns its folder. Collective."""
         self.optimizer.wait_for_parameters()

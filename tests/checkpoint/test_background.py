@@ -16,7 +16,7 @@ from meshtrain.checkpoint.background import (
     remove_stale_staging,
     staging_folder,
 )
-from meshtrain.checkpoint.manifest import CheckpointError
+from meshtrain.checkpoint.manifest import CheckpointError, describe_files
 
 
 @pytest.fixture
@@ -42,9 +42,16 @@ def test_the_files_are_in_place_before_the_checkpoint_is_completed(one_rank, tmp
     root = tmp_path / "run" / "checkpoint-3"
     seen = []
     writer = BackgroundWriter()
-    writer.start(staged, root, lambda: seen.append(sorted(p.name for p in root.rglob("*"))))
+    described = {}
+
+    def finish(everyone: dict) -> None:
+        seen.append(sorted(p.name for p in root.rglob("*")))
+        described.update(everyone)
+
+    writer.start(staged, root, finish)
     writer.wait()
     assert seen == [["config.json", "optimizer", "rank0.safetensors"]]
+    assert described == describe_files(root)  # hashed on the way, as a reread would
     assert (root / "optimizer" / "rank0.safetensors").read_bytes() == b"moments"
     assert not staged.exists()  # the host memory it held is given back
 
@@ -56,7 +63,7 @@ def test_a_failed_write_is_never_completed_and_is_raised(one_rank, tmp_path):
     (root / "optimizer").write_text("a file where a folder must go")
     completed = []
     writer = BackgroundWriter()
-    writer.start(staged, root, lambda: completed.append(True))
+    writer.start(staged, root, completed.append)
     with pytest.raises(CheckpointError, match="background checkpoint write failed"):
         writer.wait()
     assert not completed and not staged.exists()

@@ -1,7 +1,7 @@
 """A training run for the stop tests, as its own process: `python -m tests.distributed.stop_run
-BLOCKS OUT MAX_STEPS [learning_rate]`. It trains through `launch.job.run_training` (the
-`kedro run` path below the node), prints the TrainingStopped or refusal line it ends
-with, and exits 3 for a stop, 4 for a refusal."""
+BLOCKS OUT MAX_STEPS [learning_rate [checkpoint_every]]` (OUT: a folder or a URL). It
+trains through `launch.job.run_training` (the `kedro run` path below the node), prints the
+TrainingStopped or refusal line it ends with, and exits 3 for a stop, 4 for a refusal."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from tests.distributed.reference import TRAINING
 CONSTANT_LR = {"warmup_steps": 0, "min_learning_rate_ratio": 1.0, "learning_rate": 3e-3}
 
 
-def stop_run_config(out: Path, max_steps: int, **training) -> RunConfig:
+def stop_run_config(out: Path | str, max_steps: int, **training) -> RunConfig:
     return RunConfig.from_params(
         parallel={"data_parallel_size": 2, "zero_1": True},
         training={
@@ -57,7 +57,9 @@ def plan_for(run: RunConfig, blocks: datasets.DatasetDict) -> Plan:
 def main() -> int:
     blocks = datasets.load_from_disk(sys.argv[1])
     training = {"learning_rate": float(sys.argv[4])} if len(sys.argv) > 4 else {}
-    run = stop_run_config(Path(sys.argv[2]), int(sys.argv[3]), **training)
+    if len(sys.argv) > 5:
+        training["checkpoint_every"] = int(sys.argv[5])
+    run = stop_run_config(sys.argv[2], int(sys.argv[3]), **training)
     plan = plan_for(run, blocks)
     try:
         run_training(

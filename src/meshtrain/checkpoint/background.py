@@ -15,21 +15,28 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import hashlib
 import os
 import shutil
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-import torch
 import torch.distributed as dist
 
+from meshtrain.checkpoint import remote
 from meshtrain.checkpoint.manifest import CheckpointError
 from meshtrain.checkpoint.space import free_bytes
 
 STAGING_ROOT = Path("/dev/shm")
 # The writer threads' agreement waits for the slowest rank's copy.
 _AGREEMENT_TIMEOUT = datetime.timedelta(hours=6)
+_COPY_CHUNK = 8 << 20
+# What a rank's writer reports: each file's description (size, sha256) by its path in the
+# checkpoint; None for a failed write.
+Described = dict[str, dict[str, Any]]
+Destination = Path | str  # a local folder, or a URL (`checkpoint.remote`)
 
 
 def staging_available(root: Path = STAGING_ROOT) -> int:
@@ -60,24 +67,39 @@ def remove_stale_staging(root: Path = STAGING_ROOT) -> None:
             pass  # another user's live process
 
 
-def copy_durably(source: Path, target: Path) -> None:
+def copy_durably(source: Path, target: Path) -> Described:
     """Every file under `source` to the same place under `target`, each flushed to
-    stable storage, then the folders' entries."""
+    stable storage, then the folders' entries; each file's size and sha256."""
     target.mkdir(parents=True, exist_ok=True)
-    folders = {target}
+    folders, described = {target}, {}
     for path in sorted(p for p in source.rglob("*") if p.is_file()):
-        destination = target / path.relative_to(source)
+        relative = path.relative_to(source)
+        destination = target / relative
         destination.parent.mkdir(parents=True, exist_ok=True)
         folders.add(destination.parent)
-        shutil.copyfile(path, destination)
-        with destination.open("rb+") as handle:
-            os.fsync(handle.fileno())
+        digest, size = hashlib.sha256(), 0
+        with path.open("rb") as reader, destination.open("wb") as writer:
+            while block := reader.read(_COPY_CHUNK):
+                digest.update(block)
+                writer.write(block)
+                size += len(block)
+            writer.flush()
+            os.fsync(writer.fileno())
+        described[relative.as_posix()] = {"bytes": size, "sha256": digest.hexdigest()}
     for folder in folders:
         descriptor = os.open(folder, os.O_RDONLY)
         try:
             os.fsync(descriptor)
         finally:
             os.close(descriptor)
+    return described
+
+
+def transfer(staged: Path, destination: Destination) -> Described:
+    """The staged files to their checkpoint folder, local or on object storage."""
+    if isinstance(destination, str):
+        return remote.upload_folder(staged, destination)
+    return copy_durably(staged, destination)
 
 
 class BackgroundWriter:
@@ -93,40 +115,54 @@ class BackgroundWriter:
     def in_flight(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def start(self, staged: Path, root: Path, finish: Callable[[], None] | None) -> None:
-        """Copy `staged` into `root` in the background; once every rank's copy is durable,
-        `finish` (rank 0's: the manifest and the marker) runs in this rank's thread."""
+    def start(
+        self,
+        staged: Path,
+        destination: Destination,
+        finish: Callable[[Described], None] | None,
+    ) -> None:
+        """Write `staged` into `destination` in the background; once every rank's files
+        are durable, `finish` (rank 0's: the manifest and the marker) runs in this rank's
+        thread with every rank's files described."""
         self.wait()
         self._thread = threading.Thread(
-            target=self._write, args=(staged, root, finish), name="checkpoint-writer", daemon=True
+            target=self._write,
+            args=(staged, destination, finish),
+            name="checkpoint-writer",
+            daemon=True,
         )
         self._thread.start()
 
-    def _write(self, staged: Path, root: Path, finish: Callable[[], None] | None) -> None:
-        written = True
+    def _write(
+        self,
+        staged: Path,
+        destination: Destination,
+        finish: Callable[[Described], None] | None,
+    ) -> None:
+        described: Described | None = None
         try:
-            copy_durably(staged, root)
+            described = transfer(staged, destination)
         except BaseException as error:  # noqa: BLE001 (raised in the training loop)
-            self._error, written = error, False
+            self._error = error
         finally:
             shutil.rmtree(staged, ignore_errors=True)
             with contextlib.suppress(OSError):
                 staged.parent.rmdir()  # this process's staging folder, when empty
-        everyone = torch.tensor([int(written)])
+        everyone: list[Described | None] = [None] * dist.get_world_size(self.group)
         try:
-            dist.all_reduce(everyone, op=dist.ReduceOp.MIN, group=self.group)
+            dist.all_gather_object(everyone, described, group=self.group)
         except BaseException as error:  # noqa: BLE001
             self._error = self._error or error
             return
-        if not everyone.item():
+        if any(part is None for part in everyone):
             self._error = self._error or CheckpointError(
-                f"another rank could not write its part of {root}; it is not complete, and "
-                "the checkpoint before it stays the latest"
+                f"another rank could not write its part of {destination}; it is not "
+                "complete, and the checkpoint before it stays the latest"
             )
             return
         if finish is not None:
             try:
-                finish()
+                finish({name: meta for part in everyone for name, meta in part.items()})
             except BaseException as error:  # noqa: BLE001
                 self._error = error
 

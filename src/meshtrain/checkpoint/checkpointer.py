@@ -23,15 +23,21 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 from transformers import PretrainedConfig
 
-from meshtrain.checkpoint import files
+from meshtrain.checkpoint import files, remote
 from meshtrain.checkpoint.background import (
+    STAGING_ROOT,
     BackgroundWriter,
     remove_stale_staging,
     staging_available,
     staging_folder,
 )
 from meshtrain.checkpoint.load import CheckpointReader, check_compatible
-from meshtrain.checkpoint.manifest import mark_complete, read_manifest, write_json_atomic
+from meshtrain.checkpoint.manifest import (
+    describe_files,
+    mark_complete,
+    read_manifest,
+    write_json_atomic,
+)
 from meshtrain.checkpoint.safetensors_format import save_safetensors
 from meshtrain.checkpoint.save import check_room, manifest_of, prune_checkpoints, tensor_entry
 from meshtrain.checkpoint.space import folder_bytes, named_write_errors
@@ -86,38 +92,50 @@ class Checkpointer:
         tokenizer_dir: Path | None = None,
         keep_last: int = 0,
         in_background: bool = False,
+        remote_dir: str | None = None,
     ) -> None:
         """`parameters`: this rank's, by Hugging Face name; `tied_copies`: those stored
         under another name (a tied LM head's copy on the last pipeline stage -> the
         embedding), stored once; `run_state`: what the trainer state records besides the
         step (layout, sample stream); `in_background`: saves snapshot to host memory and
-        write while training goes on (`checkpoint.background`). Collective."""
+        write while training goes on (`checkpoint.background`); `remote_dir`: the URL
+        the checkpoints go to (`checkpoint.remote`; `run_dir` then holds only the
+        staging a snapshot has no room for in host memory). Collective."""
         self.run_dir = Path(run_dir)
         self.parameters, self.sharding, self.tied_copies = parameters, sharding, tied_copies
         self.stored = {n: p for n, p in parameters.items() if n not in tied_copies}
         self.optimizer, self.dims, self.model_config = optimizer, dims, model_config
         self.run_state, self.tokenizer_dir, self.keep_last = run_state, tokenizer_dir, keep_last
+        self.remote_dir, self.in_background = remote_dir, in_background
         self.writer = None
-        if in_background:
+        if in_background or remote_dir is not None:
             remove_stale_staging()
             self.writer = BackgroundWriter()
 
-    def save(self, step: int, *, wait: bool = False) -> Path:
-        """Write a checkpoint of step `step`; its folder. Collective. With a background
-        writer (and room in host memory on every rank), the files are snapshotted and
-        written while training goes on, the folder complete once every rank's are
-        durable; `wait`: complete before returning (a stop, the last step)."""
+    def save(self, step: int, *, wait: bool = False) -> Path | str:
+        """Write a checkpoint of step `step`; its folder (a URL on object storage).
+        Collective. With a background writer (and room in host memory on every rank),
+        the files are snapshotted and written while training goes on, the folder
+        complete once every rank's are durable; `wait`: complete before returning (a
+        stop, the last step). To object storage the files are always staged first."""
         self.wait()  # one save in flight at a time
-        root = self.run_dir / files.checkpoint_name(step)
+        name = files.checkpoint_name(step)
+        root = self.run_dir / name
+        destination = root if self.remote_dir is None else remote.join(self.remote_dir, name)
         mine = self.optimizer.checkpoint_bytes(self.stored, self.sharding, self.dims)
         shared = folder_bytes(self.tokenizer_dir)  # rank 0's copy besides
-        check_room(self.run_dir, root, mine, shared)
         rank = dist.get_rank()
         staged = None
-        if self.writer is not None and not wait:
+        if self.writer is not None and (self.remote_dir is not None or not wait):
             staged = self._staging(step, mine + (shared if rank == 0 else 0))
-        if rank == 0 and root.exists():
-            shutil.rmtree(root)  # a leftover from a run that died mid-save
+        if staged is None and self.remote_dir is not None:
+            staged = self.run_dir / "staging" / f"rank{rank}" / name  # no room in memory
+        if self.remote_dir is None:
+            check_room(self.run_dir, root, mine, shared)  # the disk the files end on
+        elif not staged.is_relative_to(STAGING_ROOT):
+            check_room(self.run_dir, staged, mine, shared)  # staged on the local disk
+        if rank == 0:
+            self._remove(destination)  # a leftover from a run that died mid-save
         dist.barrier()
         trainer_state = {"step": step, **self.run_state}
         target = root if staged is None else staged
@@ -131,22 +149,41 @@ class Checkpointer:
         entries = self._gather_manifest_entries()
         complete = None
         if rank == 0:
-            complete = partial(self._complete, root, step, trainer_state, entries)
+            complete = partial(self._complete, destination, step, trainer_state, entries)
         if staged is not None:
-            self.writer.start(staged, root, complete)
-            return root
-        if complete is not None:
-            complete()
+            self.writer.start(staged, destination, complete)
+            if wait or not self.in_background:
+                self.writer.wait()
+            return destination
+        if complete is not None:  # every rank's files are in place (the gather above)
+            complete(describe_files(root))
         dist.barrier()
         return root
 
+    @staticmethod
+    def _remove(destination: Path | str) -> None:
+        if isinstance(destination, str):
+            remote.remove(destination)
+        elif destination.exists():
+            shutil.rmtree(destination)
+
     def _complete(
-        self, root: Path, step: int, trainer_state: dict[str, Any], entries: dict[str, dict]
+        self,
+        destination: Path | str,
+        step: int,
+        trainer_state: dict[str, Any],
+        entries: dict[str, dict],
+        described: dict[str, dict],
     ) -> None:
-        """Rank 0, once every rank's files are in `root`: the manifest and the marker,
+        """Rank 0, once every rank's files are in place: the manifest and the marker,
         then the checkpoints past `keep_last` pruned."""
-        mark_complete(root, manifest_of(root, step, trainer_state, entries))
-        prune_checkpoints(self.run_dir, self.keep_last)
+        manifest = manifest_of(step, trainer_state, entries, described)
+        if isinstance(destination, str):
+            remote.mark_complete(destination, manifest)
+            prune_checkpoints(self.remote_dir, self.keep_last)
+        else:
+            mark_complete(destination, manifest)
+            prune_checkpoints(self.run_dir, self.keep_last)
 
     def _staging(self, step: int, mine: int) -> Path | None:
         """Where this rank snapshots checkpoint `step` in host memory; None (a synchronous

@@ -12,7 +12,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from meshtrain.checkpoint.manifest import FORMAT, FORMAT_VERSION, describe_files, list_checkpoints
+from meshtrain.checkpoint import remote
+from meshtrain.checkpoint.manifest import FORMAT, FORMAT_VERSION, list_checkpoints
 from meshtrain.checkpoint.safetensors_format import SafetensorsWriter, TensorSpec
 from meshtrain.checkpoint.space import CheckpointSpaceError, room_problem
 from meshtrain.distributed.tensor_parallel import ParameterSharding
@@ -58,9 +59,13 @@ def write_moments(
 
 
 def manifest_of(
-    root: Path, step: int, trainer_state: dict[str, Any], entries: dict[str, dict]
+    step: int,
+    trainer_state: dict[str, Any],
+    entries: dict[str, dict],
+    described: dict[str, dict[str, Any]],
 ) -> dict[str, Any]:
-    """Every stage's tensors in Hugging Face order, and every file's size and sha256."""
+    """Every stage's tensors in Hugging Face order, and every file's size and sha256
+    (`described`, by path in the checkpoint)."""
     return {
         "format": FORMAT,
         "version": FORMAT_VERSION,
@@ -68,7 +73,7 @@ def manifest_of(
         "layout": trainer_state["layout"],
         "world_size": dist.get_world_size(),
         "tensors": dict(sorted(entries.items(), key=lambda item: _hf_order(item[0]))),
-        "files": describe_files(root),
+        "files": dict(sorted(described.items())),
     }
 
 
@@ -96,9 +101,14 @@ def tensor_entry(
     return entry
 
 
-def prune_checkpoints(run_dir: Path, keep_last: int) -> None:
-    """Delete all but the newest `keep_last` complete checkpoints (0 keeps all)."""
+def prune_checkpoints(run_dir: Path | str, keep_last: int) -> None:
+    """Delete all but the newest `keep_last` complete checkpoints (0 keeps all) of a run
+    folder, local or a URL."""
     if keep_last <= 0:
+        return
+    if isinstance(run_dir, str):
+        for _, old in remote.checkpoints(run_dir)[0][:-keep_last]:
+            remote.remove(old)
         return
     for _, old in list_checkpoints(run_dir)[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)

@@ -15,10 +15,16 @@ import time
 from pathlib import Path
 from typing import Any
 
+from meshtrain.checkpoint import remote
 from meshtrain.checkpoint.load import check_resumable, check_same_model
-from meshtrain.checkpoint.manifest import find_resume_checkpoint, list_checkpoints
+from meshtrain.checkpoint.manifest import (
+    CheckpointError,
+    find_resume_checkpoint,
+    list_checkpoints,
+    read_manifest,
+)
 from meshtrain.components.step_guard import StopRequested
-from meshtrain.config import ConfigError, Refused, RunConfig, check_launch
+from meshtrain.config import ConfigError, Refused, RunConfig, TrainingConfig, check_launch
 from meshtrain.launch.elastic import Interrupted, WorkerRefusedError, run_workers
 from meshtrain.launch.network import REACH_TIMEOUT_S, check_reachable, node_address
 from meshtrain.launch.worker import worker_main
@@ -29,6 +35,9 @@ from meshtrain.tracking.rank_metrics import TrackingTarget
 from meshtrain.trainer import WorkerSpec
 
 logger = logging.getLogger(__name__)
+# The local folders of runs whose checkpoints go to object storage (`training.output_dir`
+# a URL): their logs, staging, and the checkpoint a resume downloads.
+REMOTE_RUNS = Path("data/06_models/remote")
 
 
 def make_worker_spec(
@@ -52,10 +61,13 @@ def make_worker_spec(
     share.
     """
     cfg = run.training
-    resume_from = None
-    if cfg.resume_from:
+    remote_dir = None
+    if _on_object_storage(cfg):
+        run_dir, remote_dir, resume_from = _remote_run_folder(run, plan)
+    else:
+        run_dir, resume_from = _local_run_folder(run, plan)
+    if resume_from is not None:
         # Refuse before any worker starts: a missing checkpoint or another sample stream.
-        resume_from = find_resume_checkpoint(Path(cfg.output_dir), cfg.resume_from, cfg.run_name)
         check_resumable(
             resume_from,
             seed=cfg.seed,
@@ -64,17 +76,10 @@ def make_worker_spec(
             max_steps=cfg.max_steps,
         )
         check_same_model(resume_from, llama_family_shapes(config_from_dict(plan.model_config)))
-        run_dir = resume_from.parent  # the resumed run goes on in its own folder
-    elif run.launch.nnodes > 1:
-        name = cfg.run_name or f"{plan.layout.name}-{run.launch.rdzv_id}"
-        run_dir = Path(cfg.output_dir) / name
-        _refuse_earlier_run(run_dir, run)
-    else:
-        name = cfg.run_name or f"{plan.layout.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-        run_dir = Path(cfg.output_dir) / name
     run_dir.mkdir(parents=True, exist_ok=True)
     if run.model.init_from:
-        # A hub id becomes its downloaded folder once, here: the ranks read local files.
+        # A hub id or a URL becomes its downloaded folder once, here: the ranks read local
+        # files.
         local = str(Path(resolve_init_from(run.model.init_from)).resolve())
         run = dataclasses.replace(run, model=dataclasses.replace(run.model, init_from=local))
     return WorkerSpec(
@@ -87,16 +92,67 @@ def make_worker_spec(
         tracking_uri=tracking.tracking_uri if tracking else None,
         mlflow_run_id=tracking.run_id if tracking else None,
         resume_from=str(resume_from.resolve()) if resume_from else None,
+        remote_dir=remote_dir,
     )
 
 
-def _refuse_earlier_run(run_dir: Path, run: RunConfig) -> None:
+def _run_name(run: RunConfig, plan: Plan) -> str:
+    """`training.run_name`, else the layout and the job id on several nodes (the same on
+    every node), else the layout and the time."""
+    if run.training.run_name:
+        return run.training.run_name
+    if run.launch.nnodes > 1:
+        return f"{plan.layout.name}-{run.launch.rdzv_id}"
+    return f"{plan.layout.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def _local_run_folder(run: RunConfig, plan: Plan) -> tuple[Path, Path | None]:
+    """The run folder under `training.output_dir`, and the checkpoint it resumes from."""
+    cfg = run.training
+    if cfg.resume_from:
+        resume_from = find_resume_checkpoint(Path(cfg.output_dir), cfg.resume_from, cfg.run_name)
+        return resume_from.parent, resume_from  # the resumed run goes on in its own folder
+    run_dir = Path(cfg.output_dir) / _run_name(run, plan)
+    if run.launch.nnodes > 1:
+        _refuse_earlier_run(run_dir, [p.name for p in sorted(run_dir.glob("checkpoint-*"))], run)
+    return run_dir, None
+
+
+def _on_object_storage(cfg: TrainingConfig) -> bool:
+    """A run resumed from a URL goes on there; a new one goes to `training.output_dir`."""
+    if cfg.resume_from and cfg.resume_from != "latest":
+        return remote.is_url(cfg.resume_from)
+    return remote.is_url(cfg.output_dir)
+
+
+def _remote_run_folder(run: RunConfig, plan: Plan) -> tuple[Path, str, Path | None]:
+    """A run whose checkpoints go to object storage: its local folder (logs, staging, the
+    checkpoint it resumes from, downloaded once per node), its URL, and that checkpoint."""
+    cfg = run.training
+    if cfg.resume_from:
+        url = remote.find_resume(cfg.output_dir, cfg.resume_from, cfg.run_name)
+        remote_dir = remote.parent(url)
+        run_dir = remote.local_folder(remote_dir, REMOTE_RUNS)
+        resume_from = remote.download_folder(url, run_dir / "resume" / remote.name(url))
+        try:
+            read_manifest(resume_from, verify=False)
+        except CheckpointError as error:
+            raise CheckpointError(f"training.resume_from: {error}") from None
+        return run_dir, remote_dir, resume_from
+    remote_dir = remote.join(cfg.output_dir, _run_name(run, plan))
+    if run.launch.nnodes > 1:
+        complete, partial = remote.checkpoints(remote_dir)
+        _refuse_earlier_run(remote_dir, [remote.name(u) for _, u in complete] + partial, run)
+    return remote.local_folder(remote_dir, REMOTE_RUNS), remote_dir, None
+
+
+def _refuse_earlier_run(run_dir: Path | str, earlier: list[str], run: RunConfig) -> None:
     """A multi-node run folder is named without a timestamp, so it may be an earlier job's.
 
     Checked before the rendezvous, when no rank of this job can have written
-    a checkpoint yet, so finding one means another job used the same name.
+    a checkpoint yet, so finding one (`earlier`: the checkpoints there) means
+    another job used the same name.
     """
-    earlier = sorted(run_dir.glob("checkpoint-*"))
     if earlier:
         named_by = (
             f"training.run_name={run.training.run_name}"
@@ -104,7 +160,7 @@ def _refuse_earlier_run(run_dir: Path, run: RunConfig) -> None:
             else f"launch.rdzv_id={run.launch.rdzv_id}"
         )
         raise ConfigError(
-            f"the run folder {run_dir} (from {named_by}) already holds {earlier[-1].name} of an "
+            f"the run folder {run_dir} (from {named_by}) already holds {earlier[-1]} of an "
             "earlier job: pass a new launch.rdzv_id for each job (e.g. $SLURM_JOB_ID) or "
             "training.run_name, or continue that run with training.resume_from=latest."
         )
@@ -114,10 +170,13 @@ class TrainingStopped(Refused):
     """A stop signal (preemption, a time limit, Ctrl-C) ended the training on purpose."""
 
     @classmethod
-    def describe(cls, signal_name: str, run_dir: Path) -> TrainingStopped:
+    def describe(cls, signal_name: str, run_dir: Path | str) -> TrainingStopped:
         """One line: where the run stopped and how to go on (the newest complete
         checkpoint: the one written on the signal, unless the grace ran out first)."""
-        complete = list_checkpoints(run_dir)
+        if isinstance(run_dir, str):
+            complete = remote.checkpoints(run_dir)[0]
+        else:
+            complete = list_checkpoints(run_dir)
         if not complete:
             return cls(
                 f"training stopped by {signal_name} before its first checkpoint: nothing to "
@@ -177,12 +236,13 @@ def run_training(
             worker_main, (spec,), launch, log_dir=log_dir, run_id=run_id, node=node
         )
     except Interrupted as stop:
-        raise TrainingStopped.describe(stop.signal_name, run_dir) from None
+        raise TrainingStopped.describe(stop.signal_name, spec.remote_dir or run_dir) from None
     except WorkerRefusedError as refusal:
         if refusal.kind != StopRequested.__name__:
             raise
         # The signal reached the workers (or another node's), not this launcher.
-        raise TrainingStopped.describe(refusal.text.split()[0], run_dir) from None
+        stopped_by = refusal.text.split()[0]
+        raise TrainingStopped.describe(stopped_by, spec.remote_dir or run_dir) from None
     summary = results.get(0)
     if summary is None:
         raise RuntimeError(

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from meshtrain.checkpoint.consolidate.driver import check_dtype, parse_size
 from meshtrain.checkpoint.manifest import CheckpointError, resolve_checkpoint
+from meshtrain.checkpoint.remote import is_url
 from meshtrain.config import ConfigError, ConsolidationConfig
 
 
@@ -25,14 +26,22 @@ def check_consolidation(cfg: ConsolidationConfig, *, lora: bool) -> None:
         parse_size(cfg.max_shard_size)
     except ValueError as error:
         raise ConfigError(f"`consolidation.max_shard_size`: {error}.") from None
+    if cfg.merge_lora and is_url(cfg.merged_output_dir):
+        raise ConfigError(
+            f"`consolidation.merged_output_dir` is {cfg.merged_output_dir!r}: the merged model "
+            "is written to a local folder only; upload it from there, or keep "
+            "consolidation.output_dir (the adapters) on object storage."
+        )
     for name in ("output_dir", "merged_output_dir"):
+        if is_url(getattr(cfg, name)):
+            continue  # object storage: written once the model is whole (`remote_io`)
         folder = Path(getattr(cfg, name))
         if folder.exists() and not folder.is_dir():
             raise ConfigError(
                 f"`consolidation.{name}` is {str(folder)!r}, which is a file: name a folder "
                 "(it is replaced by the model once written in full)."
             )
-    if cfg.checkpoint is not None:
+    if cfg.checkpoint is not None and not is_url(cfg.checkpoint):
         if not Path(cfg.checkpoint).is_dir():
             raise ConfigError(
                 f"`consolidation.checkpoint` is {cfg.checkpoint!r}, which is not a folder: "

@@ -6,16 +6,21 @@ planner refuses a bad folder before any worker starts, naming the tensor.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 from meshtrain.checkpoint import files
 from meshtrain.checkpoint.expert_layout import stored_shapes
+from meshtrain.checkpoint.remote import is_url, mirror_folder
 from meshtrain.checkpoint.safetensors_format import folder_weight_files, read_safetensors_header
 from meshtrain.config import Refused
 from meshtrain.config_parsing import names_a_path
 from meshtrain.models.llama.parameter_names import llama_family_shapes
 from meshtrain.models.moe_config import num_experts
+
+# Where a `model.init_from` URL's folder is copied, once, and kept up to date.
+REMOTE_CACHE = Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "meshtrain"
 
 
 class PretrainedError(Refused, ValueError):
@@ -99,7 +104,12 @@ def check_folder(folder: str | Path) -> None:
 
 def resolve_init_from(init_from: str) -> str:
     """A local folder as it is; a hub id downloaded once (weights, config, tokenizer) into
-    the Hugging Face cache, whose folder is then used the same way."""
+    the Hugging Face cache, a URL (`s3://`, `gs://`) into meshtrain's, whose folder is
+    then used the same way."""
+    if is_url(init_from):
+        folder = str(mirror_folder(init_from, REMOTE_CACHE))
+        check_folder(folder)
+        return folder
     if Path(init_from).is_dir():
         check_folder(init_from)
         return init_from

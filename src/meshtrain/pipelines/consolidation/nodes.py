@@ -3,10 +3,12 @@ adapter folder, and the merged model when asked)."""
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 from meshtrain.checkpoint import CheckpointError, consolidate_checkpoint
 from meshtrain.checkpoint.consolidate.lora import consolidate_lora, is_lora_checkpoint
+from meshtrain.checkpoint.consolidate.remote_io import consolidate_anywhere
 from meshtrain.config import ConsolidationConfig, read_group
 from meshtrain.training_summary import TrainingSummary
 
@@ -15,10 +17,15 @@ def consolidate(training_summary: dict[str, Any], consolidation: dict[str, Any])
     """Args: the training summary and `params:consolidation`. Returns: what was written where."""
     cfg: ConsolidationConfig = read_group("consolidation", consolidation)
     checkpoint = cfg.checkpoint or _final_checkpoint(TrainingSummary.from_dict(training_summary))
+    return consolidate_anywhere(checkpoint, cfg.output_dir, partial(_write, cfg))
+
+
+def _write(cfg: ConsolidationConfig, checkpoint: str, output_dir: str) -> dict[str, Any]:
+    """The model (or the adapters) of a local checkpoint, into a local folder."""
     if is_lora_checkpoint(checkpoint):
         return consolidate_lora(
             checkpoint,
-            cfg.output_dir,
+            output_dir,
             merged_dir=cfg.merged_output_dir if cfg.merge_lora else None,
             dtype=cfg.dtype,
             max_shard_size=cfg.max_shard_size,
@@ -29,7 +36,7 @@ def consolidate(training_summary: dict[str, Any], consolidation: dict[str, Any])
             "adapters: set it to false (the full model is written as it is)."
         )
     return consolidate_checkpoint(
-        checkpoint, cfg.output_dir, max_shard_size=cfg.max_shard_size, dtype=cfg.dtype
+        checkpoint, output_dir, max_shard_size=cfg.max_shard_size, dtype=cfg.dtype
     )
 
 
