@@ -6,6 +6,8 @@ from meshtrain.offline import use_offline_defaults
 
 use_offline_defaults()
 
+import contextlib  # noqa: E402
+import subprocess  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import datasets  # noqa: E402
@@ -163,3 +165,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         key[0] -= item.get_closest_marker("long") is not None
         key[1] -= item.get_closest_marker("slow") is not None
     items.sort(key=lambda item: rank[_unit(item.nodeid)])
+
+
+@contextlib.contextmanager
+def mounted_tmpfs(folder: Path, size: str):
+    """A tmpfs of `size` (mount's spelling: "4m") at `folder`: a filesystem that fills up.
+    Skips the test where none can be mounted (not root)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], check=False)

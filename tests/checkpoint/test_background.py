@@ -17,6 +17,7 @@ from meshtrain.checkpoint.background import (
     staging_folder,
 )
 from meshtrain.checkpoint.manifest import CheckpointError, describe_files
+from tests.conftest import mounted_tmpfs
 
 
 @pytest.fixture
@@ -68,6 +69,20 @@ def test_a_failed_write_is_never_completed_and_is_raised(one_rank, tmp_path):
         writer.wait()
     assert not completed and not staged.exists()
     writer.check()  # raised once
+
+
+def test_a_full_disk_is_named_with_the_file_and_what_is_kept(one_rank, tmp_path):
+    staged = staged_files(tmp_path / "staging" / "checkpoint-3")
+    (staged / "optimizer" / "rank0.safetensors").write_bytes(bytes(256 << 10))
+    with mounted_tmpfs(tmp_path / "disk", "64k") as disk:
+        writer = BackgroundWriter()
+        writer.start(staged, disk / "checkpoint-3", None)
+        with pytest.raises(CheckpointError) as caught:
+            writer.wait()
+    message = str(caught.value)
+    assert "No space left on device" in message and "MB free there" in message
+    assert f"could not write {disk}/checkpoint-3/optimizer/rank0.safetensors" in message
+    assert "checkpoint-3 is incomplete" in message and "\n" not in message
 
 
 def test_staging_left_by_a_killed_process_is_removed(tmp_path):

@@ -26,7 +26,7 @@ from meshtrain.checkpoint.space import CheckpointSpaceError, named_write_errors
 from meshtrain.config import Refused
 from meshtrain.data.blocks import arrow_files
 from meshtrain.launch.job import make_worker_spec, run_training
-from tests.conftest import worker_processes
+from tests.conftest import mounted_tmpfs, worker_processes
 from tests.distributed.reference import run_group
 from tests.distributed.stop_run import plan_for, stop_run_config
 
@@ -164,17 +164,8 @@ def test_a_diverging_run_stops_before_a_non_finite_update(tiny_blocks, tmp_path:
 @pytest.fixture
 def small_disk(tmp_path: Path):
     """A 4 MB tmpfs: room for two checkpoints of the tiny model, not three."""
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)], capture_output=True
-    )
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
-    try:
+    with mounted_tmpfs(tmp_path / "disk", "4m") as disk:
         yield disk
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
 @pytest.mark.slow

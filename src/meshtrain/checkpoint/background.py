@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from meshtrain.checkpoint import remote
 from meshtrain.checkpoint.manifest import CheckpointError
-from meshtrain.checkpoint.space import free_bytes
+from meshtrain.checkpoint.space import free_bytes, named_write_errors
 
 STAGING_ROOT = Path("/dev/shm")
 # The writer threads' agreement waits for the slowest rank's copy.
@@ -77,15 +77,11 @@ def copy_durably(source: Path, target: Path) -> Described:
         destination = target / relative
         destination.parent.mkdir(parents=True, exist_ok=True)
         folders.add(destination.parent)
-        digest, size = hashlib.sha256(), 0
-        with path.open("rb") as reader, destination.open("wb") as writer:
-            while block := reader.read(_COPY_CHUNK):
-                digest.update(block)
-                writer.write(block)
-                size += len(block)
-            writer.flush()
-            os.fsync(writer.fileno())
-        described[relative.as_posix()] = {"bytes": size, "sha256": digest.hexdigest()}
+        try:
+            described[relative.as_posix()] = _copy_file(path, destination)
+        except OSError as error:
+            error.filename = error.filename or str(destination)  # a full disk names none
+            raise
     for folder in folders:
         descriptor = os.open(folder, os.O_RDONLY)
         try:
@@ -95,11 +91,26 @@ def copy_durably(source: Path, target: Path) -> Described:
     return described
 
 
+def _copy_file(source: Path, destination: Path) -> dict[str, Any]:
+    """One file copied and flushed to stable storage; its size and sha256."""
+    digest, size = hashlib.sha256(), 0
+    with source.open("rb") as reader, destination.open("wb") as writer:
+        while block := reader.read(_COPY_CHUNK):
+            digest.update(block)
+            writer.write(block)
+            size += len(block)
+        writer.flush()
+        os.fsync(writer.fileno())
+    return {"bytes": size, "sha256": digest.hexdigest()}
+
+
 def transfer(staged: Path, destination: Destination) -> Described:
-    """The staged files to their checkpoint folder, local or on object storage."""
+    """The staged files to their checkpoint folder, local or on object storage; a full
+    or refusing disk is named with the file, the free space and what is kept."""
     if isinstance(destination, str):
         return remote.upload_folder(staged, destination)
-    return copy_durably(staged, destination)
+    with named_write_errors(destination.parent, destination):
+        return copy_durably(staged, destination)
 
 
 class BackgroundWriter:
