@@ -1,14 +1,10 @@
-"""What a checkpoint costs the training: the wall time of a checkpointing step and the
-four steps after it (so a background writer that slows the next steps on 2 cores is
-counted), over the same five steps of a run that never checkpoints, synchronous saves
-against asynchronous ones (`training.checkpoint_async`), with an A/A control (a second
-run without checkpoints).
+"""What a checkpoint costs the training: a checkpointing step and the four after it (so a
+background writer that slows the next steps counts) against the same steps of a run that
+never checkpoints; synchronous against asynchronous saves (`training.checkpoint_async`),
+and a second run without checkpoints as the A/A control. Each side is the real Trainer on
+2 ranks (dp2, ZeRO-1) in its own spawned group, checkpointing every 5 steps to this disk.
 
-    PYTHONPATH=bench .venv/bin/python bench/checkpoints.py            # the 110M shape
-    PYTHONPATH=bench .venv/bin/python bench/checkpoints.py --block 128 --steps 15
-
-Each side is the real Trainer on 2 ranks (dp2, ZeRO-1), its own spawned group, the
-sides in turn; checkpoints every 5 steps into a temporary folder on this disk.
+    PYTHONPATH=bench .venv/bin/python bench/checkpoints.py     # the 110M shape, ~12 min
 """
 
 from __future__ import annotations
@@ -29,16 +25,14 @@ from meshtrain.launch.elastic import run_workers
 from meshtrain.trainer import Trainer
 
 EVERY = 5
-SIDES = {"none": None, "sync": False, "async": True, "none (A/A)": None}
+SIDES = {"none": None, "sync": False, "async": True, "none-aa": None}  # checkpoint_async
 
 
 @record
 def entry(spec: Any) -> list[float] | None:
-    """Every step's wall seconds, the checkpoint (when the step makes one) included;
-    rank 0's."""
+    """Rank 0's wall seconds of every step, its checkpoint (if it makes one) included."""
     with trainer_group(spec):
-        rank, trainer = dist.get_rank(), Trainer(spec)
-        seconds = []
+        rank, trainer, seconds = dist.get_rank(), Trainer(spec), []
         for step in range(trainer.cfg.max_steps):
             began = time.perf_counter()
             step_and_log(trainer, step)
@@ -50,61 +44,54 @@ def entry(spec: Any) -> list[float] | None:
     return seconds if rank == 0 else None
 
 
-def run(args: argparse.Namespace, root: Path, blocks, name: str, async_save: bool | None):
-    shape = {k: v for k, v in SHAPES[args.shape].items() if k in ("vocab", "block", "batch")}
-    block, batch = args.block or shape["block"], args.batch or shape["batch"]
-    tag = name.split()[0] + ("-aa" if "A/A" in name else "")
-    spec, plan = planned_side(
+def run(args: argparse.Namespace, root: Path, blocks, side: str) -> list[float]:
+    shape = SHAPES[args.shape]
+    spec, _ = planned_side(
         blocks,
         root,
-        tag,
+        side,
         world=2,
         parallel={"data_parallel_size": 2, "zero_1": True},
         training={
-            "per_device_train_batch_size": batch,
+            "per_device_train_batch_size": shape["batch"],
             "max_steps": args.steps,
             "log_every": 1000,
-            "checkpoint_every": EVERY if async_save is not None else 10_000,
-            "checkpoint_async": bool(async_save),
-            "keep_last": 1,
+            "checkpoint_every": EVERY if SIDES[side] is not None else 10_000,
+            "checkpoint_async": bool(SIDES[side]),
         },
-        shape=hf_fields(SHAPES[args.shape]),
+        shape=hf_fields(shape),
         vocab=shape["vocab"],
-        block=block,
+        block=shape["block"],
     )
     launch = LaunchConfig(nproc_per_node=2)
-    results = run_workers(entry, (spec,), launch, log_dir=root / "logs" / tag, run_id=tag)
-    return results[0], plan
+    return run_workers(entry, (spec,), launch, log_dir=root / "logs" / side, run_id=side)[0]
 
 
 def windows(seconds: list[float]) -> float:
-    """The seconds of every whole window: a checkpointing step and the four after it,
-    from step 10 (the first steps warm up; the first checkpoint, at step 5, is left out)."""
-    starts = range(2 * EVERY - 1, len(seconds) - EVERY + 1, EVERY)  # 0-based: steps 10, 15..
+    """Every whole window of a checkpointing step and the four after it, from step 10
+    (the first steps warm up)."""
+    starts = range(2 * EVERY - 1, len(seconds) - EVERY + 1, EVERY)
     return sum(sum(seconds[start : start + EVERY]) for start in starts)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", default="110m", choices=sorted(SHAPES))
-    parser.add_argument("--block", type=int, default=None, help="tokens per sequence")
-    parser.add_argument("--batch", type=int, default=None, help="sequences per rank")
     parser.add_argument("--steps", type=int, default=20, help="steps per side")
     parser.add_argument("--work-dir", type=Path, default=None)
     args = parser.parse_args()
     with contextlib.ExitStack() as stack:
         root = work_root(stack, args.work_dir, "meshtrain-bench-checkpoints-")
         shape = SHAPES[args.shape]
-        blocks = token_blocks(root / "blocks", 64, shape["vocab"], args.block or shape["block"])
+        blocks = token_blocks(root / "blocks", 64, shape["vocab"], shape["block"])
         measured = {}
-        for name, async_save in SIDES.items():
-            seconds, plan = run(args, root, blocks, name, async_save)
-            measured[name] = windows(seconds)
+        for side in SIDES:
+            seconds = run(args, root, blocks, side)
+            measured[side] = windows(seconds)
             steps = " ".join(f"{s:.2f}" for s in seconds)
-            print(f"  {name:<11} {measured[name]:7.2f} s in the windows; steps: {steps}")
-        print(f"{plan.layout.name}, a checkpoint every {EVERY} steps (windows from step 10)")
-        for name in ("sync", "async", "none (A/A)"):
-            print(f"{name:<11} {measured[name] / measured['none']:.2f}x a run without checkpoints")
+            print(f"  {side:<8} {measured[side]:7.2f} s in the windows; steps: {steps}")
+        for side in ("sync", "async", "none-aa"):
+            print(f"{side:<8} {measured[side] / measured['none']:.2f}x a run without checkpoints")
 
 
 if __name__ == "__main__":
