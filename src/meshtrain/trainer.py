@@ -271,7 +271,7 @@ class Trainer:
             f"training {self.layout.name}: {self.plan.num_parameters:,} parameters"
             f"{self._trained_share()}, "
             f"{self.plan.tokens_per_step:,} tokens per step, {cfg.max_steps} steps -> "
-            f"{self.run_dir}"
+            f"{self.spec.remote_dir or self.run_dir}"
         )
         if self.start_step:
             self._report(f"resumed from {self.spec.resume_from} at step {self.start_step}")

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from meshtrain.checkpoint.background import (
@@ -16,6 +17,7 @@ from meshtrain.checkpoint.background import (
     remove_stale_staging,
     staging_folder,
 )
+from meshtrain.checkpoint.host_copy import bounce_buffer, host_bytes
 from meshtrain.checkpoint.manifest import CheckpointError, describe_files
 from tests.conftest import mounted_tmpfs
 
@@ -99,3 +101,14 @@ def test_staging_left_by_a_killed_process_is_removed(tmp_path):
     remove_stale_staging(tmp_path)
     assert not dead.exists() and alive.exists()
     assert str(os.getpid()) in alive.name
+
+
+def test_a_device_tensor_reaches_the_file_through_one_reused_buffer():
+    """`host_copy`: the bounce path an accelerator's tensors take (here with a CPU tensor
+    and a small buffer, so that a tensor spans several chunks)."""
+    flat = torch.randint(0, 256, (10_000,), dtype=torch.uint8)
+    buffer = torch.empty(1024, dtype=torch.uint8)
+    chunks = [bytes(chunk) for chunk in host_bytes(flat, buffer)]
+    assert len(chunks) == 10 and b"".join(chunks) == flat.numpy().tobytes()
+    first = bounce_buffer("test-device", 4096)
+    assert bounce_buffer("test-device", 4096).data_ptr() == first.data_ptr()  # reused

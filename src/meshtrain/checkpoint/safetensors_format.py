@@ -259,17 +259,25 @@ class SafetensorsWriter:
             if written + size > spec.nbytes:
                 raise ValueError(f"tensor {name!r} got more than its {spec.nbytes} bytes")
             if size:
-                flat = piece.detach().reshape(-1).contiguous()
-                raw = flat.view(sys.modules["torch"].uint8).cpu().numpy()
-                try:
-                    write_all(self._fd, raw, start + written)
-                except OSError as error:  # pwrite names no file: say which
-                    raise OSError(error.errno, error.strerror, str(self.path)) from error
+                self._write_piece(piece, start + written)
             written += size
         if written != spec.nbytes:
             raise ValueError(f"tensor {name!r} got {written} of its {spec.nbytes} bytes")
         self._written.add(name)
         return written
+
+    def _write_piece(self, piece: torch.Tensor, offset: int) -> None:
+        """One tensor's bytes at `offset`, from host memory (`host_copy`: an accelerator's
+        through a reused pinned buffer)."""
+        from meshtrain.checkpoint.host_copy import host_bytes  # noqa: PLC0415 (torch)
+
+        flat = piece.detach().reshape(-1).contiguous().view(sys.modules["torch"].uint8)
+        for raw in host_bytes(flat):
+            try:
+                write_all(self._fd, raw, offset)
+            except OSError as error:  # pwrite names no file: say which
+                raise OSError(error.errno, error.strerror, str(self.path)) from error
+            offset += raw.nbytes
 
     def _close_fd(self) -> None:
         if not self._closed:
