@@ -162,14 +162,19 @@ def make_spec(
 
 
 def run_group(specs: list[WorkerSpec], world: int, out: Path, run_id: str) -> list[dict]:
-    """Run every spec in turn in one spawned gloo group of `world` ranks; rank 0's results."""
-    return run_workers(
+    """Run every spec in turn in one spawned gloo group of `world` ranks; rank 0's results.
+    No rank may have been warned by FSDP2 of a module returning a view (whose in-place
+    use would skip its pre-backward hook)."""
+    results = run_workers(
         worker_main_sequence,
         (specs,),
         LaunchConfig(nproc_per_node=world),
         log_dir=out / "logs",
         run_id=run_id,
     )[0]
+    for log in (out / "logs").rglob("stderr.log"):
+        assert "returned a view tensor" not in log.read_text(), f"FSDP2 warned in {log}"
+    return results
 
 
 def assert_dry_run_holds(

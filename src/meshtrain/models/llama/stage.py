@@ -85,14 +85,22 @@ class WholeModel(nn.Module):
             hidden = run_layers(
                 self.model, hidden, *decoder_inputs(hidden, position_ids, self.context)
             )
-            return head_loss(self.model.norm(hidden), self.lm_head, labels, per_token)
+            return _not_a_view(head_loss(self.model.norm(hidden), self.lm_head, labels, per_token))
         hidden = self.model(
             input_ids=input_ids,
             position_ids=position_ids,
             attention_mask=attention_mask,
             use_cache=False,
         ).last_hidden_state
-        return head_loss(hidden, self.lm_head, labels, per_token)
+        return _not_a_view(head_loss(hidden, self.lm_head, labels, per_token))
+
+
+def _not_a_view(output: torch.Tensor) -> torch.Tensor:
+    """What a module returns, copied if it is a view (`to_local`'s under sequence
+    parallelism, per-token log-probabilities reshaped): an in-place op on a view that a
+    module wrapped by FSDP2 returns would drop its pre-backward hook, and torch warns on
+    every step. The copy is one microbatch's hidden states at most."""
+    return output.clone() if output._base is not None else output
 
 
 class LlamaStage(nn.Module):
@@ -163,6 +171,7 @@ class LlamaStage(nn.Module):
             output = as_local(output) if self.per_token else output
         else:
             output = hidden.to_local() if isinstance(hidden, DTensor) else hidden
+        output = _not_a_view(output)
         return output if tally is None else (output, tally)
 
     def _layers(
