@@ -70,7 +70,7 @@ def main() -> None:
     if cuda:  # the allocator's and the runtime's share, over the whole run
         allocated, reserved, used = (
             summary[f"{name}_per_rank"][0]
-            for name in ("cuda_peak_allocated_mb", "cuda_peak_reserved_mb", "cuda_device_used_mb")
+            for name in ("device_peak_allocated_mb", "device_peak_reserved_mb", "device_used_mb")
         )
         print(
             f"run peaks, MiB: allocated {allocated:,.1f}, reserved {reserved:,.1f} "

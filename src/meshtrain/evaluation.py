@@ -29,6 +29,7 @@ from meshtrain.checkpoint.consolidate.lora import adapter_base, is_adapter_folde
 from meshtrain.config import ConfigError, EvaluationConfig
 from meshtrain.data.batch import TokenBatch, next_token_labels
 from meshtrain.data.blocks import PACKED_COLUMNS, is_packed
+from meshtrain.device import evaluation_device, free_bytes, is_accelerator
 from meshtrain.models.head_loss import linear_cross_entropy_sum
 from meshtrain.models.packed_attention import packed_causal_mask
 from meshtrain.planner.loss_memory import auto_loss_chunk_tokens
@@ -41,22 +42,21 @@ END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>")
 
 
 def resolve_device(device: str, backend: str | None) -> str:
-    """`auto`: a GPU when the model trained on NCCL and one is visible, else the CPU."""
-    if device == "auto":
-        return "cuda" if backend == "nccl" and torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
+    """`auto`: the accelerator when the model trained on one and one is here, else the
+    CPU."""
+    try:
+        return evaluation_device(device, backend)
+    except ValueError as error:
         raise ConfigError(
-            f"`evaluation.device` is {device!r} but no CUDA device is visible here; use auto "
-            "or cpu."
-        )
-    return device
+            f"`evaluation.device` is {device!r} but {error}; use auto or cpu."
+        ) from None
 
 
 def resolve_dtype(dtype: str, mixed_precision: str | None, device: str) -> torch.dtype:
-    """`auto`: bf16 for a model trained in bf16 and scored on a GPU, else fp32."""
+    """`auto`: bf16 for a model trained in bf16 and scored on an accelerator, else fp32."""
     if dtype != "auto":
         return DTYPES[dtype]
-    bf16 = mixed_precision in ("bf16", "bf16_master") and device.startswith("cuda")
+    bf16 = mixed_precision in ("bf16", "bf16_master") and is_accelerator(device)
     return torch.bfloat16 if bf16 else torch.float32
 
 
@@ -76,14 +76,9 @@ def load_model(model_dir: str | Path, device: str, dtype: torch.dtype):
 
         base = load_model(adapter_base(model_dir), device, dtype)
         return PeftModel.from_pretrained(base, str(model_dir)).eval()
-    if device.startswith("cuda"):
-        index = torch.device(device).index or 0
-        free, _ = torch.cuda.mem_get_info(index)
-        if _weights_bytes(model_dir, dtype) * _HEADROOM > free:
-            model = AutoModelForCausalLM.from_pretrained(
-                str(model_dir), dtype=dtype, device_map="auto"
-            )
-            return model.eval()
+    if is_accelerator(device) and _weights_bytes(model_dir, dtype) * _HEADROOM > free_bytes(device):
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, device_map="auto")
+        return model.eval()
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
     return model.to(device).eval()
 

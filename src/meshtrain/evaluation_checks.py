@@ -16,15 +16,15 @@ def check_evaluation_inputs(evaluation: EvaluationConfig) -> None:
     """Before any node runs: the device `evaluation.device` names is on this machine, the
     task folder exists, and lm-eval knows (and, offline, has) each task."""
     device = evaluation.device
-    if device.startswith("cuda"):
-        import torch  # noqa: PLC0415  (only where a CUDA device is named)
+    if device not in ("auto", "cpu"):
+        from meshtrain.device import accelerator, accelerator_count  # noqa: PLC0415 (torch)
 
-        index = int(device.partition(":")[2] or 0)
-        if index >= torch.cuda.device_count():
+        kind, _, index = device.partition(":")
+        count = accelerator_count() if kind == accelerator() else 0
+        if int(index or 0) >= count:
             raise ConfigError(
-                f"`evaluation.device` is {device!r} but this machine has "
-                f"{torch.cuda.device_count()} CUDA device(s): use auto (where the model "
-                "trained) or cpu."
+                f"`evaluation.device` is {device!r} but this machine has {count} {kind} "
+                "device(s): use auto (where the model trained) or cpu."
             )
     include = evaluation.lm_eval_include_path
     if include and not Path(include).is_dir():

@@ -32,7 +32,6 @@ from meshtrain.checkpoint.lora_base import base_identity, check_same_base, check
 from meshtrain.checkpoint.manifest import CheckpointError
 from meshtrain.components.metrics import (
     Throughput,
-    cuda_peak_mb,
     memory_metrics,
     progress_line,
     rss_mb,
@@ -59,6 +58,7 @@ from meshtrain.config import RunConfig
 from meshtrain.data.batch import TokenBatch
 from meshtrain.data.blocks import BlockStore
 from meshtrain.data.sampler import GlobalBatchSampler
+from meshtrain.device import is_accelerator, memory_figures_mb, rank_device
 from meshtrain.distributed.parallel_dims import ParallelDims
 from meshtrain.distributed.tensor_parallel import local_tensor
 from meshtrain.models.preference_loss import METRICS
@@ -95,8 +95,9 @@ class StepOutcome:
     stop_signal: int = 0  # a stop signal some rank received during the step (0: none)
 
 
-# The CUDA allocator's peaks and the device's use (`components.metrics.cuda_peak_mb`).
-CUDA_PEAKS = ("cuda_peak_allocated_mb", "cuda_peak_reserved_mb", "cuda_device_used_mb")
+# An accelerator allocator's peaks and the device's use (`device.memory_figures_mb`); the
+# planner's per-profile runtime and allocator terms are read off these.
+DEVICE_PEAKS = ("device_peak_allocated_mb", "device_peak_reserved_mb", "device_used_mb")
 
 
 def train(spec: WorkerSpec) -> dict[str, Any] | None:
@@ -112,9 +113,7 @@ class Trainer:
         self.layout, self.cfg = self.plan.layout, self.run.training
         self.rank = dist.get_rank()
         self.run_dir = Path(spec.run_dir)
-        self.device = torch.device(
-            f"cuda:{torch.cuda.current_device()}" if self.plan.backend == "nccl" else "cpu"
-        )
+        self.device = rank_device(self.plan.backend)
         self.dims = ParallelDims.of_layout(self.layout, self.device.type)
         # The model, its converters, the optimizer, the batch split and the LR schedule:
         # built as the dry run builds them (a resume then restores each rank's RNG state).
@@ -466,11 +465,11 @@ class Trainer:
     def gather_peak_memory(self) -> dict[str, list[float]]:
         """Every rank's peak resident memory at start-up and over the run (and the CUDA
         allocator's peak), logged per rank by rank 0. Collective."""
-        mine = (self.startup_peak_rss_mb, rss_mb()[1], *cuda_peak_mb(self.device))
+        mine = (self.startup_peak_rss_mb, rss_mb()[1], *memory_figures_mb(self.device))
         gathered: list[tuple[float, ...]] = [mine] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
-        names = ("startup_peak_rss_mb", "peak_rss_mb", *CUDA_PEAKS)
-        if self.device.type != "cuda":
+        names = ("startup_peak_rss_mb", "peak_rss_mb", *DEVICE_PEAKS)
+        if not is_accelerator(self.device):
             names = names[:2]
         per_rank = {name: [values[i] for values in gathered] for i, name in enumerate(names)}
         self.tracker.log(

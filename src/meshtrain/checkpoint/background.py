@@ -28,6 +28,7 @@ import torch.distributed as dist
 from meshtrain.checkpoint import remote
 from meshtrain.checkpoint.manifest import CheckpointError
 from meshtrain.checkpoint.space import free_bytes, named_write_errors
+from meshtrain.device import HOST_BACKEND
 
 STAGING_ROOT = Path("/dev/shm")
 # The writer threads' agreement waits for the slowest rank's copy.
@@ -118,7 +119,7 @@ class BackgroundWriter:
 
     def __init__(self) -> None:
         """Collective: the writer threads' own process group."""
-        self.group = dist.new_group(backend="gloo", timeout=_AGREEMENT_TIMEOUT)
+        self.group = dist.new_group(backend=HOST_BACKEND, timeout=_AGREEMENT_TIMEOUT)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 

@@ -1,6 +1,6 @@
 """Measure the peak memory of live tensors on one rank during one training step.
 
-On CUDA the allocator keeps the number (`torch.cuda.max_memory_allocated`). On
+On an accelerator its allocator keeps the number (`device.peak_allocated_bytes`). On
 CPU nothing does (the process RSS also counts the Python heap, libraries and
 freed-but-cached pages), so a dispatch mode follows every tensor storage that
 an operator creates during the step until it is freed, on top of the storages
@@ -27,6 +27,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
+
+from meshtrain.device import is_accelerator, peak_allocated_bytes, reset_peak_memory, synchronize
 
 
 @dataclass
@@ -175,18 +177,18 @@ def measure_peak_memory(
 
     `existing`: every tensor that lives before the block and through it (parameters,
     gradient buffers, optimizer states, persistent buffers), by category if a dict.
-    `fake`: the block runs on fake tensors (`meshtrain.dryrun`), which CUDA's allocator
+    `fake`: the block runs on fake tensors (`meshtrain.dryrun`), which an accelerator's allocator
     never sees, so they are followed as on CPU; `where`: the step's position, kept at
     each new peak; `owner`: the module an operator runs in, by which what it makes is
     added up.
     """
     result = PeakMemory()
-    if device.type == "cuda" and not fake:
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
+    if is_accelerator(device) and not fake:
+        synchronize(device)
+        reset_peak_memory(device)
         yield result, lambda phase: None
-        torch.cuda.synchronize(device)
-        result.peak_bytes = torch.cuda.max_memory_allocated(device)
+        synchronize(device)
+        result.peak_bytes = peak_allocated_bytes(device)
         return
     if not isinstance(existing, dict):
         existing = {EXISTING: existing}

@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from meshtrain.device import is_accelerator, peak_allocated_bytes
+
 
 def rss_mb() -> tuple[float, float]:
     """(current, peak) resident memory of this process in MiB, as the kernel counts them.
@@ -25,31 +27,17 @@ def rss_mb() -> tuple[float, float]:
     return fields["VmRSS"], fields["VmHWM"]
 
 
-def cuda_peak_mb(device: torch.device) -> tuple[float, float, float]:
-    """The CUDA allocator's peaks since the start, of tensors and of what it reserved from
-    the device for them, and the device's memory in use by anything now (the process's
-    CUDA context and libraries, NCCL's buffers, other processes); zeros off CUDA. The
-    planner's per-profile runtime and allocator terms are read off these."""
-    if device.type != "cuda":
-        return 0.0, 0.0, 0.0
-    free, total = torch.cuda.mem_get_info(device)
-    return (
-        torch.cuda.max_memory_allocated(device) / 2**20,
-        torch.cuda.max_memory_reserved(device) / 2**20,
-        (total - free) / 2**20,
-    )
-
-
 def memory_metrics(device: torch.device, model_states_bytes: int) -> dict[str, float]:
-    """The process's resident memory (and the CUDA allocator's peak) as MLflow metrics."""
+    """The process's resident memory (and an accelerator allocator's peak) as MLflow
+    metrics."""
     rss, peak = rss_mb()
     metrics = {
         "memory/rss_mb": rss,
         "memory/peak_rss_mb": peak,
         "memory/model_states_mb": model_states_bytes / 2**20,
     }
-    if device.type == "cuda":
-        metrics["memory/cuda_peak_allocated_mb"] = torch.cuda.max_memory_allocated() / 2**20
+    if is_accelerator(device):
+        metrics["memory/device_peak_allocated_mb"] = peak_allocated_bytes(device) / 2**20
     return metrics
 
 

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from meshtrain.config import RunConfig
+from meshtrain.device import on_host, rank_device
 from meshtrain.launch.network import IFNAME_VARIABLES, connected_peers
 from meshtrain.planner import Plan
 from meshtrain.trainer import WorkerSpec, train
@@ -33,8 +34,8 @@ def worker_main_sequence(specs: list[WorkerSpec]) -> list[dict[str, Any] | None]
     plan = Plan.from_dict(specs[0].plan)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    if plan.backend == "nccl":
-        torch.cuda.set_device(local_rank)
+    if not on_host(plan.backend):
+        rank_device(plan.backend, local_rank)  # this rank's accelerator, its current one
     else:
         # Share the cores between the ranks of this node instead of oversubscribing them.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))

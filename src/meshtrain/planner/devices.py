@@ -351,9 +351,9 @@ def resolve_device(name: str, overrides: dict[str, dict[str, Any]], cuda: bool) 
         if not cuda:
             name = "cpu"
         else:
-            import torch  # noqa: PLC0415  (only a run on this machine's GPU asks its name)
+            from meshtrain.device import device_name  # noqa: PLC0415 (torch: a GPU's name)
 
-            gpu = torch.cuda.get_device_name(0).lower() if torch.cuda.is_available() else ""
+            gpu = device_name(0).lower()
             name = "h200" if "h200" in gpu else "h100"
     try:
         return device_profile(name, overrides)

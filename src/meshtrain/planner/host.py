@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from meshtrain.device import on_host
 from meshtrain.planner.devices import BUILTIN_PROFILES
 from meshtrain.planner.types import LayoutError, Plan, Refusal
 
@@ -53,7 +54,7 @@ def host_bytes_per_rank(plan: Plan) -> int:
     under pressure) and checkpoints stream from the tensors' own memory, so neither
     adds a host copy."""
     memory = plan.memory_estimate_per_rank
-    if plan.backend == "gloo":  # the ranks are CPU processes
+    if on_host(plan.backend):  # the ranks are CPU processes
         return int(memory["process_total"])
     return BUILTIN_PROFILES["cpu"].runtime_bytes + int(memory.get("offloaded_to_host", 0))
 
@@ -94,7 +95,7 @@ def check_host(
         )
         raise LayoutError([Refusal("launch.nproc_per_node", ranks_here, reason, fix)])
     warnings = []
-    if plan.backend == "gloo" and ranks_here > host.cores:
+    if on_host(plan.backend) and ranks_here > host.cores:
         warnings.append(
             f"launch.nproc_per_node={ranks_here} ranks share {host.cores} core(s) here: "
             f"each step will take about {ranks_here / host.cores:.1f}x the planned time, for "
@@ -123,7 +124,7 @@ def _check_snapshot(plan: Plan, ranks_here: int, host: Host, per_rank: int) -> N
 
 
 def _what(plan: Plan) -> str:
-    if plan.backend == "gloo":
+    if on_host(plan.backend):
         return "the plan's process estimate"
     return "the process and its offloaded activations"
 

@@ -1,0 +1,142 @@
+"""Which device a rank computes on, and what the engine asks of it: its memory figures,
+its synchronisation, and the collective backend that serves it.
+
+Everything comes from `torch.accelerator`, which answers for CUDA and for any backend
+registered through PyTorch's PrivateUse1 mechanism (torch-neuronx's `neuron` device),
+and from torch.distributed's map of device types to c10d backends; without an
+accelerator the ranks compute on the CPU over gloo. The engine's runtime modules ask
+here instead of naming a device type themselves. torch is imported by the functions
+that use it: the planner asks `on_host` without it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+CPU = "cpu"
+# Collectives on host tensors: the ranks of a CPU job, and the side groups of an
+# accelerator job's ranks (the checkpoint writers' agreement).
+HOST_BACKEND = "gloo"
+
+
+def accelerator() -> str | None:
+    """This process's accelerator's device type (`cuda`, `neuron`, ...) if one is usable."""
+    import torch  # noqa: PLC0415
+
+    found = torch.accelerator.current_accelerator(check_available=True)
+    return found.type if found is not None else None
+
+
+def accelerator_count() -> int:
+    import torch  # noqa: PLC0415
+
+    return torch.accelerator.device_count() if accelerator() else 0
+
+
+def backend_for(device_type: str) -> str:
+    """The c10d backend torch registers for `device_type` (nccl for cuda, a PrivateUse1
+    backend's own)."""
+    import torch.distributed as dist  # noqa: PLC0415
+
+    return dist.get_default_backend_for_device(device_type)
+
+
+def default_backend() -> str:
+    """`launch.backend: auto`: the accelerator's own backend, else gloo on the CPU."""
+    found = accelerator()
+    return backend_for(found) if found else HOST_BACKEND
+
+
+def on_host(backend: str) -> bool:
+    """The ranks of a job on `backend` compute on the CPU."""
+    return backend == HOST_BACKEND
+
+
+def rank_device(backend: str, local_rank: int | None = None) -> torch.device:
+    """The device a rank of a job on `backend` computes on; with `local_rank`, that
+    accelerator is made the process's current one first (one device per local rank)."""
+    import torch  # noqa: PLC0415
+
+    if on_host(backend):
+        return torch.device(CPU)
+    if local_rank is not None:
+        torch.accelerator.set_device_index(local_rank)
+    return torch.device(accelerator(), torch.accelerator.current_device_index())
+
+
+def is_accelerator(device: torch.device | str) -> bool:
+    import torch  # noqa: PLC0415
+
+    return torch.device(device).type != CPU
+
+
+def synchronize(device: torch.device) -> None:
+    import torch  # noqa: PLC0415
+
+    if is_accelerator(device):
+        torch.accelerator.synchronize(device)
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    import torch  # noqa: PLC0415
+
+    torch.accelerator.reset_peak_memory_stats(device)
+
+
+def peak_allocated_bytes(device: torch.device) -> int:
+    """The allocator's peak since the last reset (an accelerator's own count)."""
+    import torch  # noqa: PLC0415
+
+    return torch.accelerator.max_memory_allocated(device)
+
+
+def memory_figures_mb(device: torch.device) -> tuple[float, float, float]:
+    """The accelerator allocator's peaks (allocated, reserved) and the device's memory in
+    use by anything now, in MiB; zeros on the CPU."""
+    import torch  # noqa: PLC0415
+
+    if not is_accelerator(device):
+        return 0.0, 0.0, 0.0
+    free, total = torch.accelerator.get_memory_info(device)
+    return (
+        torch.accelerator.max_memory_allocated(device) / 2**20,
+        torch.accelerator.max_memory_reserved(device) / 2**20,
+        (total - free) / 2**20,
+    )
+
+
+def free_bytes(device: torch.device | str) -> int:
+    import torch  # noqa: PLC0415
+
+    return torch.accelerator.get_memory_info(torch.device(device))[0]
+
+
+def device_name(index: int = 0) -> str:
+    """The accelerator's product name ("NVIDIA H100 80GB HBM3"), or "" where unknown."""
+    import torch  # noqa: PLC0415
+
+    found = accelerator()
+    if not found:
+        return ""
+    module = torch.get_device_module(found)
+    return module.get_device_name(index) if hasattr(module, "get_device_name") else ""
+
+
+def evaluation_device(requested: str, backend: str | None) -> str:
+    """`evaluation.device: auto`: the accelerator where the model trained on one and one
+    is here, else the CPU; a named device's type must be this machine's."""
+    import torch  # noqa: PLC0415
+
+    found = accelerator()
+    if requested == "auto":
+        return found if found and backend is not None and not on_host(backend) else CPU
+    try:
+        kind = torch.device(requested).type
+    except RuntimeError:
+        raise ValueError(f"{requested!r} is not a device torch knows") from None
+    if kind != CPU and kind != found:
+        raise ValueError(f"no {kind} device is visible here")
+    return requested
