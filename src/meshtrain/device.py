@@ -11,6 +11,7 @@ that use it: the planner asks `on_host` without it.
 
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -20,6 +21,9 @@ CPU = "cpu"
 # Collectives on host tensors: the ranks of a CPU job, and the side groups of an
 # accelerator job's ranks (the checkpoint writers' agreement).
 HOST_BACKEND = "gloo"
+# torch's own backends of its built-in accelerators (`torch.distributed`'s map, known
+# here without importing torch: the planner runs without it).
+_BACKENDS = {"cuda": "nccl", "xpu": "xccl"}
 
 
 def accelerator() -> str | None:
@@ -48,6 +52,27 @@ def default_backend() -> str:
     """`launch.backend: auto`: the accelerator's own backend, else gloo on the CPU."""
     found = accelerator()
     return backend_for(found) if found else HOST_BACKEND
+
+
+def planned_backend(accelerated: bool) -> str:
+    """A plan's backend at `launch.backend: auto`: for accelerator ranks this machine's
+    accelerator's own, or NCCL where none is here (the built-in GPU profiles are CUDA
+    devices); gloo for CPU ranks."""
+    if not accelerated:
+        return HOST_BACKEND
+    found = accelerator()
+    return backend_for(found) if found else _BACKENDS["cuda"]
+
+
+def backend_device(backend: str) -> str | None:
+    """The device type whose ranks `backend` serves (nccl: cuda); None for gloo, and for a
+    backend that torch does not know here (`neuron` without torch-neuronx)."""
+    if backend == HOST_BACKEND:
+        return None
+    known = dict(_BACKENDS)
+    if "torch.distributed" in sys.modules:  # a PrivateUse1 backend registers itself there
+        known.update(sys.modules["torch.distributed"].Backend.default_device_backend_map)
+    return next((kind for kind, name in known.items() if name == backend and kind != CPU), None)
 
 
 def on_host(backend: str) -> bool:

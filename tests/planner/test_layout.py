@@ -9,12 +9,11 @@ import re
 from typing import Any
 
 import pytest
-import torch
 from transformers import PretrainedConfig
 
 from meshtrain.config import Layout, RunConfig
 from meshtrain.models import build_model, build_model_config
-from meshtrain.planner import LayoutError, Plan, Refusal, plan_run
+from meshtrain.planner import LayoutError, Plan, Refusal, plan_run, search
 from meshtrain.planner.axes.data import estimate_model_states
 from meshtrain.planner.devices import GIB
 from meshtrain.planner.plan_inputs import check_plan_matches, plan_inputs_hash
@@ -408,7 +407,7 @@ def test_tokenizer_larger_than_the_vocab_is_refused(model_config: PretrainedConf
 def test_auto_backend_follows_cuda(
     model_config: PretrainedConfig, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(search, "accelerator_count", lambda: 2)
     assert _plan(model_config, cuda_available=False).backend == "gloo"
     assert _plan(model_config, cuda_available=True).backend == "nccl"
     assert _plan(model_config, cuda_available=True, launch={"backend": "gloo"}).backend == "gloo"
@@ -417,7 +416,7 @@ def test_auto_backend_follows_cuda(
 def test_more_processes_than_gpus_is_refused(
     model_config: PretrainedConfig, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(search, "accelerator_count", lambda: 1)
     error = _refusals(model_config, cuda_available=True, launch={"nproc_per_node": 2})
     refusal = _refusal(error, "launch.nproc_per_node")
     assert refusal.value == 2

@@ -13,6 +13,7 @@ import dataclasses
 from typing import Any
 
 from meshtrain.config import AUTO, DataConfig, LaunchConfig, ParallelConfig, RunConfig
+from meshtrain.device import backend_device, planned_backend
 from meshtrain.models.config_file import ArchitectureConfig
 from meshtrain.planner.axes import expert, pipeline, sharding, tensor
 from meshtrain.planner.candidate import Candidate
@@ -219,29 +220,32 @@ def variant_name(run: RunConfig) -> str:
 
 
 def resolve_backend(
-    launch: LaunchConfig, cuda: bool, cuda_devices: int
+    launch: LaunchConfig, accelerated: bool, devices: int
 ) -> tuple[str, list[Refusal]]:
-    """NCCL with CUDA, gloo without (at `auto`); NCCL needs a GPU for each local rank."""
+    """At `auto`, the accelerator's own backend where the plan is for accelerators, else
+    gloo; a backend whose device type torch knows needs such devices, one per local rank
+    (`neuron` without torch-neuronx is refused at the launch, naming the install)."""
     refusals: list[Refusal] = []
     backend = launch.backend
     if backend == AUTO:
-        backend = "nccl" if cuda else "gloo"
-    elif backend == "nccl" and not cuda:
+        backend = planned_backend(accelerated)
+    serves = backend_device(backend)
+    if serves is not None and not accelerated:
         refusals.append(
             Refusal(
                 "launch.backend",
-                "nccl",
-                "NCCL needs CUDA devices and none is visible",
+                backend,
+                f"{backend} needs {serves} devices and none is visible",
                 "Use launch.backend=gloo (or auto) on CPU machines.",
             )
         )
-    if cuda and backend == "nccl" and launch.nproc_per_node > cuda_devices:
+    elif serves is not None and launch.nproc_per_node > devices:
         refusals.append(
             Refusal(
                 "launch.nproc_per_node",
                 launch.nproc_per_node,
-                f"only {cuda_devices} CUDA devices are visible",
-                f"Use launch.nproc_per_node<={cuda_devices}.",
+                f"only {devices} {serves} devices are visible",
+                f"Use launch.nproc_per_node<={devices}.",
             )
         )
     return backend, refusals

@@ -12,9 +12,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from meshtrain.config import AUTO, Refused, RunConfig
+from meshtrain.device import accelerator, device_name
 from meshtrain.planner.types import Plan
 
 # The fields no plan reads: the optimiser's numbers, when to checkpoint, evaluate and log,
@@ -65,12 +64,12 @@ def plan_inputs(
 ) -> dict[str, Any]:
     """What a plan of `run` depends on: the parameters the planner reads, the data's sizes,
     the tokenizer's size and special tokens, the model folder's config, and what `auto`
-    resolves against on this machine (a visible GPU and its name)."""
+    resolves against on this machine (a visible accelerator and its name)."""
     groups = {
         group: {k: v for k, v in values.items() if k not in NOT_PLANNED.get(group, ())}
         for group, values in run.to_dict().items()
     }
-    cuda = torch.cuda.is_available()
+    found = accelerator()
     return {
         "parameters": groups,
         "data": {
@@ -85,8 +84,8 @@ def plan_inputs(
         },
         "init_from_config": _folder_config(run.model.init_from),
         "machine": {
-            "cuda": cuda,
-            "gpu": torch.cuda.get_device_name(0) if cuda and run.planner.device == AUTO else "",
+            "accelerator": found,
+            "name": device_name(0) if found and run.planner.device == AUTO else "",
         },
     }
 

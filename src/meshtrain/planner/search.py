@@ -16,6 +16,7 @@ from meshtrain.config import AUTO, RunConfig
 from meshtrain.config_dpo import check_preference_run
 from meshtrain.config_lora import check_pretrained_base
 from meshtrain.config_parsing import ConfigError
+from meshtrain.device import accelerator, accelerator_count
 from meshtrain.models.config_file import ArchitectureConfig
 from meshtrain.models.shapes import lora_adapter_shapes, parameter_shapes
 from meshtrain.planner.axes import AXES, TIE_BREAK
@@ -151,14 +152,12 @@ def _none_fits(
 
 
 def _visible_gpus(cuda_available: bool | None) -> tuple[bool, int]:
-    """Whether this machine's GPUs run the plan, and how many (`None`: ask torch, for a run
-    here; a plan for another machine passes False and never imports torch)."""
+    """Whether accelerators run the plan, and how many this machine has (`None`: ask torch,
+    for a run here; a plan for another machine passes False and never imports torch)."""
     if cuda_available is False:
         return False, 0
-    import torch  # noqa: PLC0415
-
-    cuda = torch.cuda.is_available() if cuda_available is None else cuda_available
-    return cuda, torch.cuda.device_count() if cuda else 0
+    found = accelerator() is not None
+    return found if cuda_available is None else cuda_available, accelerator_count()
 
 
 def _check_preference(run: RunConfig) -> None:
