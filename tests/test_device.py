@@ -12,9 +12,8 @@ import torch
 from meshtrain import device
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "meshtrain"
-# Modules that still name CUDA or a backend themselves: the dry run, which stands the
-# CPU in for CUDA's code path, and the launch configuration's documented values.
-STILL_NAMING = {"config_launch.py", "dryrun/fake_world.py"}
+# The launch configuration's documented values (`launch.backend`) name backends too.
+STILL_NAMING = {"config_launch.py"}
 NAMES_A_DEVICE = re.compile(r"torch\.cuda\b|[\"'](cuda|nccl|gloo)[\"':]")
 
 
@@ -38,6 +37,12 @@ def test_a_machine_without_an_accelerator_computes_on_the_cpu_over_gloo():
         device.evaluation_device("cuda:1", "nccl")
     with pytest.raises(ValueError, match="not a device torch knows"):
         device.evaluation_device("gpu", "nccl")
+    # A dry run for GPUs stands the CPU in, and for its autocast answers as the GPU would.
+    assert device.dry_run_device_type("h100") == ("cuda", None)
+    assert device.dry_run_device_type("cpu") == ("cpu", "cpu")
+    with device.answering_as_target("cuda"):
+        assert torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    assert not torch.cuda.is_available()
 
 
 def test_an_accelerator_brings_its_own_backend(monkeypatch):

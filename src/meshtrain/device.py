@@ -11,8 +11,11 @@ that use it: the planner asks `on_host` without it.
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
+from unittest import mock
 
 if TYPE_CHECKING:
     import torch
@@ -24,6 +27,8 @@ HOST_BACKEND = "gloo"
 # torch's own backends of its built-in accelerators (`torch.distributed`'s map, known
 # here without importing torch: the planner runs without it).
 _BACKENDS = {"cuda": "nccl", "xpu": "xccl"}
+# The device type of the planner's accelerator profiles' ranks (`planner.devices`).
+PROFILE_DEVICES = {"h100": "cuda", "h200": "cuda", "trn1": "neuron", "trn2": "neuron"}
 
 
 def accelerator() -> str | None:
@@ -165,3 +170,26 @@ def evaluation_device(requested: str, backend: str | None) -> str:
     if kind != CPU and kind != found:
         raise ValueError(f"no {kind} device is visible here")
     return requested
+
+
+def dry_run_device_type(profile: str) -> tuple[str, str | None]:
+    """The device type the ranks of device profile `profile` compute on, and the one a dry
+    run's fake tensors can carry here: that type where this torch runs it (autograd asks
+    the device's runtime for streams even for fake tensors), else the CPU's (None)."""
+    kind = PROFILE_DEVICES.get(profile, CPU)
+    return kind, kind if kind == CPU or kind == accelerator() else None
+
+
+@contextlib.contextmanager
+def answering_as_target(device_type: str) -> Iterator[None]:
+    """`torch.autocast(device_type, bfloat16)` asks whether the device is there and has
+    bf16: the dry run's target has both (every accelerator profile), whatever device
+    this machine's is."""
+    import torch  # noqa: PLC0415
+
+    module = torch.get_device_module(device_type)
+    with (
+        mock.patch.object(module, "is_available", return_value=True),
+        mock.patch.object(module, "is_bf16_supported", return_value=True),
+    ):
+        yield

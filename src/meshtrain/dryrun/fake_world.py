@@ -6,12 +6,12 @@ dtypes and devices alone, with no storage behind them. Together they let one CPU
 process run the real code of rank R of a 512-rank job: the device mesh, the
 parallelised model, the optimizer, a training step.
 
-Fake tensors can carry `cuda` on a machine without a GPU, but autograd cannot: its
-engine asks the CUDA runtime for streams as soon as a CUDA tensor requires a
-gradient, and a CPU-only torch has none. So a dry run takes the target's device
-type when this torch can run it (`torch.cuda.is_available()`), else the CPU's, and
-says which (`dry_run_device`). On CUDA two queries answer for the target, not
-for this machine (`cuda_answers`), and nothing else is patched.
+Fake tensors can carry an accelerator's device type on a machine without one, but
+autograd cannot: its engine asks the device's runtime for streams as soon as such a
+tensor requires a gradient, and a CPU-only torch has none. So a dry run takes the
+target's device type when this torch can run it, else the CPU's, and says which
+(`dry_run_device`). On an accelerator two queries answer for the target, not for
+this machine (`device.answering_as_target`), and nothing else is patched.
 """
 
 from __future__ import annotations
@@ -28,22 +28,24 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh
 
-GPU_PROFILES = ("h100", "h200")
+from meshtrain.device import CPU, answering_as_target, dry_run_device_type, is_accelerator
+
 T = TypeVar("T")
 
 
 def dry_run_device(profile_device: str) -> tuple[torch.device, str]:
-    """The device the dry run's fake tensors carry, and why (for the report): the GPU
-    profiles' `cuda` where this torch can run it, else the CPU code path, which is also
-    the trainer's on CPU and on Trainium (whose XLA device meshtrain does not drive)."""
-    if profile_device not in GPU_PROFILES:
-        return torch.device("cpu"), f"{profile_device}: the trainer's CPU code path"
-    if torch.cuda.is_available():
-        return torch.device("cuda", 0), f"{profile_device}: cuda, the cluster's code path"
-    return torch.device("cpu"), (
-        f"{profile_device} trains on cuda, but this torch has no CUDA runtime (autograd needs "
-        "its streams even for fake tensors): the CPU code path stands in; run the dry run "
-        "where torch.cuda.is_available() to take the CUDA one"
+    """The device the dry run's fake tensors carry, and why (for the report): the
+    profile's accelerator where this torch can run it, else the CPU code path, which is
+    also the trainer's on CPU."""
+    target, here = dry_run_device_type(profile_device)
+    if here == CPU:
+        return torch.device(CPU), f"{profile_device}: the trainer's CPU code path"
+    if here is not None:
+        return torch.device(here, 0), f"{profile_device}: {here}, the cluster's code path"
+    return torch.device(CPU), (
+        f"{profile_device} trains on {target}, but this torch has no {target} runtime "
+        "(autograd needs its streams even for fake tensors): the CPU code path stands in; "
+        f"run the dry run where torch has a {target} device to take that one"
     )
 
 
@@ -87,8 +89,8 @@ def fake_tensors(device: torch.device) -> Iterator[FakeTensorMode]:
     """Every tensor made in the block is fake; on CUDA, the two device queries that gate
     bf16 autocast answer for the target (a GPU that has bf16), whatever this machine is."""
     with contextlib.ExitStack() as stack:
-        if device.type == "cuda":
-            stack.enter_context(cuda_answers())
+        if is_accelerator(device):
+            stack.enter_context(answering_as_target(device.type))
         stack.enter_context(real_device_meshes())
         yield stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
 
@@ -117,14 +119,3 @@ def outside_fake(function: Callable) -> Callable:
             return function(*args, **kwargs)
 
     return run
-
-
-@contextlib.contextmanager
-def cuda_answers() -> Iterator[None]:
-    """`torch.autocast('cuda', bfloat16)` asks whether CUDA is there and has bf16; the
-    target's GPUs have both (every profile with the nccl backend: Ampere or later)."""
-    with (
-        mock.patch("torch.cuda.is_available", return_value=True),
-        mock.patch("torch.cuda.is_bf16_supported", return_value=True),
-    ):
-        yield
