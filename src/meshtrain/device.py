@@ -27,6 +27,8 @@ HOST_BACKEND = "gloo"
 # torch's own backends of its built-in accelerators (`torch.distributed`'s map, known
 # here without importing torch: the planner runs without it).
 _BACKENDS = {"cuda": "nccl", "xpu": "xccl"}
+# torch.compile's backend per device type where it is not inductor (torch-neuronx's).
+_COMPILE_BACKENDS = {"neuron": "neuron"}
 # The device type of the planner's accelerator profiles' ranks (`planner.devices`).
 PROFILE_DEVICES = {"h100": "cuda", "h200": "cuda", "trn1": "neuron", "trn2": "neuron"}
 
@@ -95,6 +97,11 @@ def rank_device(backend: str, local_rank: int | None = None) -> torch.device:
     if local_rank is not None:
         torch.accelerator.set_device_index(local_rank)
     return torch.device(accelerator(), torch.accelerator.current_device_index())
+
+
+def compile_backend(device: torch.device) -> str:
+    """`training.compile`'s backend for `device`: inductor, or the device's own."""
+    return _COMPILE_BACKENDS.get(device.type, "inductor")
 
 
 def is_accelerator(device: torch.device | str) -> bool:

@@ -23,6 +23,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from transformers import PretrainedConfig
 
 from meshtrain.config import Layout
+from meshtrain.device import compile_backend
 from meshtrain.distributed.activation_checkpoint import (
     apply_activation_checkpointing,
     offload_context,
@@ -98,7 +99,7 @@ def parallelize(
     saved_ops = frozenset().union(*(converter.saved_ops for converter in converters))
     apply_activation_checkpointing(model, layout.activation_checkpointing, saved_ops)
     if compile_layers:
-        compile_decoder_layers(modules)
+        compile_decoder_layers(modules, compile_backend(device))
     if layout.sharded:
         shard_data_parallel(modules, dims, layout, fsdp_policy or MixedPrecisionPolicy())
     if weights is not None:
@@ -181,10 +182,11 @@ def keep_frozen(modules: list[nn.Module], frozen: set[str]) -> None:
                 parameter.requires_grad_(False)
 
 
-def compile_decoder_layers(modules: list[nn.Module]) -> None:
+def compile_decoder_layers(modules: list[nn.Module], backend: str) -> None:
+    """torch.compile every decoder layer in place with the device's compile backend."""
     for module in modules:
         for _, layer in decoder_layers(module):
-            layer.compile()
+            layer.compile(backend=backend)
 
 
 def shard_data_parallel(
