@@ -12,9 +12,10 @@ import datasets
 
 from meshtrain.config import Refused, RunConfig
 from meshtrain.data.blocks import arrow_files
-from meshtrain.launch.job import TrainingStopped, run_training
+from meshtrain.launch.job import TrainingStopped, make_worker_spec, run_training
 from meshtrain.models import build_model_config
 from meshtrain.planner import Plan, plan_run
+from meshtrain.trainer import WorkerSpec
 from tests.conftest import TINY_BLOCK, TINY_MODEL, TINY_VOCAB
 from tests.distributed.reference import TRAINING
 
@@ -51,6 +52,17 @@ def plan_for(run: RunConfig, blocks: datasets.DatasetDict) -> Plan:
         num_train_blocks=len(blocks["train"]),
         num_validation_blocks=len(blocks["validation"]),
         cuda_available=False,
+    )
+
+
+def spec_for(run: RunConfig, blocks: datasets.DatasetDict) -> WorkerSpec:
+    """The worker spec the launcher makes of `run` (no validation split)."""
+    return make_worker_spec(
+        run,
+        plan_for(run, blocks),
+        train_files=arrow_files(blocks["train"]),
+        validation_files=[],
+        tokenizer_dir=None,
     )
 
 

@@ -20,12 +20,10 @@ import torch
 from safetensors.torch import load_file
 
 from meshtrain.checkpoint import consolidate_checkpoint, remote
-from meshtrain.data.blocks import arrow_files
-from meshtrain.launch.job import make_worker_spec
 from meshtrain.models.llama import pretrained
 from tests.conftest import TINY_MODEL, TINY_VOCAB
 from tests.distributed.reference import run_group
-from tests.distributed.stop_run import plan_for, stop_run_config
+from tests.distributed.stop_run import spec_for, stop_run_config
 from tests.s3server import BUCKET, s3_server
 
 pytestmark = pytest.mark.slow
@@ -85,16 +83,7 @@ def test_a_run_on_s3_killed_mid_save_resumes_bitwise_and_consolidates_to_s3(
 
     straight = stop_run_config(tmp_path / "local", 8, run_name="straight", checkpoint_every=2)
     resumed = stop_run_config(RUNS, 8, resume_from="latest", checkpoint_every=2)
-    specs = [
-        make_worker_spec(
-            run,
-            plan_for(run, tiny_blocks),
-            train_files=arrow_files(tiny_blocks["train"]),
-            validation_files=[],
-            tokenizer_dir=None,
-        )
-        for run in (straight, resumed)
-    ]
+    specs = [spec_for(run, tiny_blocks) for run in (straight, resumed)]
     assert specs[1].resume_from.endswith("resume/checkpoint-2")  # downloaded once, here
     first, second = run_group(specs, 2, tmp_path, "t-s3")
     assert second["losses"] == first["losses"][2:]

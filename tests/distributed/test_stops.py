@@ -25,10 +25,10 @@ from meshtrain.checkpoint.safetensors_format import save_safetensors
 from meshtrain.checkpoint.space import CheckpointSpaceError, named_write_errors
 from meshtrain.config import Refused
 from meshtrain.data.blocks import arrow_files
-from meshtrain.launch.job import make_worker_spec, run_training
+from meshtrain.launch.job import run_training
 from tests.conftest import mounted_tmpfs, worker_processes
 from tests.distributed.reference import run_group
-from tests.distributed.stop_run import plan_for, stop_run_config
+from tests.distributed.stop_run import plan_for, spec_for, stop_run_config
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 2000  # far more than run before the signal lands
@@ -123,16 +123,7 @@ def test_stop_signals_checkpoint_and_resume_bitwise(tiny_blocks, tmp_path: Path)
     resumed = stop_run_config(
         tmp_path / "usr1", end, resume_from=str(tmp_path / "usr1" / "stopped")
     )
-    specs = [
-        make_worker_spec(
-            run,
-            plan_for(run, tiny_blocks),
-            train_files=arrow_files(tiny_blocks["train"]),
-            validation_files=[],
-            tokenizer_dir=None,
-        )
-        for run in (straight, resumed)
-    ]
+    specs = [spec_for(run, tiny_blocks) for run in (straight, resumed)]
     first, second = run_group(specs, 2, tmp_path, "t-stops")
     assert second["losses"] == first["losses"][stopped:]
     for name, summary in (("straight", first), ("resumed", second)):
