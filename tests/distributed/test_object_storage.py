@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from meshtrain.checkpoint import consolidate_checkpoint, remote
+from meshtrain.checkpoint.manifest import CheckpointError
 from meshtrain.models.llama import pretrained
 from tests.conftest import TINY_MODEL, TINY_VOCAB
 from tests.distributed.reference import run_group
@@ -145,3 +146,19 @@ def test_a_bucket_that_refuses_a_write_stops_the_run_in_one_line(
     line = next(line for line in output.splitlines() if line.startswith("REFUSED: "))
     assert f"cannot write {runs}/stopped/checkpoint-4/" in line and "Access Denied" in line
     assert _steps(f"{runs}/stopped") == [2]
+
+
+def test_what_is_not_on_the_bucket_is_refused_naming_it(bucket):
+    empty = f"s3://{BUCKET}/nothing-here"
+    with pytest.raises(CheckpointError, match=r"latest: no complete checkpoint under .*/\*"):
+        remote.find_resume(empty, "latest", None)
+    half = f"s3://{BUCKET}/half/run/checkpoint-9"
+    remote.write_text(f"{half}/config.json", "{}")  # written, never marked complete
+    with pytest.raises(CheckpointError, match="checkpoint-9 has no COMPLETE marker"):
+        remote.find_checkpoint(half, "training.resume_from")
+    with pytest.raises(CheckpointError, match="consolidation.checkpoint: no complete"):
+        remote.find_checkpoint(f"s3://{BUCKET}/half/run", "consolidation.checkpoint")
+    with pytest.raises(CheckpointError, match="needs gcsfs"):  # not installed here
+        remote.filesystem("gs://a-bucket/runs")
+    assert remote.is_url("s3://b/k") and not remote.is_url("file:///tmp/x")
+    assert not remote.is_url("data/06_models") and not remote.is_url(Path("s3://b"))
