@@ -238,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.output_dir or _default_output(args.checkpoint),
                 partial(_consolidate, args, max_shard_size=max_shard_size, dtype=dtype),
                 parameter="checkpoint",
+                keep_local=False,
             )
         except (CheckpointError, OSError) as error:
             print(f"error: {error}", file=sys.stderr)

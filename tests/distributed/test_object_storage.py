@@ -99,6 +99,8 @@ def test_a_run_on_s3_killed_mid_save_resumes_bitwise_and_consolidates_to_s3(
         check=True,
         capture_output=True,
     )
+    kept = tmp_path / "data" / "06_models" / "remote" / "s3" / BUCKET / "models"
+    assert not kept.exists()  # the command keeps no local copy of the model
     downloaded = remote.download_folder(model_url, tmp_path / "downloaded")
     consolidate_checkpoint(first["final_checkpoint"], tmp_path / "straight", progress=False)
     a = load_file(tmp_path / "straight" / "model.safetensors")
