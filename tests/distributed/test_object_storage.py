@@ -150,7 +150,7 @@ def test_a_bucket_that_refuses_a_write_stops_the_run_in_one_line(
     assert _steps(f"{runs}/stopped") == [2]
 
 
-def test_what_is_not_on_the_bucket_is_refused_naming_it(bucket):
+def test_what_is_not_on_the_bucket_is_refused_naming_it(bucket, tmp_path: Path):
     empty = f"s3://{BUCKET}/nothing-here"
     with pytest.raises(CheckpointError, match=r"latest: no complete checkpoint under .*/\*"):
         remote.find_resume(empty, "latest", None)
@@ -162,5 +162,13 @@ def test_what_is_not_on_the_bucket_is_refused_naming_it(bucket):
         remote.find_checkpoint(f"s3://{BUCKET}/half/run", "consolidation.checkpoint")
     with pytest.raises(CheckpointError, match="needs gcsfs"):  # not installed here
         remote.filesystem("gs://a-bucket/runs")
+    # An endpoint that does not answer: the client's own error, in one line with the URL.
+    unreachable = {**os.environ, "AWS_ENDPOINT_URL": "http://127.0.0.1:9", "AWS_MAX_ATTEMPTS": "1"}
+    command = ["-m", "meshtrain", "consolidate", f"s3://{BUCKET}/runs/r", str(tmp_path / "out")]
+    result = subprocess.run(
+        [sys.executable, *command], env=unreachable, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 1 and result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith(f"error: cannot list s3://{BUCKET}/runs/r: Could not connect")
     assert remote.is_url("s3://b/k") and not remote.is_url("file:///tmp/x")
     assert not remote.is_url("data/06_models") and not remote.is_url(Path("s3://b"))

@@ -18,6 +18,7 @@ fsspec (and s3fs, gcsfs) are imported only when a URL is used.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import posixpath
@@ -73,24 +74,37 @@ def filesystem(url: str) -> tuple[Any, str]:
     return fs, path
 
 
-def named_remote_error(url: str, error: BaseException) -> CheckpointError:
-    """One line for a failed transfer: the URL and the storage's reason."""
-    reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    return CheckpointError(f"cannot write {url}: {reason}")
+def storage_errors(verb: str, url_at: int = 0):
+    """Turn what the storage's client raises (botocore's errors are not `OSError`s) into one
+    line naming the URL (the `url_at`-th argument) and the storage's reason."""
+
+    def wrap(function):
+        @functools.wraps(function)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return function(*args, **kwargs)
+            except CheckpointError:
+                raise
+            except Exception as error:  # noqa: BLE001 (every client's errors differ)
+                text = str(error).strip()
+                reason = text.splitlines()[0] if text else type(error).__name__
+                raise CheckpointError(f"cannot {verb} {args[url_at]}: {reason}") from error
+
+        return run
+
+    return wrap
 
 
+@storage_errors("write", url_at=1)
 def upload_file(local: Path, url: str) -> dict[str, Any]:
     """Stream one file up in parts; its size and sha256 (hashed on the way)."""
     fs, path = filesystem(url)
     digest, size = hashlib.sha256(), 0
-    try:
-        with local.open("rb") as source, fs.open(path, "wb", block_size=CHUNK_BYTES) as target:
-            while block := source.read(CHUNK_BYTES):
-                digest.update(block)
-                target.write(block)
-                size += len(block)
-    except OSError as error:
-        raise named_remote_error(url, error) from error
+    with local.open("rb") as source, fs.open(path, "wb", block_size=CHUNK_BYTES) as target:
+        while block := source.read(CHUNK_BYTES):
+            digest.update(block)
+            target.write(block)
+            size += len(block)
     return {"bytes": size, "sha256": digest.hexdigest()}
 
 
@@ -104,13 +118,11 @@ def upload_folder(local: Path, url: str) -> dict[str, dict[str, Any]]:
     return described
 
 
+@storage_errors("write")
 def write_text(url: str, text: str) -> None:
     """One small object, whole or not at all (a single PUT)."""
     fs, path = filesystem(url)
-    try:
-        fs.pipe_file(path, text.encode())
-    except OSError as error:
-        raise named_remote_error(url, error) from error
+    fs.pipe_file(path, text.encode())
 
 
 def mark_complete(url: str, manifest: dict[str, Any]) -> None:
@@ -119,16 +131,19 @@ def mark_complete(url: str, manifest: dict[str, Any]) -> None:
     write_text(join(url, MARKER), f"{manifest['step']}\n")
 
 
+@storage_errors("read")
 def read_text(url: str) -> str:
     fs, path = filesystem(url)
     return fs.cat_file(path).decode()
 
 
+@storage_errors("read")
 def exists(url: str) -> bool:
     fs, path = filesystem(url)
     return fs.exists(path)
 
 
+@storage_errors("delete")
 def remove(url: str) -> None:
     """Delete everything under `url` (nothing there is no error)."""
     fs, path = filesystem(url)
@@ -136,6 +151,7 @@ def remove(url: str) -> None:
         fs.rm(path, recursive=True)
 
 
+@storage_errors("list")
 def children(url: str) -> list[str]:
     """The URLs one level under `url` (none if it does not exist)."""
     fs, path = filesystem(url)
@@ -161,6 +177,7 @@ def checkpoints(run_url: str) -> tuple[list[tuple[int, str]], list[str]]:
     return sorted(complete), partial
 
 
+@storage_errors("download")
 def download_folder(url: str, local: Path) -> Path:
     """Everything under `url` into `local` (replacing what was there); `local`."""
     import shutil  # noqa: PLC0415
@@ -237,6 +254,7 @@ def replace_folder(local: Path, url: str) -> None:
             fs.rm_file(entry)
 
 
+@storage_errors("download")
 def mirror_folder(url: str, base: Path) -> Path:
     """A local copy of the folder at `url` under `base`, kept between runs: only what
     changed since the last copy (by the storage's own key of each object, an S3 ETag) is
