@@ -162,6 +162,13 @@ def test_what_is_not_on_the_bucket_is_refused_naming_it(bucket, tmp_path: Path):
         remote.find_checkpoint(f"s3://{BUCKET}/half/run", "consolidation.checkpoint")
     with pytest.raises(CheckpointError, match="needs gcsfs"):  # not installed here
         remote.filesystem("gs://a-bucket/runs")
+    # A key that climbs out of the folder being copied (S3 allows `..` in keys).
+    import boto3
+
+    boto3.client("s3").put_object(Bucket=BUCKET, Key="climb/run/../../escaped", Body=b"x")
+    with pytest.raises(CheckpointError, match="holds an object outside it"):
+        remote.download_folder(f"s3://{BUCKET}/climb/run", tmp_path / "copy" / "run")
+    assert not (tmp_path / "escaped").exists() and not (tmp_path / "copy" / "escaped").exists()
     # An endpoint that does not answer: the client's own error, in one line with the URL.
     unreachable = {**os.environ, "AWS_ENDPOINT_URL": "http://127.0.0.1:9", "AWS_MAX_ATTEMPTS": "1"}
     command = ["-m", "meshtrain", "consolidate", f"s3://{BUCKET}/runs/r", str(tmp_path / "out")]

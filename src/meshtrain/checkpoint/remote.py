@@ -23,6 +23,7 @@ import hashlib
 import json
 import posixpath
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -180,18 +181,24 @@ def checkpoints(run_url: str) -> tuple[list[tuple[int, str]], list[str]]:
 @storage_errors("download")
 def download_folder(url: str, local: Path) -> Path:
     """Everything under `url` into `local` (replacing what was there); `local`."""
-    import shutil  # noqa: PLC0415
-
     fs, path = filesystem(url)
     if not fs.isdir(path):
         raise CheckpointError(f"{url} is not a folder (no object under it)")
     shutil.rmtree(local, ignore_errors=True)
     local.mkdir(parents=True)
     for entry in fs.find(path):
-        target = local / posixpath.relpath(entry, path)
+        target = local / _inside(url, posixpath.relpath(entry, path))
         target.parent.mkdir(parents=True, exist_ok=True)
         fs.get_file(entry, str(target))
     return local
+
+
+def _inside(url: str, relative: str) -> str:
+    """An object's path under the folder being copied; a key that climbs out of it
+    (`../`, which S3 allows in a key) is refused before anything is written there."""
+    if relative.startswith("../") or relative == ".." or posixpath.isabs(relative):
+        raise CheckpointError(f"{url} holds an object outside it ({relative!r}); not copied")
+    return relative
 
 
 def local_folder(url: str, base: Path) -> Path:
@@ -267,7 +274,7 @@ def mirror_folder(url: str, base: Path) -> Path:
     known = json.loads(record.read_text()) if record.is_file() else {}
     now = {}
     for entry in fs.find(path):
-        relative = posixpath.relpath(entry, path)
+        relative = _inside(url, posixpath.relpath(entry, path))
         now[relative] = fs.ukey(entry)
         target = local / relative
         if known.get(relative) != now[relative] or not target.is_file():
