@@ -15,7 +15,6 @@ import contextlib
 import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
-from unittest import mock
 
 if TYPE_CHECKING:
     import torch
@@ -192,6 +191,8 @@ def answering_as_target(device_type: str) -> Iterator[None]:
     """`torch.autocast(device_type, bfloat16)` asks whether the device is there and has
     bf16: the dry run's target has both (every accelerator profile), whatever device
     this machine's is."""
+    from unittest import mock  # noqa: PLC0415 (the dry run's only)
+
     import torch  # noqa: PLC0415
 
     module = torch.get_device_module(device_type)

@@ -145,7 +145,7 @@ def find_resume_checkpoint(output_dir: Path, resume_from: str, run_name: str | N
                 f"training.resume_from: {path} has no {MARKER} marker (it was not completely "
                 "written); use an earlier checkpoint or `latest`"
             )
-        return _checked_for_resume(path)
+        return checked_for_resume(path)
     runs = [Path(output_dir) / run_name] if run_name else sorted(Path(output_dir).glob("*/"))
     complete, partial = [], []
     for run in runs:
@@ -162,10 +162,10 @@ def find_resume_checkpoint(output_dir: Path, resume_from: str, run_name: str | N
             f"skipping {child}: no {MARKER} marker (a checkpoint interrupted while saving)",
             stacklevel=2,
         )
-    return _checked_for_resume(newest)
+    return checked_for_resume(newest)
 
 
-def _checked_for_resume(path: Path) -> Path:
+def checked_for_resume(path: Path) -> Path:
     """Before any worker starts: the manifest, its paths and every file's size (the workers
     check the sha256 when they restore; hashing here too would read the checkpoint twice)."""
     try:

@@ -35,6 +35,9 @@ _URL_RE = re.compile(r"^([a-z][a-z0-9+.-]*)://", re.IGNORECASE)
 CHUNK_BYTES = 8 << 20
 # The package each usual protocol needs, for the refusal when it is missing.
 _PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs"}
+# The local folders of what lives on object storage, by scheme, bucket and key: a run's
+# logs, staging and the checkpoint it resumes from; a consolidated model's copy.
+LOCAL_COPIES = Path("data/06_models/remote")
 
 
 def is_url(location: str | Path | None) -> bool:

@@ -18,10 +18,9 @@ from typing import Any
 from meshtrain.checkpoint import remote
 from meshtrain.checkpoint.load import check_resumable, check_same_model
 from meshtrain.checkpoint.manifest import (
-    CheckpointError,
+    checked_for_resume,
     find_resume_checkpoint,
     list_checkpoints,
-    read_manifest,
 )
 from meshtrain.components.step_guard import StopRequested
 from meshtrain.config import ConfigError, Refused, RunConfig, TrainingConfig, check_launch
@@ -35,9 +34,6 @@ from meshtrain.tracking.rank_metrics import TrackingTarget
 from meshtrain.trainer import WorkerSpec
 
 logger = logging.getLogger(__name__)
-# The local folders of runs whose checkpoints go to object storage (`training.output_dir`
-# a URL): their logs, staging, and the checkpoint a resume downloads.
-REMOTE_RUNS = Path("data/06_models/remote")
 
 
 def make_worker_spec(
@@ -132,18 +128,14 @@ def _remote_run_folder(run: RunConfig, plan: Plan) -> tuple[Path, str, Path | No
     if cfg.resume_from:
         url = remote.find_resume(cfg.output_dir, cfg.resume_from, cfg.run_name)
         remote_dir = remote.parent(url)
-        run_dir = remote.local_folder(remote_dir, REMOTE_RUNS)
+        run_dir = remote.local_folder(remote_dir, remote.LOCAL_COPIES)
         resume_from = remote.download_folder(url, run_dir / "resume" / remote.name(url))
-        try:
-            read_manifest(resume_from, verify=False)
-        except CheckpointError as error:
-            raise CheckpointError(f"training.resume_from: {error}") from None
-        return run_dir, remote_dir, resume_from
+        return run_dir, remote_dir, checked_for_resume(resume_from)
     remote_dir = remote.join(cfg.output_dir, _run_name(run, plan))
     if run.launch.nnodes > 1:
         complete, partial = remote.checkpoints(remote_dir)
         _refuse_earlier_run(remote_dir, [remote.name(u) for _, u in complete] + partial, run)
-    return remote.local_folder(remote_dir, REMOTE_RUNS), remote_dir, None
+    return remote.local_folder(remote_dir, remote.LOCAL_COPIES), remote_dir, None
 
 
 def _refuse_earlier_run(run_dir: Path | str, earlier: list[str], run: RunConfig) -> None:

@@ -17,9 +17,6 @@ from typing import Any
 
 from meshtrain.checkpoint import remote
 
-# The local copies of models consolidated to object storage.
-REMOTE_MODELS = Path("data/06_models/remote")
-
 
 def consolidate_anywhere(
     checkpoint: str | Path,
@@ -40,7 +37,7 @@ def consolidate_anywhere(
             source = remote.download_folder(source_url, Path(scratch) / remote.name(source_url))
         target = output_dir
         if remote.is_url(output_dir):
-            base = REMOTE_MODELS if keep_local else Path(scratch) / "model"
+            base = remote.LOCAL_COPIES if keep_local else Path(scratch) / "model"
             target = remote.local_folder(str(output_dir), base)
         summary = write(source, target)
         if remote.is_url(output_dir):
