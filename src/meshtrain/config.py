@@ -30,6 +30,7 @@ from meshtrain.config_launch import DEFAULT_RDZV_PORT, LaunchConfig, check_launc
 from meshtrain.config_lora import LoraSettings
 from meshtrain.config_parsing import ConfigError, Refused, check_ranges, parse
 from meshtrain.config_ranges import EVALUATION_RANGES, PLANNER_RANGES, TRAINING_RANGES
+from meshtrain.pipeline_schedules import LOOPED, ScheduleName
 
 __all__ = [
     "AUTO",
@@ -74,8 +75,11 @@ class ParallelConfig:
     tensor_parallel_size: int | Literal["auto"] = 1
     pipeline_parallel_size: int | Literal["auto"] = 1
     pipeline_parallel_num_microbatches: int | Literal["auto"] = AUTO
-    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
-    # Virtual stages per rank for interleaved 1F1B (ignored by the other schedules).
+    # gpipe | 1f1b | interleaved_1f1b | interleaved_zb | zbv | dualpipev
+    # (`meshtrain.pipeline_schedules`: where each puts the stages, what it needs).
+    pipeline_schedule: ScheduleName = "1f1b"
+    # Stages per rank for the looped schedules, interleaved_1f1b and interleaved_zb (zbv
+    # and dualpipev hold two in a V; the others one).
     pipeline_parallel_virtual_stages: int = 2
     # Decoder layers per stage, to pin an uneven split; null = balanced.
     pipeline_parallel_layers: list[int] | None = None
@@ -169,7 +173,7 @@ class Layout:
             parts.append("sp")
         if self.pipeline_parallel_size > 1:
             schedule = self.pipeline_schedule
-            if schedule == "interleaved_1f1b":
+            if schedule in LOOPED:
                 schedule += f"-v{self.pipeline_parallel_virtual_stages}"
             parts.append(f"{schedule}-mb{self.pipeline_parallel_num_microbatches}")
         if self.activation_checkpointing != "none":

@@ -62,6 +62,7 @@ from meshtrain.device import is_accelerator, memory_figures_mb, rank_device
 from meshtrain.distributed.parallel_dims import ParallelDims
 from meshtrain.distributed.tensor_parallel import local_tensor
 from meshtrain.models.preference_loss import METRICS
+from meshtrain.pipeline_schedules import last_stage_rank
 from meshtrain.planner import Plan
 from meshtrain.tracking.rank_metrics import MetricsLogger, TrackingTarget
 
@@ -183,7 +184,8 @@ class Trainer:
         """The one rank that writes the reference table: the first of the last pipeline
         stage, where the tables are whole (gathered over dp and cp)."""
         dims = self.dims
-        return dims.pp_rank == dims.pp - 1 and dims.dp_cp_rank == 0 and dims.tp_rank == 0
+        last = last_stage_rank(dims.pp, self.layout.pipeline_schedule)
+        return dims.pp_rank == last and dims.dp_cp_rank == 0 and dims.tp_rank == 0
 
     def _checkpointer(self, optimizer_state: OptimizerState) -> Checkpointer:
         """The owner of this run's checkpoints, with what each of them holds."""

@@ -137,6 +137,17 @@ class FlatParameters:
                 raise RuntimeError(f"parameter {slot.name} no longer lives in the flat buffer")
 
 
+def collect_assigned_grads(parameters: Iterable[torch.Tensor]) -> None:
+    """Move into the fp32 buffer the gradients that were assigned to `.grad` rather than
+    accumulated by autograd, which runs no post-accumulate hook (torch's zero-bubble
+    pipeline schedules assign each weight-gradient pass's result)."""
+    for parameter in parameters:
+        main = getattr(parameter, "main_grad", None)
+        grad = parameter.grad
+        if main is not None and grad is not None and local_tensor(grad).dtype != main.dtype:
+            _add_to_main_grad(parameter)
+
+
 def _add_to_main_grad(parameter: torch.Tensor) -> None:
     """Post-accumulate hook: move this backward's gradient into the fp32 buffer view."""
     grad = parameter.grad

@@ -1,10 +1,13 @@
 """Pipeline parallelism on `torch.distributed.pipelining`: stages, schedules, one step.
 
 The model is cut into `pp x v` stages of consecutive decoder layers (`v`
-virtual stages per rank for interleaved 1F1B, else 1). Rank `r` of the
-pipeline holds stages `r, r + pp, r + 2pp, ...`, the looped placement the
-interleaved schedule expects. The schedules themselves are torch's; this
-module chooses and drives them.
+stages per rank: `parallel.pipeline_parallel_virtual_stages` for the looped
+interleaved schedules, two for the V-shaped ones, else 1); which rank holds
+which stage is `meshtrain.pipeline_schedules`'. The schedules themselves are
+torch's; this module chooses and drives them. The zero-bubble ones run each
+backward as its input-gradient part and, later, its weight-gradient part:
+torch assigns the weight gradients without the post-accumulate hooks, so data
+parallelism reduces them after the step (`data_parallel.finish`).
 
 A mixture of experts' stages also pass a small tally of its routing along the pipeline
 (`models.routing`): the last stage returns (summed loss, tally), and the loss function
@@ -36,23 +39,36 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
+    ScheduleDualPipeV,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+)
+from torch.distributed.pipelining.schedules import (
+    BACKWARD_INPUT,
+    BACKWARD_WEIGHT,
+    FULL_BACKWARD,
+    RECV_B,
+    REDUCE_GRAD,
+    SEND_B,
+    _PipelineScheduleRuntime,
 )
 
 from meshtrain.data.batch import TokenBatch
 from meshtrain.distributed.tensor_parallel import accumulated_grad
+from meshtrain.pipeline_schedules import V_SHAPED, ZERO_BUBBLE
 
 SCHEDULES = {
     "gpipe": ScheduleGPipe,
     "1f1b": Schedule1F1B,
     "interleaved_1f1b": ScheduleInterleaved1F1B,
+    "interleaved_zb": ScheduleInterleavedZeroBubble,
+    "zbv": ScheduleZBVZeroBubble,
+    "dualpipev": ScheduleDualPipeV,
 }
-
-
-def stage_ids_of_rank(pp_rank: int, pp: int, virtual: int) -> list[int]:
-    """The stages pipeline rank `pp_rank` holds, in order (looped placement)."""
-    return [pp_rank + k * pp for k in range(virtual)]
+BACKWARD_ACTIONS = (FULL_BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, SEND_B, RECV_B, REDUCE_GRAD)
+ONE_STAGE = ("gpipe", "1f1b")  # torch's single-stage schedules take the stage, not a list
 
 
 def stage_layer_ranges(layers_per_stage: list[int]) -> list[range]:
@@ -68,27 +84,32 @@ class SharedWeightSync:
     """Sums the gradient of a weight the first and the last pipeline stage both hold.
 
     Tied input and output embeddings: pipeline parallelism puts the embedding
-    on the first stage and the LM head on the last, so each of those ranks
+    on the first stage and the LM head on the last, so each of those stages
     keeps a copy (initialised identically, since every rank builds the model
     from the same seed or checkpoint). Each copy's gradient covers one use;
-    summing them over a group of exactly those two ranks (one group per
-    (dp, tp) coordinate: Megatron's embedding group) gives both the tied
-    gradient, so identical updates keep the copies equal. Every rank must
-    construct it (creating the groups is collective); ranks of the middle
-    stages hold no copy and only take part in that.
+    summing them gives both the tied gradient, so identical updates keep the
+    copies equal. Where two ranks hold them, the sum runs over a group of
+    exactly those two (one group per (dp, tp) coordinate: Megatron's embedding
+    group); every rank must construct it (creating the groups is collective),
+    ranks of the middle stages hold no copy and only take part in that. Where
+    one rank holds both (a V-shaped schedule puts the first and the last stage
+    on pipeline rank 0), it adds them itself.
     """
 
-    def __init__(self, copies: dict[str, torch.Tensor], mesh: DeviceMesh) -> None:
-        """`copies`: this rank's copies by name (none on the middle stages)."""
+    def __init__(self, copies: dict[str, torch.Tensor], mesh: DeviceMesh, last_rank: int) -> None:
+        """`copies`: this rank's copies by name (none on the middle stages); `last_rank`:
+        the pipeline rank of the last stage (that of the first is 0)."""
         self.copies = list(copies.values())
         # Their gradients are final only after this sum (data parallelism waits for it).
         self.parameter_names = frozenset(copies)
         self.group = None
+        if last_rank == 0:
+            return
         # The mesh is row-major with pp outermost (`ParallelDims`): the first stage's ranks
-        # are 0 .. world/pp - 1, the last stage's the same offsets in the last block.
+        # are 0 .. world/pp - 1, the last stage's the same offsets in its block.
         # (Arithmetic, not the mesh tensor: a dry run's tensors are fake.)
         me, per_stage = dist.get_rank(), mesh.size() // mesh["pp"].size()
-        last_block = mesh.size() - per_stage
+        last_block = last_rank * per_stage
         for first in range(per_stage):
             last = last_block + first
             group = dist.new_group([first, last])
@@ -96,8 +117,13 @@ class SharedWeightSync:
                 self.group = group
 
     def __call__(self) -> None:
-        for weight in self.copies:
-            dist.all_reduce(accumulated_grad(weight), op=dist.ReduceOp.SUM, group=self.group)
+        if self.group is not None:
+            for weight in self.copies:
+                dist.all_reduce(accumulated_grad(weight), op=dist.ReduceOp.SUM, group=self.group)
+        elif len(self.copies) == 2:
+            first, last = (accumulated_grad(weight) for weight in self.copies)
+            first.add_(last)
+            last.copy_(first)
 
 
 @dataclass(frozen=True)
@@ -156,6 +182,28 @@ def theoretical_bubble(pp: int, microbatches: int, virtual: int = 1) -> float:
     return bubble / (microbatches + bubble)
 
 
+def forward_only(
+    schedule: Any, stages: list[PipelineStage], microbatches: int, loss_fn: Callable
+) -> _PipelineScheduleRuntime:
+    """The forwards of `schedule` alone, in its order, over the same stages: torch's
+    V-shaped schedules run their backward actions in `eval` too, and the one that hands
+    a gradient from the rank's second stage to its first (the V's turn, on one rank)
+    fails there. torch lowers (and validates) the whole order to its sends and
+    receives; the backward passes and their sends are then left out."""
+    runtime = _PipelineScheduleRuntime(stages, microbatches, loss_fn=loss_fn, scale_grads=False)
+    runtime._prepare_schedule_with_comms(schedule.pipeline_order)
+    runtime.pipeline_order_with_comms = {
+        rank: [
+            part
+            for action in actions
+            for part in (action.sub_actions or (action,))  # DualPipeV's overlapped F and B
+            if part.computation_type not in BACKWARD_ACTIONS
+        ]
+        for rank, actions in runtime.pipeline_order_with_comms.items()
+    }
+    return runtime
+
+
 class TallyScorer(Protocol):
     """What scores a microbatch's routing tally (`models.routing.Routing`)."""
 
@@ -211,6 +259,8 @@ class PipelineRunner:
             PipelineStage(module, stage_id, num_stages, device, group=group)
             for module, stage_id in zip(stage_modules, stage_ids, strict=True)
         ]
+        # The weight gradients are assigned by a later pass, not accumulated by autograd.
+        self.splits_backward = schedule in ZERO_BUBBLE
         self.holds_first = 0 in stage_ids
         self.holds_last = num_stages - 1 in stage_ids
         self.num_microbatches = num_microbatches
@@ -226,9 +276,14 @@ class PipelineRunner:
         # Per microbatch scored: its language-model loss, and its routing where scored.
         self._scores: list[tuple[torch.Tensor, tuple[torch.Tensor, Any] | None]] = []
         schedule_class = SCHEDULES[schedule]
-        stages: Any = self.stages if schedule == "interleaved_1f1b" else self.stages[0]
+        stages: Any = self.stages[0] if schedule in ONE_STAGE else self.stages
         self.schedule = schedule_class(
             stages, num_microbatches, loss_fn=self._scaled_loss, scale_grads=False
+        )
+        self._forward_schedule = (
+            forward_only(self.schedule, self.stages, num_microbatches, self._scaled_loss)
+            if schedule in V_SHAPED
+            else self.schedule
         )
         self.recorder = SpanRecorder(self.stages)
 
@@ -329,14 +384,14 @@ class PipelineRunner:
         """Summed loss over one batch's trained tokens, forward only (0 where the last
         stage is not held)."""
         self.loss_scale, self.training = 1.0, False
-        return self._summed(self._run(self.schedule.eval, batch), batch.input_ids)
+        return self._summed(self._run(self._forward_schedule.eval, batch), batch.input_ids)
 
     @torch.no_grad()
     def token_logps(self, batch: TokenBatch) -> torch.Tensor:
         """Each label's (batch, sequence) log-probability, forward only (zeros where the
         last stage is not held). The runner must `score_tokens` without a scorer."""
         self.training = False
-        logps = self._schedule(self.schedule.eval, batch, return_outputs=True)
+        logps = self._schedule(self._forward_schedule.eval, batch, return_outputs=True)
         if not self.holds_last:
             return torch.zeros(batch.labels.shape, device=batch.labels.device)
         return logps

@@ -62,6 +62,9 @@ class ScoringHead:
     adapters (`models.lora.LoraLayer`) scores their low-rank term in the same chunks."""
 
     loss_chunk_tokens: int
+    # Whether the backward runs through the loss twice: the input gradient, then the
+    # weights' (a zero-bubble pipeline schedule's split backward).
+    backward_twice: bool = False
 
     def forward(
         self, hidden: torch.Tensor, labels: torch.Tensor | None = None, per_token: bool = False
@@ -82,7 +85,12 @@ class ScoringHead:
                 hidden, self.weight, labels, self.loss_chunk_tokens, adapter=adapter
             )
         return linear_cross_entropy_sum(
-            hidden, self.weight, labels, self.loss_chunk_tokens, adapter=adapter
+            hidden,
+            self.weight,
+            labels,
+            self.loss_chunk_tokens,
+            adapter=adapter,
+            backward_twice=self.backward_twice,
         )
 
 
@@ -96,14 +104,16 @@ class LowRank:
     dropout: nn.Module
 
 
-def score_in_chunks(lm_head: nn.Linear, chunk_tokens: int) -> None:
+def score_in_chunks(lm_head: nn.Linear, chunk_tokens: int, backward_twice: bool = False) -> None:
     """Make `lm_head` a `ScoringHead` of `chunk_tokens` tokens a chunk, in place (its
-    parameters and their names unchanged); 0 leaves it a plain head."""
+    parameters and their names unchanged); 0 leaves it a plain head. `backward_twice`:
+    a split backward runs through its loss for the input gradient, then the weights'."""
     if chunk_tokens <= 0:
         return
     base = type(lm_head)
     lm_head.__class__ = type(f"Scoring{base.__name__}", (ScoringHead, base), {})
     lm_head.loss_chunk_tokens = chunk_tokens
+    lm_head.backward_twice = backward_twice
 
 
 def head_loss(
@@ -128,17 +138,21 @@ def linear_cross_entropy_sum(
     chunk_tokens: int,
     *,
     adapter: LowRank | None = None,
+    backward_twice: bool = False,
 ) -> torch.Tensor:
     """`token_loss_sum(hidden @ weight.T, labels)` without the logits of more than
     `chunk_tokens` tokens at once; ignored positions cost nothing. With `adapter`, the
-    logits are those of the LoRA head.
+    logits are those of the LoRA head. `backward_twice`: the gradients are kept for a
+    second run of the backward (else they are scaled in place and freed).
 
     `weight` is the head's (vocabulary, hidden) weight, a plain tensor or a DTensor
     sharded on the vocabulary over the tp mesh; `hidden` is then a DTensor on that mesh
     (`VocabParallelLossHead` makes the head's input one), the adapter's B is sharded
     like `weight` and its A replicated."""
     fixed, terms = head_terms(hidden, weight, adapter)
-    return _ChunkedLinearCrossEntropy.apply(labels.flatten(), chunk_tokens, *fixed, *terms)
+    return _ChunkedLinearCrossEntropy.apply(
+        labels.flatten(), chunk_tokens, backward_twice, *fixed, *terms
+    )
 
 
 def head_terms(
@@ -177,19 +191,22 @@ def partial_copy(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local(grad_placements=[Partial()]) if isinstance(tensor, DTensor) else tensor
 
 
-_FIXED_INPUTS = 5  # _ChunkedLinearCrossEntropy's arguments before its terms
+_FIXED_INPUTS = 6  # _ChunkedLinearCrossEntropy's arguments before its terms
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """Forward: the summed loss of the logits `sum_i x_i @ w_i.T` (the head's term, and a
     LoRA adapter's), and the gradients of every x_i and w_i as if the loss's own
-    gradient were 1. Backward: those, times the gradient that arrives."""
+    gradient were 1. Backward: those, times the gradient that arrives; scaled in place
+    and freed, unless the backward will run through it again (`backward_twice`: a split
+    backward asks for the input's gradient, then for the weights')."""
 
     @staticmethod
     def forward(
         ctx: torch.autograd.function.FunctionCtx,
         labels: torch.Tensor,  # (tokens,), IGNORE_INDEX where not trained
         chunk_tokens: int,
+        backward_twice: bool,
         compute: torch.dtype,
         vocab_start: int,
         group: dist.ProcessGroup | None,
@@ -214,6 +231,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 chunk = slice(start, start + chunk_tokens)
                 xs = [x[chunk].to(compute) for x in rows]
                 total += _score_chunk(xs, ws, targets[chunk], chunk, grads, vocab_start, group)
+        ctx.backward_twice = backward_twice
         ctx.grads = [
             grad
             for term, x, w in zip(grads, inputs, weights, strict=True)
@@ -223,8 +241,11 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):  # noqa: ANN205 (autograd's signature)
-        grads = [None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in ctx.grads]
-        ctx.grads = None
+        if ctx.backward_twice:
+            grads = [None if g is None else g * grad_loss.to(g.dtype) for g in ctx.grads]
+        else:
+            grads = [None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in ctx.grads]
+            ctx.grads = None
         return (None,) * _FIXED_INPUTS + tuple(grads)
 
 

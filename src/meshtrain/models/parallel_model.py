@@ -20,6 +20,7 @@ from transformers import PretrainedConfig
 from meshtrain.config import Layout
 from meshtrain.data.batch import TokenBatch
 from meshtrain.distributed.context_parallel import ContextParallel
+from meshtrain.distributed.flat_buffer import collect_assigned_grads
 from meshtrain.distributed.parallel_dims import ParallelDims
 from meshtrain.distributed.pipeline_parallel import PipelineRunner, SharedWeightSync
 from meshtrain.distributed.tensor_parallel import (
@@ -186,7 +187,10 @@ class ParallelModel:
 
     def finish_gradients(self) -> None:
         """The sums the backward leaves to do: tensor parallelism's partial gradients, then
-        the tied embedding's two copies."""
+        the tied embedding's two copies (after a zero-bubble schedule's weight passes put
+        what they assigned where the accumulated gradients are)."""
+        if self.runner is not None and self.runner.splits_backward:
+            collect_assigned_grads(self.parameters.values())
         if self.tp_sync is not None:
             self.tp_sync()
         if self.shared_sync is not None:

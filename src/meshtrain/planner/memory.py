@@ -82,10 +82,10 @@ def estimate_memory(
     adapters, adapter_layer = (
         local_counts(adapter_shapes, m, step, share) if adapter_shapes else ([0] * stages, 0)
     )
-    # Rank r holds stages r, r + pp, ... (interleaved) or just stage r.
+    # The stages each rank holds: `StepShape.stages_of` (the schedule's placement).
     per_rank: list[MemoryEstimate] = []
     for rank in range(step.pp):
-        mine = list(range(rank, stages, step.pp))
+        mine = step.stages_of(rank)
         local = sum(counts[s] for s in mine)
         activations, loss = _activations_on_rank(m, step, rank, mine)  # saved, at the peak
         if step.frozen_base:
@@ -133,7 +133,7 @@ def estimate_memory(
             for rank, e in enumerate(per_rank)
         ]
     worst = max(range(step.pp), key=lambda r: per_rank[r].total)
-    mine = list(range(worst, stages, step.pp))
+    mine = step.stages_of(worst)
     chunk_layers = sum(step.stage_layers[s] for s in mine) / len(mine)
     in_flight = in_flight_microbatches(step, worst)
     context_kv, context_mask = context_breakdown(m, step, layers=chunk_layers, in_flight=in_flight)
@@ -151,7 +151,7 @@ def estimate_memory(
 def _reference_bytes(counts: list[int], step: StepShape, rank: int) -> int:
     """DPO's frozen reference on pipeline rank `rank`: the policy's parameters, laid out
     and sharded as the policy's, without gradients or optimizer states."""
-    local = sum(counts[s] for s in range(rank, len(counts), step.pp))
+    local = sum(counts[s] for s in step.stages_of(rank))
     return local * step.parameter_bytes // max(1, step.sharded)
 
 
@@ -161,9 +161,8 @@ def _offloaded(m: ModelShape, step: StepShape, on_device: list[int]) -> int:
     if not step.offload_effective:
         return 0
     kept = dataclasses.replace(step, offload_effective=False)
-    stages = len(step.stage_layers)
     return max(
-        _activations_on_rank(m, kept, rank, list(range(rank, stages, step.pp)))[0] - device
+        _activations_on_rank(m, kept, rank, step.stages_of(rank))[0] - device
         for rank, device in enumerate(on_device)
     )
 

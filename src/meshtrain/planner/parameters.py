@@ -156,8 +156,7 @@ def gather_units(
         extra, extra_layer = local_counts(adapters, m, step, share)
         counts = [a + b for a, b in zip(counts, extra, strict=True)]
         layer += extra_layer
-    stages = len(step.stage_layers)
-    ranks = [list(range(rank, stages, step.pp)) for rank in range(step.pp)]
+    ranks = [step.stages_of(rank) for rank in range(step.pp)]
     mine = max(ranks, key=lambda stages_: sum(counts[s] for s in stages_))
     return GatherUnits(
         local=sum(counts[s] for s in mine),

@@ -18,6 +18,7 @@ from meshtrain.models.moe_config import (
     num_experts,
     sparse_layers,
 )
+from meshtrain.pipeline_schedules import rank_of_stage, stage_ids_of_rank
 
 if TYPE_CHECKING:
     from meshtrain.models.config_file import ArchitectureConfig
@@ -224,6 +225,15 @@ class StepShape:
     moe_imbalance: float = 1.25
     # Forwards and backwards per optimizer step on the rank, outside a pipeline's own.
     accumulation: int = 1
+
+    def stages_of(self, rank: int) -> list[int]:
+        """The pipeline stages pipeline rank `rank` holds (the schedule's placement)."""
+        return stage_ids_of_rank(rank, self.pp, self.schedule, self.virtual_stages)
+
+    @property
+    def last_stage_rank(self) -> int:
+        """The pipeline rank holding the last stage (the LM head)."""
+        return rank_of_stage(len(self.stage_layers) - 1, self.pp, self.schedule)
 
     @property
     def local_seq_len(self) -> int:

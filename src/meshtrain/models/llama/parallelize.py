@@ -36,7 +36,6 @@ from meshtrain.distributed.parallel_dims import ParallelDims
 from meshtrain.distributed.pipeline_parallel import (
     PipelineRunner,
     SharedWeightSync,
-    stage_ids_of_rank,
     stage_layer_ranges,
 )
 from meshtrain.distributed.tensor_parallel import (
@@ -51,6 +50,7 @@ from meshtrain.models.llama.stage import LlamaStage, WholeModel
 from meshtrain.models.llama.tensor_parallel import apply_tensor_parallel, decoder_layers
 from meshtrain.models.llama.weights import WeightSource, materialize
 from meshtrain.models.parallel_model import ParallelModel
+from meshtrain.pipeline_schedules import ZERO_BUBBLE, last_stage_rank, stage_ids_of_rank
 
 
 def parallelize(
@@ -86,7 +86,8 @@ def parallelize(
         if weights is not None:
             weights = converter.weights(weights)  # with what the converter added (adapters)
     frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
-    score_in_chunks(model.lm_head, layout.loss_chunk_tokens)
+    splits_backward = layout.pipeline_parallel_size > 1 and layout.pipeline_schedule in ZERO_BUBBLE
+    score_in_chunks(model.lm_head, layout.loss_chunk_tokens, backward_twice=splits_backward)
     stage_ids, modules = pipeline_stages(model, dims, layout)
     tied = tied_embedding_names(model.config, modules, dims)
     kv_replication = (
@@ -167,10 +168,19 @@ def _runtime(
         runner=pipeline_runner(modules, stage_ids, dims, layout, device) if dims.pp > 1 else None,
         offload=offload_context(layout.activation_offloading, device),
         # A frozen tied embedding (LoRA) has no gradient to sum: every rank knows it alike.
-        shared_sync=SharedWeightSync(copies, dims.mesh) if dims.pp > 1 and tied_trained else None,
+        shared_sync=shared_weight_sync(copies, dims, layout) if tied_trained else None,
         tied_copies=stored_elsewhere(parameters, config),
         context=context_of(dims),
     )
+
+
+def shared_weight_sync(
+    copies: dict[str, torch.Tensor], dims: ParallelDims, layout: Layout
+) -> SharedWeightSync | None:
+    """The sum of a tied embedding's two copies' gradients (pipeline stages only)."""
+    if dims.pp == 1:
+        return None
+    return SharedWeightSync(copies, dims.mesh, last_stage_rank(dims.pp, layout.pipeline_schedule))
 
 
 def keep_frozen(modules: list[nn.Module], frozen: set[str]) -> None:
@@ -235,7 +245,9 @@ def pipeline_stages(
     context = context_of(dims)
     if dims.pp == 1:
         return [], [WholeModel(model, context)]
-    stage_ids = stage_ids_of_rank(dims.pp_rank, dims.pp, layout.pipeline_parallel_virtual_stages)
+    stage_ids = stage_ids_of_rank(
+        dims.pp_rank, dims.pp, layout.pipeline_schedule, layout.pipeline_parallel_virtual_stages
+    )
     ranges = stage_layer_ranges(layout.pipeline_parallel_layers)
     last = layout.num_stages - 1
     tp_mesh = dims.mesh["tp"] if dims.tp > 1 else None

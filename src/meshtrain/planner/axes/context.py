@@ -168,10 +168,7 @@ def estimate_context_time(
     gather = ring(kv_bytes, step.cp, kv_link, device.latency_us, 1.0)
     scatter = ring(kv_bytes, step.cp, kv_link, device.latency_us, 1.0)
     gathers = 1 + int(step.activation_checkpointing == "full") + int(step.cp_fused_backward)
-    stages = len(step.stage_layers)
-    layers = max(
-        sum(step.stage_layers[s] for s in range(rank, stages, step.pp)) for rank in range(step.pp)
-    )
+    layers = max(sum(step.stage_layers[s] for s in step.stages_of(rank)) for rank in range(step.pp))
     rounds = layers * microbatches
     excess = attention_excess(step)
     attention = 2 * step.seq_len * m.heads * m.head_dim * excess

@@ -161,10 +161,7 @@ def check_expert_parallel(
 
 def sparse_layers_on_busiest_rank(m: ModelShape, step: StepShape) -> float:
     """Sparse layers on the pipeline rank holding the most layers (all of them at pp 1)."""
-    stages = len(step.stage_layers)
-    layers = max(
-        sum(step.stage_layers[s] for s in range(rank, stages, step.pp)) for rank in range(step.pp)
-    )
+    layers = max(sum(step.stage_layers[s] for s in step.stages_of(rank)) for rank in range(step.pp))
     return m.sparse_layers * layers / m.layers
 
 

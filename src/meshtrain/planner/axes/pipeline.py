@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from meshtrain.config import ParallelConfig, RunConfig
 from meshtrain.models.config_file import ArchitectureConfig
+from meshtrain.pipeline_schedules import ZERO_BUBBLE, microbatch_rule, stages_per_rank
 from meshtrain.planner.axes.base import AxisBase, AxisChecks
 from meshtrain.planner.candidate import Candidate
 from meshtrain.planner.collectives import link, ring
@@ -94,7 +95,7 @@ def last_stage_in_flight(step: StepShape) -> int:
         return 1
     if step.schedule == "gpipe":
         return step.microbatches
-    last_rank = (len(step.stage_layers) - 1) % step.pp
+    last_rank = step.last_stage_rank
     earlier_chunks = (step.virtual_stages - 1) * step.microbatches
     return max(1, in_flight_microbatches(step, last_rank) - earlier_chunks)
 
@@ -169,7 +170,7 @@ def resolve_pipeline(
         return PipelineSplit(1, 1, None, refusals, notes)
 
     schedule = par.pipeline_schedule
-    virtual = par.pipeline_parallel_virtual_stages if schedule == "interleaved_1f1b" else 1
+    virtual = stages_per_rank(schedule, par.pipeline_parallel_virtual_stages)
     microbatches = requested
     stage_layers, layer_refusals = check_stage_layers(
         par.pipeline_parallel_layers, pp, virtual, model_config.num_hidden_layers
@@ -192,33 +193,38 @@ def check_microbatches(microbatches: int, schedule: str, pp: int, batch: int) ->
                 f"Use a divisor of training.per_device_train_batch_size: {format_values(usable)}.",
             )
         ]
-    if schedule in ("1f1b", "interleaved_1f1b") and microbatches < pp:
-        usable = [m for m in usable if m >= pp]
-        return [
-            Refusal(
-                parameter,
-                microbatches,
-                f"{schedule} needs at least one microbatch per stage (pipeline_parallel_size={pp})",
-                f"Use one of {format_values(usable)}"
-                if usable
-                else f"Raise training.per_device_train_batch_size to at least {pp}, "
-                "or use pipeline_schedule=gpipe.",
-            )
-        ]
-    if schedule == "interleaved_1f1b" and microbatches % pp:
-        usable = [m for m in usable if m % pp == 0]
-        return [
-            Refusal(
-                parameter,
-                microbatches,
-                f"interleaved_1f1b runs microbatches in rounds of pipeline_parallel_size={pp}",
-                f"Use a multiple of {pp} that divides the per-device batch: "
-                f"{format_values(usable)}."
-                if usable
-                else f"Raise training.per_device_train_batch_size to a multiple of {pp}.",
-            )
-        ]
-    return []
+    reason = microbatch_rule(schedule, microbatches, pp)
+    if reason is None:
+        return []
+    allowed = [m for m in usable if microbatch_rule(schedule, m, pp) is None]
+    return [
+        Refusal(
+            parameter,
+            microbatches,
+            reason,
+            f"Use one of {format_values(allowed)} (divisors of the per-device batch {batch})."
+            if allowed
+            else "Raise training.per_device_train_batch_size, or use pipeline_schedule=gpipe "
+            "or zbv.",
+        )
+    ]
+
+
+def check_compiled_schedule(pp: int, run: RunConfig) -> list[Refusal]:
+    """torch's zero-bubble schedules refuse compiled stages: they split each backward
+    into its input and weight parts, which a compiled layer's graph does not."""
+    schedule = run.parallel.pipeline_schedule
+    if pp == 1 or schedule not in ZERO_BUBBLE or not run.training.compile:
+        return []
+    return [
+        Refusal(
+            "training.compile",
+            True,
+            f"pipeline_schedule={schedule} splits each backward into its input and weight "
+            "gradients, which torch cannot do through compiled layers",
+            "Set training.compile=false, or use pipeline_schedule=1f1b or interleaved_1f1b.",
+        )
+    ]
 
 
 def check_stage_layers(
@@ -263,7 +269,7 @@ def stage_shares(m: ModelShape, step: StepShape) -> list[float]:
     stages = len(step.stage_layers)
     shares = []
     for rank in range(step.pp):
-        mine = range(rank, stages, step.pp)
+        mine = step.stages_of(rank)
         layers = sum(step.stage_layers[s] for s in mine)
         shares.append(layers * layer + (head if stages - 1 in mine else 0.0))
     return [share / (m.layers * layer + head) for share in shares]
@@ -329,7 +335,7 @@ class PipelineAxis(AxisBase):
         split = resolve_pipeline(run.parallel, c, batch, model_config)
         return AxisChecks(
             degree=check_pipeline_parallel(c.pp, run.launch.world_size, model_config),
-            split=split.refusals,
+            split=[*split.refusals, *check_compiled_schedule(c.pp, run)],
             notes=split.notes,
             layout={
                 "pipeline_parallel_size": c.pp,

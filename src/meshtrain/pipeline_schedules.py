@@ -1,0 +1,69 @@
+"""The pipeline schedules meshtrain runs, where each puts the stages, and what each asks of
+its microbatches: one torch-free place that the parameters, the planner, the model
+builder, the trainer and the dry run read.
+
+- `gpipe`, `1f1b`: one stage per rank.
+- `interleaved_1f1b`, `interleaved_zb`: `v` stages per rank, looped (rank r holds r,
+  r + pp, r + 2pp, ...).
+- `zbv`, `dualpipev`: exactly two stages per rank in a V (rank r holds r and 2pp-1-r), so
+  the first and the last stage share rank 0.
+
+The zero-bubble schedules (`interleaved_zb`, `zbv`, `dualpipev`) split each backward into
+the input gradient, which the previous stage waits for, and the weight gradient, which
+fills the bubble.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+ScheduleName = Literal["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv", "dualpipev"]
+SCHEDULES: tuple[str, ...] = get_args(ScheduleName)
+LOOPED = frozenset({"interleaved_1f1b", "interleaved_zb"})
+V_SHAPED = frozenset({"zbv", "dualpipev"})
+ZERO_BUBBLE = frozenset({"interleaved_zb", "zbv", "dualpipev"})
+
+
+def stages_per_rank(schedule: str, virtual_stages: int) -> int:
+    """Stages each rank holds: `parallel.pipeline_parallel_virtual_stages` for the looped
+    schedules, two in a V, else one."""
+    if schedule in LOOPED:
+        return virtual_stages
+    return 2 if schedule in V_SHAPED else 1
+
+
+def stage_ids_of_rank(pp_rank: int, pp: int, schedule: str, per_rank: int) -> list[int]:
+    """The stages pipeline rank `pp_rank` holds, in the order its schedule lists them."""
+    if schedule in V_SHAPED:
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + k * pp for k in range(per_rank)]
+
+
+def rank_of_stage(stage: int, pp: int, schedule: str) -> int:
+    """The pipeline rank that holds `stage`."""
+    if schedule in V_SHAPED and stage >= pp:
+        return 2 * pp - 1 - stage
+    return stage % pp
+
+
+def last_stage_rank(pp: int, schedule: str) -> int:
+    """The pipeline rank holding the last stage (the LM head and the loss)."""
+    return 0 if schedule in V_SHAPED else pp - 1
+
+
+def microbatch_rule(schedule: str, microbatches: int, pp: int) -> str | None:
+    """Why `schedule` cannot run `microbatches` over `pp` ranks (torch's schedules raise,
+    or would hang), or None where it can."""
+    m = microbatches
+    if schedule in ("1f1b", "interleaved_1f1b") and m < pp:
+        return f"{schedule} needs at least one microbatch per stage (pipeline_parallel_size={pp})"
+    if schedule == "interleaved_1f1b" and m % pp:
+        return f"interleaved_1f1b runs microbatches in rounds of pipeline_parallel_size={pp}"
+    if schedule == "interleaved_zb" and m % max(1, m // pp):
+        return (
+            f"interleaved_zb runs {m} microbatches in {m // pp} rounds of "
+            f"pipeline_parallel_size={pp} or more, which must be equal"
+        )
+    if schedule == "dualpipev" and m < 2 * pp:
+        return f"dualpipev needs at least 2 x pipeline_parallel_size = {2 * pp} microbatches"
+    return None
