@@ -15,6 +15,7 @@ fills the bubble.
 
 from __future__ import annotations
 
+from functools import cache
 from typing import Literal, get_args
 
 ScheduleName = Literal["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv", "dualpipev"]
@@ -22,6 +23,15 @@ SCHEDULES: tuple[str, ...] = get_args(ScheduleName)
 LOOPED = frozenset({"interleaved_1f1b", "interleaved_zb"})
 V_SHAPED = frozenset({"zbv", "dualpipev"})
 ZERO_BUBBLE = frozenset({"interleaved_zb", "zbv", "dualpipev"})
+# torch's names (`torch.distributed.pipelining.schedules.get_schedule_class`).
+TORCH_NAMES = {
+    "gpipe": "GPipe",
+    "1f1b": "1F1B",
+    "interleaved_1f1b": "Interleaved1F1B",
+    "interleaved_zb": "InterleavedZeroBubble",
+    "zbv": "ZBVZeroBubble",
+    "dualpipev": "DualPipeV",
+}
 
 
 def stages_per_rank(schedule: str, virtual_stages: int) -> int:
@@ -67,3 +77,30 @@ def microbatch_rule(schedule: str, microbatches: int, pp: int) -> str | None:
     if schedule == "dualpipev" and m < 2 * pp:
         return f"dualpipev needs at least 2 x pipeline_parallel_size = {2 * pp} microbatches"
     return None
+
+
+# One compute action of a schedule: (kind, stage, microbatch); kind F (forward), B (whole
+# backward), I (input gradient) or W (weight gradient).
+Action = tuple[str, int, int]
+
+
+@cache
+def schedule_order(schedule: str, pp: int, microbatches: int, per_rank: int) -> tuple:
+    """Each pipeline rank's compute actions in the order torch's schedule runs them (one
+    tuple of `Action`s per rank; an overlapped forward and backward as the two). torch
+    builds the order without stages or a process group; imported here, when a plan
+    needs it, since the rest of the planner runs without torch."""
+    from torch.distributed.pipelining._schedule_visualizer import (  # noqa: PLC0415
+        get_schedule_ops,
+    )
+
+    ops = get_schedule_ops(TORCH_NAMES[schedule], pp, microbatches, per_rank)
+    return tuple(
+        tuple(
+            (part.computation_type.value, part.stage_index, part.microbatch_index)
+            for action in rank_ops
+            if action is not None
+            for part in (action.sub_actions or (action,))
+        )
+        for rank_ops in ops
+    )

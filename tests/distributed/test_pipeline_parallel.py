@@ -1,6 +1,8 @@
 """Pipeline parallelism, alone and composed with tensor and data parallelism,
 reproduces one process (fp32, same data and seed), for every schedule; with tied
-embeddings too (the first and the last stage each hold a copy)."""
+embeddings too (the first and the last stage each hold a copy; under the V-shaped
+schedules, zbv and dualpipev, one rank holds both); the zero-bubble schedules with LoRA,
+activation checkpointing, sharded data parallelism and in three dimensions."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import pytest
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from meshtrain.pipeline_schedules import ZERO_BUBBLE
 from tests.conftest import TINY_MODEL
 from tests.distributed.lora import GQA, LORA, assert_matches_peft, peft_reference_run, save_base
 from tests.distributed.packed import packed_reference_run
@@ -51,7 +54,22 @@ WORLD_2 = {
     "tied-pp2-interleaved": (_pp(2, "interleaved_1f1b", 4), BATCH_8, "llama", TIED),
     # Qwen2: q/k/v biases.
     "qwen2-tied-pp2-1f1b": (_pp(2, "1f1b", 4), BATCH_8, "qwen2", TIED),
+    # Zero-bubble: each backward split into its input and (later) its weight gradients.
+    "pp2-interleaved-zb": (_pp(2, "interleaved_zb", 4), BATCH_8),
+    "pp2-zbv": (_pp(2, "zbv", 4), BATCH_8),
+    "pp2-dualpipev": (_pp(2, "dualpipev", 4), BATCH_8),
+    "tied-pp2-zbv": (_pp(2, "zbv", 4), BATCH_8, "llama", TIED),
+    "tied-pp2-dualpipev-accum2-checkpointing": (
+        _pp(2, "dualpipev", 4, activation_checkpointing="full"),
+        {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 2},
+        "llama",
+        TIED,
+    ),
 }
+# The zero-bubble schedules under sharded data parallelism (FSDP2 keeps each stage
+# gathered through the step; torch reduce-scatters after the last weight gradient).
+SDP2_PP2 = {"data_parallel_size": 2, "sharded_data_parallel_degree": 2}
+BATCH_4 = {"per_device_train_batch_size": 4}
 WORLD_4 = {
     "pp4-gpipe": (_pp(4, "gpipe", 4), BATCH_8),
     "pp4-1f1b": (_pp(4, "1f1b", 4), BATCH_8),
@@ -68,6 +86,9 @@ WORLD_4 = {
         "llama",
         TIED,
     ),
+    "dp2-pp2-sdp2-interleaved-zb": (_pp(2, "interleaved_zb", 2, **SDP2_PP2), BATCH_4),
+    "tied-dp2-pp2-sdp2-zbv": (_pp(2, "zbv", 2, **SDP2_PP2), BATCH_4, "llama", TIED),
+    "dp2-pp2-sdp2-dualpipev": (_pp(2, "dualpipev", 4, **SDP2_PP2), BATCH_4),
 }
 WORLD_8 = {
     "dp2-pp2-tp2-zero1-sp": (
@@ -88,6 +109,21 @@ WORLD_8 = {
         {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2},
         "llama",
         TIED,
+    ),
+    # The zero-bubble schedules in three dimensions.
+    "tied-dp2-pp2-tp2-zero1-sp-zbv": (
+        _pp(2, "zbv", 2, tensor_parallel_size=2, data_parallel_size=2, zero_1=True),
+        {"per_device_train_batch_size": 4, "grad_bucket_mb": 0.01},
+        "llama",
+        TIED,
+    ),
+    "dp2-pp2-tp2-sp-interleaved-zb": (
+        _pp(2, "interleaved_zb", 2, tensor_parallel_size=2, data_parallel_size=2),
+        {"per_device_train_batch_size": 4},
+    ),
+    "dp2-pp2-tp2-sdp2-sp-dualpipev": (
+        _pp(2, "dualpipev", 4, tensor_parallel_size=2, **SDP2_PP2),
+        {"per_device_train_batch_size": 4},
     ),
 }
 
@@ -141,7 +177,8 @@ def _run(cases: dict, world: int, blocks, out: Path, extra: tuple = ()) -> list[
         assert_dry_run_holds(name, spec, summary)
         if fields.get("tie_word_embeddings"):
             assert_one_tied_tensor(name, out / f"{name}-hf")
-        if case[0].get("data_parallel_size", 1) > 1 and "sdp" not in name:
+        splits_backward = case[0].get("pipeline_schedule") in ZERO_BUBBLE
+        if case[0].get("data_parallel_size", 1) > 1 and "sdp" not in name and not splits_backward:
             # The schedule's last backward of each microbatch finishes the gradients: the
             # data-parallel reductions overlap the pipeline's backward (the tied copies'
             # bucket waits for their sum over the two stages).
@@ -167,7 +204,21 @@ def assert_one_tied_tensor(name: str, consolidated: Path) -> None:
 
 @pytest.mark.slow
 def test_pipeline_on_two_ranks_matches_one_process(tiny_blocks, tmp_path: Path):
-    _run(WORLD_2, 2, tiny_blocks, tmp_path)
+    # LoRA under a V-shaped zero-bubble schedule, against PEFT in one process.
+    lora = make_spec(
+        tiny_blocks,
+        tmp_path,
+        "lora-pp2-zbv",
+        world=2,
+        parallel=_pp(2, "zbv", 4),
+        training=BATCH_8,
+        architecture="llama",
+        fields=GQA,
+        model={"lora": LORA, "init_from": str(save_base(tmp_path / "base"))},
+    )
+    (lora_summary,) = _run(WORLD_2, 2, tiny_blocks, tmp_path, extra=(lora,))
+    lora_losses, _, _ = peft_reference_run(tiny_blocks, GQA, LORA, STEPS)
+    assert_matches_peft("lora-pp2-zbv", lora_summary, lora_losses)
 
 
 @pytest.mark.slow

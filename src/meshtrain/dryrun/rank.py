@@ -43,6 +43,7 @@ from meshtrain.dryrun.fake_world import fake_process_group, fake_tensors, in_own
 from meshtrain.dryrun.pipeline import static_setup, told_shapes
 from meshtrain.models.cpu_linear import onednn_available
 from meshtrain.models.parallel_model import ParallelModel
+from meshtrain.pipeline_schedules import ZERO_BUBBLE
 from meshtrain.planner import Plan
 
 
@@ -115,7 +116,7 @@ def _dry_run_rank(run: RunConfig, plan: Plan, rank: int, device: torch.device) -
             states: dict[str, int] = {}
             with (
                 warnings.catch_warnings(),
-                ModTracker() as modules,
+                module_tracker(plan) as modules,
                 measure_peak_memory(
                     device,
                     existing=existing,
@@ -200,13 +201,36 @@ def _storage_id(tensor: torch.Tensor) -> int:
     return local_tensor(tensor).untyped_storage()._cdata
 
 
-def _position(modules: ModTracker) -> str:
+class _Untracked:
+    """No module tracking: where the peak is is then not named."""
+
+    parents: frozenset[str] = frozenset()
+    is_bw = False
+
+    def __enter__(self) -> _Untracked:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        return None
+
+
+def module_tracker(plan: Plan) -> ModTracker | _Untracked:
+    """torch's module tracker, which names the module at the peak; not under a
+    zero-bubble pipeline schedule, whose split backward runs `autograd.grad` on the
+    stages, where the tracker's backward hooks raise (torch 2.13)."""
+    layout = plan.layout
+    if layout.pipeline_parallel_size > 1 and layout.pipeline_schedule in ZERO_BUBBLE:
+        return _Untracked()
+    return ModTracker()
+
+
+def _position(modules: ModTracker | _Untracked) -> str:
     """'forward'/'backward' and the innermost module the step is in."""
     innermost = max(modules.parents, key=len, default="")
     return f"{'backward' if modules.is_bw else 'forward'} {innermost}".strip()
 
 
-def _owner(modules: ModTracker) -> str:
+def _owner(modules: ModTracker | _Untracked) -> str:
     """The innermost module, its decoder layer's index left out (they are all alike): what
     all layers' attention, MLP and norms hold adds up under one name each."""
     innermost = max(modules.parents, key=len, default="")

@@ -49,6 +49,17 @@ def layer_activation_elements(m: ModelShape, step: StepShape) -> tuple[float, fl
     return kept, norm_copies + q_and_out + 2 * kv + mlp + per_head
 
 
+def weight_gradient_inputs(m: ModelShape, step: StepShape) -> float:
+    """Elements per token and decoder layer of the gradients a split backward's input pass
+    leaves for the weight pass (zero-bubble pipeline schedules): those of every weighted
+    op's output, q, k, v, gate and up (tp-sharded), o_proj's and down_proj's (whole, or
+    sequence-sharded under SP), and the two norms'."""
+    t = step.tp
+    shard = t if step.sequence_parallel else 1
+    kv = local_kv_heads(m, t) * m.head_dim
+    return m.hidden / t + 2 * kv + 2 * m.intermediate / t + 4 * m.hidden / shard
+
+
 def mlp_activation_elements(m: ModelShape, t: int) -> float:
     """What the MLP keeps per token, averaged over the layers: the dense MLP's gate, up,
     SiLU(gate) and their product; a sparse layer's router logits and probabilities, and

@@ -39,11 +39,16 @@ from __future__ import annotations
 
 import dataclasses
 
+from meshtrain.pipeline_schedules import ZERO_BUBBLE
 from meshtrain.planner.axes import AXES, local_share
 from meshtrain.planner.axes.context import context_breakdown
 from meshtrain.planner.axes.data import lora_model_states, replicated_model_states
 from meshtrain.planner.axes.expert import dispatch_breakdown, expert_degree, expert_stage_counts
-from meshtrain.planner.axes.pipeline import in_flight_microbatches, last_stage_in_flight
+from meshtrain.planner.axes.pipeline import (
+    in_flight_microbatches,
+    last_stage_in_flight,
+    split_backward_peak,
+)
 from meshtrain.planner.axes.sharding import (
     at_backward_end,
     gathered_bytes,
@@ -53,6 +58,7 @@ from meshtrain.planner.layer_memory import (
     backward_working_set,
     layer_activation_elements,
     layer_matmul_elements,
+    weight_gradient_inputs,
 )
 from meshtrain.planner.loss_memory import head_keeps_its_input, loss_bytes
 from meshtrain.planner.parameters import local_counts
@@ -229,6 +235,11 @@ def _activations_on_rank(
         norm_bytes = 2 * kept_bytes * h / shard + (stream * h if head_keeps_its_input(step) else 0)
         per_microbatch += tokens * (norm_bytes + last_adapter) / chunks
     activations = int(per_microbatch * in_flight_microbatches(step, rank))
+    if step.pp > 1 and step.schedule in ZERO_BUBBLE:
+        # The microbatches whose weight gradients wait keep their output gradients too.
+        waiting = split_backward_peak(step, rank).waiting
+        per_layer = tokens * weight_gradient_inputs(m, step) * matmul_bytes
+        activations += int(waiting * per_layer * layers / chunks)
     if step.bf16 and not step.master_weights and step.activation_checkpointing == "none":
         # autocast's bf16 copy of each matmul weight, cached and kept by the backward
         # (without recomputation the trainer keeps the cache: one copy per weight).

@@ -11,7 +11,12 @@ from dataclasses import dataclass
 
 from meshtrain.config import ParallelConfig, RunConfig
 from meshtrain.models.config_file import ArchitectureConfig
-from meshtrain.pipeline_schedules import ZERO_BUBBLE, microbatch_rule, stages_per_rank
+from meshtrain.pipeline_schedules import (
+    ZERO_BUBBLE,
+    microbatch_rule,
+    schedule_order,
+    stages_per_rank,
+)
 from meshtrain.planner.axes.base import AxisBase, AxisChecks
 from meshtrain.planner.candidate import Candidate
 from meshtrain.planner.collectives import link, ring
@@ -30,6 +35,8 @@ def in_flight_microbatches(step: StepShape, rank: int) -> int:
     m, p = step.microbatches, step.pp
     if p == 1:
         return 1
+    if step.schedule in ZERO_BUBBLE:
+        return split_backward_peak(step, rank).in_flight
     if step.schedule == "gpipe":  # one model chunk per rank: virtual stages interleave only
         return m
     if step.schedule == "interleaved_1f1b":
@@ -88,6 +95,42 @@ def interleaved_gradient_chunks(step: StepShape, rank: int) -> int:
     return live_at_most
 
 
+@dataclass(frozen=True)
+class SplitBackwardPeak:
+    """A zero-bubble schedule's rank at its most activations: the chunk x microbatches it
+    holds (from the forward to the weight gradient: the input-gradient pass keeps the
+    graph for the weights'), how many of them wait for their weight gradients, and how
+    many are the last stage's (whose loss each keeps)."""
+
+    in_flight: int
+    waiting: int
+    last_stage: int
+
+
+def split_backward_peak(step: StepShape, rank: int) -> SplitBackwardPeak:
+    """Walk rank `rank`'s actions in the order torch's schedule runs them
+    (`pipeline_schedules.schedule_order`) and keep the moment it holds the most."""
+    order = schedule_order(step.schedule, step.pp, step.microbatches, step.virtual_stages)
+    last = len(step.stage_layers) - 1
+    alive: set[tuple[int, int]] = set()
+    waiting: set[tuple[int, int]] = set()
+    peak = SplitBackwardPeak(0, 0, 0)
+    for kind, stage, microbatch in order[rank]:
+        unit = (stage, microbatch)
+        if kind == "F":
+            alive.add(unit)
+        elif kind == "I":
+            waiting.add(unit)
+        else:  # B or W: the microbatch's graph on this stage is freed
+            alive.discard(unit)
+            waiting.discard(unit)
+            continue
+        now = SplitBackwardPeak(len(alive), len(waiting), sum(1 for s, _ in alive if s == last))
+        if (now.in_flight, now.waiting) > (peak.in_flight, peak.waiting):
+            peak = now
+    return peak
+
+
 def last_stage_in_flight(step: StepShape) -> int:
     """Microbatches whose logits the last stage's rank holds at once (interleaved: its
     first chunk holds all of them before its last chunk, the last stage, starts)."""
@@ -95,6 +138,8 @@ def last_stage_in_flight(step: StepShape) -> int:
         return 1
     if step.schedule == "gpipe":
         return step.microbatches
+    if step.schedule in ZERO_BUBBLE:
+        return max(1, split_backward_peak(step, step.last_stage_rank).last_stage)
     last_rank = step.last_stage_rank
     earlier_chunks = (step.virtual_stages - 1) * step.microbatches
     return max(1, in_flight_microbatches(step, last_rank) - earlier_chunks)
