@@ -1,6 +1,7 @@
 """Resuming: bitwise exact on the same layout, and equal to one process on another layout
 (tp 2 -> 1, dp 2 -> 4 with ZeRO-1 re-partitioned, pp 2 -> 1; with tied embeddings
-pp 2 -> 1 and pp 1 -> 2), all in one 4-rank group. The checkpoints resumed from are
+pp 2 -> 1 and pp 1 -> 2; between the V-shaped zbv schedule, whose rank 0 holds both tied
+copies, and 1F1B, both ways), all in one 4-rank group. The checkpoints resumed from are
 written in the background (`training.checkpoint_async`, the default); a synchronous save
 of the same step writes the same bytes."""
 
@@ -34,6 +35,7 @@ DP2_PP2 = {
     "pipeline_parallel_num_microbatches": 2,
     "zero_1": True,
 }
+DP2_PP2_ZBV = {**DP2_PP2, "pipeline_schedule": "zbv"}
 DP4 = {"data_parallel_size": 4, "zero_1": True}
 BATCH = {"per_device_train_batch_size": 4}  # x dp2 = 8
 BATCH_DP4 = {"per_device_train_batch_size": 2}  # x dp4 = 8
@@ -59,6 +61,7 @@ def test_resume_same_and_other_layouts(tiny_blocks, tmp_path: Path):
     saved_pp = str(tmp_path / "dp2-pp2" / f"checkpoint-{SAVE_AT}")
     saved_tied_pp = str(tmp_path / "tied-dp2-pp2" / f"checkpoint-{SAVE_AT}")
     saved_tied_dp = str(tmp_path / "tied-dp4" / f"checkpoint-{SAVE_AT}")
+    saved_tied_zbv = str(tmp_path / "tied-dp2-pp2-zbv" / f"checkpoint-{SAVE_AT}")
     specs = [
         spec("dp2-tp2", DP2_TP2, BATCH),
         spec("dp2-tp2-sync", DP2_TP2, {**BATCH, "checkpoint_async": False}),
@@ -71,6 +74,11 @@ def test_resume_same_and_other_layouts(tiny_blocks, tmp_path: Path):
         spec("tied-dp4-from-pp2", DP4, BATCH_DP4, saved_tied_pp, fields=TIED),
         spec("tied-dp4", DP4, BATCH_DP4, fields=TIED),
         spec("tied-dp2-pp2-from-dp4", DP2_PP2, BATCH, saved_tied_dp, fields=TIED),
+        # The V placement: rank 0 holds the first and the last stage.
+        spec("tied-dp2-pp2-zbv", DP2_PP2_ZBV, BATCH, fields=TIED),
+        spec("tied-dp2-pp2-zbv-resumed", DP2_PP2_ZBV, BATCH, saved_tied_zbv, fields=TIED),
+        spec("tied-dp2-pp2-from-zbv", DP2_PP2, BATCH, saved_tied_zbv, fields=TIED),
+        spec("tied-dp2-pp2-zbv-from-1f1b", DP2_PP2_ZBV, BATCH, saved_tied_pp, fields=TIED),
     ]
     results = dict(
         zip(
@@ -94,20 +102,29 @@ def test_resume_same_and_other_layouts(tiny_blocks, tmp_path: Path):
     assert results["dp2-tp2-sync"]["losses"] == results["dp2-tp2"]["losses"]
 
     # Same layout: the resumed steps are bitwise the uninterrupted ones.
-    straight, resumed = results["dp2-tp2"], results["dp2-tp2-resumed"]
-    assert resumed["losses"] == straight["losses"][SAVE_AT:]
-    consolidate_checkpoint(resumed["final_checkpoint"], tmp_path / "resumed-hf")
-    a = load_file(tmp_path / "dp2-tp2-hf" / "model.safetensors")
-    b = load_file(tmp_path / "resumed-hf" / "model.safetensors")
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    for name in ("dp2-tp2", "tied-dp2-pp2-zbv"):
+        straight, resumed = results[name], results[f"{name}-resumed"]
+        assert resumed["losses"] == straight["losses"][SAVE_AT:], name
+        consolidate_checkpoint(straight["final_checkpoint"], tmp_path / f"{name}-straight-hf")
+        consolidate_checkpoint(resumed["final_checkpoint"], tmp_path / f"{name}-resumed-hf")
+        a = load_file(tmp_path / f"{name}-straight-hf" / "model.safetensors")
+        b = load_file(tmp_path / f"{name}-resumed-hf" / "model.safetensors")
+        assert all(torch.equal(a[k], b[k]) for k in a), name
 
     # Another layout: the remaining steps and final weights match one process.
     tied_losses, tied_weights = reference_run(tiny_blocks, "llama", TIED)
-    for name in ("tied-dp2-pp2", "tied-dp4"):
+    for name in ("tied-dp2-pp2", "tied-dp4", "tied-dp2-pp2-zbv"):
         hf = tmp_path / f"{name}-hf"
         assert_matches_reference(name, results[name], tied_losses, tied_weights, hf)
     reference = {False: (losses, weights), True: (tied_losses, tied_weights)}
-    for name in ("dp4-from-tp2", "dp4-from-pp2", "tied-dp4-from-pp2", "tied-dp2-pp2-from-dp4"):
+    for name in (
+        "dp4-from-tp2",
+        "dp4-from-pp2",
+        "tied-dp4-from-pp2",
+        "tied-dp2-pp2-from-dp4",
+        "tied-dp2-pp2-from-zbv",
+        "tied-dp2-pp2-zbv-from-1f1b",
+    ):
         want_losses, want_weights = reference[name.startswith("tied")]
         summary = results[name]
         assert [step for step, _ in summary["losses"]] == list(range(SAVE_AT + 1, STEPS + 1))
