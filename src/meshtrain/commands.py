@@ -22,6 +22,7 @@ from meshtrain.checkpoint.consolidate import check_dtype, parse_size
 from meshtrain.checkpoint.consolidate.remote_io import consolidate_anywhere
 from meshtrain.checkpoint.remote import find_checkpoint, is_url, join
 from meshtrain.config import ConsolidationConfig
+from meshtrain.pipeline_schedules import SCHEDULES
 
 DEFAULT_OUTPUT = "consolidated"
 
@@ -167,7 +168,7 @@ def _plan_arguments(plan: Any) -> None:
     plan.add_argument(
         "--activation-checkpointing", default="auto", choices=("auto", "none", "selective", "full")
     )
-    plan.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved_1f1b"))
+    plan.add_argument("--schedule", default="1f1b", choices=SCHEDULES)
     plan.add_argument(
         "--precision",
         default="no",

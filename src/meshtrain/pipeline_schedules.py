@@ -82,12 +82,14 @@ def microbatch_rule(schedule: str, microbatches: int, pp: int) -> str | None:
 # One compute action of a schedule: (kind, stage, microbatch); kind F (forward), B (whole
 # backward), I (input gradient) or W (weight gradient).
 Action = tuple[str, int, int]
+COMPUTE = ("F", "B", "I", "W")
 
 
 @cache
 def schedule_order(schedule: str, pp: int, microbatches: int, per_rank: int) -> tuple:
-    """Each pipeline rank's compute actions in the order torch's schedule runs them (one
-    tuple of `Action`s per rank; an overlapped forward and backward as the two). torch
+    """Each pipeline rank's compute actions in the order torch's multi-stage schedule runs
+    them (one tuple of `Action`s per rank; an overlapped forward and backward as the two;
+    no sends, receives or gradient reductions). torch
     builds the order without stages or a process group; imported here, when a plan
     needs it, since the rest of the planner runs without torch."""
     from torch.distributed.pipelining._schedule_visualizer import (  # noqa: PLC0415
@@ -101,6 +103,7 @@ def schedule_order(schedule: str, pp: int, microbatches: int, per_rank: int) -> 
             for action in rank_ops
             if action is not None
             for part in (action.sub_actions or (action,))
+            if part.computation_type.value in COMPUTE
         )
         for rank_ops in ops
     )

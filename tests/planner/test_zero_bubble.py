@@ -13,7 +13,8 @@ from meshtrain.pipeline_schedules import (
     schedule_order,
     stage_ids_of_rank,
 )
-from meshtrain.planner.axes.pipeline import in_flight_microbatches, split_backward_peak
+from meshtrain.planner.axes.pipeline import fill_and_drain, in_flight_microbatches
+from meshtrain.planner.schedule_walk import simulated_idle, split_backward_peak
 from meshtrain.planner.shapes import FP32
 from tests.planner.test_layout import _plan, _refusal, _refusals, model_config  # noqa: F401
 from tests.planner.test_sharding import _with
@@ -103,3 +104,31 @@ def test_a_v_schedule_plans_two_stages_a_rank(model_config) -> None:  # noqa: F8
     assert plan.layout.pipeline_parallel_virtual_stages == 2
     assert plan.layout.num_stages == 4
     assert plan.layout.name == "dp1-tp1-pp2-zbv-mb4"
+
+
+@pytest.mark.parametrize(("pp", "virtual", "microbatches"), [(2, 2, 4), (4, 2, 8), (4, 4, 8)])
+def test_the_simulated_order_gives_interleaved_1f1b_its_textbook_bubble(
+    pp: int, virtual: int, microbatches: int
+) -> None:
+    """The replay of torch's order (`simulated_idle`) agrees with the closed form where
+    there is one: interleaved 1F1B's (p - 1) / v microbatch times on balanced stages."""
+    step = _with(
+        FP32,
+        pp=pp,
+        virtual_stages=virtual,
+        microbatches=microbatches,
+        schedule="interleaved_1f1b",
+        stage_layers=(1,) * pp * virtual,
+    )
+    costs = [1.0] * pp * virtual
+    assert simulated_idle(step, costs) == pytest.approx(fill_and_drain([1 / pp] * pp, virtual))
+
+
+@pytest.mark.parametrize("schedule", ["interleaved_zb", "zbv", "dualpipev"])
+def test_a_zero_bubble_schedule_idles_at_most_a_sixth_of_1f1b(schedule: str) -> None:
+    """pp4, 8 microbatches: 1F1B idles 3 microbatch times; the weight gradients fill
+    most of that (half a microbatch time is left in the replay)."""
+    step = _with(
+        FP32, pp=4, virtual_stages=2, microbatches=8, schedule=schedule, stage_layers=(1,) * 8
+    )
+    assert simulated_idle(step, [1.0] * 8) <= 3 / 6

@@ -55,6 +55,10 @@ _FLAGS: dict[str, tuple[str, Any]] = {
     "1f1b": ("parallel.pipeline_schedule", "1f1b"),
     "interleaved_1f1b": ("parallel.pipeline_schedule", "interleaved_1f1b"),
     "i1f1b": ("parallel.pipeline_schedule", "interleaved_1f1b"),
+    "interleaved_zb": ("parallel.pipeline_schedule", "interleaved_zb"),
+    "izb": ("parallel.pipeline_schedule", "interleaved_zb"),
+    "zbv": ("parallel.pipeline_schedule", "zbv"),
+    "dualpipev": ("parallel.pipeline_schedule", "dualpipev"),
 }
 GRAMMAR = (
     "a layout is tokens joined by 'x' or '-': dpN, tpN, ppN, cpN (N a whole number >= 1; "

@@ -11,17 +11,13 @@ from dataclasses import dataclass
 
 from meshtrain.config import ParallelConfig, RunConfig
 from meshtrain.models.config_file import ArchitectureConfig
-from meshtrain.pipeline_schedules import (
-    ZERO_BUBBLE,
-    microbatch_rule,
-    schedule_order,
-    stages_per_rank,
-)
+from meshtrain.pipeline_schedules import ZERO_BUBBLE, microbatch_rule, stages_per_rank
 from meshtrain.planner.axes.base import AxisBase, AxisChecks
 from meshtrain.planner.candidate import Candidate
 from meshtrain.planner.collectives import link, ring
 from meshtrain.planner.devices import DeviceProfile
 from meshtrain.planner.flops import attention_excess, layer_forward_flops
+from meshtrain.planner.schedule_walk import simulated_idle, split_backward_peak
 from meshtrain.planner.shapes import AxisTime, ModelShape, StepShape, StepTiming
 from meshtrain.planner.types import Refusal, divisors, format_values
 
@@ -93,42 +89,6 @@ def interleaved_gradient_chunks(step: StepShape, rank: int) -> int:
         backwards[chunk] += 1
         in_flight -= 1
     return live_at_most
-
-
-@dataclass(frozen=True)
-class SplitBackwardPeak:
-    """A zero-bubble schedule's rank at its most activations: the chunk x microbatches it
-    holds (from the forward to the weight gradient: the input-gradient pass keeps the
-    graph for the weights'), how many of them wait for their weight gradients, and how
-    many are the last stage's (whose loss each keeps)."""
-
-    in_flight: int
-    waiting: int
-    last_stage: int
-
-
-def split_backward_peak(step: StepShape, rank: int) -> SplitBackwardPeak:
-    """Walk rank `rank`'s actions in the order torch's schedule runs them
-    (`pipeline_schedules.schedule_order`) and keep the moment it holds the most."""
-    order = schedule_order(step.schedule, step.pp, step.microbatches, step.virtual_stages)
-    last = len(step.stage_layers) - 1
-    alive: set[tuple[int, int]] = set()
-    waiting: set[tuple[int, int]] = set()
-    peak = SplitBackwardPeak(0, 0, 0)
-    for kind, stage, microbatch in order[rank]:
-        unit = (stage, microbatch)
-        if kind == "F":
-            alive.add(unit)
-        elif kind == "I":
-            waiting.add(unit)
-        else:  # B or W: the microbatch's graph on this stage is freed
-            alive.discard(unit)
-            waiting.discard(unit)
-            continue
-        now = SplitBackwardPeak(len(alive), len(waiting), sum(1 for s, _ in alive if s == last))
-        if (now.in_flight, now.waiting) > (peak.in_flight, peak.waiting):
-            peak = now
-    return peak
 
 
 def last_stage_in_flight(step: StepShape) -> int:
@@ -309,15 +269,17 @@ def stage_shares(m: ModelShape, step: StepShape) -> list[float]:
     on the rank of the last stage ([1.0] without pp)."""
     if step.pp == 1:
         return [1.0]
+    costs = stage_costs(m, step)
+    return [sum(costs[s] for s in step.stages_of(rank)) / sum(costs) for rank in range(step.pp)]
+
+
+def stage_costs(m: ModelShape, step: StepShape) -> list[float]:
+    """Each stage's forward FLOPs per token: its decoder layers, and the LM head on the
+    last."""
     layer = layer_forward_flops(m, step.seq_len, attention_excess(step))
-    head = 2 * m.hidden * m.vocab
-    stages = len(step.stage_layers)
-    shares = []
-    for rank in range(step.pp):
-        mine = step.stages_of(rank)
-        layers = sum(step.stage_layers[s] for s in mine)
-        shares.append(layers * layer + (head if stages - 1 in mine else 0.0))
-    return [share / (m.layers * layer + head) for share in shares]
+    costs = [layers * layer for layers in step.stage_layers]
+    costs[-1] += 2 * m.hidden * m.vocab
+    return costs
 
 
 def fill_and_drain(shares: list[float], virtual_stages: int) -> float:
@@ -346,7 +308,11 @@ def pipeline_time(
     microbatches = step.microbatches * accumulation
     pp_link = link(device, step.tp * step.pp)
     send = activation_bytes / step.tp / (pp_link * 1e9) + device.send_latency_us * 1e-6
-    bubble = fill_and_drain(shares, step.virtual_stages) * microbatch_s * accumulation
+    if step.schedule in ZERO_BUBBLE:  # the schedule's own order, simulated
+        idle = simulated_idle(step, stage_costs(m, step))
+    else:
+        idle = fill_and_drain(shares, step.virtual_stages)
+    bubble = idle * microbatch_s * accumulation
     pipeline = bubble + 2 * send * microbatches
     if m.tied_embeddings:
         # The first and last stages sum their copies' gradients once per step.
