@@ -20,6 +20,8 @@ from meshtrain.components.memory_probe import PeakMemory, measure_peak_memory
 from meshtrain.components.optimizer import ModelOptimizer
 from meshtrain.distributed.pipeline_parallel import idle_fraction, theoretical_bubble
 from meshtrain.models.parallel_model import ParallelModel
+from meshtrain.pipeline_schedules import ZERO_BUBBLE
+from meshtrain.planner.schedule_walk import balanced_idle
 from meshtrain.tracking.rank_metrics import MetricsLogger
 
 
@@ -126,7 +128,11 @@ def report_pipeline_timeline(
     microbatches = layout.pipeline_parallel_num_microbatches
     idle = idle_fraction(spans_by_rank)
     measured = sum(idle.values()) / len(idle)
-    theory = theoretical_bubble(dims.pp, microbatches, layout.pipeline_parallel_virtual_stages)
+    virtual = layout.pipeline_parallel_virtual_stages
+    replayed = None
+    if layout.pipeline_schedule in ZERO_BUBBLE:  # no closed form: the planner's replay
+        replayed = balanced_idle(layout.pipeline_schedule, dims.pp, microbatches, virtual)
+    theory = theoretical_bubble(dims.pp, microbatches, virtual, replayed)
     # Only rank 0 draws, once: the other ranks never import matplotlib (~0.8 s each).
     from meshtrain.tracking.plots import pipeline_timeline
 

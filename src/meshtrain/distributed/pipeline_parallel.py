@@ -132,7 +132,7 @@ class Span:
 
     stage: int
     microbatch: int
-    kind: str  # "forward" | "backward"
+    kind: str  # "forward" | "backward" | "weight" (a zero-bubble schedule's weight gradients)
     start: float
     end: float
 
@@ -150,6 +150,9 @@ class SpanRecorder:
         for stage in stages:
             stage.forward_one_chunk = self._timed(stage, stage.forward_one_chunk, "forward")
             stage.backward_one_chunk = self._timed(stage, stage.backward_one_chunk, "backward")
+            stage.backward_weight_one_chunk = self._timed(
+                stage, stage.backward_weight_one_chunk, "weight"
+            )
 
     def _timed(self, stage: PipelineStage, method: Callable, kind: str) -> Callable:
         def run(chunk_id: int, *args: Any, **kwargs: Any) -> Any:
@@ -176,9 +179,13 @@ def idle_fraction(spans_by_rank: dict[int, list[Span]]) -> dict[int, float]:
     }
 
 
-def theoretical_bubble(pp: int, microbatches: int, virtual: int = 1) -> float:
-    """Idle fraction of GPipe and 1F1B, (p-1)/(m+p-1), with interleaving's 1/v on the bubble."""
-    bubble = (pp - 1) / virtual
+def theoretical_bubble(
+    pp: int, microbatches: int, virtual: int = 1, idle: float | None = None
+) -> float:
+    """Idle fraction of GPipe and 1F1B, (p-1)/(m+p-1), with interleaving's 1/v on the
+    bubble; `idle`: another schedule's idle microbatch times (the planner's replay of a
+    zero-bubble schedule, `planner.schedule_walk`) in place of (p-1)/v."""
+    bubble = (pp - 1) / virtual if idle is None else idle
     return bubble / (microbatches + bubble)
 
 

@@ -72,18 +72,32 @@ def _needs(action: Action, last: int) -> list[tuple[str, int, int]]:
 
 
 def simulated_idle(step: StepShape, stage_costs: list[float]) -> float:
+    """`replayed_idle` of the step's schedule."""
+    return replayed_idle(
+        step.schedule, step.pp, step.microbatches, step.virtual_stages, stage_costs
+    )
+
+
+def balanced_idle(schedule: str, pp: int, microbatches: int, per_rank: int) -> float:
+    """`replayed_idle` on stages of equal cost (the textbook's assumption)."""
+    return replayed_idle(schedule, pp, microbatches, per_rank, [1.0] * pp * per_rank)
+
+
+def replayed_idle(
+    schedule: str, pp: int, microbatches: int, per_rank: int, stage_costs: list[float]
+) -> float:
     """The busiest rank's idle time in one pass of the schedule, in its own microbatch
     times (what `pipeline.fill_and_drain` gives GPipe and 1F1B): every rank runs its
     actions in order, each as soon as the rank is free and what it needs is done; a
     stage's forward takes its cost (`stage_costs`), its backward twice that."""
-    order = _order(step)
+    order = schedule_order(schedule, pp, microbatches, per_rank)
     last = len(stage_costs) - 1
     finished: dict[tuple[str, int, int], float] = {}
-    clock = [0.0] * step.pp
-    position = [0] * step.pp
-    while any(position[r] < len(order[r]) for r in range(step.pp)):
+    clock = [0.0] * pp
+    position = [0] * pp
+    while any(position[r] < len(order[r]) for r in range(pp)):
         moved = False
-        for rank in range(step.pp):
+        for rank in range(pp):
             while position[rank] < len(order[rank]):
                 action = order[rank][position[rank]]
                 needs = _needs(action, last)
@@ -98,9 +112,9 @@ def simulated_idle(step: StepShape, stage_costs: list[float]) -> float:
                 position[rank] += 1
                 moved = True
         if not moved:
-            raise RuntimeError(f"{step.schedule}: the order waits on itself (pp={step.pp})")
+            raise RuntimeError(f"{schedule}: the order waits on itself (pp={pp})")
     busy = [
         sum(DURATION[kind] * stage_costs[stage] for kind, stage, _ in actions) for actions in order
     ]
     busiest = max(busy)
-    return (max(clock) - busiest) / (busiest / step.microbatches)
+    return (max(clock) - busiest) / (busiest / microbatches)

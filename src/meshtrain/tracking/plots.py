@@ -11,11 +11,12 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from meshtrain.distributed.pipeline_parallel import Span, idle_fraction  # noqa: E402
 
-_COLOURS = {"forward": "#4C72B0", "backward": "#DD8452"}
+_COLOURS = {"forward": "#4C72B0", "backward": "#DD8452", "weight": "#55A868"}
 
 
 def pipeline_timeline(spans_by_rank: dict[int, list[Span]], path: Path, title: str) -> Path:
-    """One row per pipeline rank, a bar per forward (blue) or backward (orange) chunk,
+    """One row per pipeline rank, a bar per forward (blue), backward (orange) or, under a
+    zero-bubble schedule, weight-gradient (green) chunk,
     labelled with its microbatch; the white gaps are the bubble."""
     origin = min(s.start for spans in spans_by_rank.values() for s in spans)
     idle = idle_fraction(spans_by_rank)
