@@ -1,12 +1,16 @@
 """Pipeline-parallel bubble benchmark: measured idle fraction beside theory.
 
 Per pipeline size pp (world = pp, dp = tp = 1) one spawned gloo group; in it, per
-schedule (GPipe, 1F1B, interleaved 1F1B with v virtual stages) and microbatch count m
-in {pp, 2pp, 4pp}, the real `Trainer` (balanced stages) trains past its probed steps,
-then `--steps` `train_step`s with the runner's `SpanRecorder` on. A rank's bubble is
-its idle share of the step's window (first chunk start to last chunk end, over the
-ranks), beside `theoretical_bubble`; docs/benchmarks.md ("Pipeline parallelism") says
-what counts as idle. One timeline picture per (pp, schedule) at m = 2pp goes to `--out`.
+schedule (`--schedules`: GPipe, 1F1B, interleaved 1F1B with v virtual stages, and the
+zero-bubble ones, interleaved_zb with v, zbv and dualpipev with two stages a rank in a V)
+and microbatch count m in {pp, 2pp, 4pp} where the schedule takes it, the real `Trainer`
+(balanced stages) trains past its probed steps, then `--steps` `train_step`s with the
+runner's `SpanRecorder` on. A rank's bubble is its idle share of the step's window
+(first chunk start to last chunk end, over the ranks), beside the theory (the closed
+form, or for a zero-bubble schedule the planner's replay of torch's order on balanced
+stages) and the planner's own step time and pipeline share of it; docs/benchmarks.md
+("Pipeline parallelism") says what counts as idle. One timeline picture per (pp,
+schedule) at m = 2pp goes to `--out`.
 
     .venv/bin/python bench/pipeline_bubble.py [--hidden 256] [--layers 8] [--seq 128] ...
     .venv/bin/python bench/pipeline_bubble.py --hidden 64 --layers 4 --seq 32 --batch 8 \\
@@ -43,9 +47,16 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from meshtrain.config import LaunchConfig
 from meshtrain.distributed.pipeline_parallel import Span, idle_fraction, theoretical_bubble
 from meshtrain.launch.elastic import run_workers
+from meshtrain.pipeline_schedules import (
+    SCHEDULES,
+    ZERO_BUBBLE,
+    microbatch_rule,
+    stages_per_rank,
+)
+from meshtrain.planner.schedule_walk import balanced_idle
 from meshtrain.trainer import Trainer
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+DEFAULT_SCHEDULES = ("1f1b", "interleaved_1f1b", "interleaved_zb", "zbv")
 PROBED = 3  # the Trainer's own probes run on its steps 1 (memory) and 2 (timeline)
 
 
@@ -53,19 +64,28 @@ def microbatch_counts(pp: int) -> list[int]:
     return [pp, 2 * pp, 4 * pp]
 
 
-def combinations(pp: int, layers: int, virtual: int) -> tuple[list[tuple[str, int, int]], list]:
+def combinations(
+    pp: int, layers: int, virtual: int, schedules: list[str]
+) -> tuple[list[tuple[str, int, int]], list]:
     """(schedule, v, m) to measure for this pp, and the ones skipped with the reason."""
     runs, skipped = [], []
-    for schedule in SCHEDULES:
-        v = virtual if schedule == "interleaved_1f1b" else 1
+    for schedule in schedules:
+        v = stages_per_rank(schedule, virtual)
         for m in microbatch_counts(pp):
+            reason = microbatch_rule(schedule, m, pp)
             if layers < pp * v:
                 skipped.append((schedule, v, m, f"{layers} layers < {pp * v} stages"))
-            elif schedule == "interleaved_1f1b" and m % pp:
-                skipped.append((schedule, v, m, f"m is not a multiple of pp={pp}"))
+            elif reason:
+                skipped.append((schedule, v, m, reason))
             else:
                 runs.append((schedule, v, m))
     return runs, skipped
+
+
+def theory_of(pp: int, schedule: str, v: int, m: int) -> float:
+    """The bubble on balanced stages: the closed form, or the replay of torch's order."""
+    idle = balanced_idle(schedule, pp, m, v) if schedule in ZERO_BUBBLE else None
+    return theoretical_bubble(pp, m, v, idle)
 
 
 def measure(spec: Any, steps: int) -> dict | None:
@@ -124,9 +144,10 @@ def summarise(pp: int, result: dict[str, Any]) -> dict[str, Any]:
     per_rank = [statistics.mean(step[r] for step in per_step) for r in ranks]
     every = [s for spans in result["spans"] for rank in spans.values() for s in rank]
     forward = [s.end - s.start for s in every if s.kind == "forward"]
-    backward = [s.end - s.start for s in every if s.kind == "backward"]
+    backward = [s.end - s.start for s in every if s.kind != "forward"]
     measured = statistics.mean(per_rank)
-    theory = theoretical_bubble(pp, result["m"], result["v"])
+    theory = theory_of(pp, result["schedule"], result["v"], result["m"])
+    step_s = statistics.mean(result["step_s"])
     return {
         "pp": pp,
         "schedule": result["schedule"],
@@ -137,7 +158,10 @@ def summarise(pp: int, result: dict[str, Any]) -> dict[str, Any]:
         "bubble_max": max(per_rank),
         "theory": theory,
         "diff_points": 100 * (measured - theory),
-        "step_s": statistics.mean(result["step_s"]),
+        "step_s": step_s,
+        "tokens_per_s": result["tokens"] / step_s,
+        "planned_step_s": result["planned"]["step_s"],
+        "planned_bubble": result["planned"]["pipeline_s"] / result["planned"]["step_s"],
         "send_ms": result["send_ms"],
         "forward_ms": 1e3 * statistics.mean(forward),
         "backward_ms": 1e3 * statistics.mean(backward),
@@ -150,8 +174,8 @@ def draw_timeline(pp: int, result: dict[str, Any], out: Path) -> Path:
     spans = result["spans"][-1]  # the last measured step
     idle = idle_fraction(spans)
     measured = statistics.mean(idle.values())
-    theory = theoretical_bubble(pp, result["m"], result["v"])
     schedule, v, m = result["schedule"], result["v"], result["m"]
+    theory = theory_of(pp, schedule, v, m)
     label = f"{schedule} (v={v})" if v > 1 else schedule
     return pipeline_timeline(
         spans,
@@ -163,7 +187,8 @@ def draw_timeline(pp: int, result: dict[str, Any], out: Path) -> Path:
 def print_table(rows: list[dict[str, Any]]) -> None:
     header = (
         f"{'pp':>2}  {'schedule':<16} {'v':>1}  {'m':>2}  {'bubble':>6}  {'min-max':>11}  "
-        f"{'theory':>6}  {'diff':>6}  {'step s':>6}  {'fwd/bwd ms':>10}  {'send ms':>7}"
+        f"{'theory':>6}  {'diff':>6}  {'step s':>6}  {'tokens/s':>8}  {'plan s':>6}  "
+        f"{'plan bub':>8}  {'fwd/bwd ms':>10}  {'send ms':>7}"
     )
     print(header)
     print("-" * len(header))
@@ -173,7 +198,8 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         print(
             f"{row['pp']:>2}  {row['schedule']:<16} {row['v']:>1}  {row['m']:>2}  "
             f"{row['bubble']:>6.1%}  {span:>11}  {row['theory']:>6.1%}  "
-            f"{row['diff_points']:>+6.1f}  {row['step_s']:>6.2f}  {chunks:>10}  "
+            f"{row['diff_points']:>+6.1f}  {row['step_s']:>6.2f}  {row['tokens_per_s']:>8.0f}  "
+            f"{row['planned_step_s']:>6.2f}  {row['planned_bubble']:>8.1%}  {chunks:>10}  "
             f"{row['send_ms']:>7.2f}"
         )
 
@@ -205,7 +231,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_arguments(parser, 256, None, 8, 4, 4, 512, 128, 16)  # --batch: for every pp
     parser.add_argument("--pp", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--virtual", type=int, default=2, help="v of interleaved 1F1B")
+    parser.add_argument("--virtual", type=int, default=2, help="v of the interleaved schedules")
+    parser.add_argument(
+        "--schedules", nargs="+", default=list(DEFAULT_SCHEDULES), choices=SCHEDULES
+    )
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument(
         "--out",
@@ -221,10 +250,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def pp_specs(pp: int, runs: list, options: argparse.Namespace, model: dict, root: Path):
-    """One planned spec per (schedule, v, m) of this pipeline size, on shared blocks."""
+    """One planned spec per (schedule, v, m) of this pipeline size, on shared blocks, and
+    its plan's time estimate."""
     count = (PROBED + options.steps + 1) * options.batch + 4
     blocks = token_blocks(root / f"blocks-pp{pp}", count, options.vocab, options.seq)
-    return [
+    sides = [
         planned_side(
             blocks,
             root,
@@ -243,9 +273,10 @@ def pp_specs(pp: int, runs: list, options: argparse.Namespace, model: dict, root
             shape=model,
             vocab=options.vocab,
             block=options.seq,
-        )[0]
+        )
         for schedule, v, m in runs
     ]
+    return [spec for spec, _ in sides], [plan.time_estimate for _, plan in sides]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -260,10 +291,10 @@ def main(argv: list[str] | None = None) -> None:
     pictures: list[Path] = []
     with tempfile.TemporaryDirectory(prefix="meshtrain-bench-") as tmp:
         for pp in options.pp:
-            runs, skipped = combinations(pp, options.layers, options.virtual)
+            runs, skipped = combinations(pp, options.layers, options.virtual, options.schedules)
             for schedule, v, m, why in skipped:
                 print(f"pp={pp}: skipping {schedule} v={v} m={m}: {why}")
-            specs = pp_specs(pp, runs, options, model, Path(tmp))
+            specs, planned = pp_specs(pp, runs, options, model, Path(tmp))
             job = {"pp": pp, "runs": runs, "hidden": options.hidden, "seq": options.seq}
             job |= {"batch": options.batch, "steps": options.steps}
             print(f"pp={pp}: {pp} ranks, batch {options.batch} x {options.seq} tokens per step")
@@ -276,15 +307,18 @@ def main(argv: list[str] | None = None) -> None:
                 run_id=f"bench-pp{pp}",
             )[0]
             print(f"pp={pp}: {describe_cpu(before, cpu_seconds())}")
-            for result in results:
+            for result, estimate in zip(results, planned, strict=True):
+                result |= {"planned": estimate, "tokens": options.batch * options.seq}
                 rows.append(summarise(pp, result))
                 if result["m"] == 2 * pp:
                     pictures.append(draw_timeline(pp, result, options.out))
     print(
         "\nbubble: per-rank idle share of the step window (mean over ranks and measured steps; "
-        "min-max over ranks); theory: ((p-1)/v)/(m+(p-1)/v); diff: bubble - theory in "
-        "points; step s: slowest rank, mean; fwd/bwd ms: mean chunk time; send ms: one-way "
-        "gloo send of one microbatch's activation (median ping-pong / 2)"
+        "min-max over ranks); theory: ((p-1)/v)/(m+(p-1)/v), for a zero-bubble schedule the "
+        "planner's replay of torch's order; diff: bubble - theory in points; step s: "
+        "slowest rank, mean; plan s, plan bub: the planner's step time and its pipeline "
+        "share; fwd/bwd ms: mean chunk time (a weight-gradient chunk counts as backward); "
+        "send ms: one-way gloo send of one microbatch's activation (median ping-pong / 2)"
     )
     print_table(rows)
     print("\n".join(f"timeline: {path}" for path in pictures))
