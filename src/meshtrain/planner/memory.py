@@ -234,12 +234,18 @@ def _activations_on_rank(
         # where the LM head's matmul keeps it.
         norm_bytes = 2 * kept_bytes * h / shard + (stream * h if head_keeps_its_input(step) else 0)
         per_microbatch += tokens * (norm_bytes + last_adapter) / chunks
-    activations = int(per_microbatch * in_flight_microbatches(step, rank))
     if step.pp > 1 and step.schedule in ZERO_BUBBLE:
-        # The microbatches whose weight gradients wait keep their output gradients too.
-        waiting = split_backward_peak(step, rank).waiting
-        per_layer = tokens * weight_gradient_inputs(m, step) * matmul_bytes
-        activations += int(waiting * per_layer * layers / chunks)
+        # A microbatch whose weight gradient waits keeps its weighted ops' output
+        # gradients, and under full checkpointing every layer the input pass recomputed
+        # (it keeps the graph for the weight pass).
+        waits = tokens * weight_gradient_inputs(m, step) * matmul_bytes
+        if step.activation_checkpointing == "full":
+            waits += layer_bytes
+        waits *= layers / chunks
+        peak = split_backward_peak(step, rank, held=per_microbatch, held_waiting=waits)
+        activations = int(per_microbatch * peak.in_flight + waits * peak.waiting)
+    else:
+        activations = int(per_microbatch * in_flight_microbatches(step, rank))
     if step.bf16 and not step.master_weights and step.activation_checkpointing == "none":
         # autocast's bf16 copy of each matmul weight, cached and kept by the backward
         # (without recomputation the trainer keeps the cache: one copy per weight).

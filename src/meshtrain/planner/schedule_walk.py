@@ -36,12 +36,20 @@ def _order(step: StepShape) -> tuple[tuple[Action, ...], ...]:
     return schedule_order(step.schedule, step.pp, step.microbatches, step.virtual_stages)
 
 
-def split_backward_peak(step: StepShape, rank: int) -> SplitBackwardPeak:
-    """Walk rank `rank`'s actions and keep the moment it holds the most."""
+def split_backward_peak(
+    step: StepShape, rank: int, held: float = 1.0, held_waiting: float = 0.0
+) -> SplitBackwardPeak:
+    """Walk rank `rank`'s actions and keep the moment it holds the most: `held` per chunk x
+    microbatch in flight, `held_waiting` more for each whose weight gradient waits (what
+    its input pass kept for the weight pass)."""
     last = len(step.stage_layers) - 1
     alive: set[tuple[int, int]] = set()
     waiting: set[tuple[int, int]] = set()
     peak = SplitBackwardPeak(0, 0, 0)
+
+    def weight(moment: SplitBackwardPeak) -> tuple[float, int]:
+        return (moment.in_flight * held + moment.waiting * held_waiting, moment.waiting)
+
     for kind, stage, microbatch in _order(step)[rank]:
         unit = (stage, microbatch)
         if kind == "F":
@@ -53,7 +61,7 @@ def split_backward_peak(step: StepShape, rank: int) -> SplitBackwardPeak:
             waiting.discard(unit)
             continue
         now = SplitBackwardPeak(len(alive), len(waiting), sum(1 for s, _ in alive if s == last))
-        if (now.in_flight, now.waiting) > (peak.in_flight, peak.waiting):
+        if weight(now) > weight(peak):
             peak = now
     return peak
 
