@@ -327,6 +327,8 @@ def test_config_imports_nothing_from_the_layers_above_it() -> None:
         "meshtrain.config_lora",
         "meshtrain.config_data",
         "meshtrain.config_launch",
+        # A leaf below them all: the schedules' names and rules import no meshtrain module.
+        "meshtrain.pipeline_schedules",
     }
     for name in own:
         tree = ast.parse((SRC / f"{name.split('.')[1]}.py").read_text())
