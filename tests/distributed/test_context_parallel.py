@@ -48,6 +48,11 @@ WORLD_4 = {
         {"per_device_train_batch_size": 8},
     ),
     "pp2-cp2": ({**PIPELINE, "context_parallel_size": 2}, {"per_device_train_batch_size": 8}),
+    # A zero-bubble schedule: cp's collectives in the input pass, the weights' later.
+    "pp2-cp2-zbv": (
+        {**PIPELINE, "pipeline_schedule": "zbv", "context_parallel_size": 2},
+        {"per_device_train_batch_size": 8},
+    ),
     "dp2-sdp2-cp2": (
         {"data_parallel_size": 2, "sharded_data_parallel_degree": 2, "context_parallel_size": 2},
         {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2},

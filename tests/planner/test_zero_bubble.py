@@ -132,3 +132,14 @@ def test_a_zero_bubble_schedule_idles_at_most_a_sixth_of_1f1b(schedule: str) -> 
         FP32, pp=4, virtual_stages=2, microbatches=8, schedule=schedule, stage_layers=(1,) * 8
     )
     assert simulated_idle(step, [1.0] * 8) <= 3 / 6
+
+
+def test_a_v_schedule_without_two_layers_a_rank_is_refused_naming_the_schedule(
+    model_config,  # noqa: F811
+) -> None:
+    error = _refusals(
+        model_config, parallel={"pipeline_parallel_size": 4, "pipeline_schedule": "zbv"}
+    )
+    refusal = _refusal(error, "parallel.pipeline_schedule")
+    assert "zbv places two stages on every rank: 8 stages" in refusal.reason
+    assert "pipeline_parallel_size=2 or less" in refusal.fix

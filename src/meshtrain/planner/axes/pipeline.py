@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from meshtrain.config import ParallelConfig, RunConfig
 from meshtrain.models.config_file import ArchitectureConfig
-from meshtrain.pipeline_schedules import ZERO_BUBBLE, microbatch_rule, stages_per_rank
+from meshtrain.pipeline_schedules import V_SHAPED, ZERO_BUBBLE, microbatch_rule, stages_per_rank
 from meshtrain.planner.axes.base import AxisBase, AxisChecks
 from meshtrain.planner.candidate import Candidate
 from meshtrain.planner.collectives import link, ring
@@ -178,7 +178,7 @@ def resolve_pipeline(
     virtual = stages_per_rank(schedule, par.pipeline_parallel_virtual_stages)
     microbatches = requested
     stage_layers, layer_refusals = check_stage_layers(
-        par.pipeline_parallel_layers, pp, virtual, model_config.num_hidden_layers
+        par.pipeline_parallel_layers, pp, virtual, model_config.num_hidden_layers, schedule
     )
     refusals = [*check_microbatches(microbatches, schedule, pp, batch), *layer_refusals]
     return PipelineSplit(microbatches, virtual, stage_layers, refusals, [])
@@ -233,7 +233,7 @@ def check_compiled_schedule(pp: int, run: RunConfig) -> list[Refusal]:
 
 
 def check_stage_layers(
-    requested: list[int] | None, pp: int, virtual: int, layers: int
+    requested: list[int] | None, pp: int, virtual: int, layers: int, schedule: str = "1f1b"
 ) -> tuple[list[int] | None, list[Refusal]]:
     """The decoder layers per stage: as requested, or balanced; every stage needs one."""
     stages = pp * virtual
@@ -254,6 +254,15 @@ def check_stage_layers(
         return balanced_split(layers, stages), []
     if pp > layers:
         return None, []  # pipeline_parallel_size itself is refused
+    if schedule in V_SHAPED:
+        refusal = Refusal(
+            "parallel.pipeline_schedule",
+            schedule,
+            f"{schedule} places two stages on every rank: {stages} stages need at least one "
+            f"decoder layer each and the model has num_hidden_layers={layers}",
+            f"Use pipeline_parallel_size={layers // 2} or less, or pipeline_schedule=1f1b.",
+        )
+        return None, [refusal]
     refusal = Refusal(
         "parallel.pipeline_parallel_virtual_stages",
         virtual,
