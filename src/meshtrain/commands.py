@@ -168,7 +168,7 @@ def _plan_arguments(plan: Any) -> None:
     plan.add_argument(
         "--activation-checkpointing", default="auto", choices=("auto", "none", "selective", "full")
     )
-    plan.add_argument("--schedule", default="1f1b", choices=SCHEDULES)
+    plan.add_argument("--schedule", default="1f1b", choices=(*SCHEDULES, "auto"))
     plan.add_argument(
         "--precision",
         default="no",

@@ -76,8 +76,9 @@ class ParallelConfig:
     pipeline_parallel_size: int | Literal["auto"] = 1
     pipeline_parallel_num_microbatches: int | Literal["auto"] = AUTO
     # gpipe | 1f1b | interleaved_1f1b | interleaved_zb | zbv | dualpipev
-    # (`meshtrain.pipeline_schedules`: where each puts the stages, what it needs).
-    pipeline_schedule: ScheduleName = "1f1b"
+    # (`meshtrain.pipeline_schedules`: where each puts the stages, what it needs); auto:
+    # the planner weighs them (not GPipe) and keeps the fastest that fits.
+    pipeline_schedule: ScheduleName | Literal["auto"] = "1f1b"
     # Stages per rank for the looped schedules, interleaved_1f1b and interleaved_zb (zbv
     # and dualpipev hold two in a V; the others one).
     pipeline_parallel_virtual_stages: int = 2

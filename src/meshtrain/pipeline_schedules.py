@@ -23,6 +23,9 @@ SCHEDULES: tuple[str, ...] = get_args(ScheduleName)
 LOOPED = frozenset({"interleaved_1f1b", "interleaved_zb"})
 V_SHAPED = frozenset({"zbv", "dualpipev"})
 ZERO_BUBBLE = frozenset({"interleaved_zb", "zbv", "dualpipev"})
+# What `auto` weighs, in the order a tie is broken (the simpler schedule first). GPipe
+# holds every microbatch's activations and is never faster than 1F1B.
+AUTO_CHOICES = ("1f1b", "interleaved_1f1b", "interleaved_zb", "zbv", "dualpipev")
 # torch's names (`torch.distributed.pipelining.schedules.get_schedule_class`).
 TORCH_NAMES = {
     "gpipe": "GPipe",

@@ -143,3 +143,23 @@ def test_a_v_schedule_without_two_layers_a_rank_is_refused_naming_the_schedule(
     refusal = _refusal(error, "parallel.pipeline_schedule")
     assert "zbv places two stages on every rank: 8 stages" in refusal.reason
     assert "pipeline_parallel_size=2 or less" in refusal.fix
+
+
+def test_auto_weighs_every_schedule_and_says_which_won(model_config) -> None:  # noqa: F811
+    """`pipeline_schedule: auto` plans each schedule the pipeline can run and keeps the
+    fastest estimate that fits; the note names the others' estimates."""
+    plan = _plan(
+        model_config,
+        parallel={**TWO, "pipeline_schedule": "auto", "pipeline_parallel_num_microbatches": 4},
+    )
+    weighed = {c["layout"].split("-")[3] for c in plan.candidates if "-pp2-" in c["layout"]}
+    assert plan.layout.pipeline_schedule in {"interleaved_zb", "zbv", "dualpipev"}
+    note = next(n for n in plan.notes if n.startswith("pipeline_schedule: "))
+    assert plan.layout.pipeline_schedule in note and "1f1b" in note
+    assert len(weighed | {plan.layout.pipeline_schedule}) >= 4, plan.candidates
+
+
+def test_auto_without_a_pipeline_plans_1f1b(model_config) -> None:  # noqa: F811
+    plan = _plan(model_config, parallel={"pipeline_schedule": "auto"})
+    assert plan.layout.pipeline_parallel_size == 1
+    assert plan.layout.pipeline_schedule == "1f1b"

@@ -10,11 +10,13 @@ microbatches and the loss chunk follow the batch), so nothing after the search r
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Any
 
 from meshtrain.config import AUTO, DataConfig, LaunchConfig, ParallelConfig, RunConfig
 from meshtrain.device import backend_device, planned_backend
 from meshtrain.models.config_file import ArchitectureConfig
+from meshtrain.pipeline_schedules import AUTO_CHOICES
 from meshtrain.planner.axes import expert, pipeline, sharding, tensor
 from meshtrain.planner.candidate import Candidate
 from meshtrain.planner.checks import IMPLEMENTED_ACTIVATION_CHECKPOINTING
@@ -133,7 +135,7 @@ def search_space(
         dp = world // (tp * pp * cp)
         for sdp in sharding_options(run, dp, tp, cp):
             for ep in expert.AXIS.search_degrees(run, model_config, ranks=dp * cp, sdp=sdp):
-                for ac in ac_options:
+                for ac, schedule in itertools.product(ac_options, schedule_options(par, pp)):
                     parallel = dataclasses.replace(
                         par,
                         tensor_parallel_size=tp,
@@ -142,11 +144,20 @@ def search_space(
                         sharded_data_parallel_degree=sdp,
                         expert_parallel_size=ep,
                         activation_checkpointing=ac,
+                        pipeline_schedule=schedule,
                     )
                     variants.append(dataclasses.replace(run, parallel=parallel))
     if cp_options is not None:
         return variants  # the cp sizes weighed beside cp 1: none may fit the fixed sizes
     return variants or [run]
+
+
+def schedule_options(par: ParallelConfig, pp: int) -> list[str]:
+    """The pipeline schedules to weigh: as given, or at `auto` each of
+    `pipeline_schedules.AUTO_CHOICES` (1F1B without a pipeline: none runs)."""
+    if par.pipeline_schedule != AUTO:
+        return [par.pipeline_schedule]
+    return list(AUTO_CHOICES) if pp > 1 else ["1f1b"]
 
 
 def sharding_options(run: RunConfig, dp: int, tp: int, cp: int = 1) -> list[int | str]:
@@ -210,8 +221,10 @@ def variant_name(run: RunConfig) -> str:
         par.context_parallel_size,
         par.expert_parallel_size,
     )
+    pp = par.pipeline_parallel_size
+    schedule = f"-{par.pipeline_schedule}" if pp not in (1, AUTO) else ""
     return (
-        f"tp{par.tensor_parallel_size}-pp{par.pipeline_parallel_size}"
+        f"tp{par.tensor_parallel_size}-pp{pp}{schedule}"
         + (f"-cp{cp}" if cp not in (1, AUTO) else "")
         + (f"-ep{ep}" if ep not in (1, AUTO) else "")
         + (f"-sdp{sdp}" if sdp not in (1, AUTO) else "")

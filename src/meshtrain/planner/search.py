@@ -19,6 +19,7 @@ from meshtrain.config_parsing import ConfigError
 from meshtrain.device import accelerator, accelerator_count
 from meshtrain.models.config_file import ArchitectureConfig
 from meshtrain.models.shapes import lora_adapter_shapes, parameter_shapes
+from meshtrain.pipeline_schedules import AUTO_CHOICES
 from meshtrain.planner.axes import AXES, TIE_BREAK
 from meshtrain.planner.axes import context as cp_axis
 from meshtrain.planner.axes.context import (
@@ -243,7 +244,8 @@ def _reasons(rejected: list[dict[str, Any]], most: int = 4) -> str:
 
 def _choose(fitting: list[Plan]) -> Plan:
     """The fastest; among those within `TIE` of it, the least parallel (cp, tp, then pp,
-    then sharding: each is paid only when it buys something) and recomputed."""
+    then sharding: each is paid only when it buys something), recomputed, and the simplest
+    pipeline schedule."""
     best = max(speed(p) for p in fitting)
 
     def preference(p: Plan) -> tuple:
@@ -254,6 +256,9 @@ def _choose(fitting: list[Plan]) -> Plan:
             0.0 if tied else -speed(p),
             *(degree(lay) for degree, _, _ in TIE_BREAK),
             _AC_ORDER[lay.activation_checkpointing],
+            AUTO_CHOICES.index(lay.pipeline_schedule)
+            if lay.pipeline_schedule in AUTO_CHOICES
+            else len(AUTO_CHOICES),
         )
 
     return sorted(fitting, key=preference)[0]

@@ -9,17 +9,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from meshtrain.config import ParallelConfig, RunConfig
+from meshtrain.config import AUTO, ParallelConfig, RunConfig
 from meshtrain.models.config_file import ArchitectureConfig
-from meshtrain.pipeline_schedules import V_SHAPED, ZERO_BUBBLE, microbatch_rule, stages_per_rank
+from meshtrain.pipeline_schedules import (
+    AUTO_CHOICES,
+    V_SHAPED,
+    ZERO_BUBBLE,
+    microbatch_rule,
+    stages_per_rank,
+)
 from meshtrain.planner.axes.base import AxisBase, AxisChecks
 from meshtrain.planner.candidate import Candidate
 from meshtrain.planner.collectives import link, ring
 from meshtrain.planner.devices import DeviceProfile
 from meshtrain.planner.flops import attention_excess, layer_forward_flops
+from meshtrain.planner.ranking import speed
 from meshtrain.planner.schedule_walk import simulated_idle, split_backward_peak
 from meshtrain.planner.shapes import AxisTime, ModelShape, StepShape, StepTiming
-from meshtrain.planner.types import Refusal, divisors, format_values
+from meshtrain.planner.types import Plan, Refusal, divisors, format_values
 
 # The parameter (and `config.Layout` field) this axis owns; other modules name it here.
 PARAMETER = "pipeline_parallel_size"
@@ -144,6 +151,7 @@ class PipelineSplit:
     stage_layers: list[int] | None  # None without pipeline parallelism, or when refused
     refusals: list[Refusal]
     notes: list[str]
+    schedule: str = "1f1b"
 
 
 def resolve_pipeline(
@@ -174,14 +182,14 @@ def resolve_pipeline(
             )
         return PipelineSplit(1, 1, None, refusals, notes)
 
-    schedule = par.pipeline_schedule
+    schedule = "1f1b" if par.pipeline_schedule == AUTO else par.pipeline_schedule
     virtual = stages_per_rank(schedule, par.pipeline_parallel_virtual_stages)
     microbatches = requested
     stage_layers, layer_refusals = check_stage_layers(
         par.pipeline_parallel_layers, pp, virtual, model_config.num_hidden_layers, schedule
     )
     refusals = [*check_microbatches(microbatches, schedule, pp, batch), *layer_refusals]
-    return PipelineSplit(microbatches, virtual, stage_layers, refusals, [])
+    return PipelineSplit(microbatches, virtual, stage_layers, refusals, [], schedule)
 
 
 def check_microbatches(microbatches: int, schedule: str, pp: int, batch: int) -> list[Refusal]:
@@ -350,6 +358,33 @@ class PipelineAxis(AxisBase):
     def degrees(self, run: RunConfig, model_config: ArchitectureConfig) -> list[int]:
         return pipeline_parallel_degrees(run.launch.world_size, model_config)
 
+    def note(self, chosen: Plan, planned: list[Plan], budget: float) -> str | None:
+        """With `pipeline_schedule: auto`, the schedule chosen against the best layout of
+        each other schedule weighed (its tokens/s, or that none fits)."""
+        layout = chosen.layout
+        if layout.pipeline_parallel_size == 1:
+            return None
+        best: dict[str, Plan] = {}
+        for plan in planned:
+            schedule = plan.layout.pipeline_schedule
+            if plan.layout.pipeline_parallel_size > 1 and (
+                schedule not in best or speed(plan) > speed(best[schedule])
+            ):
+                best[schedule] = plan
+        if len(best) < 2:
+            return None
+        others = []
+        for schedule, plan in sorted(best.items(), key=lambda item: -speed(item[1])):
+            if schedule == layout.pipeline_schedule:
+                continue
+            fits = plan.memory_estimate_per_rank["process_total"] <= budget
+            others.append(f"{schedule} {speed(plan):,.0f}" + ("" if fits else " (over memory)"))
+        return (
+            f"pipeline_schedule: {layout.pipeline_schedule}, the fastest that fits or the "
+            f"simplest within 2% of it ({speed(chosen):,.0f} tokens/s estimated; "
+            f"{', '.join(others)}; simplest first: {', '.join(AUTO_CHOICES)})."
+        )
+
     def check(self, c: Candidate, run: RunConfig, model_config: ArchitectureConfig) -> AxisChecks:
         batch = run.training.per_device_train_batch_size
         split = resolve_pipeline(run.parallel, c, batch, model_config)
@@ -360,7 +395,7 @@ class PipelineAxis(AxisBase):
             layout={
                 "pipeline_parallel_size": c.pp,
                 "pipeline_parallel_num_microbatches": split.microbatches,
-                "pipeline_schedule": run.parallel.pipeline_schedule,
+                "pipeline_schedule": split.schedule,
                 "pipeline_parallel_virtual_stages": split.virtual_stages,
                 "pipeline_parallel_layers": split.stage_layers,
             },
