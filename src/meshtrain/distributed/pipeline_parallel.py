@@ -36,15 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleDualPipeV,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble,
-    ScheduleZBVZeroBubble,
-)
+from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import (
     BACKWARD_INPUT,
     BACKWARD_WEIGHT,
@@ -53,20 +45,13 @@ from torch.distributed.pipelining.schedules import (
     REDUCE_GRAD,
     SEND_B,
     _PipelineScheduleRuntime,
+    get_schedule_class,
 )
 
 from meshtrain.data.batch import TokenBatch
 from meshtrain.distributed.tensor_parallel import accumulated_grad
-from meshtrain.pipeline_schedules import V_SHAPED, ZERO_BUBBLE
+from meshtrain.pipeline_schedules import TORCH_NAMES, V_SHAPED, ZERO_BUBBLE
 
-SCHEDULES = {
-    "gpipe": ScheduleGPipe,
-    "1f1b": Schedule1F1B,
-    "interleaved_1f1b": ScheduleInterleaved1F1B,
-    "interleaved_zb": ScheduleInterleavedZeroBubble,
-    "zbv": ScheduleZBVZeroBubble,
-    "dualpipev": ScheduleDualPipeV,
-}
 BACKWARD_ACTIONS = (FULL_BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, SEND_B, RECV_B, REDUCE_GRAD)
 ONE_STAGE = ("gpipe", "1f1b")  # torch's single-stage schedules take the stage, not a list
 
@@ -282,7 +267,7 @@ class PipelineRunner:
         self._batch: TokenBatch | None = None  # the batch the schedule is running
         # Per microbatch scored: its language-model loss, and its routing where scored.
         self._scores: list[tuple[torch.Tensor, tuple[torch.Tensor, Any] | None]] = []
-        schedule_class = SCHEDULES[schedule]
+        schedule_class = get_schedule_class(TORCH_NAMES[schedule])
         stages: Any = self.stages[0] if schedule in ONE_STAGE else self.stages
         self.schedule = schedule_class(
             stages, num_microbatches, loss_fn=self._scaled_loss, scale_grads=False
