@@ -173,6 +173,32 @@ def _offloaded(m: ModelShape, step: StepShape, on_device: list[int]) -> int:
     )
 
 
+def _held_at_peak(
+    m: ModelShape,
+    step: StepShape,
+    rank: int,
+    held: float,
+    chunk_layers: float,
+    layer: tuple[int, float],
+) -> int:
+    """The rank's activations at its peak: `held` bytes per chunk x microbatch in flight.
+    Under a zero-bubble schedule one whose weight gradient waits also keeps its weighted
+    ops' output gradients, and under full checkpointing every layer its input pass
+    recomputed (the pass keeps the graph for the weight pass). `chunk_layers`: decoder
+    layers per chunk; `layer`: (a microbatch's tokens, a layer's full activations for
+    them in bytes)."""
+    if step.pp == 1 or step.schedule not in ZERO_BUBBLE:
+        return int(held * in_flight_microbatches(step, rank))
+    tokens, layer_bytes = layer
+    matmul_bytes = BYTES_BF16 if step.bf16 else BYTES_FP32
+    waits = tokens * weight_gradient_inputs(m, step) * matmul_bytes
+    if step.activation_checkpointing == "full":
+        waits += layer_bytes
+    waits *= chunk_layers
+    peak = split_backward_peak(step, rank, held=held, held_waiting=waits)
+    return int(held * peak.in_flight + waits * peak.waiting)
+
+
 def _activations_on_rank(
     m: ModelShape, step: StepShape, rank: int, stages: list[int]
 ) -> tuple[int, int]:
@@ -220,9 +246,7 @@ def _activations_on_rank(
     # Rotary cos/sin for the rank's positions, and the axes' (packed cp's masks): shared
     # by the layers.
     shared = 2 * step.local_seq_len * m.head_dim * stream
-    for extra in (v for t in terms for v in t.microbatch.values()):
-        shared += extra
-    per_microbatch += shared
+    per_microbatch += shared + sum(v for t in terms for v in t.microbatch.values())
     first_adapter, last_adapter = step.vocabulary_adapter_bytes
     if holds_first:
         per_microbatch += tokens * (INT64 + (h / shard * stream + first_adapter) / chunks)
@@ -234,18 +258,8 @@ def _activations_on_rank(
         # where the LM head's matmul keeps it.
         norm_bytes = 2 * kept_bytes * h / shard + (stream * h if head_keeps_its_input(step) else 0)
         per_microbatch += tokens * (norm_bytes + last_adapter) / chunks
-    if step.pp > 1 and step.schedule in ZERO_BUBBLE:
-        # A microbatch whose weight gradient waits keeps its weighted ops' output
-        # gradients, and under full checkpointing every layer the input pass recomputed
-        # (it keeps the graph for the weight pass).
-        waits = tokens * weight_gradient_inputs(m, step) * matmul_bytes
-        if step.activation_checkpointing == "full":
-            waits += layer_bytes
-        waits *= layers / chunks
-        peak = split_backward_peak(step, rank, held=per_microbatch, held_waiting=waits)
-        activations = int(per_microbatch * peak.in_flight + waits * peak.waiting)
-    else:
-        activations = int(per_microbatch * in_flight_microbatches(step, rank))
+    layer = (tokens, layer_bytes)
+    activations = _held_at_peak(m, step, rank, per_microbatch, layers / chunks, layer)
     if step.bf16 and not step.master_weights and step.activation_checkpointing == "none":
         # autocast's bf16 copy of each matmul weight, cached and kept by the backward
         # (without recomputation the trainer keeps the cache: one copy per weight).
