@@ -21,13 +21,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
 import shlex
 import statistics
 import sys
 import tempfile
 import time
-from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
@@ -45,15 +43,10 @@ from bench_runs import (  # (bench/bench_runs.py, which sets the offline default
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from meshtrain.config import LaunchConfig
-from meshtrain.distributed.pipeline_parallel import Span, idle_fraction, theoretical_bubble
+from meshtrain.distributed.pipeline_parallel import Span, idle_fraction
 from meshtrain.launch.elastic import run_workers
-from meshtrain.pipeline_schedules import (
-    SCHEDULES,
-    ZERO_BUBBLE,
-    microbatch_rule,
-    stages_per_rank,
-)
-from meshtrain.planner.schedule_walk import balanced_idle
+from meshtrain.pipeline_schedules import SCHEDULES, microbatch_rule, stages_per_rank
+from meshtrain.planner.schedule_walk import balanced_bubble
 from meshtrain.trainer import Trainer
 
 DEFAULT_SCHEDULES = ("1f1b", "interleaved_1f1b", "interleaved_zb", "zbv")
@@ -80,12 +73,6 @@ def combinations(
             else:
                 runs.append((schedule, v, m))
     return runs, skipped
-
-
-def theory_of(pp: int, schedule: str, v: int, m: int) -> float:
-    """The bubble on balanced stages: the closed form, or the replay of torch's order."""
-    idle = balanced_idle(schedule, pp, m, v) if schedule in ZERO_BUBBLE else None
-    return theoretical_bubble(pp, m, v, idle)
 
 
 def measure(spec: Any, steps: int) -> dict | None:
@@ -146,7 +133,7 @@ def summarise(pp: int, result: dict[str, Any]) -> dict[str, Any]:
     forward = [s.end - s.start for s in every if s.kind == "forward"]
     backward = [s.end - s.start for s in every if s.kind != "forward"]
     measured = statistics.mean(per_rank)
-    theory = theory_of(pp, result["schedule"], result["v"], result["m"])
+    theory = balanced_bubble(result["schedule"], pp, result["m"], result["v"])
     step_s = statistics.mean(result["step_s"])
     return {
         "pp": pp,
@@ -175,7 +162,7 @@ def draw_timeline(pp: int, result: dict[str, Any], out: Path) -> Path:
     idle = idle_fraction(spans)
     measured = statistics.mean(idle.values())
     schedule, v, m = result["schedule"], result["v"], result["m"]
-    theory = theory_of(pp, schedule, v, m)
+    theory = balanced_bubble(schedule, pp, m, v)
     label = f"{schedule} (v={v})" if v > 1 else schedule
     return pipeline_timeline(
         spans,
@@ -202,29 +189,6 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             f"{row['planned_step_s']:>6.2f}  {row['planned_bubble']:>8.1%}  {chunks:>10}  "
             f"{row['send_ms']:>7.2f}"
         )
-
-
-def cpu_seconds() -> tuple[float, float | None, float]:
-    """(wall clock, CPU seconds the machine spent busy, or None off Linux; CPU seconds this
-    process and its finished children used)."""
-    machine = None
-    with suppress(OSError, ValueError), open("/proc/stat") as handle:
-        fields = [int(x) for x in handle.readline().split()[1:]]
-        # user nice system idle iowait irq softirq steal: busy = all but idle and iowait
-        machine = (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
-    usage = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
-    return time.perf_counter(), machine, sum(u.ru_utime + u.ru_stime for u in usage)
-
-
-def describe_cpu(before: tuple, after: tuple) -> str:
-    """A group's wall time and the share of the cores other processes took meanwhile (a
-    shared machine stretches chunks, and so moves the measured bubble)."""
-    wall, cores = after[0] - before[0], os.cpu_count() or 1
-    text = f"{wall:.0f}s with process start-up"
-    if before[1] is not None and after[1] is not None:
-        others = max(0.0, (after[1] - before[1]) - (after[2] - before[2]))
-        text += f"; other processes used {others / (wall * cores):.0%} of the {cores} cores"
-    return text
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -298,7 +262,7 @@ def main(argv: list[str] | None = None) -> None:
             job = {"pp": pp, "runs": runs, "hidden": options.hidden, "seq": options.seq}
             job |= {"batch": options.batch, "steps": options.steps}
             print(f"pp={pp}: {pp} ranks, batch {options.batch} x {options.seq} tokens per step")
-            before = cpu_seconds()
+            started = time.perf_counter()
             results = run_workers(
                 bench_worker,
                 (specs, job),
@@ -306,7 +270,8 @@ def main(argv: list[str] | None = None) -> None:
                 log_dir=Path(tmp) / "logs" / f"pp{pp}",
                 run_id=f"bench-pp{pp}",
             )[0]
-            print(f"pp={pp}: {describe_cpu(before, cpu_seconds())}")
+            # (Not "what other processes used": warm ranks are not this process's children.)
+            print(f"pp={pp}: {time.perf_counter() - started:.0f}s with process start-up")
             for result, estimate in zip(results, planned, strict=True):
                 result |= {"planned": estimate, "tokens": options.batch * options.seq}
                 rows.append(summarise(pp, result))

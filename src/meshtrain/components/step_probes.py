@@ -18,10 +18,9 @@ import torch.distributed as dist
 
 from meshtrain.components.memory_probe import PeakMemory, measure_peak_memory
 from meshtrain.components.optimizer import ModelOptimizer
-from meshtrain.distributed.pipeline_parallel import idle_fraction, theoretical_bubble
+from meshtrain.distributed.pipeline_parallel import idle_fraction
 from meshtrain.models.parallel_model import ParallelModel
-from meshtrain.pipeline_schedules import ZERO_BUBBLE
-from meshtrain.planner.schedule_walk import balanced_idle
+from meshtrain.planner.schedule_walk import balanced_bubble
 from meshtrain.tracking.rank_metrics import MetricsLogger
 
 
@@ -129,10 +128,7 @@ def report_pipeline_timeline(
     idle = idle_fraction(spans_by_rank)
     measured = sum(idle.values()) / len(idle)
     virtual = layout.pipeline_parallel_virtual_stages
-    replayed = None
-    if layout.pipeline_schedule in ZERO_BUBBLE:  # no closed form: the planner's replay
-        replayed = balanced_idle(layout.pipeline_schedule, dims.pp, microbatches, virtual)
-    theory = theoretical_bubble(dims.pp, microbatches, virtual, replayed)
+    theory = balanced_bubble(layout.pipeline_schedule, dims.pp, microbatches, virtual)
     # Only rank 0 draws, once: the other ranks never import matplotlib (~0.8 s each).
     from meshtrain.tracking.plots import pipeline_timeline
 

@@ -164,16 +164,6 @@ def idle_fraction(spans_by_rank: dict[int, list[Span]]) -> dict[int, float]:
     }
 
 
-def theoretical_bubble(
-    pp: int, microbatches: int, virtual: int = 1, idle: float | None = None
-) -> float:
-    """Idle fraction of GPipe and 1F1B, (p-1)/(m+p-1), with interleaving's 1/v on the
-    bubble; `idle`: another schedule's idle microbatch times (the planner's replay of a
-    zero-bubble schedule, `planner.schedule_walk`) in place of (p-1)/v."""
-    bubble = (pp - 1) / virtual if idle is None else idle
-    return bubble / (microbatches + bubble)
-
-
 def forward_only(
     schedule: Any, stages: list[PipelineStage], microbatches: int, loss_fn: Callable
 ) -> _PipelineScheduleRuntime:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from meshtrain.pipeline_schedules import Action, schedule_order
+from meshtrain.pipeline_schedules import ZERO_BUBBLE, Action, schedule_order
 from meshtrain.planner.shapes import StepShape
 
 # Each action's time in forwards of its stage: a whole backward twice a forward, its
@@ -86,9 +86,14 @@ def simulated_idle(step: StepShape, stage_costs: list[float]) -> float:
     )
 
 
-def balanced_idle(schedule: str, pp: int, microbatches: int, per_rank: int) -> float:
-    """`replayed_idle` on stages of equal cost (the textbook's assumption)."""
-    return replayed_idle(schedule, pp, microbatches, per_rank, [1.0] * pp * per_rank)
+def balanced_bubble(schedule: str, pp: int, microbatches: int, per_rank: int) -> float:
+    """The idle share of a step on stages of equal cost (the textbook's assumption):
+    ((p-1)/v) / (m + (p-1)/v) for GPipe, 1F1B and interleaved 1F1B, and for a zero-bubble
+    schedule the same with `replayed_idle` in place of (p-1)/v."""
+    idle = (pp - 1) / per_rank
+    if schedule in ZERO_BUBBLE:
+        idle = replayed_idle(schedule, pp, microbatches, per_rank, [1.0] * pp * per_rank)
+    return idle / (microbatches + idle)
 
 
 def replayed_idle(
